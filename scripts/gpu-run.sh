@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# For the GPU machine (it has nvcc, CMake, Ninja and GoogleTest but no Rust):
+# configures the CMake build against the prebuilt library carried in at
+# target/release/libgraphed.so, builds the CUDA tests with the local nvcc,
+# runs ctest and prints a summary. With --bench it also runs the benchmarks.
+# Logs go to $OUT when set (the device tool's output folder).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${OUT:-$root/build-gpu/out}"
+mkdir -p "$out"
+lib="${GRAPHED_PREBUILT_LIBRARY:-$root/target/release/libgraphed.so}"
+nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+build="$root/build-gpu"
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$nvcc" --version | tail -2
+echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+
+echo "== configure + build"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DGRAPHED_PREBUILT_LIBRARY="$lib" -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90 \
+  > "$out/configure.log" 2>&1 || { cat "$out/configure.log"; exit 1; }
+grep "graphed:" "$out/configure.log"
+cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
+
+echo "== ctest"
+(cd "$build" && ctest --output-on-failure --timeout 300 2>&1) | tee "$out/ctest.log" | grep -E "tests passed|tests failed|Failed|\*\*\*" 
+cp "$build/Testing/Temporary/LastTest.log" "$out/LastTest.log" 2>/dev/null || true
+bash scripts/skip-report.sh "$build"
+grep -E "tests passed|tests failed" "$out/ctest.log"

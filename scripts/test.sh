@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs every test of graphed on this machine, after installing what they need
+# (scripts/setup.sh): the Rust unit tests, then the CMake build and the
+# GoogleTest suite under ctest. Without a GPU, the CUDA tests are compiled and
+# skip at run time with their reason, which this script prints at the end.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+source .venv/cuda-env.sh
+
+echo "== cargo test"
+cargo test --release --quiet
+
+echo "== cmake build"
+build="${GRAPHED_BUILD_DIR:-$root/build}"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$build"
+
+echo "== ctest"
+(cd "$build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
+bash scripts/skip-report.sh "$build"

@@ -1,0 +1,113 @@
+//! The one error type of the crate. Every layer returns `Result<T, Error>`;
+//! the `ffi` layer maps each variant to a stable `graphed_status` code and
+//! keeps the `Display` text as the thread's last error message.
+
+use std::fmt;
+
+/// Which pass of a callable a message is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PassKind {
+    Forward,
+    Backward,
+    Wgrad,
+}
+
+impl fmt::Display for PassKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PassKind::Forward => "forward",
+            PassKind::Backward => "backward",
+            PassKind::Wgrad => "weight-grad",
+        })
+    }
+}
+
+/// Everything that can go wrong, in every layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{what} must not be NULL")]
+    NullPointer { what: &'static str },
+
+    #[error("{0}")]
+    InvalidArgument(String),
+
+    #[error("{what}.struct_size is {got}; it must be at least {min} (initialise the struct with its _default() function)")]
+    StructSize {
+        what: &'static str,
+        got: usize,
+        min: usize,
+    },
+
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+
+    #[error("{call} failed with {name}: {description}")]
+    Cuda {
+        call: &'static str,
+        code: u32,
+        name: String,
+        description: String,
+    },
+
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+
+    #[error("{0}")]
+    WrongState(String),
+
+    #[error("the session was reset: {0}")]
+    SessionReset(String),
+
+    #[error("the {pass} callback of callable '{callable}' (microbatch {microbatch}) returned {code} during {phase}")]
+    CallbackFailed {
+        callable: String,
+        pass: PassKind,
+        microbatch: u32,
+        phase: &'static str,
+        code: i32,
+    },
+
+    #[error("capture of the {pass} pass of callable '{callable}' (microbatch {microbatch}) was invalidated: {detail}")]
+    CaptureInvalidated {
+        callable: String,
+        pass: PassKind,
+        microbatch: u32,
+        detail: String,
+    },
+
+    #[error("{0}")]
+    AliasHeld(String),
+
+    #[error("invalid schedule: {0}")]
+    InvalidSchedule(String),
+
+    #[error("{0}")]
+    ScratchExhausted(String),
+
+    #[error("{0}")]
+    Unsupported(String),
+
+    #[error("{0}")]
+    Busy(String),
+
+    #[error("{0}")]
+    UseAfterDestroy(String),
+
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    pub fn state(msg: impl Into<String>) -> Self {
+        Error::WrongState(msg.into())
+    }
+}

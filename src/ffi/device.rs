@@ -1,0 +1,36 @@
+//! Device discovery: how many CUDA devices there are, and which driver,
+//! answered with a clear status on machines without a driver or a GPU.
+
+use super::{arg_out, boundary, graphed_status};
+use crate::backend::cuda::driver;
+
+/// Writes the number of CUDA devices to `*count_out`.
+///
+/// Never aborts: on a machine without the NVIDIA driver it returns
+/// GRAPHED_STATUS_NO_DRIVER, with a driver but no device
+/// GRAPHED_STATUS_NO_DEVICE (a count of zero is reported that way too), and
+/// leaves `*count_out` untouched in both cases.
+#[no_mangle]
+pub extern "C" fn graphed_device_count(count_out: *mut u32) -> graphed_status {
+    boundary("graphed_device_count", || {
+        let out = arg_out(count_out, "count_out")?;
+        let n = driver::device_count()?;
+        // SAFETY: `out` is non-NULL and the caller passes a writable u32.
+        unsafe { out.write(n) };
+        Ok(())
+    })
+}
+
+/// Writes the CUDA version of the installed driver to `*version_out`, as
+/// 1000 * major + 10 * minor (13000 for CUDA 13.0). GRAPHED_STATUS_NO_DRIVER
+/// when there is no driver.
+#[no_mangle]
+pub extern "C" fn graphed_driver_version(version_out: *mut i32) -> graphed_status {
+    boundary("graphed_driver_version", || {
+        let out = arg_out(version_out, "version_out")?;
+        let v = driver::driver_version()?;
+        // SAFETY: non-NULL, caller passes a writable int32_t.
+        unsafe { out.write(v) };
+        Ok(())
+    })
+}

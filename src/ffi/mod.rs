@@ -1,0 +1,92 @@
+//! The C ABI. Every `extern "C"` function of the library lives in this
+//! module tree and does only three things: check its arguments, call into the
+//! orchestration layer inside the panic boundary, and turn the outcome into a
+//! `graphed_status` plus the thread's last error message. No logic lives here.
+//!
+//! Shared machinery: the panic boundary (`boundary`), the thread-local
+//! message, and the pointer helpers that turn C arguments into Rust
+//! references with a clear error for NULL.
+
+mod device;
+
+mod status;
+
+pub use device::*;
+
+pub use status::*;
+
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Records `msg` as this thread's last error message.
+pub(crate) fn set_last_error(msg: String) {
+    // Interior NULs cannot cross into C; replace them rather than lose the text.
+    let msg = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|m| *m.borrow_mut() = msg);
+}
+
+pub(crate) fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|m| m.borrow().as_ptr())
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic with a non-text payload".to_string()
+    }
+}
+
+/// The panic boundary: runs `f`, maps its error to a status and records the
+/// message (prefixed with the exported function's name). A panic becomes
+/// `GRAPHED_STATUS_INTERNAL`; it never unwinds into C.
+pub(crate) fn boundary(func: &'static str, f: impl FnOnce() -> Result<()>) -> graphed_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => graphed_status::Ok,
+        Ok(Err(e)) => {
+            let status = graphed_status::from(&e);
+            set_last_error(format!("{func}: {e}"));
+            status
+        }
+        Err(payload) => {
+            set_last_error(format!(
+                "{func}: internal error (a panic was caught at the C boundary): {}",
+                panic_text(payload.as_ref())
+            ));
+            graphed_status::Internal
+        }
+    }
+}
+
+/// The panic boundary for functions that return a value instead of a status:
+/// a panic yields `fallback`.
+pub(crate) fn boundary_value<T>(func: &'static str, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(payload) => {
+            set_last_error(format!(
+                "{func}: internal error (a panic was caught at the C boundary): {}",
+                panic_text(payload.as_ref())
+            ));
+            fallback
+        }
+    }
+}
+
+/// A checked output pointer: NULL is an error, and nothing is written here;
+/// callers write through it only once the whole call has succeeded.
+pub(crate) fn arg_out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
+    if p.is_null() {
+        Err(Error::NullPointer { what })
+    } else {
+        Ok(p)
+    }
+}

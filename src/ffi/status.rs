@@ -1,0 +1,201 @@
+//! Status codes, their names, the thread's last error message and the
+//! library version: the conventions every other export relies on.
+
+use super::{boundary_value, last_error_ptr};
+use crate::error::Error;
+use std::ffi::c_char;
+
+/// The result of every graphed call. Dense, starting at 0 = OK; codes are
+/// never renumbered (a retired code stays reserved). The message of the last
+/// failing call on a thread is in `graphed_last_error_message()`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum graphed_status {
+    /// Success.
+    Ok = 0,
+    /// An argument has a value the call does not accept (out of range,
+    /// inconsistent sizes, unknown enum value).
+    InvalidArgument = 1,
+    /// A required pointer argument is NULL.
+    NullPointer = 2,
+    /// A config struct's leading struct_size is smaller than any layout this
+    /// library knows.
+    StructSize = 3,
+    /// The CUDA driver library (libcuda) is not installed on this machine.
+    NoDriver = 4,
+    /// The driver is present but there is no usable CUDA device.
+    NoDevice = 5,
+    /// A CUDA driver call failed; the message names the call and the error.
+    CudaError = 6,
+    /// A device or host allocation failed.
+    OutOfMemory = 7,
+    /// The call is not allowed in the session's current state (for example,
+    /// registering a callable after capture, or replaying before it).
+    WrongState = 8,
+    /// The session was reset: it can no longer capture or replay; destroy it.
+    SessionReset = 9,
+    /// A user callback returned a non-zero code; the message carries it, and
+    /// capture was abandoned with everything it made released.
+    CallbackFailed = 10,
+    /// Something illegal happened under stream capture (a device
+    /// synchronize, a plain allocation, work on another stream); capture was
+    /// abandoned with everything it made released.
+    CaptureInvalidated = 11,
+    /// Strict alias leases: a replay would overwrite an alias still held by
+    /// the caller. Nothing was replayed. The message names callable and slot.
+    AliasHeld = 12,
+    /// The pipeline schedule breaks a rule; the message names the rule.
+    InvalidSchedule = 13,
+    /// A callback asked the scratch allocator for more under capture than
+    /// it did during warmup.
+    ScratchExhausted = 14,
+    /// The operation is not available with this backend or build.
+    Unsupported = 15,
+    /// The session is in use by another call (a re-entrant call from a
+    /// callback, or two threads at once).
+    Busy = 16,
+    /// The handle was already destroyed.
+    UseAfterDestroy = 17,
+    /// A bug in graphed (a caught panic); please report the message.
+    Internal = 18,
+}
+
+/// Every status, in code order. Kept next to the enum so that a new code
+/// cannot be added without a name.
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 19] = [
+    (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
+    (
+        graphed_status::InvalidArgument,
+        "GRAPHED_STATUS_INVALID_ARGUMENT\0",
+    ),
+    (graphed_status::NullPointer, "GRAPHED_STATUS_NULL_POINTER\0"),
+    (graphed_status::StructSize, "GRAPHED_STATUS_STRUCT_SIZE\0"),
+    (graphed_status::NoDriver, "GRAPHED_STATUS_NO_DRIVER\0"),
+    (graphed_status::NoDevice, "GRAPHED_STATUS_NO_DEVICE\0"),
+    (graphed_status::CudaError, "GRAPHED_STATUS_CUDA_ERROR\0"),
+    (
+        graphed_status::OutOfMemory,
+        "GRAPHED_STATUS_OUT_OF_MEMORY\0",
+    ),
+    (graphed_status::WrongState, "GRAPHED_STATUS_WRONG_STATE\0"),
+    (
+        graphed_status::SessionReset,
+        "GRAPHED_STATUS_SESSION_RESET\0",
+    ),
+    (
+        graphed_status::CallbackFailed,
+        "GRAPHED_STATUS_CALLBACK_FAILED\0",
+    ),
+    (
+        graphed_status::CaptureInvalidated,
+        "GRAPHED_STATUS_CAPTURE_INVALIDATED\0",
+    ),
+    (graphed_status::AliasHeld, "GRAPHED_STATUS_ALIAS_HELD\0"),
+    (
+        graphed_status::InvalidSchedule,
+        "GRAPHED_STATUS_INVALID_SCHEDULE\0",
+    ),
+    (
+        graphed_status::ScratchExhausted,
+        "GRAPHED_STATUS_SCRATCH_EXHAUSTED\0",
+    ),
+    (graphed_status::Unsupported, "GRAPHED_STATUS_UNSUPPORTED\0"),
+    (graphed_status::Busy, "GRAPHED_STATUS_BUSY\0"),
+    (
+        graphed_status::UseAfterDestroy,
+        "GRAPHED_STATUS_USE_AFTER_DESTROY\0",
+    ),
+    (graphed_status::Internal, "GRAPHED_STATUS_INTERNAL\0"),
+];
+
+const UNKNOWN_STATUS: &str = "GRAPHED_STATUS_UNKNOWN\0";
+
+impl From<&Error> for graphed_status {
+    fn from(e: &Error) -> Self {
+        match e {
+            Error::NullPointer { .. } => graphed_status::NullPointer,
+            Error::InvalidArgument(_) => graphed_status::InvalidArgument,
+            Error::StructSize { .. } => graphed_status::StructSize,
+            Error::NoDriver(_) => graphed_status::NoDriver,
+            Error::NoDevice(_) => graphed_status::NoDevice,
+            Error::Cuda { .. } => graphed_status::CudaError,
+            Error::OutOfMemory(_) => graphed_status::OutOfMemory,
+            Error::WrongState(_) => graphed_status::WrongState,
+            Error::SessionReset(_) => graphed_status::SessionReset,
+            Error::CallbackFailed { .. } => graphed_status::CallbackFailed,
+            Error::CaptureInvalidated { .. } => graphed_status::CaptureInvalidated,
+            Error::AliasHeld(_) => graphed_status::AliasHeld,
+            Error::InvalidSchedule(_) => graphed_status::InvalidSchedule,
+            Error::ScratchExhausted(_) => graphed_status::ScratchExhausted,
+            Error::Unsupported(_) => graphed_status::Unsupported,
+            Error::Busy(_) => graphed_status::Busy,
+            Error::UseAfterDestroy(_) => graphed_status::UseAfterDestroy,
+            Error::Internal(_) => graphed_status::Internal,
+        }
+    }
+}
+
+/// The name of a status code as written in this header
+/// ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
+/// safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
+/// is static; never free it.
+#[no_mangle]
+pub extern "C" fn graphed_status_name(code: u32) -> *const c_char {
+    boundary_value(
+        "graphed_status_name",
+        UNKNOWN_STATUS.as_ptr().cast(),
+        || {
+            let name = ALL_STATUSES
+                .get(code as usize)
+                .map(|(_, n)| *n)
+                .unwrap_or(UNKNOWN_STATUS);
+            name.as_ptr().cast()
+        },
+    )
+}
+
+/// The message of the most recent call on this thread that did not return
+/// GRAPHED_STATUS_OK: it names the function, the argument or object at
+/// fault, and what was expected. Empty if no call on this thread has failed.
+/// Valid until the next failing graphed call on this thread; never free it.
+#[no_mangle]
+pub extern "C" fn graphed_last_error_message() -> *const c_char {
+    boundary_value("graphed_last_error_message", c"".as_ptr(), last_error_ptr)
+}
+
+/// The library's version as "MAJOR.MINOR.PATCH"; it matches the
+/// GRAPHED_VERSION_* macros of the header the library was built with. Static.
+#[no_mangle]
+pub extern "C" fn graphed_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    #[test]
+    fn names_are_dense_and_match_codes() {
+        for (i, (status, name)) in ALL_STATUSES.iter().enumerate() {
+            assert_eq!(*status as u32, i as u32, "{name} is out of order");
+            // SAFETY: graphed_status_name returns a static NUL-terminated string.
+            let got = unsafe { CStr::from_ptr(graphed_status_name(i as u32)) };
+            assert_eq!(got.to_bytes_with_nul(), name.as_bytes());
+        }
+        // SAFETY: as above.
+        let unknown = unsafe { CStr::from_ptr(graphed_status_name(ALL_STATUSES.len() as u32)) };
+        assert_eq!(unknown.to_str().unwrap(), "GRAPHED_STATUS_UNKNOWN");
+        // SAFETY: as above.
+        let huge = unsafe { CStr::from_ptr(graphed_status_name(u32::MAX)) };
+        assert_eq!(huge.to_str().unwrap(), "GRAPHED_STATUS_UNKNOWN");
+    }
+
+    #[test]
+    fn version_matches_cargo() {
+        // SAFETY: static NUL-terminated string.
+        let v = unsafe { CStr::from_ptr(graphed_version()) };
+        assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    }
+}
