@@ -87,4 +87,314 @@ TEST(Device, CountOnAMachineWithADriver) {
     EXPECT_GE(count, 1u);
 }
 
+// ---- the session API -----------------------------------------------------------
+// A host session and a do-nothing callable with one input, one parameter and
+// one output, for argument and state checks.
+
+int32_t noop(const graphed_pass_ctx*, void*) { return 0; }
+
+struct Tiny {
+    float in[4] = {1, 2, 3, 4}, w[4] = {0}, out[4] = {0};
+    graphed_tensor_desc input{16, GRAPHED_DTYPE_F32, 0, nullptr, true, in};
+    graphed_tensor_desc output{16, GRAPHED_DTYPE_F32, 0, nullptr, true, nullptr};
+    graphed_param_desc param{w, 16, GRAPHED_DTYPE_F32, 0, GRAPHED_GRAD_POLICY_DEFAULT, true};
+    graphed_callable_desc desc() {
+        graphed_callable_desc d = graphed_callable_desc_default();
+        d.name = "tiny";
+        d.num_inputs = 1;
+        d.inputs = &input;
+        d.num_params = 1;
+        d.params = &param;
+        d.num_outputs = 1;
+        d.outputs = &output;
+        d.forward = noop;
+        d.backward = noop;
+        return d;
+    }
+};
+
+graphed_session_config host_config() {
+    graphed_session_config c = graphed_session_config_default();
+    c.backend = GRAPHED_BACKEND_HOST;
+    return c;
+}
+
+graphed_session* host_session() {
+    graphed_session_config c = host_config();
+    graphed_session* s = nullptr;
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_create(&c, &s)) << last_error();
+    return s;
+}
+
+uint32_t callables(graphed_session* s) {
+    graphed_session_stats st = graphed_session_stats_default();
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_stats_get(s, &st));
+    return st.callables;
+}
+
+#define EXPECT_STATUS_MSG(expected, expr, text)                                                            \
+    do {                                                                                                   \
+        graphed_status st_ = (expr);                                                                       \
+        EXPECT_EQ(expected, st_) << #expr << " -> " << graphed_status_name(st_) << ": " << last_error();   \
+        EXPECT_NE(std::string::npos, last_error().find(text)) << "message: " << last_error();              \
+    } while (0)
+
+TEST(SessionContract, ConfigDefaults) {
+    graphed_session_config c = graphed_session_config_default();
+    EXPECT_EQ(sizeof(graphed_session_config), c.struct_size);
+    EXPECT_EQ(GRAPHED_BACKEND_CUDA, c.backend);
+    EXPECT_EQ(3u, c.warmup_iterations);
+    EXPECT_TRUE(c.clone_param_grads_on_return);
+    EXPECT_FALSE(c.strict_leases);
+    EXPECT_EQ(GRAPHED_CAPTURE_MODE_GLOBAL, c.capture_mode);
+    EXPECT_EQ(GRAPHED_LOG_LEVEL_WARN, c.log_level);
+    EXPECT_EQ(sizeof(graphed_callable_desc), graphed_callable_desc_default().struct_size);
+    EXPECT_EQ(sizeof(graphed_replay_args), graphed_replay_args_default().struct_size);
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_backend_available(GRAPHED_BACKEND_HOST));
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_backend_available(7), "not a graphed_backend");
+}
+
+TEST(SessionContract, CreateRejectsBadConfigs) {
+    graphed_session* s = reinterpret_cast<graphed_session*>(0x1);
+    graphed_session_config c = host_config();
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_create(&c, nullptr), "session_out");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_create(nullptr, &s), "config");
+    c.struct_size = 8;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_STRUCT_SIZE, graphed_session_create(&c, &s), "config.struct_size is 8");
+    c = host_config();
+    c.backend = 9;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_create(&c, &s), "backend: 9");
+    c = host_config();
+    c.capture_mode = 5;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_create(&c, &s), "capture_mode");
+    c = host_config();
+    c.log_level = 4;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_create(&c, &s), "log_level");
+    c = host_config();
+    c.clone_alloc = [](void*, size_t, graphed_stream, void**) -> int32_t { return 0; };
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_create(&c, &s), "given together");
+    EXPECT_EQ(reinterpret_cast<graphed_session*>(0x1), s) << "outputs are written only on success";
+    if (!driver_present()) {
+        c = graphed_session_config_default();
+        EXPECT_STATUS_MSG(GRAPHED_STATUS_NO_DRIVER, graphed_session_create(&c, &s), "libcuda");
+    }
+}
+
+TEST(SessionContract, NewerCallersPassLargerStructs) {
+    // A caller built against a newer header passes a larger config; the
+    // fields this library does not know are ignored.
+    struct Bigger {
+        graphed_session_config c;
+        uint64_t future[4];
+    } big{};
+    big.c = host_config();
+    big.c.struct_size = sizeof(Bigger);
+    big.future[0] = 0xFFFFFFFFFFFFFFFFull;
+    graphed_session* s = nullptr;
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_create(&big.c, &s)) << last_error();
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+}
+
+TEST(SessionContract, DestroyIsSafe) {
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(nullptr));
+    graphed_session* s = host_session();
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_USE_AFTER_DESTROY, graphed_session_destroy(s), "already destroyed");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_USE_AFTER_DESTROY, graphed_session_capture(s), "destroyed");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_capture(nullptr), "session must not be NULL");
+}
+
+TEST(SessionContract, AddCallableRejectsBadDescriptors) {
+    graphed_session* s = host_session();
+    Tiny t;
+    uint32_t index = 77;
+    graphed_callable_desc d = t.desc();
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_add_callable(s, nullptr, &index), "desc");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_add_callable(s, &d, nullptr), "index_out");
+    d.forward = nullptr;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_add_callable(s, &d, &index), "desc.forward");
+    d = t.desc();
+    d.struct_size = 0;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_STRUCT_SIZE, graphed_session_add_callable(s, &d, &index), "desc.struct_size");
+    d = t.desc();
+    d.inputs = nullptr;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_add_callable(s, &d, &index), "desc.inputs");
+    d = t.desc();
+    t.input.dtype = 99;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index),
+                      "desc.inputs[0].dtype: 99");
+    t.input.dtype = GRAPHED_DTYPE_F32;
+    t.input.bytes = 0;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index), "bytes is 0");
+    t.input.bytes = 18;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index),
+                      "not a multiple");
+    t.input.bytes = 16;
+    int64_t shape[2] = {3, 2};
+    t.output.ndim = 2;
+    t.output.shape = shape;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index),
+                      "does not hold 16 bytes");
+    t.output.ndim = 0;
+    t.param.data = nullptr;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_session_add_callable(s, &d, &index), "params[].data");
+    t.param.data = t.w;
+    t.param.flags = 0x80;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index), "unknown bits");
+    t.param.flags = 0;
+    t.param.dtype = GRAPHED_DTYPE_I32;
+    t.param.policy = GRAPHED_GRAD_POLICY_ACCUMULATE_INTO;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index),
+                      "ACCUMULATE_INTO supports f32, f16 and bf16");
+    t.param.policy = 17;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s, &d, &index),
+                      "not a graphed_grad_policy");
+    EXPECT_EQ(77u, index) << "outputs are written only on success";
+    EXPECT_EQ(0u, callables(s)) << "a refused registration registers nothing";
+    t.param.dtype = GRAPHED_DTYPE_F32;
+    t.param.policy = GRAPHED_GRAD_POLICY_DEFAULT;
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_add_callable(s, &d, &index)) << last_error();
+    EXPECT_EQ(0u, index);
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+}
+
+TEST(SessionContract, CallsInTheWrongOrder) {
+    graphed_session* s = host_session();
+    Tiny t;
+    graphed_callable_desc d = t.desc();
+    uint32_t index = 0;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_WRONG_STATE, graphed_session_capture(s), "no callables");
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_add_callable(s, &d, &index));
+    graphed_replay_args a = graphed_replay_args_default();
+    graphed_ref out{}, gin{}, gp{};
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_WRONG_STATE, graphed_forward(s, &a, &out, 1), "not captured yet");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_WRONG_STATE, graphed_backward(s, &a, &gin, 1, &gp, 1), "not captured yet");
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_capture(s)) << last_error();
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_WRONG_STATE, graphed_session_capture(s), "already captured");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_WRONG_STATE, graphed_session_add_callable(s, &d, &index), "before capture");
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_reset(s));
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_SESSION_RESET, graphed_forward(s, &a, &out, 1), "reset");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_SESSION_RESET, graphed_session_add_callable(s, &d, &index), "reset");
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_reset(s)) << "reset is idempotent";
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+}
+
+TEST(SessionContract, ReplayRejectsBadArguments) {
+    graphed_session* s = host_session();
+    Tiny t;
+    graphed_callable_desc d = t.desc();
+    uint32_t index = 0;
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_add_callable(s, &d, &index));
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_capture(s)) << last_error();
+    graphed_replay_args a = graphed_replay_args_default();
+    graphed_ref out[2]{}, gin{}, gp{};
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_forward(s, nullptr, out, 1), "args");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s, &a, out, 2), "room for 2 refs");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_forward(s, &a, nullptr, 1), "outputs");
+    a.callable = 3;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s, &a, out, 1), "callable 3 does not exist");
+    a.callable = 0;
+    a.microbatch = 1;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s, &a, out, 1), "microbatch 1");
+    a.microbatch = 0;
+    a.num_data = 1;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s, &a, out, 1), "args.data is NULL");
+    const void* none[1] = {nullptr};
+    a.data = none;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s, &a, out, 1), "inputs[0]");
+    const void* two[2] = {t.in, t.in};
+    a.data = two;
+    a.num_data = 2;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s, &a, out, 1), "2 inputs were passed");
+    a = graphed_replay_args_default();
+    a.struct_size = 4;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_STRUCT_SIZE, graphed_forward(s, &a, out, 1), "args.struct_size");
+    a = graphed_replay_args_default();
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_backward_wgrad(s, &a, &gp, 1),
+                      "no weight-grad callback");
+    EXPECT_EQ(nullptr, out[0].ptr) << "outputs are written only on success";
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_forward(s, &a, out, 1)) << last_error();
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_backward(s, &a, &gin, 1, &gp, 1)) << last_error();
+    EXPECT_EQ(GRAPHED_REF_KIND_CLONE, gp.kind);
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_buffer_release(gp.owner));
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_USE_AFTER_DESTROY, graphed_buffer_release(gp.owner), "already released");
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_buffer_release(nullptr));
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_buffer_retain(nullptr), "buffer");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_lease_release(s, 12345), "not issued");
+    void* ptrs[1];
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_buffers(s, 0, 0, 9, ptrs, 1), "role: 9");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT,
+                      graphed_session_buffers(s, 0, 0, GRAPHED_BUFFER_ROLE_INPUT, ptrs, 3), "count is 3");
+    size_t f = 0, tot = 0;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_UNSUPPORTED, graphed_session_device_memory(s, &f, &tot), "host backend");
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+}
+
+// A callback that keeps its scratch handle and calls back into its session.
+struct Reentrant {
+    graphed_session* session = nullptr;
+    graphed_scratch* kept = nullptr;
+    graphed_status inner = GRAPHED_STATUS_OK;
+    static int32_t forward(const graphed_pass_ctx* ctx, void* self) {
+        auto* r = static_cast<Reentrant*>(self);
+        r->kept = ctx->scratch;
+        graphed_session_stats st = graphed_session_stats_default();
+        r->inner = graphed_session_stats_get(r->session, &st);
+        return 0;
+    }
+};
+
+TEST(SessionContract, ReentrantCallsAndStaleScratchAreReported) {
+    graphed_session* s = host_session();
+    Tiny t;
+    Reentrant r;
+    r.session = s;
+    graphed_callable_desc d = t.desc();
+    d.forward = Reentrant::forward;
+    d.user_data = &r;
+    uint32_t index = 0;
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_add_callable(s, &d, &index));
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_capture(s)) << last_error();
+    EXPECT_EQ(GRAPHED_STATUS_BUSY, r.inner) << "a callback calling into its own session gets BUSY, not a deadlock";
+    void* p = nullptr;
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_USE_AFTER_DESTROY, graphed_scratch_alloc(r.kept, 64, &p),
+                      "valid only inside the callback");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_scratch_alloc(nullptr, 64, &p), "scratch");
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+}
+
+void count_log(void* ctx, uint32_t level, const char* msg) {
+    if (level == GRAPHED_LOG_LEVEL_WARN && std::string(msg).find("clone_param_grads_on_return") != std::string::npos)
+        ++*static_cast<int*>(ctx);
+}
+
+TEST(SessionContract, OptOutIsWarnedAbout) {
+    int warnings = 0;
+    graphed_session_config c = host_config();
+    c.clone_param_grads_on_return = false;
+    c.log = count_log;
+    c.log_ctx = &warnings;
+    graphed_session* s = nullptr;
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_create(&c, &s));
+    Tiny t;
+    graphed_callable_desc d = t.desc();
+    uint32_t index = 0;
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_add_callable(s, &d, &index));
+    ASSERT_EQ(GRAPHED_STATUS_OK, graphed_session_capture(s));
+    EXPECT_EQ(2, warnings) << "one warning at creation, one naming the aliased slots at capture";
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_destroy(s));
+}
+
+TEST(HostBackend, EnqueueRejectsForeignStreams) {
+    int x = 0;
+    auto bump = [](void* p) { ++*static_cast<int*>(p); };
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_INVALID_ARGUMENT,
+                      graphed_host_enqueue(reinterpret_cast<graphed_stream>(0x1234), bump, &x),
+                      "not a stream of the host backend");
+    EXPECT_STATUS_MSG(GRAPHED_STATUS_NULL_POINTER, graphed_host_enqueue(nullptr, nullptr, &x), "task");
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_host_enqueue(nullptr, bump, &x));
+    EXPECT_EQ(1, x) << "NULL is the immediate stream";
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_host_synchronize(nullptr));
+}
+
 }  // namespace

@@ -128,6 +128,659 @@ typedef uint32_t graphed_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+/**
+ * What a returned reference is. C name: `graphed_ref_kind`.
+ */
+enum graphed_ref_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Nothing is returned for this slot (no gradient, or returned by
+   * another call).
+   */
+  GRAPHED_REF_KIND_NONE = 0,
+  /**
+   * The static buffer itself; valid until the replay that overwrites it.
+   */
+  GRAPHED_REF_KIND_ALIAS = 1,
+  /**
+   * An owned copy; release it with graphed_buffer_release.
+   */
+  GRAPHED_REF_KIND_CLONE = 2,
+  /**
+   * Copied into the caller's buffer.
+   */
+  GRAPHED_REF_KIND_COPY_INTO = 3,
+  /**
+   * Added into the caller's buffer.
+   */
+  GRAPHED_REF_KIND_ACCUMULATE_INTO = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_ref_kind graphed_ref_kind;
+#else
+typedef uint32_t graphed_ref_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Element type of a tensor. C name: `graphed_dtype`.
+ */
+enum graphed_dtype
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_DTYPE_F32 = 0,
+  GRAPHED_DTYPE_F16 = 1,
+  GRAPHED_DTYPE_BF16 = 2,
+  GRAPHED_DTYPE_F64 = 3,
+  GRAPHED_DTYPE_I8 = 4,
+  GRAPHED_DTYPE_U8 = 5,
+  GRAPHED_DTYPE_I32 = 6,
+  GRAPHED_DTYPE_I64 = 7,
+  GRAPHED_DTYPE_BOOL = 8,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_dtype graphed_dtype;
+#else
+typedef uint32_t graphed_dtype;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How a parameter gradient is returned. C name: `graphed_grad_policy`.
+ */
+enum graphed_grad_policy
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No explicit choice: decided at capture (CLONE, or ALIAS for
+   * delayed-wgrad parameters and when the session opts out of clones).
+   */
+  GRAPHED_GRAD_POLICY_DEFAULT = 0,
+  /**
+   * A fresh buffer the caller owns (released with graphed_buffer_release).
+   */
+  GRAPHED_GRAD_POLICY_CLONE = 1,
+  /**
+   * The static buffer itself: valid until this callable's next backward
+   * (or weight-grad) replay overwrites it.
+   */
+  GRAPHED_GRAD_POLICY_ALIAS = 2,
+  /**
+   * Copied into a caller buffer given at replay; no allocation.
+   */
+  GRAPHED_GRAD_POLICY_COPY_INTO = 3,
+  /**
+   * Added into a caller buffer given at replay (f32, f16, bf16).
+   */
+  GRAPHED_GRAD_POLICY_ACCUMULATE_INTO = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_grad_policy graphed_grad_policy;
+#else
+typedef uint32_t graphed_grad_policy;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Parameter flags (bit set). C name: `graphed_param_flags`.
+ */
+enum graphed_param_flags
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_PARAM_FLAGS_NONE = 0,
+  /**
+   * The parameter's real gradient is produced elsewhere (delayed
+   * weight-gradient, Transformer Engine's skip_backward_post_hook): its
+   * returned grad keeps aliasing the static buffer by default.
+   */
+  GRAPHED_PARAM_FLAGS_DELAYED_WGRAD = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_param_flags graphed_param_flags;
+#else
+typedef uint32_t graphed_param_flags;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Which backend. C name: `graphed_backend`.
+ */
+enum graphed_backend
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * CUDA through the driver API (the product).
+   */
+  GRAPHED_BACKEND_CUDA = 0,
+  /**
+   * Host emulation: "device" memory is host memory, a stream is a task
+   * queue, capture records tasks and replay re-runs them.
+   */
+  GRAPHED_BACKEND_HOST = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_backend graphed_backend;
+#else
+typedef uint32_t graphed_backend;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Severity of a log message. C name: `graphed_log_level`.
+ */
+enum graphed_log_level
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_LOG_LEVEL_ERROR = 0,
+  GRAPHED_LOG_LEVEL_WARN = 1,
+  GRAPHED_LOG_LEVEL_INFO = 2,
+  GRAPHED_LOG_LEVEL_DEBUG = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_log_level graphed_log_level;
+#else
+typedef uint32_t graphed_log_level;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * A pass of a callable. C name: `graphed_pass`.
+ */
+enum graphed_pass
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_PASS_FORWARD = 0,
+  GRAPHED_PASS_BACKWARD = 1,
+  /**
+   * The delayed weight-gradient pass.
+   */
+  GRAPHED_PASS_WGRAD = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_pass graphed_pass;
+#else
+typedef uint32_t graphed_pass;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Whether a callback runs eagerly in warmup or under stream capture.
+ * C name: `graphed_phase`.
+ */
+enum graphed_phase
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_PHASE_WARMUP = 0,
+  GRAPHED_PHASE_CAPTURE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_phase graphed_phase;
+#else
+typedef uint32_t graphed_phase;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Capture mode of a stream capture. C name: `graphed_capture_mode`.
+ */
+enum graphed_capture_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Unsafe calls (allocations, synchronizations) from any thread during a
+   * capture invalidate it: PyTorch's default, and the safest.
+   */
+  GRAPHED_CAPTURE_MODE_GLOBAL = 0,
+  /**
+   * Only unsafe calls from the capturing thread invalidate it.
+   */
+  GRAPHED_CAPTURE_MODE_THREAD_LOCAL = 1,
+  /**
+   * No checks: the caller promises nothing unsafe happens. (The host
+   * backend checks its own synchronize in every mode.)
+   */
+  GRAPHED_CAPTURE_MODE_RELAXED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_capture_mode graphed_capture_mode;
+#else
+typedef uint32_t graphed_capture_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a logical buffer holds. C name: `graphed_buffer_role`.
+ */
+enum graphed_buffer_role
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_BUFFER_ROLE_INPUT = 0,
+  GRAPHED_BUFFER_ROLE_OUTPUT = 1,
+  GRAPHED_BUFFER_ROLE_GRAD_OUTPUT = 2,
+  GRAPHED_BUFFER_ROLE_GRAD_INPUT = 3,
+  /**
+   * One entry per parameter: its slot in the parameter-grad slab.
+   */
+  GRAPHED_BUFFER_ROLE_PARAM_GRADS = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_buffer_role graphed_buffer_role;
+#else
+typedef uint32_t graphed_buffer_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Opaque: an owned block of returned clones. Each CLONE grad carries one
+ * reference; release each with graphed_buffer_release.
+ */
+typedef struct graphed_buffer graphed_buffer;
+
+/**
+ * Opaque: the scratch allocator a callback gets (graphed_scratch_alloc,
+ * graphed_scratch_free). Valid only during the callback.
+ */
+typedef struct graphed_scratch graphed_scratch;
+
+/**
+ * Opaque session handle.
+ */
+typedef struct graphed_session graphed_session;
+
+/**
+ * A stream: a `CUstream` (`cudaStream_t`) on the CUDA backend, a host
+ * stream on the host backend. NULL is the default stream (the legacy
+ * default stream on CUDA; immediate execution on the host).
+ */
+typedef void *graphed_stream;
+
+/**
+ * A host task: `fn(user_data)`.
+ */
+typedef void (*graphed_host_task_fn)(void *user_data);
+
+/**
+ * Allocates `bytes` of device memory for returned clones, ordered on
+ * `stream`; writes the pointer to `*ptr_out` and returns 0.
+ */
+typedef int32_t (*graphed_alloc_fn)(void *ctx, size_t bytes, graphed_stream stream, void **ptr_out);
+
+/**
+ * Frees memory from the matching graphed_alloc_fn, ordered on `stream`.
+ */
+typedef void (*graphed_free_fn)(void *ctx, void *ptr, size_t bytes, graphed_stream stream);
+
+/**
+ * Receives log messages (`level` is a graphed_log_level value).
+ */
+typedef void (*graphed_log_fn)(void *ctx, uint32_t level, const char *message);
+
+/**
+ * A session hook (before / after warmup): `when` is 0 before, 1 after.
+ */
+typedef int32_t (*graphed_session_hook_fn)(uint32_t when, void *user_data);
+
+/**
+ * Session configuration. Initialise with graphed_session_config_default().
+ */
+typedef struct graphed_session_config {
+  size_t struct_size;
+  /**
+   * A graphed_backend value (default GRAPHED_BACKEND_CUDA).
+   */
+  uint32_t backend;
+  /**
+   * CUDA device ordinal (default 0).
+   */
+  int32_t device;
+  /**
+   * Eager iterations before capture (default 3). At least 1 when
+   * callbacks use the scratch allocator.
+   */
+  uint32_t warmup_iterations;
+  /**
+   * A graphed_capture_mode value (default GRAPHED_CAPTURE_MODE_GLOBAL).
+   */
+  uint32_t capture_mode;
+  /**
+   * Return parameter grads as owned clones (default true). False makes
+   * them aliases of static buffers that the next backward overwrites.
+   */
+  bool clone_param_grads_on_return;
+  /**
+   * Report a replay that would overwrite a held alias (default false).
+   */
+  bool strict_leases;
+  /**
+   * Optional allocator for returned clones (both or neither).
+   */
+  graphed_alloc_fn clone_alloc;
+  graphed_free_fn clone_free;
+  void *allocator_ctx;
+  /**
+   * Optional log callback, and the most verbose level it receives
+   * (a graphed_log_level value, default GRAPHED_LOG_LEVEL_WARN).
+   */
+  graphed_log_fn log;
+  void *log_ctx;
+  uint32_t log_level;
+  /**
+   * Optional hook before (when = 0) and after (when = 1) warmup.
+   */
+  graphed_session_hook_fn warmup_hook;
+  void *warmup_hook_data;
+  /**
+   * Optional: share the scratch pool of this other session (same backend
+   * and device). Graphs sharing a pool must be replayed in capture order.
+   */
+  struct graphed_session *share_pool_with;
+} graphed_session_config;
+
+/**
+ * A static input or output of a callable.
+ */
+typedef struct graphed_tensor_desc {
+  /**
+   * Size in bytes (non-zero, a multiple of the element size).
+   */
+  size_t bytes;
+  /**
+   * A graphed_dtype value.
+   */
+  uint32_t dtype;
+  /**
+   * Number of dimensions of `shape` (0: no shape, only bytes).
+   */
+  uint32_t ndim;
+  /**
+   * `ndim` dimensions; when given, their product times the element size
+   * must equal `bytes`. Copied at registration.
+   */
+  const int64_t *shape;
+  /**
+   * Inputs: a grad-input buffer is made and backward writes it.
+   * Outputs: a grad-output buffer is made and backward reads it.
+   */
+  bool requires_grad;
+  /**
+   * Inputs only: device pointer to `bytes` of sample data, copied into
+   * the static input before warmup (NULL: the static input starts
+   * zeroed). Read during graphed_session_capture only.
+   */
+  const void *sample;
+} graphed_tensor_desc;
+
+/**
+ * A parameter of a callable. The library never writes `data`; it hands
+ * the pointer to the callbacks.
+ */
+typedef struct graphed_param_desc {
+  /**
+   * Caller-owned device pointer to the parameter; must stay valid while
+   * the session's graphs exist (they bake it in).
+   */
+  void *data;
+  size_t bytes;
+  /**
+   * A graphed_dtype value.
+   */
+  uint32_t dtype;
+  /**
+   * graphed_param_flags bits (GRAPHED_PARAM_FLAGS_DELAYED_WGRAD).
+   */
+  uint32_t flags;
+  /**
+   * A graphed_grad_policy value: GRAPHED_GRAD_POLICY_DEFAULT lets capture
+   * decide (CLONE; ALIAS for delayed-wgrad parameters or when the
+   * session opts out of clones).
+   */
+  uint32_t policy;
+  /**
+   * Whether the parameter takes a gradient (a slot in the grad slab).
+   */
+  bool requires_grad;
+} graphed_param_desc;
+
+/**
+ * What a forward, backward or weight-grad callback (and a per-callable
+ * hook) receives. Every array and pointer is valid during the call only;
+ * the buffers they point to are the static buffers, valid while the
+ * session is captured. Arrays hold NULL where a buffer does not exist.
+ */
+typedef struct graphed_pass_ctx {
+  size_t struct_size;
+  /**
+   * Index of the callable, as returned by graphed_session_add_callable.
+   */
+  uint32_t callable;
+  uint32_t microbatch;
+  /**
+   * A graphed_pass value: which pass this call records.
+   */
+  uint32_t pass;
+  /**
+   * A graphed_phase value: WARMUP (runs now) or CAPTURE (recorded).
+   */
+  uint32_t phase;
+  /**
+   * The warmup iteration (0-based); the warmup count during capture.
+   */
+  uint32_t iteration;
+  /**
+   * Enqueue all work here: a CUstream on CUDA (never the legacy default
+   * stream), a host stream (graphed_host_enqueue) on the host backend.
+   */
+  graphed_stream stream;
+  size_t num_inputs;
+  /**
+   * Static inputs (read).
+   */
+  void *const *inputs;
+  size_t num_params;
+  /**
+   * The caller's parameter pointers, as registered.
+   */
+  void *const *params;
+  size_t num_outputs;
+  /**
+   * Static outputs: forward writes them; backward may read them.
+   */
+  void *const *outputs;
+  /**
+   * [num_outputs] static grad-outputs: backward reads them.
+   */
+  void *const *grad_outputs;
+  /**
+   * [num_inputs] static grad-inputs: backward writes them.
+   */
+  void *const *grad_inputs;
+  /**
+   * [num_params] parameter-grad slots (one slab): backward writes them,
+   * or the weight-grad callback for callables that have one.
+   */
+  void *const *param_grads;
+  /**
+   * One pointer-sized slot per (callable, microbatch), shared by its
+   * passes: forward may leave a pointer (e.g. to saved scratch) for
+   * backward.
+   */
+  void **tape;
+  /**
+   * Scratch memory from the session pool for tensors saved from forward
+   * for backward, and temporaries.
+   */
+  struct graphed_scratch *scratch;
+} graphed_pass_ctx;
+
+/**
+ * A forward, backward or weight-grad callback, or a per-callable hook.
+ * Return 0 on success; any other value aborts capture with
+ * GRAPHED_STATUS_CALLBACK_FAILED and that value in the message.
+ */
+typedef int32_t (*graphed_pass_fn)(const struct graphed_pass_ctx *ctx, void *user_data);
+
+/**
+ * A callable to register. Initialise with graphed_callable_desc_default().
+ */
+typedef struct graphed_callable_desc {
+  size_t struct_size;
+  /**
+   * Name used in messages (copied; NULL: "callable N").
+   */
+  const char *name;
+  size_t num_inputs;
+  const struct graphed_tensor_desc *inputs;
+  size_t num_params;
+  const struct graphed_param_desc *params;
+  size_t num_outputs;
+  const struct graphed_tensor_desc *outputs;
+  /**
+   * Required.
+   */
+  graphed_pass_fn forward;
+  /**
+   * Required.
+   */
+  graphed_pass_fn backward;
+  /**
+   * Optional delayed weight-gradient callback: when set, backward
+   * computes only input grads, this callback fills the parameter-grad
+   * slots, it is captured as its own graph, and
+   * graphed_backward_wgrad replays it and returns the parameter grads.
+   */
+  graphed_pass_fn wgrad;
+  /**
+   * Passed to forward, backward and wgrad.
+   */
+  void *user_data;
+  /**
+   * Optional hooks around every callback call, outside capture.
+   */
+  graphed_pass_fn pre_hook;
+  graphed_pass_fn post_hook;
+  void *hook_data;
+} graphed_callable_desc;
+
+/**
+ * Arguments of a replay call. Initialise with graphed_replay_args_default().
+ */
+typedef struct graphed_replay_args {
+  size_t struct_size;
+  uint32_t callable;
+  /**
+   * 0 unless the session has a pipeline schedule.
+   */
+  uint32_t microbatch;
+  /**
+   * The caller's stream; the replay is ordered on it.
+   */
+  graphed_stream stream;
+  /**
+   * Optional: launch there instead, synced with `stream` by events.
+   */
+  graphed_stream side_stream;
+  /**
+   * New data to copy into the static inputs (forward) or grad-outputs
+   * (backward), one device pointer per input/output; an entry equal to
+   * the static buffer is not copied. NULL array: replay on what the
+   * static buffers hold.
+   */
+  const void *const *data;
+  size_t num_data;
+  /**
+   * Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
+   * per parameter (NULL entries for other slots); NULL array when the
+   * callable has no such slot.
+   */
+  void *const *param_dsts;
+  size_t num_param_dsts;
+} graphed_replay_args;
+
+/**
+ * One output or gradient handed back by a replay.
+ */
+typedef struct graphed_ref {
+  /**
+   * Device pointer (NULL when kind is GRAPHED_REF_KIND_NONE).
+   */
+  void *ptr;
+  size_t bytes;
+  graphed_ref_kind kind;
+  /**
+   * CLONE: one reference to the block holding the clone; release it
+   * with graphed_buffer_release. NULL otherwise.
+   */
+  struct graphed_buffer *owner;
+  /**
+   * ALIAS under strict leases: release with graphed_lease_release when
+   * done with the alias. 0 otherwise.
+   */
+  uint64_t lease;
+} graphed_ref;
+
+/**
+ * Memory and graph figures of a session (library accounting).
+ */
+typedef struct graphed_session_stats {
+  size_t struct_size;
+  /**
+   * Bytes of static buffers (inputs, outputs, grads, slabs).
+   */
+  uint64_t static_bytes;
+  /**
+   * Bytes of the scratch arena this session's graphs use.
+   */
+  uint64_t scratch_bytes;
+  /**
+   * Bytes held by the (possibly shared) scratch pool.
+   */
+  uint64_t pool_bytes;
+  /**
+   * Bytes and blocks of returned clones not yet released.
+   */
+  uint64_t clone_bytes_outstanding;
+  uint64_t clone_blocks_outstanding;
+  uint32_t graph_count;
+  uint32_t callables;
+  uint32_t instances;
+  /**
+   * Strict leases currently held.
+   */
+  uint32_t leases_held;
+  bool captured;
+} graphed_session_stats;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -148,6 +801,277 @@ graphed_status graphed_device_count(uint32_t *count_out);
  * when there is no driver.
  */
 graphed_status graphed_driver_version(int32_t *version_out);
+
+/**
+ * Enqueues `task(user_data)` on a host-backend stream (the ctx->stream of a
+ * host session's callback; NULL runs it now). Outside capture it runs
+ * immediately; under capture it is recorded and every replay runs it again
+ * with the same `user_data`, which must therefore stay valid as long as
+ * the session's graphs exist. Not for CUDA streams.
+ *
+ * # Safety
+ * `task` must be safe to call with `user_data` whenever the stream runs.
+ */
+graphed_status graphed_host_enqueue(graphed_stream stream,
+                                    graphed_host_task_fn task,
+                                    void *user_data);
+
+/**
+ * Waits for a host stream (NULL: every host stream). Host work runs as it
+ * is enqueued, so this only enforces capture rules: called on a capturing
+ * stream (or with NULL while any stream captures) it invalidates that
+ * capture and returns GRAPHED_STATUS_CAPTURE_INVALIDATED, as a device
+ * synchronize does under CUDA stream capture.
+ */
+graphed_status graphed_host_synchronize(graphed_stream stream);
+
+/**
+ * The default session config: CUDA device 0, 3 warmup iterations, global
+ * capture mode, clones on return, no strict leases, no callbacks.
+ */
+struct graphed_session_config graphed_session_config_default(void);
+
+/**
+ * An empty callable descriptor with its struct_size set.
+ */
+struct graphed_callable_desc graphed_callable_desc_default(void);
+
+/**
+ * Replay arguments for callable 0, microbatch 0, the default stream, no
+ * data (replay on the static buffers) and no destinations.
+ */
+struct graphed_replay_args graphed_replay_args_default(void);
+
+/**
+ * Creates a session. On the CUDA backend this retains the device's
+ * primary context (the one the CUDA runtime and PyTorch use).
+ * Destroy it with graphed_session_destroy.
+ *
+ * # Safety
+ * `config` must be NULL or point to a graphed_session_config of at least
+ * its struct_size bytes; `session_out` must be NULL or writable.
+ */
+graphed_status graphed_session_create(const struct graphed_session_config *config,
+                                      struct graphed_session **session_out);
+
+/**
+ * Destroys a session: waits for the device, destroys its graphs and frees
+ * its static buffers and scratch (a pool shared with another session
+ * lives on with it). Clones already returned stay valid until released.
+ * NULL is a no-op; a destroyed session gives GRAPHED_STATUS_USE_AFTER_DESTROY.
+ *
+ * # Safety
+ * `session` must be NULL or a pointer from graphed_session_create.
+ */
+graphed_status graphed_session_destroy(struct graphed_session *session);
+
+/**
+ * Registers a callable before capture; writes its index to `*index_out`.
+ * Everything in the descriptor is copied: changing it afterwards changes
+ * nothing.
+ *
+ * # Safety
+ * `desc` must point to a graphed_callable_desc of at least its struct_size
+ * bytes whose arrays hold the counts it states.
+ */
+graphed_status graphed_session_add_callable(struct graphed_session *session,
+                                            const struct graphed_callable_desc *desc,
+                                            uint32_t *index_out);
+
+/**
+ * Changes the graphed_param_flags of a registered parameter. Allowed only
+ * before capture: capture freezes every parameter's grad policy, and a
+ * later change gives GRAPHED_STATUS_WRONG_STATE.
+ *
+ * # Safety
+ * `session` must be NULL or a pointer from graphed_session_create.
+ */
+graphed_status graphed_session_set_param_flags(struct graphed_session *session,
+                                               uint32_t callable,
+                                               uint32_t param,
+                                               uint32_t flags);
+
+/**
+ * Warms up and captures every registered callable (see docs/design.md):
+ * warmup iterations eagerly on a side stream, then one graph per pass,
+ * instantiated and uploaded. On failure (a callback's non-zero return, an
+ * illegal call under capture, a driver error) everything the attempt
+ * made is released, the message names the callable and pass, and the
+ * session can be captured again.
+ *
+ * # Safety
+ * `session` must be NULL or a pointer from graphed_session_create.
+ */
+graphed_status graphed_session_capture(struct graphed_session *session);
+
+/**
+ * Releases the session's graphs, static buffers and scratch (waiting for
+ * the device first). Every later replay or capture returns
+ * GRAPHED_STATUS_SESSION_RESET; clones already returned stay valid.
+ *
+ * # Safety
+ * `session` must be NULL or a pointer from graphed_session_create.
+ */
+graphed_status graphed_session_reset(struct graphed_session *session);
+
+/**
+ * Replays the forward graph of (args->callable, args->microbatch) on
+ * args->stream, after copying args->data into the static inputs. Writes
+ * one GRAPHED_REF_KIND_ALIAS ref per output to `outputs`
+ * (`num_outputs` must equal the callable's output count): the static
+ * outputs, valid until the next forward replay of the same instance.
+ *
+ * # Safety
+ * `args` must point to a graphed_replay_args of at least its struct_size
+ * bytes; `outputs` must have room for `num_outputs` refs.
+ */
+graphed_status graphed_forward(struct graphed_session *session,
+                               const struct graphed_replay_args *args,
+                               struct graphed_ref *outputs,
+                               size_t num_outputs);
+
+/**
+ * Replays the backward graph of (args->callable, args->microbatch) after
+ * copying args->data into the static grad-outputs. Writes one ref per
+ * input to `input_grads` (ALIAS, valid until the next backward replay of
+ * the instance; NONE for inputs without requires_grad) and one per
+ * parameter to `param_grads`, each per its frozen policy: CLONE (an owned
+ * copy: release `owner` with graphed_buffer_release), ALIAS, COPY_INTO or
+ * ACCUMULATE_INTO (into args->param_dsts[i]), NONE (no grad, or a callable
+ * with a weight-grad callback, whose grads graphed_backward_wgrad returns).
+ *
+ * # Safety
+ * As graphed_forward; the arrays must have room for the stated counts.
+ */
+graphed_status graphed_backward(struct graphed_session *session,
+                                const struct graphed_replay_args *args,
+                                struct graphed_ref *input_grads,
+                                size_t num_input_grads,
+                                struct graphed_ref *param_grads,
+                                size_t num_param_grads);
+
+/**
+ * Replays the weight-grad graph of a callable registered with a wgrad
+ * callback, and writes its parameter grads (per policy) to `param_grads`.
+ *
+ * # Safety
+ * As graphed_backward.
+ */
+graphed_status graphed_backward_wgrad(struct graphed_session *session,
+                                      const struct graphed_replay_args *args,
+                                      struct graphed_ref *param_grads,
+                                      size_t num_param_grads);
+
+/**
+ * Releases a strict-mode lease (the `lease` of an ALIAS ref): the alias
+ * is no longer used, so the replay that overwrites it may run.
+ *
+ * # Safety
+ * `session` must be NULL or a pointer from graphed_session_create.
+ */
+graphed_status graphed_lease_release(struct graphed_session *session, uint64_t lease);
+
+/**
+ * Writes the static buffers of one role (a graphed_buffer_role value) of
+ * (callable, microbatch) to `ptrs` (`count` must equal the number of
+ * inputs, outputs or parameters; NULL where a buffer does not exist).
+ * Passing a static input back as replay data skips its copy.
+ *
+ * # Safety
+ * `ptrs` must have room for `count` pointers.
+ */
+graphed_status graphed_session_buffers(struct graphed_session *session,
+                                       uint32_t callable,
+                                       uint32_t microbatch,
+                                       uint32_t role,
+                                       void **ptrs,
+                                       size_t count);
+
+/**
+ * Writes the frozen graphed_grad_policy of each parameter of a captured
+ * callable to `policies` (`count` = its parameter count;
+ * GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).
+ *
+ * # Safety
+ * `policies` must have room for `count` values.
+ */
+graphed_status graphed_session_param_policies(struct graphed_session *session,
+                                              uint32_t callable,
+                                              uint32_t *policies,
+                                              size_t count);
+
+/**
+ * Writes the session's memory and graph figures (library accounting).
+ * Set stats->struct_size first (graphed_session_stats_default()).
+ *
+ * # Safety
+ * `stats` must point to a graphed_session_stats of at least its
+ * struct_size bytes.
+ */
+graphed_status graphed_session_stats_get(struct graphed_session *session,
+                                         struct graphed_session_stats *stats);
+
+/**
+ * A zeroed stats struct with its struct_size set.
+ */
+struct graphed_session_stats graphed_session_stats_default(void);
+
+/**
+ * The driver's figure for the session's device: free and total bytes
+ * (cuMemGetInfo). GRAPHED_STATUS_UNSUPPORTED on the host backend.
+ *
+ * # Safety
+ * `free_out` and `total_out` must be NULL or writable.
+ */
+graphed_status graphed_session_device_memory(struct graphed_session *session,
+                                             size_t *free_out,
+                                             size_t *total_out);
+
+/**
+ * GRAPHED_STATUS_OK when a backend (a graphed_backend value) can run
+ * here; otherwise the reason (GRAPHED_STATUS_NO_DRIVER, _NO_DEVICE).
+ */
+graphed_status graphed_backend_available(uint32_t backend);
+
+/**
+ * Drops one reference to a block of returned clones; the last one frees
+ * it, ordered after the work already enqueued on the stream the clones
+ * were returned on (that stream must still exist; synchronize other
+ * streams that used the clones with it first, as with PyTorch's
+ * record_stream). NULL is a no-op.
+ *
+ * # Safety
+ * `buffer` must be NULL or an `owner` from a graphed_ref.
+ */
+graphed_status graphed_buffer_release(struct graphed_buffer *buffer);
+
+/**
+ * Adds one reference to a block of returned clones.
+ *
+ * # Safety
+ * `buffer` must be an `owner` from a graphed_ref that is still referenced.
+ */
+graphed_status graphed_buffer_retain(struct graphed_buffer *buffer);
+
+/**
+ * Allocates `bytes` of scratch device memory from the session pool for
+ * the callback that received `scratch`. Memory saved for backward is
+ * freed by backward (graphed_scratch_free); memory freed in one pass is
+ * reused by later passes in capture order. Requests must be the same in
+ * every warmup iteration and in capture.
+ *
+ * # Safety
+ * `scratch` must be the ctx->scratch of the running callback.
+ */
+graphed_status graphed_scratch_alloc(struct graphed_scratch *scratch, size_t bytes, void **ptr_out);
+
+/**
+ * Frees a scratch allocation (see graphed_scratch_alloc).
+ *
+ * # Safety
+ * `scratch` must be the ctx->scratch of the running callback.
+ */
+graphed_status graphed_scratch_free(struct graphed_scratch *scratch, void *ptr);
 
 /**
  * The name of a status code as written in this header

@@ -2,25 +2,7 @@
 //! the `ffi` layer maps each variant to a stable `graphed_status` code and
 //! keeps the `Display` text as the thread's last error message.
 
-use std::fmt;
-
-/// Which pass of a callable a message is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PassKind {
-    Forward,
-    Backward,
-    Wgrad,
-}
-
-impl fmt::Display for PassKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PassKind::Forward => "forward",
-            PassKind::Backward => "backward",
-            PassKind::Wgrad => "weight-grad",
-        })
-    }
-}
+pub use crate::core::PassKind;
 
 /// Everything that can go wrong, in every layer.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +59,9 @@ pub enum Error {
         microbatch: u32,
         detail: String,
     },
+
+    #[error("{0}")]
+    IllegalUnderCapture(String),
 
     #[error("{0}")]
     AliasHeld(String),

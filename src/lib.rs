@@ -12,7 +12,10 @@
 //! - [`backend`]: the CUDA driver backend and the host emulation.
 
 pub mod backend;
+pub mod core;
 pub mod error;
+#[allow(non_camel_case_types)] // C names, as the header spells them.
 pub mod ffi;
+pub mod orchestrate;
 
 pub use error::{Error, Result};

@@ -8,12 +8,16 @@
 //! references with a clear error for NULL.
 
 mod device;
-
+mod host;
+mod session;
 mod status;
+mod types;
 
 pub use device::*;
-
+pub use host::*;
+pub use session::*;
 pub use status::*;
+pub use types::*;
 
 use crate::error::{Error, Result};
 use std::cell::RefCell;
@@ -81,6 +85,27 @@ pub(crate) fn boundary_value<T>(func: &'static str, fallback: T, f: impl FnOnce(
     }
 }
 
+/// A slice from a C pointer and length. A length of zero gives an empty
+/// slice whatever the pointer; a non-zero length with NULL is an error.
+///
+/// # Safety
+/// When `len > 0`, `p` must point to `len` valid, initialised `T`s that
+/// outlive `'a` and are not mutated while the slice lives.
+pub(crate) unsafe fn arg_slice<'a, T>(
+    p: *const T,
+    len: usize,
+    what: &'static str,
+) -> Result<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Error::NullPointer { what });
+    }
+    // SAFETY: non-NULL, and the caller guarantees `len` valid elements.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
 /// A checked output pointer: NULL is an error, and nothing is written here;
 /// callers write through it only once the whole call has succeeded.
 pub(crate) fn arg_out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
@@ -89,4 +114,43 @@ pub(crate) fn arg_out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
     } else {
         Ok(p)
     }
+}
+
+/// Checks the leading `struct_size` field of a config struct.
+pub(crate) fn check_struct_size(what: &'static str, got: usize, min: usize) -> Result<()> {
+    if got < min {
+        Err(Error::StructSize { what, got, min })
+    } else {
+        Ok(())
+    }
+}
+
+/// Reads a config struct that starts with its `size_t struct_size`, the way
+/// NCCL reads its config: callers built against an older header pass a
+/// smaller struct, and the fields they do not know keep `defaults`. A size
+/// under `min` (the first released layout) is an error.
+///
+/// # Safety
+/// `p` must be NULL or point to at least `struct_size` readable bytes whose
+/// first field is a `size_t` holding that size.
+pub(crate) unsafe fn read_sized<T: Copy>(
+    p: *const T,
+    what: &'static str,
+    defaults: T,
+    min: usize,
+) -> Result<T> {
+    if p.is_null() {
+        return Err(Error::NullPointer { what });
+    }
+    // SAFETY: non-NULL; every graphed config struct starts with a size_t.
+    let size = unsafe { std::ptr::read_unaligned(p as *const usize) };
+    check_struct_size(what, size, min)?;
+    let mut out = defaults;
+    let n = size.min(std::mem::size_of::<T>());
+    // SAFETY: the caller guarantees `size` readable bytes at `p`; we copy at
+    // most that many, and at most size_of::<T>() into `out`. T is Copy (plain
+    // data), so any prefix of a valid caller struct over valid defaults is a
+    // valid T for the #[repr(C)] config structs this is used with.
+    unsafe { std::ptr::copy_nonoverlapping(p as *const u8, &mut out as *mut T as *mut u8, n) };
+    Ok(out)
 }

@@ -124,7 +124,9 @@ impl From<&Error> for graphed_status {
             Error::WrongState(_) => graphed_status::WrongState,
             Error::SessionReset(_) => graphed_status::SessionReset,
             Error::CallbackFailed { .. } => graphed_status::CallbackFailed,
-            Error::CaptureInvalidated { .. } => graphed_status::CaptureInvalidated,
+            Error::CaptureInvalidated { .. } | Error::IllegalUnderCapture(_) => {
+                graphed_status::CaptureInvalidated
+            }
             Error::AliasHeld(_) => graphed_status::AliasHeld,
             Error::InvalidSchedule(_) => graphed_status::InvalidSchedule,
             Error::ScratchExhausted(_) => graphed_status::ScratchExhausted,

@@ -1,3 +1,507 @@
-//! The CUDA backend: the driver API through cudarc, with raw device pointers
-//! and streams owned by the caller.
+//! The CUDA backend: the driver API through cudarc's `sys` layer, with raw
+//! device pointers and streams (never cudarc's tracked slices, whose events
+//! would invalidate a capture). One backend per device, shared by the
+//! sessions on it: the primary context (the one the CUDA runtime and
+//! PyTorch use), a memory pool for returned clones, and the accumulate
+//! kernels, loaded once from embedded PTX.
+
 pub mod driver;
+
+use super::{
+    Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph, StreamRef,
+};
+use crate::core::dtype::DType;
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+use driver::{check, error_name};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr::null_mut;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// The accumulate kernels (scripts/gen_accumulate_ptx.py), NUL-terminated
+/// for cuModuleLoadData.
+static ACCUMULATE_PTX: &str = concat!(include_str!("accumulate.ptx"), "\0");
+
+struct Kernels {
+    module: sys::CUmodule,
+    /// (vector kernel, scalar kernel, elements per 16-byte vector) per dtype.
+    f32: (sys::CUfunction, sys::CUfunction, usize),
+    f16: (sys::CUfunction, sys::CUfunction, usize),
+    bf16: (sys::CUfunction, sys::CUfunction, usize),
+}
+
+struct Inner {
+    ordinal: i32,
+    device: sys::CUdevice,
+    ctx: sys::CUcontext,
+    pool: sys::CUmemoryPool,
+    sm_count: u32,
+    kernels: OnceLock<std::result::Result<Kernels, String>>,
+}
+
+// SAFETY: the handles are process-wide driver objects; the driver API is
+// thread-safe, and every call that needs the context binds it first.
+unsafe impl Send for Inner {}
+// SAFETY: as above; the only interior mutability is behind Mutex/OnceLock.
+unsafe impl Sync for Inner {}
+
+fn restore_ctx(prev: usize) {
+    // SAFETY: restores the context that was current before a bind (or none).
+    unsafe { sys::cuCtxSetCurrent(prev as sys::CUcontext) };
+}
+
+impl Inner {
+    fn bind(&self) -> Result<ContextGuard> {
+        let mut cur: sys::CUcontext = null_mut();
+        // SAFETY: valid out pointer; the driver is initialised.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
+        if cur == self.ctx {
+            return Ok(ContextGuard::none());
+        }
+        // SAFETY: self.ctx is our retained primary context.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        Ok(ContextGuard::restoring(restore_ctx, cur as usize))
+    }
+
+    fn kernels(&self) -> Result<&Kernels> {
+        let k = self.kernels.get_or_init(|| {
+            let _g = self.bind().map_err(|e| e.to_string())?;
+            load_kernels().map_err(|e| e.to_string())
+        });
+        k.as_ref()
+            .map_err(|e| Error::Internal(format!("loading the accumulate kernels failed: {e}")))
+    }
+}
+
+fn load_kernels() -> Result<Kernels> {
+    let mut module: sys::CUmodule = null_mut();
+    // SAFETY: the image is a NUL-terminated PTX string; the context is bound.
+    check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut module, ACCUMULATE_PTX.as_ptr().cast())
+    })?;
+    let get = |name: &'static str| -> Result<sys::CUfunction> {
+        let mut f: sys::CUfunction = null_mut();
+        let cname =
+            std::ffi::CString::new(name).map_err(|_| Error::Internal("kernel name".into()))?;
+        // SAFETY: module is loaded; valid out pointer and C string.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut f, module, cname.as_ptr())
+        })?;
+        Ok(f)
+    };
+    let k = (|| {
+        Ok(Kernels {
+            module,
+            f32: (get("graphed_acc_f32x4")?, get("graphed_acc_f32")?, 4),
+            f16: (get("graphed_acc_f16x8")?, get("graphed_acc_f16")?, 8),
+            bf16: (get("graphed_acc_bf16x8")?, get("graphed_acc_bf16")?, 8),
+        })
+    })();
+    if k.is_err() {
+        // SAFETY: the module was loaded above and is not used after this.
+        unsafe { sys::cuModuleUnload(module) };
+    }
+    k
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let guard = self.bind();
+        // SAFETY: nothing refers to the pool or the module any more: every
+        // graph, clone and session holds an Arc to this Inner.
+        unsafe {
+            if let Some(Ok(k)) = self.kernels.get() {
+                sys::cuModuleUnload(k.module);
+            }
+            sys::cuMemPoolDestroy(self.pool);
+        }
+        drop(guard);
+        // SAFETY: balances the retain in CudaBackend::open.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}
+
+/// The CUDA backend of one device.
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+fn registry() -> std::sync::MutexGuard<'static, HashMap<i32, Weak<CudaBackend>>> {
+    static REG: OnceLock<Mutex<HashMap<i32, Weak<CudaBackend>>>> = OnceLock::new();
+    REG.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+impl CudaBackend {
+    /// The backend of device `ordinal`, shared with other sessions on it.
+    pub fn for_device(ordinal: i32) -> Result<Arc<CudaBackend>> {
+        let mut reg = registry();
+        if let Some(b) = reg.get(&ordinal).and_then(Weak::upgrade) {
+            return Ok(b);
+        }
+        let b = Arc::new(CudaBackend::open(ordinal)?);
+        reg.insert(ordinal, Arc::downgrade(&b));
+        Ok(b)
+    }
+
+    fn open(ordinal: i32) -> Result<CudaBackend> {
+        let count = driver::device_count()?;
+        if ordinal < 0 || ordinal as u32 >= count {
+            return Err(Error::invalid(format!(
+                "device {ordinal} does not exist: this machine has {count} CUDA device(s)"
+            )));
+        }
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: driver initialised by device_count; valid out pointers.
+        check("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut device, ordinal)
+        })?;
+        let mut ctx: sys::CUcontext = null_mut();
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
+        })?;
+        let mut sm: i32 = 0;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        // SAFETY: valid out pointer and device.
+        let r = unsafe { sys::cuDeviceGetAttribute(&mut sm, attr, device) };
+        let release = |e: Error| {
+            // SAFETY: balances the retain above on a failure path.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) };
+            e
+        };
+        check("cuDeviceGetAttribute", r).map_err(release)?;
+
+        let mut prev: sys::CUcontext = null_mut();
+        // SAFETY: valid out pointer; then bind our context for the pool.
+        unsafe {
+            sys::cuCtxGetCurrent(&mut prev);
+            sys::cuCtxSetCurrent(ctx);
+        }
+        let pool = create_pool(ordinal);
+        restore_ctx(prev as usize);
+        let pool = pool.map_err(release)?;
+        Ok(CudaBackend {
+            inner: Arc::new(Inner {
+                ordinal,
+                device,
+                ctx,
+                pool,
+                sm_count: sm.max(1) as u32,
+                kernels: OnceLock::new(),
+            }),
+        })
+    }
+
+    fn launch_acc(
+        &self,
+        f: sys::CUfunction,
+        dst: DevPtr,
+        src: DevPtr,
+        n: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let threads = 256u32;
+        let blocks = n
+            .div_ceil(threads as usize)
+            .min(self.inner.sm_count as usize * 16)
+            .max(1) as u32;
+        let (mut d, mut s, mut n) = (dst, src, n as u64);
+        let mut params: [*mut c_void; 3] = [
+            (&mut d as *mut u64).cast(),
+            (&mut s as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        // SAFETY: the kernel takes three u64 parameters, passed by address;
+        // dst/src hold n elements (or vectors) per the caller's contract.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                f,
+                blocks,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                stream.0 as sys::CUstream,
+                params.as_mut_ptr(),
+                null_mut(),
+            )
+        };
+        check("cuLaunchKernel(accumulate)", r)
+    }
+}
+
+/// A stream-ordered pool for returned clones that keeps freed memory cached
+/// (release threshold at the maximum), so that steady-state clones never go
+/// to the OS.
+fn create_pool(ordinal: i32) -> Result<sys::CUmemoryPool> {
+    // SAFETY: an all-zero CUmemPoolProps is the documented starting point.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = ordinal;
+    let mut pool: sys::CUmemoryPool = null_mut();
+    // SAFETY: valid props and out pointer.
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(&mut pool, &props)
+    })?;
+    let mut threshold: u64 = u64::MAX;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    // SAFETY: the attribute takes a u64 by pointer.
+    let r = unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&mut threshold as *mut u64).cast()) };
+    if let Err(e) = check("cuMemPoolSetAttribute", r) {
+        // SAFETY: created above, unused.
+        unsafe { sys::cuMemPoolDestroy(pool) };
+        return Err(e);
+    }
+    Ok(pool)
+}
+
+struct CudaGraph {
+    exec: sys::CUgraphExec,
+    inner: Arc<Inner>,
+}
+
+// SAFETY: a CUgraphExec may be launched and destroyed from any thread.
+unsafe impl Send for CudaGraph {}
+
+impl Graph for CudaGraph {
+    fn launch(&self, stream: StreamRef) -> Result<()> {
+        // SAFETY: exec is a live instantiated graph; the stream is the caller's.
+        check("cuGraphLaunch", unsafe {
+            sys::cuGraphLaunch(self.exec, stream.0 as sys::CUstream)
+        })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        let _g = self.inner.bind();
+        // SAFETY: destroyed exactly once; callers synchronize before dropping.
+        unsafe { sys::cuGraphExecDestroy(self.exec) };
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn ordinal(&self) -> i32 {
+        self.inner.ordinal
+    }
+
+    fn bind(&self) -> Result<ContextGuard> {
+        self.inner.bind()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out pointer; context bound by the caller.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut p, bytes.max(1))
+        })?;
+        Ok(p)
+    }
+
+    fn free(&self, ptr: DevPtr) {
+        // SAFETY: ptr came from alloc and is freed once.
+        unsafe { sys::cuMemFree_v2(ptr) };
+    }
+
+    fn alloc_async(&self, bytes: usize, stream: StreamRef) -> Result<DevPtr> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out pointer, our pool, the caller's stream.
+        let r = unsafe {
+            sys::cuMemAllocFromPoolAsync(
+                &mut p,
+                bytes.max(1),
+                self.inner.pool,
+                stream.0 as sys::CUstream,
+            )
+        };
+        check("cuMemAllocFromPoolAsync", r)?;
+        Ok(p)
+    }
+
+    fn free_async(&self, ptr: DevPtr, stream: StreamRef) {
+        // SAFETY: ptr came from alloc_async and is freed once, in stream order.
+        unsafe { sys::cuMemFreeAsync(ptr, stream.0 as sys::CUstream) };
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {
+        if bytes == 0 || dst == src {
+            return Ok(());
+        }
+        // SAFETY: both ranges are device memory of at least `bytes` (library
+        // buffers or caller buffers under the API contract).
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.0 as sys::CUstream)
+        })
+    }
+
+    fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {
+        // SAFETY: dst holds at least `bytes` of device memory.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst, 0, bytes, stream.0 as sys::CUstream)
+        })
+    }
+
+    fn accumulate(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        count: usize,
+        dtype: DType,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let k = self.inner.kernels()?;
+        let (vector, scalar, per_vec) = match dtype {
+            DType::F32 => k.f32,
+            DType::F16 => k.f16,
+            DType::Bf16 => k.bf16,
+            other => {
+                return Err(Error::invalid(format!(
+                    "cannot accumulate {}",
+                    other.name()
+                )))
+            }
+        };
+        if dst % 16 == 0 && src % 16 == 0 {
+            let nvec = count / per_vec;
+            self.launch_acc(vector, dst, src, nvec, stream)?;
+            let done = (nvec * 16) as u64;
+            self.launch_acc(
+                scalar,
+                dst + done,
+                src + done,
+                count - nvec * per_vec,
+                stream,
+            )
+        } else {
+            self.launch_acc(scalar, dst, src, count, stream)
+        }
+    }
+
+    fn prepare_accumulate(&self) -> Result<()> {
+        self.inner.kernels().map(|_| ())
+    }
+
+    fn create_stream(&self) -> Result<StreamRef> {
+        let mut s: sys::CUstream = null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: valid out pointer; context bound by the caller.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut s, flags)
+        })?;
+        Ok(StreamRef(s as usize))
+    }
+
+    fn destroy_stream(&self, s: StreamRef) {
+        // SAFETY: created by create_stream, destroyed once.
+        unsafe { sys::cuStreamDestroy_v2(s.0 as sys::CUstream) };
+    }
+
+    fn create_event(&self) -> Result<EventRef> {
+        let mut e: sys::CUevent = null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: valid out pointer.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut e, flags)
+        })?;
+        Ok(EventRef(e as usize))
+    }
+
+    fn destroy_event(&self, e: EventRef) {
+        // SAFETY: created by create_event, destroyed once.
+        unsafe { sys::cuEventDestroy_v2(e.0 as sys::CUevent) };
+    }
+
+    fn record_event(&self, e: EventRef, s: StreamRef) -> Result<()> {
+        // SAFETY: live event and stream.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(e.0 as sys::CUevent, s.0 as sys::CUstream)
+        })
+    }
+
+    fn wait_event(&self, s: StreamRef, e: EventRef) -> Result<()> {
+        // SAFETY: live event and stream.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(s.0 as sys::CUstream, e.0 as sys::CUevent, 0)
+        })
+    }
+
+    fn synchronize(&self, s: StreamRef) -> Result<()> {
+        // SAFETY: live stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(s.0 as sys::CUstream)
+        })
+    }
+
+    fn synchronize_device(&self) -> Result<()> {
+        // SAFETY: context bound by the caller.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn begin_capture(&self, s: StreamRef, mode: CaptureMode) -> Result<()> {
+        let mode = match mode {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            }
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: live stream, not capturing (orchestration guarantees it).
+        check("cuStreamBeginCapture", unsafe {
+            sys::cuStreamBeginCapture_v2(s.0 as sys::CUstream, mode)
+        })
+    }
+
+    fn end_capture(&self, s: StreamRef) -> Result<CaptureEnd> {
+        let mut graph: sys::CUgraph = null_mut();
+        // SAFETY: the stream is capturing (begun by begin_capture).
+        let r = unsafe { sys::cuStreamEndCapture(s.0 as sys::CUstream, &mut graph) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            if !graph.is_null() {
+                // SAFETY: a graph returned with an error is still ours to destroy.
+                unsafe { sys::cuGraphDestroy(graph) };
+            }
+            return Ok(CaptureEnd::Invalidated(format!(
+                "cuStreamEndCapture returned {} (something enqueued under capture was not capturable: \
+                 a synchronize, a plain allocation, or work on another stream that was not joined back)",
+                error_name(r)
+            )));
+        }
+        let mut exec: sys::CUgraphExec = null_mut();
+        // SAFETY: graph is a valid captured graph; exec a valid out pointer.
+        let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        // SAFETY: the executable graph does not depend on the template.
+        unsafe { sys::cuGraphDestroy(graph) };
+        check("cuGraphInstantiateWithFlags", r)?;
+        let g = CudaGraph {
+            exec,
+            inner: self.inner.clone(),
+        };
+        // SAFETY: exec is live; uploading prepares its first launch.
+        check("cuGraphUpload", unsafe {
+            sys::cuGraphUpload(exec, s.0 as sys::CUstream)
+        })?;
+        Ok(CaptureEnd::Graph(Box::new(g)))
+    }
+
+    fn mem_info(&self) -> Result<(usize, usize)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out pointers; context bound by the caller.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok((free, total))
+    }
+}

@@ -1,0 +1,174 @@
+// The kit's host device: graphed's host backend. Memory is host memory and
+// every op is a task enqueued with graphed_host_enqueue, so under capture it
+// is recorded and replays run it again.
+#include "half.hpp"
+#include "kit.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+
+namespace kit {
+
+size_t dtype_size(uint32_t dtype) {
+    switch (dtype) {
+        case GRAPHED_DTYPE_F32:
+        case GRAPHED_DTYPE_I32: return 4;
+        case GRAPHED_DTYPE_F16:
+        case GRAPHED_DTYPE_BF16: return 2;
+        case GRAPHED_DTYPE_F64:
+        case GRAPHED_DTYPE_I64: return 8;
+        default: return 1;
+    }
+}
+
+std::vector<float> random_floats(size_t n, uint32_t seed, float scale) {
+    std::vector<float> v(n);
+    uint64_t x = 0x9E3779B97F4A7C15ull ^ seed;
+    for (size_t i = 0; i < n; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        v[i] = scale * (static_cast<float>(x >> 40) / static_cast<float>(1ull << 24) * 2.0f - 1.0f);
+    }
+    return v;
+}
+
+namespace {
+
+class HostDevice final : public Device {
+  public:
+    Backend backend() const override { return Backend::Host; }
+    void* alloc(size_t bytes) override {
+        void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+        if (!p) throw std::bad_alloc();
+        std::memset(p, 0, bytes);
+        return p;
+    }
+    void release(void* p) override { std::free(p); }
+    void upload(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+    void download(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+    graphed_stream stream() override { return nullptr; }
+    graphed_stream side_stream() override { return nullptr; }
+    void sync() override {}
+    size_t free_memory() override { return 0; }
+
+    int linear_fwd(graphed_stream s, const float* x, const float* w, const float* b, float* z, int B, int In,
+                   int Out) override {
+        return enqueue(s, [=] {
+            for (int r = 0; r < B; ++r)
+                for (int o = 0; o < Out; ++o) {
+                    float acc = 0.0f;
+                    for (int i = 0; i < In; ++i) acc += x[r * In + i] * w[o * In + i];
+                    z[r * Out + o] = acc + b[o];
+                }
+        });
+    }
+    int relu_fwd(graphed_stream s, const float* z, float* y, size_t n) override {
+        return enqueue(s, [=] {
+            for (size_t i = 0; i < n; ++i) y[i] = z[i] > 0.0f ? z[i] : 0.0f;
+        });
+    }
+    int relu_bwd(graphed_stream s, const float* gy, const float* z, float* gz, size_t n) override {
+        return enqueue(s, [=] {
+            for (size_t i = 0; i < n; ++i) gz[i] = z[i] > 0.0f ? gy[i] : 0.0f;
+        });
+    }
+    int linear_bwd_input(graphed_stream s, const float* gz, const float* w, float* gx, int B, int In,
+                         int Out) override {
+        return enqueue(s, [=] {
+            for (int r = 0; r < B; ++r)
+                for (int i = 0; i < In; ++i) {
+                    float acc = 0.0f;
+                    for (int o = 0; o < Out; ++o) acc += gz[r * Out + o] * w[o * In + i];
+                    gx[r * In + i] = acc;
+                }
+        });
+    }
+    int linear_bwd_weight(graphed_stream s, const float* gz, const float* x, float* gw, float* gb, int B, int In,
+                          int Out) override {
+        return enqueue(s, [=] {
+            for (int o = 0; o < Out; ++o) {
+                for (int i = 0; i < In; ++i) {
+                    float acc = 0.0f;
+                    for (int r = 0; r < B; ++r) acc += gz[r * Out + o] * x[r * In + i];
+                    gw[o * In + i] = acc;
+                }
+                float acc = 0.0f;
+                for (int r = 0; r < B; ++r) acc += gz[r * Out + o];
+                gb[o] = acc;
+            }
+        });
+    }
+    int sub(graphed_stream s, const float* a, const float* b, float* y, size_t n) override {
+        return enqueue(s, [=] {
+            for (size_t i = 0; i < n; ++i) y[i] = a[i] - b[i];
+        });
+    }
+    int add(graphed_stream s, float* y, const float* x, size_t n) override {
+        return enqueue(s, [=] {
+            for (size_t i = 0; i < n; ++i) y[i] += x[i];
+        });
+    }
+    int sgd(graphed_stream s, float* w, const float* g, float lr, size_t n) override {
+        return enqueue(s, [=] {
+            for (size_t i = 0; i < n; ++i) w[i] -= lr * g[i];
+        });
+    }
+    int mul(graphed_stream s, uint32_t dtype, const void* a, const void* b, void* out, size_t n) override {
+        return enqueue(s, [=] {
+            if (dtype == GRAPHED_DTYPE_F32) {
+                auto* x = static_cast<const float*>(a);
+                auto* y = static_cast<const float*>(b);
+                auto* o = static_cast<float*>(out);
+                for (size_t i = 0; i < n; ++i) o[i] = x[i] * y[i];
+                return;
+            }
+            bool bf = dtype == GRAPHED_DTYPE_BF16;
+            auto* x = static_cast<const uint16_t*>(a);
+            auto* y = static_cast<const uint16_t*>(b);
+            auto* o = static_cast<uint16_t*>(out);
+            for (size_t i = 0; i < n; ++i) {
+                float p = bf ? bf16_to_float(x[i]) * bf16_to_float(y[i]) : half_to_float(x[i]) * half_to_float(y[i]);
+                o[i] = bf ? float_to_bf16(p) : float_to_half(p);
+            }
+        });
+    }
+    int illegal(graphed_stream s) override {
+        // As a stream synchronize under CUDA capture: invalidates the
+        // capture. Report success, as careless code would.
+        (void)graphed_host_synchronize(s);
+        return 0;
+    }
+    int copy(graphed_stream s, void* dst, const void* src, size_t bytes) override {
+        return enqueue(s, [=] { std::memcpy(dst, src, bytes); });
+    }
+
+  private:
+    // Captured tasks are replayed later, so their closures must live as long
+    // as the device: keep them all.
+    int enqueue(graphed_stream s, std::function<void()> f) {
+        std::function<void()>* task;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            tasks_.push_back(std::move(f));
+            task = &tasks_.back();
+        }
+        return static_cast<int>(graphed_host_enqueue(s, &HostDevice::trampoline, task));
+    }
+    static void trampoline(void* p) { (*static_cast<std::function<void()>*>(p))(); }
+
+    std::mutex mu_;
+    std::deque<std::function<void()>> tasks_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
+
+std::unique_ptr<Device> make_device(Backend b, std::string* why_not) {
+    if (b == Backend::Host) return make_host_device();
+    return make_cuda_device(why_not);
+}
+
+}  // namespace kit

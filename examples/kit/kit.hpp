@@ -1,0 +1,137 @@
+// A small kit of toy training layers on both graphed backends, shared by the
+// demo, the tests and the benchmarks: device memory and streams for the
+// backend under test, and the math the layers' callbacks enqueue (naive,
+// deterministic kernels: the same inputs give the same bits every time, so
+// graphed and eager runs can be compared exactly).
+#pragma once
+
+#include <graphed.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kit {
+
+enum class Backend { Host, Cuda };
+
+inline const char* backend_name(Backend b) { return b == Backend::Host ? "host" : "cuda"; }
+
+// For GoogleTest's messages.
+inline void PrintTo(Backend b, std::ostream* os) { *os << backend_name(b); }
+
+// Throws with graphed's last error message when `s` is not OK.
+inline void check(graphed_status s, const char* what) {
+    if (s != GRAPHED_STATUS_OK) {
+        throw std::runtime_error(std::string(what) + ": " + graphed_status_name(s) + ": " +
+                                 graphed_last_error_message());
+    }
+}
+
+size_t dtype_size(uint32_t dtype);
+
+// Memory, streams and math of one backend. All math is enqueued on the
+// given stream (a callback's ctx->stream, or `stream()` for eager work) and
+// returns 0 on success.
+class Device {
+  public:
+    virtual ~Device() = default;
+    virtual Backend backend() const = 0;
+    graphed_backend graphed_kind() const {
+        return backend() == Backend::Host ? GRAPHED_BACKEND_HOST : GRAPHED_BACKEND_CUDA;
+    }
+
+    virtual void* alloc(size_t bytes) = 0;
+    virtual void release(void* p) = 0;
+    // Synchronous copies to and from device memory (they wait for stream()).
+    virtual void upload(void* dst, const void* src, size_t bytes) = 0;
+    virtual void download(void* dst, const void* src, size_t bytes) = 0;
+    // The stream for eager work and replays (NULL on the host: run now).
+    virtual graphed_stream stream() = 0;
+    // A second stream (for side-stream replays).
+    virtual graphed_stream side_stream() = 0;
+    virtual void sync() = 0;
+    // Driver figure of free device memory (0 when there is none).
+    virtual size_t free_memory() = 0;
+
+    // z[b][o] = sum_i x[b][i] * w[o][i] + bias[o]
+    virtual int linear_fwd(graphed_stream s, const float* x, const float* w, const float* bias, float* z, int batch,
+                           int in, int out) = 0;
+    // y = max(z, 0)
+    virtual int relu_fwd(graphed_stream s, const float* z, float* y, size_t n) = 0;
+    // gz = z > 0 ? gy : 0
+    virtual int relu_bwd(graphed_stream s, const float* gy, const float* z, float* gz, size_t n) = 0;
+    // gx[b][i] = sum_o gz[b][o] * w[o][i]
+    virtual int linear_bwd_input(graphed_stream s, const float* gz, const float* w, float* gx, int batch, int in,
+                                 int out) = 0;
+    // gw[o][i] = sum_b gz[b][o] * x[b][i]; gbias[o] = sum_b gz[b][o]
+    virtual int linear_bwd_weight(graphed_stream s, const float* gz, const float* x, float* gw, float* gbias,
+                                  int batch, int in, int out) = 0;
+    // y = a - b
+    virtual int sub(graphed_stream s, const float* a, const float* b, float* y, size_t n) = 0;
+    // y += x
+    virtual int add(graphed_stream s, float* y, const float* x, size_t n) = 0;
+    // w -= lr * g
+    virtual int sgd(graphed_stream s, float* w, const float* g, float lr, size_t n) = 0;
+    // out = round(a * b) elementwise in `dtype` (f32, f16, bf16), computed in f32.
+    virtual int mul(graphed_stream s, uint32_t dtype, const void* a, const void* b, void* out, size_t n) = 0;
+    // Something illegal under stream capture (a synchronize of the stream).
+    virtual int illegal(graphed_stream s) = 0;
+    // Copy on a stream.
+    virtual int copy(graphed_stream s, void* dst, const void* src, size_t bytes) = 0;
+};
+
+// The device of a backend, or nullptr with the reason it is unavailable.
+std::unique_ptr<Device> make_device(Backend b, std::string* why_not);
+std::unique_ptr<Device> make_host_device();
+std::unique_ptr<Device> make_cuda_device(std::string* why_not);
+
+// A device buffer that frees itself.
+class Buffer {
+  public:
+    Buffer() = default;
+    Buffer(Device& d, size_t bytes) : dev_(&d), bytes_(bytes), ptr_(d.alloc(bytes)) {}
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    Buffer(Buffer&& o) noexcept : dev_(o.dev_), bytes_(o.bytes_), ptr_(o.ptr_) { o.ptr_ = nullptr; }
+    Buffer& operator=(Buffer&& o) noexcept {
+        if (this != &o) {
+            reset();
+            dev_ = o.dev_;
+            bytes_ = o.bytes_;
+            ptr_ = o.ptr_;
+            o.ptr_ = nullptr;
+        }
+        return *this;
+    }
+    ~Buffer() { reset(); }
+    void reset() {
+        if (ptr_) dev_->release(ptr_);
+        ptr_ = nullptr;
+    }
+    void* get() const { return ptr_; }
+    float* f32() const { return static_cast<float*>(ptr_); }
+    size_t bytes() const { return bytes_; }
+
+  private:
+    Device* dev_ = nullptr;
+    size_t bytes_ = 0;
+    void* ptr_ = nullptr;
+};
+
+// Host copies of device data.
+template <class T>
+std::vector<T> fetch(Device& d, const void* src, size_t count) {
+    std::vector<T> v(count);
+    d.download(v.data(), src, count * sizeof(T));
+    return v;
+}
+
+// Deterministic pseudo-random floats in [-scale, scale).
+std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.0f);
+
+}  // namespace kit

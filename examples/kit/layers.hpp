@@ -1,0 +1,84 @@
+// Toy layers for graphed: a fully connected layer (optionally with ReLU)
+// whose callbacks run the kit's math, and an MLP of them that trains
+// eagerly or through a graphed session, for exact comparisons.
+#pragma once
+
+#include "kit.hpp"
+
+#include <string>
+#include <vector>
+
+namespace kit {
+
+// y = relu?(x W^T + b), W [out x in], b [out]. Forward saves the
+// pre-activation z in scratch (via the tape) for backward, which frees it.
+// With `split_wgrad`, backward computes only the input grad and a separate
+// weight-grad callback computes the parameter grads (delayed wgrad).
+struct LinearLayer {
+    Device* dev = nullptr;
+    int batch = 0, in = 0, out = 0;
+    bool relu = true;
+    bool split_wgrad = false;
+    uint32_t param_flags = GRAPHED_PARAM_FLAGS_NONE;
+    uint32_t param_policy = GRAPHED_GRAD_POLICY_DEFAULT;
+    float* w = nullptr;
+    float* b = nullptr;
+    std::string name;
+
+    // Filled by describe(); the descriptor points into them.
+    int64_t in_shape[2] = {0, 0}, out_shape[2] = {0, 0};
+    graphed_tensor_desc input{}, output{};
+    graphed_param_desc params[2] = {};
+
+    // A descriptor for graphed_session_add_callable.
+    graphed_callable_desc describe(const void* sample_input, bool input_requires_grad);
+
+    static int32_t forward(const graphed_pass_ctx* ctx, void* self);
+    static int32_t backward(const graphed_pass_ctx* ctx, void* self);
+    static int32_t wgrad(const graphed_pass_ctx* ctx, void* self);
+
+    // The same math eagerly, on explicit buffers.
+    int eager_forward(graphed_stream s, const float* x, float* z, float* y) const;
+    int eager_backward(graphed_stream s, const float* x, const float* z, const float* gy, float* gz, float* gx,
+                       float* gw, float* gb) const;
+};
+
+// Grads of one training step, copied to the host.
+struct StepGrads {
+    std::vector<std::vector<float>> w, b;
+};
+
+// An MLP of `layers` LinearLayers of width `width` (ReLU on all but the
+// last), trained with SGD on the squared error against a target.
+class Mlp {
+  public:
+    Mlp(Device& dev, int layers, int batch, int width, uint32_t seed);
+    Mlp(const Mlp&) = delete;
+    Mlp& operator=(const Mlp&) = delete;
+
+    int layers() const { return static_cast<int>(layer_.size()); }
+    LinearLayer& layer(int i) { return layer_[i]; }
+    std::vector<float> weights(int i) { return fetch<float>(dev_, w_[i].get(), w_[i].bytes() / 4); }
+    std::vector<float> biases(int i) { return fetch<float>(dev_, b_[i].get(), b_[i].bytes() / 4); }
+
+    // One eager step: forward, loss grad, backward, SGD. Returns the grads.
+    StepGrads eager_step(const float* x, const float* target, float lr);
+
+    // Registers every layer as a callable of `session` (before capture).
+    void register_layers(graphed_session* session, const float* sample_x);
+    // One graphed step through a captured session: replays, SGD with the
+    // returned grads (whatever their policy), release of clones. With
+    // `side` the replays run on the device's side stream.
+    StepGrads graphed_step(graphed_session* session, const float* x, const float* target, float lr, bool side = false);
+
+  private:
+    Device& dev_;
+    int batch_, width_;
+    std::vector<LinearLayer> layer_;
+    std::vector<Buffer> w_, b_;
+    // Eager activations and grads.
+    std::vector<Buffer> z_, y_, gz_, gx_, gw_, gb_;
+    Buffer gy_;
+};
+
+}  // namespace kit

@@ -1,0 +1,332 @@
+//! The static buffers of a session and where they live: the logical buffers
+//! each captured instance needs (static inputs, outputs, grad-outputs,
+//! grad-inputs and one parameter-grad slab), the slot layout inside each
+//! slab, and their placement in the session's one static allocation.
+//!
+//! All parameter-grad slots of an instance share one contiguous slab, and
+//! the CLONE slots come first in it, so that returning every cloned grad of
+//! a backward costs one copy of one span.
+
+use super::align_up;
+use super::policy::GradPolicy;
+
+/// What a logical buffer holds. C name: `graphed_buffer_role`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    Input = 0,
+    Output = 1,
+    GradOutput = 2,
+    GradInput = 3,
+    /// One entry per parameter: its slot in the parameter-grad slab.
+    ParamGrads = 4,
+}
+
+impl Role {
+    pub fn from_code(code: u32) -> crate::error::Result<Role> {
+        Ok(match code {
+            0 => Role::Input,
+            1 => Role::Output,
+            2 => Role::GradOutput,
+            3 => Role::GradInput,
+            4 => Role::ParamGrads,
+            _ => {
+                return Err(crate::error::Error::invalid(format!(
+                    "role: {code} is not a graphed_buffer_role value"
+                )))
+            }
+        })
+    }
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Input => "input",
+            Role::Output => "output",
+            Role::GradOutput => "grad-output",
+            Role::GradInput => "grad-input",
+            Role::ParamGrads => "param-grad slab",
+        }
+    }
+}
+
+/// One logical static buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferDesc {
+    /// Index of the captured instance (callable x microbatch) it belongs to.
+    pub instance: usize,
+    pub role: Role,
+    /// Index of the input/output it is for (0 for the slab).
+    pub index: usize,
+    pub bytes: usize,
+}
+
+/// Sizes and flags of one instance, as the layout needs them.
+#[derive(Clone, Debug, Default)]
+pub struct InstanceShape {
+    /// (bytes, requires_grad) per input.
+    pub inputs: Vec<(usize, bool)>,
+    /// (bytes, requires_grad) per output.
+    pub outputs: Vec<(usize, bool)>,
+    /// Per parameter: None without a gradient, else (bytes, frozen policy).
+    pub params: Vec<Option<(usize, GradPolicy)>>,
+}
+
+/// One parameter's slot in its slab; offset from the slab's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlabSlot {
+    pub offset: usize,
+    pub bytes: usize,
+    pub policy: GradPolicy,
+}
+
+/// The slot layout of one instance's parameter-grad slab.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Slab {
+    pub bytes: usize,
+    /// One entry per parameter, None where the parameter takes no gradient.
+    pub slots: Vec<Option<SlabSlot>>,
+    /// The span [start, end) covering every CLONE slot: one copy returns them all.
+    pub clone_span: Option<(usize, usize)>,
+}
+
+/// Policy order inside a slab: CLONE first (so clones form one span), then
+/// the others.
+fn group(p: GradPolicy) -> u8 {
+    match p {
+        GradPolicy::Clone => 0,
+        GradPolicy::Alias => 1,
+        GradPolicy::CopyInto => 2,
+        GradPolicy::AccumulateInto => 3,
+        GradPolicy::Default => 4,
+    }
+}
+
+/// Lays out one slab: slots grouped by policy (CLONE first), in registration
+/// order within a group, each aligned.
+pub fn slab_layout(params: &[Option<(usize, GradPolicy)>]) -> Slab {
+    let mut order: Vec<usize> = (0..params.len()).filter(|&i| params[i].is_some()).collect();
+    order.sort_by_key(|&i| (params[i].map(|(_, p)| group(p)), i));
+    let mut slots = vec![None; params.len()];
+    let mut offset = 0;
+    let mut clone_span: Option<(usize, usize)> = None;
+    for i in order {
+        let Some((bytes, policy)) = params[i] else {
+            continue;
+        };
+        slots[i] = Some(SlabSlot {
+            offset,
+            bytes,
+            policy,
+        });
+        if policy == GradPolicy::Clone {
+            let start = clone_span.map_or(offset, |(s, _)| s);
+            clone_span = Some((start, offset + bytes));
+        }
+        offset += align_up(bytes);
+    }
+    Slab {
+        bytes: offset,
+        slots,
+        clone_span,
+    }
+}
+
+/// The logical buffers of one instance, by id into `Layout::buffers`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InstanceBuffers {
+    pub inputs: Vec<usize>,
+    pub outputs: Vec<usize>,
+    pub grad_outputs: Vec<Option<usize>>,
+    pub grad_inputs: Vec<Option<usize>>,
+    pub slab: Option<usize>,
+    pub slab_layout: Slab,
+}
+
+/// Every logical static buffer of a session.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Layout {
+    pub buffers: Vec<BufferDesc>,
+    pub instances: Vec<InstanceBuffers>,
+}
+
+/// The logical buffers of a list of instances.
+pub fn layout(shapes: &[InstanceShape]) -> Layout {
+    let mut buffers = Vec::new();
+    let mut add = |instance, role, index, bytes| {
+        buffers.push(BufferDesc {
+            instance,
+            role,
+            index,
+            bytes,
+        });
+        buffers.len() - 1
+    };
+    let mut instances = Vec::with_capacity(shapes.len());
+    for (n, s) in shapes.iter().enumerate() {
+        let inputs = s
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, &(b, _))| add(n, Role::Input, i, b))
+            .collect();
+        let outputs = s
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(i, &(b, _))| add(n, Role::Output, i, b))
+            .collect();
+        let grad_outputs = s
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(i, &(b, g))| g.then(|| add(n, Role::GradOutput, i, b)))
+            .collect();
+        let grad_inputs = s
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, &(b, g))| g.then(|| add(n, Role::GradInput, i, b)))
+            .collect();
+        let slab_layout = slab_layout(&s.params);
+        let slab = (slab_layout.bytes > 0).then(|| add(n, Role::ParamGrads, 0, slab_layout.bytes));
+        instances.push(InstanceBuffers {
+            inputs,
+            outputs,
+            grad_outputs,
+            grad_inputs,
+            slab,
+            slab_layout,
+        });
+    }
+    Layout { buffers, instances }
+}
+
+/// Where each logical buffer lives in the static allocation.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Placement {
+    /// Offset of each buffer, by buffer id.
+    pub offsets: Vec<usize>,
+    /// Size of the static allocation.
+    pub total_bytes: usize,
+}
+
+impl Placement {
+    /// Every buffer in its own memory: no two buffers overlap.
+    pub fn disjoint(buffers: &[BufferDesc]) -> Placement {
+        let mut offsets = Vec::with_capacity(buffers.len());
+        let mut total = 0;
+        for b in buffers {
+            offsets.push(total);
+            total += align_up(b.bytes.max(1));
+        }
+        Placement {
+            offsets,
+            total_bytes: total,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use GradPolicy::*;
+
+    #[test]
+    fn clone_slots_come_first_and_form_one_span() {
+        let params = [
+            Some((100, Alias)),
+            Some((512, Clone)),
+            None,
+            Some((300, Clone)),
+            Some((64, AccumulateInto)),
+        ];
+        let slab = slab_layout(&params);
+        let s = |i: usize| slab.slots[i].unwrap();
+        assert_eq!(s(1).offset, 0);
+        assert_eq!(s(3).offset, 512);
+        assert_eq!(slab.clone_span, Some((0, 512 + 300)));
+        assert_eq!(s(0).offset, 512 + 512);
+        assert_eq!(s(4).offset, 512 + 512 + 256);
+        assert!(slab.slots[2].is_none());
+        assert_eq!(slab.bytes, 512 + 512 + 256 + 256);
+        for slot in slab.slots.iter().flatten() {
+            assert_eq!(slot.offset % crate::core::ALIGN, 0);
+        }
+    }
+
+    #[test]
+    fn no_clone_slots_no_span() {
+        let slab = slab_layout(&[Some((8, Alias)), Some((8, CopyInto))]);
+        assert_eq!(slab.clone_span, None);
+        assert_eq!(slab_layout(&[]).bytes, 0);
+    }
+
+    #[test]
+    fn slots_never_overlap() {
+        let params: Vec<_> = (0..40)
+            .map(|i| match i % 5 {
+                0 => None,
+                1 => Some((i * 37 + 1, Clone)),
+                2 => Some((i * 11 + 3, Alias)),
+                3 => Some((i * 5 + 7, CopyInto)),
+                _ => Some((i * 3 + 2, Clone)),
+            })
+            .collect();
+        let slab = slab_layout(&params);
+        let mut spans: Vec<_> = slab
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| (s.offset, s.offset + s.bytes))
+            .collect();
+        spans.sort();
+        for w in spans.windows(2) {
+            assert!(w[0].1 <= w[1].0, "{w:?} overlap");
+        }
+        let (a, b) = slab.clone_span.unwrap();
+        let clones: usize = slab
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.policy == Clone)
+            .count();
+        let inside = slab
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.offset >= a && s.offset + s.bytes <= b)
+            .count();
+        assert_eq!(
+            clones, inside,
+            "the clone span holds exactly the clone slots"
+        );
+    }
+
+    #[test]
+    fn layout_creates_buffers_for_grads_only_where_needed() {
+        let shape = InstanceShape {
+            inputs: vec![(64, true), (32, false)],
+            outputs: vec![(128, true), (16, false)],
+            params: vec![Some((256, Clone))],
+        };
+        let l = layout(&[shape.clone(), shape]);
+        assert_eq!(l.instances.len(), 2);
+        let i0 = &l.instances[0];
+        assert_eq!(i0.grad_inputs[1], None);
+        assert!(i0.grad_inputs[0].is_some());
+        assert_eq!(i0.grad_outputs[1], None);
+        assert_eq!(l.buffers.len(), 2 * (2 + 2 + 1 + 1 + 1));
+        let p = Placement::disjoint(&l.buffers);
+        for (i, b) in l.buffers.iter().enumerate() {
+            for (j, c) in l.buffers.iter().enumerate() {
+                if i < j {
+                    let (a0, a1) = (p.offsets[i], p.offsets[i] + b.bytes);
+                    let (b0, b1) = (p.offsets[j], p.offsets[j] + c.bytes);
+                    assert!(a1 <= b0 || b1 <= a0);
+                }
+            }
+        }
+    }
+}

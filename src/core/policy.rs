@@ -1,0 +1,241 @@
+//! Grad-return policies: how the gradient of each parameter slot is handed
+//! back after a backward replay, decided once at capture from the session
+//! option, the parameter's flags and an explicit override, and never re-read.
+
+use super::dtype::DType;
+use crate::error::{Error, Result};
+
+/// How a parameter gradient is returned. C name: `graphed_grad_policy`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GradPolicy {
+    /// No explicit choice: decided at capture (CLONE, or ALIAS for
+    /// delayed-wgrad parameters and when the session opts out of clones).
+    Default = 0,
+    /// A fresh buffer the caller owns (released with graphed_buffer_release).
+    Clone = 1,
+    /// The static buffer itself: valid until this callable's next backward
+    /// (or weight-grad) replay overwrites it.
+    Alias = 2,
+    /// Copied into a caller buffer given at replay; no allocation.
+    CopyInto = 3,
+    /// Added into a caller buffer given at replay (f32, f16, bf16).
+    AccumulateInto = 4,
+}
+
+impl GradPolicy {
+    pub fn from_code(code: u32, what: &str) -> Result<GradPolicy> {
+        Ok(match code {
+            0 => GradPolicy::Default,
+            1 => GradPolicy::Clone,
+            2 => GradPolicy::Alias,
+            3 => GradPolicy::CopyInto,
+            4 => GradPolicy::AccumulateInto,
+            _ => {
+                return Err(Error::invalid(format!(
+                    "{what}: {code} is not a graphed_grad_policy value"
+                )))
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GradPolicy::Default => "DEFAULT",
+            GradPolicy::Clone => "CLONE",
+            GradPolicy::Alias => "ALIAS",
+            GradPolicy::CopyInto => "COPY_INTO",
+            GradPolicy::AccumulateInto => "ACCUMULATE_INTO",
+        }
+    }
+
+    /// Whether replay needs a caller destination for this policy.
+    pub fn needs_destination(self) -> bool {
+        matches!(self, GradPolicy::CopyInto | GradPolicy::AccumulateInto)
+    }
+}
+
+/// Parameter flags (bit set). C name: `graphed_param_flags`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamFlags {
+    None = 0,
+    /// The parameter's real gradient is produced elsewhere (delayed
+    /// weight-gradient, Transformer Engine's skip_backward_post_hook): its
+    /// returned grad keeps aliasing the static buffer by default.
+    DelayedWgrad = 1,
+}
+
+/// Every flag bit this version knows.
+pub(crate) const KNOWN_PARAM_FLAGS: u32 = ParamFlags::DelayedWgrad as u32;
+
+/// A parameter as registered, copied out of the caller's descriptor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    pub data: u64,
+    pub bytes: usize,
+    pub dtype: DType,
+    pub requires_grad: bool,
+    pub flags: u32,
+    pub policy: GradPolicy,
+}
+
+impl ParamSpec {
+    pub fn delayed_wgrad(&self) -> bool {
+        self.flags & ParamFlags::DelayedWgrad as u32 != 0
+    }
+
+    /// Checks what can be checked at registration, so that resolution at
+    /// capture cannot fail.
+    pub fn validate(&self, what: &str) -> Result<()> {
+        if self.flags & !KNOWN_PARAM_FLAGS != 0 {
+            return Err(Error::invalid(format!(
+                "{what}.flags has unknown bits 0x{:x}",
+                self.flags & !KNOWN_PARAM_FLAGS
+            )));
+        }
+        if self.bytes == 0 {
+            return Err(Error::invalid(format!("{what}.bytes is 0")));
+        }
+        if self.bytes % self.dtype.size() != 0 {
+            return Err(Error::invalid(format!(
+                "{what}.bytes ({}) is not a multiple of the {} element size ({})",
+                self.bytes,
+                self.dtype.name(),
+                self.dtype.size()
+            )));
+        }
+        if self.policy == GradPolicy::AccumulateInto && !self.dtype.accumulable() {
+            return Err(Error::invalid(format!(
+                "{what}: ACCUMULATE_INTO supports f32, f16 and bf16 parameters, not {}",
+                self.dtype.name()
+            )));
+        }
+        if !self.requires_grad && self.policy != GradPolicy::Default {
+            return Err(Error::invalid(format!(
+                "{what} has requires_grad = false but an explicit grad policy ({})",
+                self.policy.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The policy of one parameter slot: `None` when the parameter takes no
+/// gradient. An explicit policy wins; then delayed-wgrad parameters alias;
+/// then the session option (clone by default, alias when opted out).
+pub fn resolve(clone_param_grads_on_return: bool, p: &ParamSpec) -> Option<GradPolicy> {
+    if !p.requires_grad {
+        return None;
+    }
+    Some(match p.policy {
+        GradPolicy::Default if p.delayed_wgrad() => GradPolicy::Alias,
+        GradPolicy::Default if !clone_param_grads_on_return => GradPolicy::Alias,
+        GradPolicy::Default => GradPolicy::Clone,
+        explicit => explicit,
+    })
+}
+
+/// The frozen policies of one callable's parameters, one per parameter in
+/// registration order.
+pub fn snapshot(
+    clone_param_grads_on_return: bool,
+    params: &[ParamSpec],
+) -> Vec<Option<GradPolicy>> {
+    params
+        .iter()
+        .map(|p| resolve(clone_param_grads_on_return, p))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(flags: u32, policy: GradPolicy) -> ParamSpec {
+        ParamSpec {
+            data: 0x1000,
+            bytes: 64,
+            dtype: DType::F32,
+            requires_grad: true,
+            flags,
+            policy,
+        }
+    }
+
+    #[test]
+    fn default_clones_and_delayed_wgrad_aliases() {
+        assert_eq!(
+            resolve(true, &param(0, GradPolicy::Default)),
+            Some(GradPolicy::Clone)
+        );
+        assert_eq!(
+            resolve(true, &param(1, GradPolicy::Default)),
+            Some(GradPolicy::Alias)
+        );
+    }
+
+    #[test]
+    fn opt_out_aliases_everything_without_an_explicit_policy() {
+        assert_eq!(
+            resolve(false, &param(0, GradPolicy::Default)),
+            Some(GradPolicy::Alias)
+        );
+        assert_eq!(
+            resolve(false, &param(0, GradPolicy::Clone)),
+            Some(GradPolicy::Clone)
+        );
+        assert_eq!(
+            resolve(false, &param(0, GradPolicy::AccumulateInto)),
+            Some(GradPolicy::AccumulateInto)
+        );
+    }
+
+    #[test]
+    fn explicit_policy_wins_over_flags() {
+        assert_eq!(
+            resolve(true, &param(1, GradPolicy::CopyInto)),
+            Some(GradPolicy::CopyInto)
+        );
+        assert_eq!(
+            resolve(true, &param(1, GradPolicy::Clone)),
+            Some(GradPolicy::Clone)
+        );
+    }
+
+    #[test]
+    fn no_grad_means_no_slot() {
+        let mut p = param(0, GradPolicy::Default);
+        p.requires_grad = false;
+        assert_eq!(resolve(true, &p), None);
+    }
+
+    #[test]
+    fn snapshot_is_a_copy_not_a_view() {
+        let mut params = vec![param(0, GradPolicy::Default), param(1, GradPolicy::Default)];
+        let snap = snapshot(true, &params);
+        params[0].flags = 1;
+        params[1].flags = 0;
+        assert_eq!(snap, vec![Some(GradPolicy::Clone), Some(GradPolicy::Alias)]);
+        assert_eq!(
+            snapshot(true, &params),
+            vec![Some(GradPolicy::Alias), Some(GradPolicy::Clone)]
+        );
+    }
+
+    #[test]
+    fn validation_catches_bad_descriptors() {
+        assert!(param(0, GradPolicy::Default).validate("p").is_ok());
+        assert!(param(4, GradPolicy::Default).validate("p").is_err());
+        let mut p = param(0, GradPolicy::AccumulateInto);
+        p.dtype = DType::I32;
+        assert!(p.validate("p").is_err());
+        let mut p = param(0, GradPolicy::Default);
+        p.bytes = 6;
+        assert!(p.validate("p").is_err());
+        let mut p = param(0, GradPolicy::Clone);
+        p.requires_grad = false;
+        assert!(p.validate("p").is_err());
+        assert!(GradPolicy::from_code(5, "x").is_err());
+    }
+}

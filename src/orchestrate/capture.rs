@@ -1,0 +1,440 @@
+//! Warmup and capture. Passes run in one order for warmup and capture (all
+//! forwards in registration order, then all backwards in reverse, each
+//! weight-grad right after its backward), eagerly on a side stream for the
+//! warmup iterations, then once each under stream capture into its own
+//! graph. Per-callable hooks run around every callback, outside capture.
+//! Every device resource is owned by the `Captured` under construction, so
+//! an error anywhere releases all of it.
+
+use crate::backend::{CaptureEnd, DevPtr, MemCounters};
+use crate::core::layout::{layout, InstanceShape, Placement};
+use crate::core::policy::{snapshot, GradPolicy};
+use crate::error::{Error, PassKind, Result};
+use std::cell::Cell;
+
+use super::scratch::Scratch;
+use super::session::{Captured, Instance, Session};
+use super::spec::{HookPoint, LogLevel, PassView, Phase};
+
+/// One pass of one instance, in warmup/capture order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PassRef {
+    pub instance: usize,
+    pub kind: PassKind,
+}
+
+/// The default order: forwards in registration order, backwards in
+/// reverse, each weight-grad right after its backward.
+fn default_order(has_wgrad: &[bool]) -> Vec<PassRef> {
+    let n = has_wgrad.len();
+    let mut order: Vec<PassRef> = (0..n)
+        .map(|i| PassRef {
+            instance: i,
+            kind: PassKind::Forward,
+        })
+        .collect();
+    for i in (0..n).rev() {
+        order.push(PassRef {
+            instance: i,
+            kind: PassKind::Backward,
+        });
+        if has_wgrad[i] {
+            order.push(PassRef {
+                instance: i,
+                kind: PassKind::Wgrad,
+            });
+        }
+    }
+    order
+}
+
+/// Builds the instances (static buffers, frozen policies) of a session.
+fn build_instances(s: &Session, cap: &mut Captured) -> Result<(Vec<Instance>, Vec<bool>)> {
+    let microbatches = 1u32;
+    let mut shapes = Vec::new();
+    let mut owners = Vec::new();
+    for (c, spec) in s.callables.iter().enumerate() {
+        let policies = snapshot(s.opts.clone_param_grads_on_return, &spec.params);
+        for mb in 0..microbatches {
+            shapes.push(InstanceShape {
+                inputs: spec
+                    .inputs
+                    .iter()
+                    .map(|t| (t.bytes, t.requires_grad))
+                    .collect(),
+                outputs: spec
+                    .outputs
+                    .iter()
+                    .map(|t| (t.bytes, t.requires_grad))
+                    .collect(),
+                params: spec
+                    .params
+                    .iter()
+                    .zip(&policies)
+                    .map(|(p, pol)| pol.map(|pol| (p.bytes, pol)))
+                    .collect(),
+            });
+            owners.push((c, mb));
+        }
+    }
+    let layout = layout(&shapes);
+    let placement = Placement::disjoint(&layout.buffers);
+
+    cap.statics = s.backend.alloc(placement.total_bytes)?;
+    cap.statics_bytes = placement.total_bytes;
+    MemCounters::add(&cap.counters.static_bytes, placement.total_bytes);
+    let base = cap.statics;
+    let at = |id: usize| base + placement.offsets[id] as DevPtr;
+    let opt = |id: Option<usize>| id.map_or(0, at);
+
+    let mut instances = Vec::with_capacity(shapes.len());
+    let mut wgrad = Vec::with_capacity(shapes.len());
+    cap.by_callable = vec![Vec::new(); s.callables.len()];
+    for (n, ((c, mb), ib)) in owners.into_iter().zip(&layout.instances).enumerate() {
+        let spec = &s.callables[c];
+        let slab_base = opt(ib.slab);
+        let slots = ib.slab_layout.slots.clone();
+        instances.push(Instance {
+            callable: c,
+            microbatch: mb,
+            inputs: ib.inputs.iter().map(|&b| at(b)).collect(),
+            outputs: ib.outputs.iter().map(|&b| at(b)).collect(),
+            grad_outputs: ib.grad_outputs.iter().map(|&b| opt(b)).collect(),
+            grad_inputs: ib.grad_inputs.iter().map(|&b| opt(b)).collect(),
+            params: spec.params.iter().map(|p| p.data).collect(),
+            param_grads: slots
+                .iter()
+                .map(|sl| sl.map_or(0, |sl| slab_base + sl.offset as DevPtr))
+                .collect(),
+            param_dtypes: spec.params.iter().map(|p| p.dtype).collect(),
+            clone_count: slots
+                .iter()
+                .flatten()
+                .filter(|sl| sl.policy == GradPolicy::Clone)
+                .count(),
+            slots,
+            slab_base,
+            clone_span: ib.slab_layout.clone_span,
+            fwd: None,
+            bwd: None,
+            wgrad: None,
+            check_fwd: Vec::new(),
+            check_bwd: Vec::new(),
+            check_wgrad: Vec::new(),
+            lease_out: Vec::new(),
+            lease_gin: Vec::new(),
+            lease_param: Vec::new(),
+        });
+        wgrad.push(spec.callbacks.has_wgrad());
+        cap.by_callable[c].push(n);
+    }
+
+    if s.opts.strict_leases {
+        for (inst, ib) in instances.iter_mut().zip(&layout.instances) {
+            let name = &s.callables[inst.callable].name;
+            let who = |what: String| {
+                format!(
+                    "{what} of callable '{name}' (microbatch {})",
+                    inst.microbatch
+                )
+            };
+            inst.lease_out = ib
+                .outputs
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| cap.leases.add_slot(who(format!("output {i}")), b))
+                .collect();
+            inst.lease_gin = ib
+                .grad_inputs
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    b.map(|b| {
+                        cap.leases
+                            .add_slot(who(format!("the grad of input {i}")), b)
+                    })
+                })
+                .collect();
+            inst.lease_param = inst
+                .slots
+                .iter()
+                .enumerate()
+                .map(|(i, sl)| match (sl, ib.slab) {
+                    (Some(sl), Some(slab)) if sl.policy == GradPolicy::Alias => Some(
+                        cap.leases
+                            .add_slot(who(format!("the grad of param {i}")), slab),
+                    ),
+                    _ => None,
+                })
+                .collect();
+        }
+        for ((inst, ib), &has_w) in instances.iter_mut().zip(&layout.instances).zip(&wgrad) {
+            let mut fwd: Vec<usize> = ib.inputs.clone();
+            fwd.extend(&ib.outputs);
+            let mut bwd: Vec<usize> = ib.grad_outputs.iter().flatten().copied().collect();
+            bwd.extend(ib.grad_inputs.iter().flatten());
+            let slab: Vec<usize> = ib.slab.into_iter().collect();
+            if !has_w {
+                bwd.extend(&slab);
+            }
+            inst.check_fwd = cap.leases.slots_in(&fwd);
+            inst.check_bwd = cap.leases.slots_in(&bwd);
+            inst.check_wgrad = cap.leases.slots_in(&slab);
+        }
+    }
+    Ok((instances, wgrad))
+}
+
+fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
+    match (phase, hook) {
+        (Phase::Warmup, None) => "warmup",
+        (Phase::Capture, None) => "capture",
+        (Phase::Warmup, Some(HookPoint::Pre)) => "the pre-hook before a warmup pass",
+        (Phase::Warmup, Some(HookPoint::Post)) => "the post-hook after a warmup pass",
+        (Phase::Capture, Some(HookPoint::Pre)) => "the pre-hook before a capture",
+        (Phase::Capture, Some(HookPoint::Post)) => "the post-hook after a capture",
+    }
+}
+
+struct Runner<'a> {
+    s: &'a Session,
+    cap: &'a mut Captured,
+    scratch: &'a Scratch,
+}
+
+impl Runner<'_> {
+    fn failed(&self, p: PassRef, phase: Phase, hook: Option<HookPoint>, code: i32) -> Error {
+        let inst = &self.cap.instances[p.instance];
+        Error::CallbackFailed {
+            callable: self.s.callables[inst.callable].name.clone(),
+            pass: p.kind,
+            microbatch: inst.microbatch,
+            phase: phase_label(phase, hook),
+            code,
+        }
+    }
+
+    /// Runs the hooks and the callback of one pass; under `Phase::Capture`
+    /// the callback alone is captured into a graph.
+    fn run(&mut self, p: PassRef, phase: Phase, iteration: u32) -> Result<()> {
+        let spec = &self.s.callables[self.cap.instances[p.instance].callable];
+        let graph = {
+            let view = view(self.cap, self.scratch, p, phase, iteration);
+            self.scratch.set_context(format!(
+                "the {} callback of callable '{}' (microbatch {}) during {}",
+                p.kind,
+                spec.name,
+                view.microbatch,
+                phase.name()
+            ));
+            spec.callbacks
+                .hook(HookPoint::Pre, &view)
+                .map_err(|c| self.failed(p, phase, Some(HookPoint::Pre), c))?;
+            if phase == Phase::Warmup {
+                let ran = spec.callbacks.run(&view);
+                if let Some(e) = self.scratch.take_failure() {
+                    return Err(e);
+                }
+                ran.map_err(|c| self.failed(p, phase, None, c))?;
+                None
+            } else {
+                let backend = &self.s.backend;
+                backend.begin_capture(view.stream, self.s.opts.capture_mode)?;
+                let ran = spec.callbacks.run(&view);
+                let ended = backend.end_capture(view.stream);
+                if let Some(e) = self.scratch.take_failure() {
+                    return Err(e);
+                }
+                match (ran, ended) {
+                    (Err(code), _) => return Err(self.failed(p, phase, None, code)),
+                    (Ok(()), Err(e)) => return Err(e),
+                    (Ok(()), Ok(CaptureEnd::Invalidated(detail))) => {
+                        return Err(Error::CaptureInvalidated {
+                            callable: spec.name.clone(),
+                            pass: p.kind,
+                            microbatch: view.microbatch,
+                            detail,
+                        })
+                    }
+                    (Ok(()), Ok(CaptureEnd::Graph(g))) => Some(g),
+                }
+            }
+        };
+        if let Some(g) = graph {
+            let inst = &mut self.cap.instances[p.instance];
+            match p.kind {
+                PassKind::Forward => inst.fwd = Some(g),
+                PassKind::Backward => inst.bwd = Some(g),
+                PassKind::Wgrad => inst.wgrad = Some(g),
+            }
+            self.cap.graph_count += 1;
+        }
+        let view = view(self.cap, self.scratch, p, phase, iteration);
+        spec.callbacks
+            .hook(HookPoint::Post, &view)
+            .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))
+    }
+}
+
+/// What the callbacks of pass `p` see.
+fn view<'a>(
+    cap: &'a Captured,
+    scratch: &'a Scratch,
+    p: PassRef,
+    phase: Phase,
+    iteration: u32,
+) -> PassView<'a> {
+    let inst = &cap.instances[p.instance];
+    PassView {
+        callable: inst.callable as u32,
+        microbatch: inst.microbatch,
+        pass: p.kind,
+        phase,
+        iteration,
+        stream: cap.side,
+        inputs: &inst.inputs,
+        params: &inst.params,
+        outputs: &inst.outputs,
+        grad_outputs: &inst.grad_outputs,
+        grad_inputs: &inst.grad_inputs,
+        param_grads: &inst.param_grads,
+        tape: cap.tapes[p.instance].as_ptr().cast(),
+        scratch,
+    }
+}
+
+/// Warmup and capture of every callable of `s`; see the module comment.
+pub(crate) fn capture(s: &Session) -> Result<Captured> {
+    let backend = &s.backend;
+    let mut cap = Captured::empty(backend.clone(), s.pool.clone(), s.counters.clone());
+    cap.side = backend.create_stream()?;
+    cap.ev_in = backend.create_event()?;
+    cap.ev_out = backend.create_event()?;
+    let (instances, wgrad) = build_instances(s, &mut cap)?;
+    cap.instances = instances;
+    cap.tapes = (0..cap.instances.len()).map(|_| Cell::new(0)).collect();
+
+    // Static buffers start zeroed; inputs start as the samples.
+    backend.zero(cap.statics, cap.statics_bytes, cap.side)?;
+    for inst in &cap.instances {
+        for (t, &dst) in s.callables[inst.callable].inputs.iter().zip(&inst.inputs) {
+            if t.sample != 0 {
+                backend.copy(dst, t.sample, t.bytes, cap.side)?;
+            }
+        }
+    }
+    if cap
+        .instances
+        .iter()
+        .flat_map(|i| i.slots.iter().flatten())
+        .any(|sl| sl.policy == GradPolicy::AccumulateInto)
+    {
+        backend.prepare_accumulate()?;
+    }
+
+    let order = default_order(&wgrad);
+
+    let scratch = Scratch::measuring(backend.clone());
+    let result = warmup_and_capture(s, &mut cap, &scratch, &order);
+    // Whatever happened, nothing may still run on the side stream when the
+    // scratch memory or the capture state is released.
+    let synced = backend.synchronize(cap.side);
+    drop(scratch);
+    result?;
+    synced?;
+
+    if !s.opts.clone_param_grads_on_return {
+        let aliased = cap
+            .instances
+            .iter()
+            .map(|i| {
+                let spec = &s.callables[i.callable];
+                i.slots
+                    .iter()
+                    .zip(&spec.params)
+                    .filter(|(sl, p)| {
+                        sl.is_some_and(|sl| sl.policy == GradPolicy::Alias)
+                            && p.policy == GradPolicy::Default
+                            && !p.delayed_wgrad()
+                    })
+                    .count()
+            })
+            .sum::<usize>();
+        if aliased > 0 {
+            s.log(LogLevel::Warn, || {
+                format!(
+                    "{aliased} parameter grad slot(s) return aliases because clone_param_grads_on_return is false; \
+                     each is overwritten by its callable's next backward replay"
+                )
+            });
+        }
+    }
+    Ok(cap)
+}
+
+fn warmup_and_capture(
+    s: &Session,
+    cap: &mut Captured,
+    scratch: &Scratch,
+    order: &[PassRef],
+) -> Result<()> {
+    let backend = s.backend.clone();
+    let hook = |point| -> Result<()> {
+        match &s.opts.warmup_hook {
+            Some(h) => h(point).map_err(|code| Error::CallbackFailed {
+                callable: "(session)".into(),
+                pass: PassKind::Forward,
+                microbatch: 0,
+                phase: if point == HookPoint::Pre {
+                    "the pre-warmup hook"
+                } else {
+                    "the post-warmup hook"
+                },
+                code,
+            }),
+            None => Ok(()),
+        }
+    };
+    let mut runner = Runner { s, cap, scratch };
+    hook(HookPoint::Pre)?;
+    let iterations = s.opts.warmup_iterations;
+    for it in 0..iterations {
+        if it > 0 {
+            scratch.restart();
+        }
+        for &p in order {
+            runner.run(p, Phase::Warmup, it)?;
+        }
+        if it == 0 {
+            use_measured_arena(s, runner.cap, scratch)?;
+        }
+    }
+    if iterations == 0 {
+        use_measured_arena(s, runner.cap, scratch)?;
+    }
+    hook(HookPoint::Post)?;
+    backend.synchronize(runner.cap.side)?;
+    s.log(LogLevel::Debug, || {
+        format!(
+            "warmup done: {iterations} iteration(s), scratch arena {} bytes",
+            runner.cap.arena.1
+        )
+    });
+
+    scratch.restart();
+    for &p in order {
+        runner.run(p, Phase::Capture, iterations)?;
+    }
+    Ok(())
+}
+
+/// After the first warmup iteration: the real scratch allocations go, and
+/// an arena of the measured size from the pool takes over.
+fn use_measured_arena(s: &Session, cap: &mut Captured, scratch: &Scratch) -> Result<()> {
+    s.backend.synchronize(cap.side)?;
+    let (base, size) = s.pool.acquire(scratch.high_water())?;
+    cap.arena = (base, size);
+    MemCounters::add(&cap.counters.scratch_bytes, size);
+    scratch.use_arena(base, size);
+    Ok(())
+}

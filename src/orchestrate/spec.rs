@@ -1,0 +1,168 @@
+//! What the caller registers and configures: session options, callables
+//! (tensors, parameters, callbacks), and the view a callback gets of the
+//! static buffers of the pass it records.
+
+use crate::backend::{CaptureMode, DevPtr, StreamRef};
+use crate::core::dtype::DType;
+use crate::core::policy::ParamSpec;
+use crate::error::{PassKind, Result};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use super::scratch::Scratch;
+
+/// A static input or output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub bytes: usize,
+    pub dtype: DType,
+    pub shape: Vec<i64>,
+    /// Inputs: a grad-input buffer is made. Outputs: a grad-output buffer is made.
+    pub requires_grad: bool,
+    /// Inputs: device pointer to sample data copied into the static input
+    /// before warmup (0: the static input starts zeroed).
+    pub sample: DevPtr,
+}
+
+/// Whether a callback runs eagerly in warmup or under stream capture.
+/// C name: `graphed_phase`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Warmup = 0,
+    Capture = 1,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Warmup => "warmup",
+            Phase::Capture => "capture",
+        }
+    }
+}
+
+/// Before or after a callback (per-callable hooks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HookPoint {
+    Pre,
+    Post,
+}
+
+/// What a callback sees: the stream to enqueue on and the static buffers of
+/// its instance. Arrays hold 0 where a buffer does not exist.
+pub struct PassView<'a> {
+    pub callable: u32,
+    pub microbatch: u32,
+    pub pass: PassKind,
+    pub phase: Phase,
+    pub iteration: u32,
+    pub stream: StreamRef,
+    pub inputs: &'a [DevPtr],
+    pub params: &'a [DevPtr],
+    pub outputs: &'a [DevPtr],
+    pub grad_outputs: &'a [DevPtr],
+    pub grad_inputs: &'a [DevPtr],
+    pub param_grads: &'a [DevPtr],
+    /// One pointer-sized slot per instance, shared by its passes: forward
+    /// may leave a pointer there for backward.
+    pub tape: *mut *mut c_void,
+    pub scratch: &'a Scratch,
+}
+
+/// The callbacks of one callable. Errors are the callback's own code.
+pub trait PassCallbacks: Send {
+    fn run(&self, view: &PassView) -> std::result::Result<(), i32>;
+    fn has_wgrad(&self) -> bool;
+    fn hook(&self, point: HookPoint, view: &PassView) -> std::result::Result<(), i32>;
+}
+
+/// A registered callable.
+pub struct CallableSpec {
+    pub name: String,
+    pub inputs: Vec<TensorSpec>,
+    pub params: Vec<ParamSpec>,
+    pub outputs: Vec<TensorSpec>,
+    pub callbacks: Box<dyn PassCallbacks>,
+}
+
+/// Allocator for returned clones (the caller's, e.g. PyTorch's caching
+/// allocator). Errors are the callback's code.
+pub trait CloneAllocator: Send + Sync {
+    fn alloc(&self, bytes: usize, stream: StreamRef) -> std::result::Result<DevPtr, i32>;
+    fn free(&self, ptr: DevPtr, bytes: usize, stream: StreamRef);
+}
+
+/// Severity of a log message. C name: `graphed_log_level`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Error = 0,
+    Warn = 1,
+    Info = 2,
+    Debug = 3,
+}
+
+impl LogLevel {
+    pub fn from_code(code: u32) -> Result<LogLevel> {
+        Ok(match code {
+            0 => LogLevel::Error,
+            1 => LogLevel::Warn,
+            2 => LogLevel::Info,
+            3 => LogLevel::Debug,
+            _ => {
+                return Err(crate::error::Error::invalid(format!(
+                    "log_level: {code} is not a graphed_log_level value"
+                )))
+            }
+        })
+    }
+}
+
+pub type Logger = Box<dyn Fn(LogLevel, &str) + Send>;
+pub type SessionHook = Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>;
+
+/// Session options, fixed at creation.
+pub struct SessionOptions {
+    pub warmup_iterations: u32,
+    pub clone_param_grads_on_return: bool,
+    pub strict_leases: bool,
+    pub capture_mode: CaptureMode,
+    pub allocator: Option<Arc<dyn CloneAllocator>>,
+    pub log: Option<Logger>,
+    pub log_level: LogLevel,
+    /// Runs before the first and after the last warmup iteration.
+    pub warmup_hook: Option<SessionHook>,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            warmup_iterations: 3,
+            clone_param_grads_on_return: true,
+            strict_leases: false,
+            capture_mode: CaptureMode::Global,
+            allocator: None,
+            log: None,
+            log_level: LogLevel::Warn,
+            warmup_hook: None,
+        }
+    }
+}
+
+/// Arguments of a replay call.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReplayArgs<'a> {
+    pub callable: u32,
+    pub microbatch: u32,
+    /// The caller's stream: the replay is ordered on it.
+    pub stream: StreamRef,
+    /// Optional: launch there instead, synced with `stream` by events.
+    pub side_stream: Option<StreamRef>,
+    /// New data for the static inputs (forward) or grad-outputs (backward);
+    /// None: they are already in the static buffers.
+    pub data: Option<&'a [DevPtr]>,
+    /// Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
+    /// per parameter (0 where the slot has another policy).
+    pub param_dsts: Option<&'a [DevPtr]>,
+}
