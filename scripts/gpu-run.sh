@@ -16,7 +16,9 @@ build="$root/build-gpu"
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$nvcc" --version | tail -2
-echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+# The machine gets a copy of the working tree without history: the caller
+# passes the commit in GRAPHED_COMMIT.
+echo "commit: ${GRAPHED_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 echo "== configure + build"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -30,3 +32,6 @@ echo "== ctest"
 cp "$build/Testing/Temporary/LastTest.log" "$out/LastTest.log" 2>/dev/null || true
 bash scripts/skip-report.sh "$build"
 grep -E "tests passed|tests failed" "$out/ctest.log"
+
+echo "== demo"
+"$build/examples/mlp_demo" 2>&1 | tee "$out/demo.log" | tail -30

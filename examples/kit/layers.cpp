@@ -159,6 +159,13 @@ StepGrads Mlp::eager_step(const float* x, const float* target, float lr) {
     return out;
 }
 
+double Mlp::last_loss() {
+    auto d = fetch<float>(dev_, gy_.get(), gy_.bytes() / 4);
+    double sum = 0.0;
+    for (float v : d) sum += 0.5 * double(v) * double(v);
+    return sum;
+}
+
 void Mlp::register_layers(graphed_session* session, const float* sample_x) {
     for (int i = 0; i < layers(); ++i) {
         graphed_callable_desc d = layer_[i].describe(sample_x, i > 0);

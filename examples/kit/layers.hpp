@@ -64,6 +64,9 @@ class Mlp {
     // One eager step: forward, loss grad, backward, SGD. Returns the grads.
     StepGrads eager_step(const float* x, const float* target, float lr);
 
+    // 0.5 * sum((y - target)^2) of the last step.
+    double last_loss();
+
     // Registers every layer as a callable of `session` (before capture).
     void register_layers(graphed_session* session, const float* sample_x);
     // One graphed step through a captured session: replays, SGD with the

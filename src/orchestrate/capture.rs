@@ -245,17 +245,22 @@ impl Runner<'_> {
                 if let Some(e) = self.scratch.take_failure() {
                     return Err(e);
                 }
+                // An invalidated capture is the root cause even when the
+                // callback also failed (its next launch fails because of it).
                 match (ran, ended) {
-                    (Err(code), _) => return Err(self.failed(p, phase, None, code)),
-                    (Ok(()), Err(e)) => return Err(e),
-                    (Ok(()), Ok(CaptureEnd::Invalidated(detail))) => {
+                    (ran, Ok(CaptureEnd::Invalidated(mut detail))) => {
+                        if let Err(code) = ran {
+                            detail.push_str(&format!("; the callback then returned {code}"));
+                        }
                         return Err(Error::CaptureInvalidated {
                             callable: spec.name.clone(),
                             pass: p.kind,
                             microbatch: view.microbatch,
                             detail,
-                        })
+                        });
                     }
+                    (Err(code), _) => return Err(self.failed(p, phase, None, code)),
+                    (Ok(()), Err(e)) => return Err(e),
                     (Ok(()), Ok(CaptureEnd::Graph(g))) => Some(g),
                 }
             }
