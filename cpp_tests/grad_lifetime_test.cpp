@@ -8,6 +8,7 @@
 #include "support.hpp"
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -582,6 +583,152 @@ TEST_P(GradLifetime, DestroyReleasesDeviceMemory) {
         EXPECT_EQ(before, after) << "device memory must be back where it started (driver figure: " << before
                                  << " free before, " << after << " after)";
     }
+}
+
+// The caller's allocator (PyTorch's caching allocator, say) supplies the
+// clone blocks: one allocation per backward for all CLONE grads.
+struct CountingAllocator {
+    kit::Device* dev;
+    int allocs = 0, frees = 0;
+    size_t last_bytes = 0;
+    static int32_t alloc(void* ctx, size_t bytes, graphed_stream, void** out) {
+        auto* a = static_cast<CountingAllocator*>(ctx);
+        *out = a->dev->alloc(bytes);
+        ++a->allocs;
+        a->last_bytes = bytes;
+        return 0;
+    }
+    static void free(void* ctx, void* p, size_t, graphed_stream) {
+        auto* a = static_cast<CountingAllocator*>(ctx);
+        a->dev->release(p);
+        ++a->frees;
+    }
+};
+
+TEST_P(GradLifetime, ClonesComeFromTheCallersAllocator) {
+    CountingAllocator alloc{dev.get()};
+    graphed_session_config c = config();
+    c.clone_alloc = &CountingAllocator::alloc;
+    c.clone_free = &CountingAllocator::free;
+    c.allocator_ctx = &alloc;
+    SessionPtr s = captured(c);
+    ASSERT_TRUE(s);
+    Step st;
+    GRAPHED_ASSERT_OK(step(s.get(), 0, &st));
+    EXPECT_EQ(1, alloc.allocs) << "one block for both CLONE grads";
+    EXPECT_GE(alloc.last_bytes, size_t(OUT * IN * 4 + OUT * 4));
+    EXPECT_EQ(st.gp[0].owner, st.gp[1].owner);
+    EXPECT_EQ(alloc.last_bytes, stats(s.get()).clone_bytes_outstanding);
+    EXPECT_EQ(eager_wgrad(0), read(st.gp[0]));
+    GRAPHED_ASSERT_OK(graphed_buffer_release(st.gp[0].owner));
+    EXPECT_EQ(0, alloc.frees) << "the block lives while a grad references it";
+    GRAPHED_ASSERT_OK(graphed_buffer_release(st.gp[1].owner));
+    EXPECT_EQ(1, alloc.frees);
+    EXPECT_EQ(0u, stats(s.get()).clone_bytes_outstanding);
+}
+
+// Hooks run around every callback, outside capture: each one synchronizes
+// its stream, which would invalidate a capture it ran inside.
+struct HookLog {
+    kit::Device* dev;
+    std::vector<std::string> events;
+    static int32_t pre(const graphed_pass_ctx* c, void* self) { return record(c, self, "pre"); }
+    static int32_t post(const graphed_pass_ctx* c, void* self) { return record(c, self, "post"); }
+    static int32_t record(const graphed_pass_ctx* c, void* self, const char* when) {
+        auto* h = static_cast<HookLog*>(self);
+        h->dev->illegal(c->stream);
+        h->events.push_back(std::string(when) + (c->pass == GRAPHED_PASS_FORWARD ? " fwd " : " bwd ") +
+                            (c->phase == GRAPHED_PHASE_WARMUP ? "warmup" : "capture"));
+        return 0;
+    }
+    static int32_t warmup(uint32_t when, void* self) {
+        static_cast<HookLog*>(self)->events.push_back(when == 0 ? "before warmup" : "after warmup");
+        return 0;
+    }
+};
+
+TEST_P(GradLifetime, HooksRunAroundCallbacksOutsideCapture) {
+    HookLog log{dev.get()};
+    graphed_session_config c = config();
+    c.warmup_iterations = 2;
+    c.warmup_hook = &HookLog::warmup;
+    c.warmup_hook_data = &log;
+    SessionPtr s = create(c);
+    ASSERT_TRUE(s);
+    graphed_callable_desc d = layer.describe(x[0].get(), true);
+    d.pre_hook = &HookLog::pre;
+    d.post_hook = &HookLog::post;
+    d.hook_data = &log;
+    uint32_t idx = 0;
+    GRAPHED_ASSERT_OK(graphed_session_add_callable(s.get(), &d, &idx));
+    GRAPHED_ASSERT_OK(graphed_session_capture(s.get()));
+    const std::vector<std::string> want = {
+        "before warmup",
+        "pre fwd warmup", "post fwd warmup", "pre bwd warmup", "post bwd warmup",
+        "pre fwd warmup", "post fwd warmup", "pre bwd warmup", "post bwd warmup",
+        "after warmup",
+        "pre fwd capture", "post fwd capture", "pre bwd capture", "post bwd capture"};
+    EXPECT_EQ(want, log.events);
+    Step st;
+    log.events.clear();
+    GRAPHED_ASSERT_OK(step(s.get(), 0, &st));
+    EXPECT_TRUE(log.events.empty()) << "replays never call hooks";
+    release(st);
+}
+
+// Sessions sharing a pool share scratch: the second capture reuses the
+// first one's arena instead of allocating its own.
+TEST_P(GradLifetime, SharedPoolReusesScratch) {
+    SessionPtr a = captured(config());
+    ASSERT_TRUE(a);
+    graphed_session_config c = config();
+    c.share_pool_with = a.get();
+    SessionPtr b = captured(c);
+    ASSERT_TRUE(b);
+    graphed_session_stats sa = stats(a.get()), sb = stats(b.get());
+    EXPECT_GT(sa.scratch_bytes, 0u);
+    EXPECT_EQ(sa.pool_bytes, sb.pool_bytes) << "one pool";
+    EXPECT_EQ(sa.scratch_bytes, sa.pool_bytes) << "and one arena in it, used by both";
+    // Replayed in capture order, both are right.
+    Step s1, s2;
+    GRAPHED_ASSERT_OK(step(a.get(), 0, &s1));
+    GRAPHED_ASSERT_OK(step(b.get(), 1, &s2));
+    EXPECT_EQ(eager_wgrad(0), read(s1.gp[0]));
+    EXPECT_EQ(eager_wgrad(1), read(s2.gp[0]));
+    release(s1);
+    release(s2);
+    a.reset();  // the pool lives on with b
+    Step s3;
+    GRAPHED_ASSERT_OK(step(b.get(), 0, &s3));
+    EXPECT_EQ(eager_wgrad(0), read(s3.gp[0]));
+    release(s3);
+    graphed_session_config bad = config();
+    bad.share_pool_with = reinterpret_cast<graphed_session*>(&bad);
+    graphed_session* out = nullptr;
+    GRAPHED_EXPECT_STATUS(GRAPHED_STATUS_USE_AFTER_DESTROY, graphed_session_create(&bad, &out));
+}
+
+// Writing straight into the static input and passing it back as data
+// skips the copy; the replay reads what was written.
+TEST_P(GradLifetime, StaticInputPassedBackIsUsedInPlace) {
+    SessionPtr s = captured(config());
+    ASSERT_TRUE(s);
+    void* in = nullptr;
+    GRAPHED_ASSERT_OK(graphed_session_buffers(s.get(), 0, 0, GRAPHED_BUFFER_ROLE_INPUT, &in, 1));
+    auto hx = fetch<float>(*dev, x[1].get(), B * IN);
+    dev->upload(in, hx.data(), hx.size() * 4);
+    graphed_replay_args a = graphed_replay_args_default();
+    a.stream = dev->stream();
+    const void* data = in;
+    a.data = &data;
+    a.num_data = 1;
+    Step st;
+    GRAPHED_ASSERT_OK(graphed_forward(s.get(), &a, &st.out, 1));
+    const void* g = gy[1].get();
+    a.data = &g;
+    GRAPHED_ASSERT_OK(graphed_backward(s.get(), &a, &st.gin, 1, st.gp, 2));
+    EXPECT_EQ(eager_wgrad(1), read(st.gp[0]));
+    release(st);
 }
 
 GRAPHED_BACKENDS(GradLifetime);
