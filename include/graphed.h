@@ -452,6 +452,20 @@ typedef void (*graphed_log_fn)(void *ctx, uint32_t level, const char *message);
 typedef int32_t (*graphed_session_hook_fn)(uint32_t when, void *user_data);
 
 /**
+ * One step of a schedule. C name: `graphed_schedule_step`.
+ */
+typedef struct graphed_schedule_step {
+  /**
+   * A graphed_pass value: FORWARD, BACKWARD or WGRAD.
+   */
+  uint32_t pass;
+  /**
+   * The model chunk, from 0.
+   */
+  uint32_t chunk;
+} graphed_schedule_step;
+
+/**
  * Session configuration. Initialise with graphed_session_config_default().
  */
 typedef struct graphed_session_config {
@@ -505,6 +519,26 @@ typedef struct graphed_session_config {
    * and device). Graphs sharing a pool must be replayed in capture order.
    */
   struct graphed_session *share_pool_with;
+  /**
+   * Optional pipeline schedule: `num_schedule_steps` steps (forward,
+   * backward or weight-grad of a chunk), in the order they run. Copied.
+   * NULL: one microbatch, forwards in registration order, then backwards
+   * in reverse.
+   */
+  const struct graphed_schedule_step *schedule;
+  size_t num_schedule_steps;
+  /**
+   * Optional number of layers (callables, in registration order) of each
+   * chunk; NULL: the callables split evenly over the chunks.
+   */
+  const uint32_t *layers_per_chunk;
+  size_t num_layers_per_chunk;
+  /**
+   * Share memory between static buffers whose lifetimes do not overlap
+   * (needs a schedule; default false). Outputs are then valid only until
+   * their backward, and input grads until the next backward replay.
+   */
+  bool reuse_buffers;
 } graphed_session_config;
 
 /**
@@ -779,6 +813,18 @@ typedef struct graphed_session_stats {
    */
   uint32_t leases_held;
   bool captured;
+  /**
+   * Static bytes the same buffers would take without reuse.
+   */
+  uint64_t static_bytes_without_reuse;
+  /**
+   * The most static bytes live at one pass: no plan can use less.
+   */
+  uint64_t peak_live_bytes;
+  /**
+   * Microbatches per callable (1 without a schedule).
+   */
+  uint32_t microbatches;
 } graphed_session_stats;
 
 #ifdef __cplusplus
@@ -1015,6 +1061,21 @@ graphed_status graphed_session_stats_get(struct graphed_session *session,
  * A zeroed stats struct with its struct_size set.
  */
 struct graphed_session_stats graphed_session_stats_default(void);
+
+/**
+ * Writes the static-buffer plan of a captured session as text (one line
+ * per buffer: callable, microbatch, role, size, offset, memory slot,
+ * lifetime in capture-order pass positions) into `buffer` (`capacity`
+ * bytes, NUL-terminated, truncated if short) and its full length (without
+ * the NUL) to `*length_out`. Pass a NULL buffer to ask for the length.
+ *
+ * # Safety
+ * `buffer` must be NULL or have room for `capacity` bytes.
+ */
+graphed_status graphed_session_plan_dump(struct graphed_session *session,
+                                         char *buffer,
+                                         size_t capacity,
+                                         size_t *length_out);
 
 /**
  * The driver's figure for the session's device: free and total bytes

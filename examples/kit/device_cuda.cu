@@ -1,5 +1,7 @@
 // The kit's CUDA device: plain deterministic kernels (one thread per output
-// element, a fixed summation order), launched on the given stream.
+// element, a fixed summation order in f32, every product and sum rounded
+// explicitly so the compiler cannot fuse them), launched on the given
+// stream, for f32, f16 and bf16 storage.
 #include "kit.hpp"
 
 #include <cuda_bf16.h>
@@ -16,80 +18,104 @@ int launched() { return err(cudaGetLastError()); }
 unsigned blocks(size_t n, unsigned t = 256) { return static_cast<unsigned>((n + t - 1) / t); }
 cudaStream_t cs(graphed_stream s) { return static_cast<cudaStream_t>(s); }
 
-__global__ void k_linear_fwd(const float* x, const float* w, const float* b, float* z, int B, int In, int Out) {
+__device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const __half* p, size_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p, size_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(__half* p, size_t i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void st(__nv_bfloat16* p, size_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+template <class T>
+__global__ void k_linear_fwd(const T* x, const T* w, const T* b, T* z, int B, int In, int Out) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= B * Out) return;
     int r = idx / Out, o = idx % Out;
     float acc = 0.0f;
-    for (int i = 0; i < In; ++i) acc = __fadd_rn(acc, __fmul_rn(x[r * In + i], w[o * In + i]));
-    z[idx] = __fadd_rn(acc, b[o]);
+    for (int i = 0; i < In; ++i) acc = __fadd_rn(acc, __fmul_rn(ld(x, r * In + i), ld(w, o * In + i)));
+    st(z, idx, __fadd_rn(acc, ld(b, o)));
 }
 
-__global__ void k_relu_fwd(const float* z, float* y, size_t n) {
+template <class T>
+__global__ void k_relu_fwd(const T* z, T* y, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = z[i] > 0.0f ? z[i] : 0.0f;
+    if (i < n) st(y, i, ld(z, i) > 0.0f ? ld(z, i) : 0.0f);
 }
 
-__global__ void k_relu_bwd(const float* gy, const float* z, float* gz, size_t n) {
+template <class T>
+__global__ void k_relu_bwd(const T* gy, const T* z, T* gz, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) gz[i] = z[i] > 0.0f ? gy[i] : 0.0f;
+    if (i < n) st(gz, i, ld(z, i) > 0.0f ? ld(gy, i) : 0.0f);
 }
 
-__global__ void k_linear_bwd_input(const float* gz, const float* w, float* gx, int B, int In, int Out) {
+template <class T>
+__global__ void k_linear_bwd_input(const T* gz, const T* w, T* gx, int B, int In, int Out) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= B * In) return;
     int r = idx / In, i = idx % In;
     float acc = 0.0f;
-    for (int o = 0; o < Out; ++o) acc = __fadd_rn(acc, __fmul_rn(gz[r * Out + o], w[o * In + i]));
-    gx[idx] = acc;
+    for (int o = 0; o < Out; ++o) acc = __fadd_rn(acc, __fmul_rn(ld(gz, r * Out + o), ld(w, o * In + i)));
+    st(gx, idx, acc);
 }
 
-__global__ void k_linear_bwd_weight(const float* gz, const float* x, float* gw, int B, int In, int Out) {
+template <class T>
+__global__ void k_linear_bwd_weight(const T* gz, const T* x, T* gw, int B, int In, int Out) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= Out * In) return;
     int o = idx / In, i = idx % In;
     float acc = 0.0f;
-    for (int r = 0; r < B; ++r) acc = __fadd_rn(acc, __fmul_rn(gz[r * Out + o], x[r * In + i]));
-    gw[idx] = acc;
+    for (int r = 0; r < B; ++r) acc = __fadd_rn(acc, __fmul_rn(ld(gz, r * Out + o), ld(x, r * In + i)));
+    st(gw, idx, acc);
 }
 
-__global__ void k_bias_grad(const float* gz, float* gb, int B, int Out) {
+template <class T>
+__global__ void k_bias_grad(const T* gz, T* gb, int B, int Out) {
     int o = blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= Out) return;
     float acc = 0.0f;
-    for (int r = 0; r < B; ++r) acc = __fadd_rn(acc, gz[r * Out + o]);
-    gb[o] = acc;
+    for (int r = 0; r < B; ++r) acc = __fadd_rn(acc, ld(gz, r * Out + o));
+    st(gb, o, acc);
 }
 
-__global__ void k_sub(const float* a, const float* b, float* y, size_t n) {
+template <class T>
+__global__ void k_sub(const T* a, const T* b, T* y, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __fsub_rn(a[i], b[i]);
+    if (i < n) st(y, i, __fsub_rn(ld(a, i), ld(b, i)));
 }
 
-__global__ void k_add(float* y, const float* x, size_t n) {
+template <class T>
+__global__ void k_add(T* y, const T* x, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __fadd_rn(y[i], x[i]);
+    if (i < n) st(y, i, __fadd_rn(ld(y, i), ld(x, i)));
 }
 
-__global__ void k_sgd(float* w, const float* g, float lr, size_t n) {
+template <class T>
+__global__ void k_sgd(T* w, const T* g, float lr, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) w[i] = __fsub_rn(w[i], __fmul_rn(lr, g[i]));
+    if (i < n) st(w, i, __fsub_rn(ld(w, i), __fmul_rn(lr, ld(g, i))));
 }
 
-__global__ void k_mul_f32(const float* a, const float* b, float* o, size_t n) {
+template <class T>
+__global__ void k_mul(const T* a, const T* b, T* o, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) o[i] = __fmul_rn(a[i], b[i]);
+    if (i < n) st(o, i, __fmul_rn(ld(a, i), ld(b, i)));
 }
 
-__global__ void k_mul_f16(const __half* a, const __half* b, __half* o, size_t n) {
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) o[i] = __float2half_rn(__fmul_rn(__half2float(a[i]), __half2float(b[i])));
+// Calls f with a typed null pointer of the storage type of `dt`.
+template <class F>
+int dispatch(uint32_t dt, F&& f) {
+    switch (dt) {
+        case GRAPHED_DTYPE_F32: f(static_cast<float*>(nullptr)); break;
+        case GRAPHED_DTYPE_F16: f(static_cast<__half*>(nullptr)); break;
+        case GRAPHED_DTYPE_BF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
+        default: return -1;
+    }
+    return launched();
 }
 
-__global__ void k_mul_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* o, size_t n) {
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) o[i] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(a[i]), __bfloat162float(b[i])));
-}
+template <class T>
+const T* in(const void* p, T*) { return static_cast<const T*>(p); }
+template <class T>
+T* out(void* p, T*) { return static_cast<T*>(p); }
 
 class CudaDevice final : public Device {
   public:
@@ -135,61 +161,46 @@ class CudaDevice final : public Device {
         return f;
     }
 
-    int linear_fwd(graphed_stream s, const float* x, const float* w, const float* b, float* z, int B, int In,
+    int linear_fwd(graphed_stream s, uint32_t dt, const void* x, const void* w, const void* b, void* z, int B, int In,
                    int Out) override {
-        k_linear_fwd<<<blocks(size_t(B) * Out), 256, 0, cs(s)>>>(x, w, b, z, B, In, Out);
-        return launched();
+        return dispatch(dt, [&](auto t) {
+            k_linear_fwd<<<blocks(size_t(B) * Out), 256, 0, cs(s)>>>(in(x, t), in(w, t), in(b, t), out(z, t), B, In,
+                                                                     Out);
+        });
     }
-    int relu_fwd(graphed_stream s, const float* z, float* y, size_t n) override {
-        k_relu_fwd<<<blocks(n), 256, 0, cs(s)>>>(z, y, n);
-        return launched();
+    int relu_fwd(graphed_stream s, uint32_t dt, const void* z, void* y, size_t n) override {
+        return dispatch(dt, [&](auto t) { k_relu_fwd<<<blocks(n), 256, 0, cs(s)>>>(in(z, t), out(y, t), n); });
     }
-    int relu_bwd(graphed_stream s, const float* gy, const float* z, float* gz, size_t n) override {
-        k_relu_bwd<<<blocks(n), 256, 0, cs(s)>>>(gy, z, gz, n);
-        return launched();
+    int relu_bwd(graphed_stream s, uint32_t dt, const void* gy, const void* z, void* gz, size_t n) override {
+        return dispatch(dt, [&](auto t) {
+            k_relu_bwd<<<blocks(n), 256, 0, cs(s)>>>(in(gy, t), in(z, t), out(gz, t), n);
+        });
     }
-    int linear_bwd_input(graphed_stream s, const float* gz, const float* w, float* gx, int B, int In,
+    int linear_bwd_input(graphed_stream s, uint32_t dt, const void* gz, const void* w, void* gx, int B, int In,
                          int Out) override {
-        k_linear_bwd_input<<<blocks(size_t(B) * In), 256, 0, cs(s)>>>(gz, w, gx, B, In, Out);
-        return launched();
+        return dispatch(dt, [&](auto t) {
+            k_linear_bwd_input<<<blocks(size_t(B) * In), 256, 0, cs(s)>>>(in(gz, t), in(w, t), out(gx, t), B, In, Out);
+        });
     }
-    int linear_bwd_weight(graphed_stream s, const float* gz, const float* x, float* gw, float* gb, int B, int In,
-                          int Out) override {
-        k_linear_bwd_weight<<<blocks(size_t(Out) * In), 256, 0, cs(s)>>>(gz, x, gw, B, In, Out);
-        if (int e = launched()) return e;
-        k_bias_grad<<<blocks(Out), 256, 0, cs(s)>>>(gz, gb, B, Out);
-        return launched();
+    int linear_bwd_weight(graphed_stream s, uint32_t dt, const void* gz, const void* x, void* gw, void* gb, int B,
+                          int In, int Out) override {
+        return dispatch(dt, [&](auto t) {
+            k_linear_bwd_weight<<<blocks(size_t(Out) * In), 256, 0, cs(s)>>>(in(gz, t), in(x, t), out(gw, t), B, In,
+                                                                            Out);
+            k_bias_grad<<<blocks(Out), 256, 0, cs(s)>>>(in(gz, t), out(gb, t), B, Out);
+        });
     }
-    int sub(graphed_stream s, const float* a, const float* b, float* y, size_t n) override {
-        k_sub<<<blocks(n), 256, 0, cs(s)>>>(a, b, y, n);
-        return launched();
+    int sub(graphed_stream s, uint32_t dt, const void* a, const void* b, void* y, size_t n) override {
+        return dispatch(dt, [&](auto t) { k_sub<<<blocks(n), 256, 0, cs(s)>>>(in(a, t), in(b, t), out(y, t), n); });
     }
-    int add(graphed_stream s, float* y, const float* x, size_t n) override {
-        k_add<<<blocks(n), 256, 0, cs(s)>>>(y, x, n);
-        return launched();
+    int add(graphed_stream s, uint32_t dt, void* y, const void* x, size_t n) override {
+        return dispatch(dt, [&](auto t) { k_add<<<blocks(n), 256, 0, cs(s)>>>(out(y, t), in(x, t), n); });
     }
-    int sgd(graphed_stream s, float* w, const float* g, float lr, size_t n) override {
-        k_sgd<<<blocks(n), 256, 0, cs(s)>>>(w, g, lr, n);
-        return launched();
+    int sgd(graphed_stream s, uint32_t dt, void* w, const void* g, float lr, size_t n) override {
+        return dispatch(dt, [&](auto t) { k_sgd<<<blocks(n), 256, 0, cs(s)>>>(out(w, t), in(g, t), lr, n); });
     }
-    int mul(graphed_stream s, uint32_t dtype, const void* a, const void* b, void* out, size_t n) override {
-        switch (dtype) {
-            case GRAPHED_DTYPE_F32:
-                k_mul_f32<<<blocks(n), 256, 0, cs(s)>>>(static_cast<const float*>(a), static_cast<const float*>(b),
-                                                        static_cast<float*>(out), n);
-                break;
-            case GRAPHED_DTYPE_F16:
-                k_mul_f16<<<blocks(n), 256, 0, cs(s)>>>(static_cast<const __half*>(a), static_cast<const __half*>(b),
-                                                        static_cast<__half*>(out), n);
-                break;
-            case GRAPHED_DTYPE_BF16:
-                k_mul_bf16<<<blocks(n), 256, 0, cs(s)>>>(static_cast<const __nv_bfloat16*>(a),
-                                                         static_cast<const __nv_bfloat16*>(b),
-                                                         static_cast<__nv_bfloat16*>(out), n);
-                break;
-            default: return -1;
-        }
-        return launched();
+    int mul(graphed_stream s, uint32_t dt, const void* a, const void* b, void* o, size_t n) override {
+        return dispatch(dt, [&](auto t) { k_mul<<<blocks(n), 256, 0, cs(s)>>>(in(a, t), in(b, t), out(o, t), n); });
     }
     int illegal(graphed_stream s) override {
         // Synchronizing a capturing stream is illegal; CUDA returns an error

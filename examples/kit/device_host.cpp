@@ -36,6 +36,43 @@ std::vector<float> random_floats(size_t n, uint32_t seed, float scale) {
 
 namespace {
 
+// Element access in f32, whatever the storage dtype.
+struct Elems {
+    uint32_t dt;
+    float get(const void* p, size_t i) const {
+        switch (dt) {
+            case GRAPHED_DTYPE_F16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+            case GRAPHED_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+            default: return static_cast<const float*>(p)[i];
+        }
+    }
+    void set(void* p, size_t i, float v) const {
+        switch (dt) {
+            case GRAPHED_DTYPE_F16: static_cast<uint16_t*>(p)[i] = float_to_half(v); break;
+            case GRAPHED_DTYPE_BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+            default: static_cast<float*>(p)[i] = v;
+        }
+    }
+};
+
+}  // namespace
+
+std::vector<uint8_t> to_dtype(const std::vector<float>& values, uint32_t dtype) {
+    std::vector<uint8_t> out(values.size() * dtype_size(dtype));
+    Elems e{dtype};
+    for (size_t i = 0; i < values.size(); ++i) e.set(out.data(), i, values[i]);
+    return out;
+}
+
+std::vector<float> from_dtype(const std::vector<uint8_t>& bytes, uint32_t dtype) {
+    std::vector<float> out(bytes.size() / dtype_size(dtype));
+    Elems e{dtype};
+    for (size_t i = 0; i < out.size(); ++i) out[i] = e.get(bytes.data(), i);
+    return out;
+}
+
+namespace {
+
 class HostDevice final : public Device {
   public:
     Backend backend() const override { return Backend::Host; }
@@ -53,85 +90,71 @@ class HostDevice final : public Device {
     void sync() override {}
     size_t free_memory() override { return 0; }
 
-    int linear_fwd(graphed_stream s, const float* x, const float* w, const float* b, float* z, int B, int In,
+    int linear_fwd(graphed_stream s, uint32_t dt, const void* x, const void* w, const void* b, void* z, int B, int In,
                    int Out) override {
-        return enqueue(s, [=] {
+        return enqueue(s, [=, e = Elems{dt}] {
             for (int r = 0; r < B; ++r)
                 for (int o = 0; o < Out; ++o) {
                     float acc = 0.0f;
-                    for (int i = 0; i < In; ++i) acc += x[r * In + i] * w[o * In + i];
-                    z[r * Out + o] = acc + b[o];
+                    for (int i = 0; i < In; ++i) acc += e.get(x, r * In + i) * e.get(w, o * In + i);
+                    e.set(z, r * Out + o, acc + e.get(b, o));
                 }
         });
     }
-    int relu_fwd(graphed_stream s, const float* z, float* y, size_t n) override {
-        return enqueue(s, [=] {
-            for (size_t i = 0; i < n; ++i) y[i] = z[i] > 0.0f ? z[i] : 0.0f;
+    int relu_fwd(graphed_stream s, uint32_t dt, const void* z, void* y, size_t n) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            for (size_t i = 0; i < n; ++i) e.set(y, i, e.get(z, i) > 0.0f ? e.get(z, i) : 0.0f);
         });
     }
-    int relu_bwd(graphed_stream s, const float* gy, const float* z, float* gz, size_t n) override {
-        return enqueue(s, [=] {
-            for (size_t i = 0; i < n; ++i) gz[i] = z[i] > 0.0f ? gy[i] : 0.0f;
+    int relu_bwd(graphed_stream s, uint32_t dt, const void* gy, const void* z, void* gz, size_t n) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            for (size_t i = 0; i < n; ++i) e.set(gz, i, e.get(z, i) > 0.0f ? e.get(gy, i) : 0.0f);
         });
     }
-    int linear_bwd_input(graphed_stream s, const float* gz, const float* w, float* gx, int B, int In,
+    int linear_bwd_input(graphed_stream s, uint32_t dt, const void* gz, const void* w, void* gx, int B, int In,
                          int Out) override {
-        return enqueue(s, [=] {
+        return enqueue(s, [=, e = Elems{dt}] {
             for (int r = 0; r < B; ++r)
                 for (int i = 0; i < In; ++i) {
                     float acc = 0.0f;
-                    for (int o = 0; o < Out; ++o) acc += gz[r * Out + o] * w[o * In + i];
-                    gx[r * In + i] = acc;
+                    for (int o = 0; o < Out; ++o) acc += e.get(gz, r * Out + o) * e.get(w, o * In + i);
+                    e.set(gx, r * In + i, acc);
                 }
         });
     }
-    int linear_bwd_weight(graphed_stream s, const float* gz, const float* x, float* gw, float* gb, int B, int In,
-                          int Out) override {
-        return enqueue(s, [=] {
+    int linear_bwd_weight(graphed_stream s, uint32_t dt, const void* gz, const void* x, void* gw, void* gb, int B,
+                          int In, int Out) override {
+        return enqueue(s, [=, e = Elems{dt}] {
             for (int o = 0; o < Out; ++o) {
                 for (int i = 0; i < In; ++i) {
                     float acc = 0.0f;
-                    for (int r = 0; r < B; ++r) acc += gz[r * Out + o] * x[r * In + i];
-                    gw[o * In + i] = acc;
+                    for (int r = 0; r < B; ++r) acc += e.get(gz, r * Out + o) * e.get(x, r * In + i);
+                    e.set(gw, o * In + i, acc);
                 }
                 float acc = 0.0f;
-                for (int r = 0; r < B; ++r) acc += gz[r * Out + o];
-                gb[o] = acc;
+                for (int r = 0; r < B; ++r) acc += e.get(gz, r * Out + o);
+                e.set(gb, o, acc);
             }
         });
     }
-    int sub(graphed_stream s, const float* a, const float* b, float* y, size_t n) override {
-        return enqueue(s, [=] {
-            for (size_t i = 0; i < n; ++i) y[i] = a[i] - b[i];
+    int sub(graphed_stream s, uint32_t dt, const void* a, const void* b, void* y, size_t n) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            for (size_t i = 0; i < n; ++i) e.set(y, i, e.get(a, i) - e.get(b, i));
         });
     }
-    int add(graphed_stream s, float* y, const float* x, size_t n) override {
-        return enqueue(s, [=] {
-            for (size_t i = 0; i < n; ++i) y[i] += x[i];
+    int add(graphed_stream s, uint32_t dt, void* y, const void* x, size_t n) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            for (size_t i = 0; i < n; ++i) e.set(y, i, e.get(y, i) + e.get(x, i));
         });
     }
-    int sgd(graphed_stream s, float* w, const float* g, float lr, size_t n) override {
-        return enqueue(s, [=] {
-            for (size_t i = 0; i < n; ++i) w[i] -= lr * g[i];
+    int sgd(graphed_stream s, uint32_t dt, void* w, const void* g, float lr, size_t n) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            for (size_t i = 0; i < n; ++i) e.set(w, i, e.get(w, i) - lr * e.get(g, i));
         });
     }
-    int mul(graphed_stream s, uint32_t dtype, const void* a, const void* b, void* out, size_t n) override {
-        return enqueue(s, [=] {
-            if (dtype == GRAPHED_DTYPE_F32) {
-                auto* x = static_cast<const float*>(a);
-                auto* y = static_cast<const float*>(b);
-                auto* o = static_cast<float*>(out);
-                for (size_t i = 0; i < n; ++i) o[i] = x[i] * y[i];
-                return;
-            }
-            bool bf = dtype == GRAPHED_DTYPE_BF16;
-            auto* x = static_cast<const uint16_t*>(a);
-            auto* y = static_cast<const uint16_t*>(b);
-            auto* o = static_cast<uint16_t*>(out);
-            for (size_t i = 0; i < n; ++i) {
-                float p = bf ? bf16_to_float(x[i]) * bf16_to_float(y[i]) : half_to_float(x[i]) * half_to_float(y[i]);
-                o[i] = bf ? float_to_bf16(p) : float_to_half(p);
-            }
+    int mul(graphed_stream s, uint32_t dt, const void* a, const void* b, void* out, size_t n) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            for (size_t i = 0; i < n; ++i) e.set(out, i, e.get(a, i) * e.get(b, i));
         });
     }
     int illegal(graphed_stream s) override {

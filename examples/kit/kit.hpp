@@ -58,25 +58,55 @@ class Device {
     // Driver figure of free device memory (0 when there is none).
     virtual size_t free_memory() = 0;
 
+    // The layer math, in any of f32, f16 and bf16 (`dt`, a graphed_dtype):
+    // elements are read as f32, every sum is taken in f32 in a fixed order,
+    // and each result is rounded to `dt` once.
+    //
     // z[b][o] = sum_i x[b][i] * w[o][i] + bias[o]
-    virtual int linear_fwd(graphed_stream s, const float* x, const float* w, const float* bias, float* z, int batch,
-                           int in, int out) = 0;
+    virtual int linear_fwd(graphed_stream s, uint32_t dt, const void* x, const void* w, const void* bias, void* z,
+                           int batch, int in, int out) = 0;
     // y = max(z, 0)
-    virtual int relu_fwd(graphed_stream s, const float* z, float* y, size_t n) = 0;
+    virtual int relu_fwd(graphed_stream s, uint32_t dt, const void* z, void* y, size_t n) = 0;
     // gz = z > 0 ? gy : 0
-    virtual int relu_bwd(graphed_stream s, const float* gy, const float* z, float* gz, size_t n) = 0;
+    virtual int relu_bwd(graphed_stream s, uint32_t dt, const void* gy, const void* z, void* gz, size_t n) = 0;
     // gx[b][i] = sum_o gz[b][o] * w[o][i]
-    virtual int linear_bwd_input(graphed_stream s, const float* gz, const float* w, float* gx, int batch, int in,
-                                 int out) = 0;
+    virtual int linear_bwd_input(graphed_stream s, uint32_t dt, const void* gz, const void* w, void* gx, int batch,
+                                 int in, int out) = 0;
     // gw[o][i] = sum_b gz[b][o] * x[b][i]; gbias[o] = sum_b gz[b][o]
-    virtual int linear_bwd_weight(graphed_stream s, const float* gz, const float* x, float* gw, float* gbias,
+    virtual int linear_bwd_weight(graphed_stream s, uint32_t dt, const void* gz, const void* x, void* gw, void* gbias,
                                   int batch, int in, int out) = 0;
     // y = a - b
-    virtual int sub(graphed_stream s, const float* a, const float* b, float* y, size_t n) = 0;
+    virtual int sub(graphed_stream s, uint32_t dt, const void* a, const void* b, void* y, size_t n) = 0;
     // y += x
-    virtual int add(graphed_stream s, float* y, const float* x, size_t n) = 0;
+    virtual int add(graphed_stream s, uint32_t dt, void* y, const void* x, size_t n) = 0;
     // w -= lr * g
-    virtual int sgd(graphed_stream s, float* w, const float* g, float lr, size_t n) = 0;
+    virtual int sgd(graphed_stream s, uint32_t dt, void* w, const void* g, float lr, size_t n) = 0;
+
+    // f32 shorthands.
+    int linear_fwd(graphed_stream s, const float* x, const float* w, const float* b, float* z, int batch, int in,
+                   int out) {
+        return linear_fwd(s, GRAPHED_DTYPE_F32, x, w, b, z, batch, in, out);
+    }
+    int relu_fwd(graphed_stream s, const float* z, float* y, size_t n) {
+        return relu_fwd(s, GRAPHED_DTYPE_F32, z, y, n);
+    }
+    int relu_bwd(graphed_stream s, const float* gy, const float* z, float* gz, size_t n) {
+        return relu_bwd(s, GRAPHED_DTYPE_F32, gy, z, gz, n);
+    }
+    int linear_bwd_input(graphed_stream s, const float* gz, const float* w, float* gx, int batch, int in, int out) {
+        return linear_bwd_input(s, GRAPHED_DTYPE_F32, gz, w, gx, batch, in, out);
+    }
+    int linear_bwd_weight(graphed_stream s, const float* gz, const float* x, float* gw, float* gb, int batch, int in,
+                          int out) {
+        return linear_bwd_weight(s, GRAPHED_DTYPE_F32, gz, x, gw, gb, batch, in, out);
+    }
+    int sub(graphed_stream s, const float* a, const float* b, float* y, size_t n) {
+        return sub(s, GRAPHED_DTYPE_F32, a, b, y, n);
+    }
+    int add(graphed_stream s, float* y, const float* x, size_t n) { return add(s, GRAPHED_DTYPE_F32, y, x, n); }
+    int sgd(graphed_stream s, float* w, const float* g, float lr, size_t n) {
+        return sgd(s, GRAPHED_DTYPE_F32, w, g, lr, n);
+    }
     // out = round(a * b) elementwise in `dtype` (f32, f16, bf16), computed in f32.
     virtual int mul(graphed_stream s, uint32_t dtype, const void* a, const void* b, void* out, size_t n) = 0;
     // Something illegal under stream capture (a synchronize of the stream).
@@ -133,5 +163,10 @@ std::vector<T> fetch(Device& d, const void* src, size_t count) {
 
 // Deterministic pseudo-random floats in [-scale, scale).
 std::vector<float> random_floats(size_t n, uint32_t seed, float scale = 1.0f);
+
+// `values` as raw elements of `dtype` (f32, f16 or bf16), rounded to nearest even.
+std::vector<uint8_t> to_dtype(const std::vector<float>& values, uint32_t dtype);
+// Raw elements of `dtype` back to floats.
+std::vector<float> from_dtype(const std::vector<uint8_t>& bytes, uint32_t dtype);
 
 }  // namespace kit

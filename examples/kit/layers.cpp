@@ -6,14 +6,15 @@
 namespace kit {
 
 graphed_callable_desc LinearLayer::describe(const void* sample_input, bool input_requires_grad) {
+    const size_t es = dtype_size(dtype);
     in_shape[0] = batch;
     in_shape[1] = in;
     out_shape[0] = batch;
     out_shape[1] = out;
-    input = {static_cast<size_t>(batch) * in * 4, GRAPHED_DTYPE_F32, 2, in_shape, input_requires_grad, sample_input};
-    output = {static_cast<size_t>(batch) * out * 4, GRAPHED_DTYPE_F32, 2, out_shape, true, nullptr};
-    params[0] = {w, static_cast<size_t>(out) * in * 4, GRAPHED_DTYPE_F32, param_flags, param_policy, true};
-    params[1] = {b, static_cast<size_t>(out) * 4, GRAPHED_DTYPE_F32, param_flags, param_policy, true};
+    input = {act_bytes(in), dtype, 2, in_shape, input_requires_grad, sample_input};
+    output = {act_bytes(out), dtype, 2, out_shape, true, nullptr};
+    params[0] = {w, size_t(out) * in * es, dtype, param_flags, param_policy, true};
+    params[1] = {b, size_t(out) * es, dtype, param_flags, param_policy, true};
     graphed_callable_desc d = graphed_callable_desc_default();
     d.name = name.c_str();
     d.num_inputs = 1;
@@ -29,73 +30,68 @@ graphed_callable_desc LinearLayer::describe(const void* sample_input, bool input
     return d;
 }
 
-int LinearLayer::eager_forward(graphed_stream s, const float* x, float* z, float* y) const {
-    if (!relu) return dev->linear_fwd(s, x, w, b, y, batch, in, out);
-    if (int e = dev->linear_fwd(s, x, w, b, z, batch, in, out)) return e;
-    return dev->relu_fwd(s, z, y, static_cast<size_t>(batch) * out);
+int LinearLayer::eager_forward(graphed_stream s, const void* x, void* z, void* y) const {
+    if (!relu) return dev->linear_fwd(s, dtype, x, w, b, y, batch, in, out);
+    if (int e = dev->linear_fwd(s, dtype, x, w, b, z, batch, in, out)) return e;
+    return dev->relu_fwd(s, dtype, z, y, size_t(batch) * out);
 }
 
-int LinearLayer::eager_backward(graphed_stream s, const float* x, const float* z, const float* gy, float* gz,
-                                float* gx, float* gw, float* gb) const {
-    const float* g = gy;
+int LinearLayer::eager_backward(graphed_stream s, const void* x, const void* z, const void* gy, void* gz, void* gx,
+                                void* gw, void* gb) const {
+    const void* g = gy;
     if (relu) {
-        if (int e = dev->relu_bwd(s, gy, z, gz, static_cast<size_t>(batch) * out)) return e;
+        if (int e = dev->relu_bwd(s, dtype, gy, z, gz, size_t(batch) * out)) return e;
         g = gz;
     }
     if (gx)
-        if (int e = dev->linear_bwd_input(s, g, w, gx, batch, in, out)) return e;
-    return dev->linear_bwd_weight(s, g, x, gw, gb, batch, in, out);
+        if (int e = dev->linear_bwd_input(s, dtype, g, w, gx, batch, in, out)) return e;
+    return dev->linear_bwd_weight(s, dtype, g, x, gw, gb, batch, in, out);
 }
 
 int32_t LinearLayer::forward(const graphed_pass_ctx* ctx, void* self) {
     auto* L = static_cast<LinearLayer*>(self);
-    auto* x = static_cast<const float*>(ctx->inputs[0]);
-    auto* y = static_cast<float*>(ctx->outputs[0]);
     void* z = nullptr;
     if (L->relu) {
-        if (graphed_scratch_alloc(ctx->scratch, static_cast<size_t>(L->batch) * L->out * 4, &z) != GRAPHED_STATUS_OK)
-            return 100;
+        if (graphed_scratch_alloc(ctx->scratch, L->act_bytes(L->out), &z) != GRAPHED_STATUS_OK) return 100;
         *ctx->tape = z;
     }
-    return L->eager_forward(ctx->stream, x, static_cast<float*>(z), y);
+    return L->eager_forward(ctx->stream, ctx->inputs[0], z, ctx->outputs[0]);
 }
 
 int32_t LinearLayer::backward(const graphed_pass_ctx* ctx, void* self) {
     auto* L = static_cast<LinearLayer*>(self);
-    auto* x = static_cast<const float*>(ctx->inputs[0]);
-    auto* gy = static_cast<const float*>(ctx->grad_outputs[0]);
-    auto* gx = static_cast<float*>(ctx->grad_inputs[0]);
-    size_t n = static_cast<size_t>(L->batch) * L->out;
-    const float* g = gy;
+    const void* x = ctx->inputs[0];
+    void* gx = ctx->grad_inputs[0];
+    const size_t n = size_t(L->batch) * L->out;
+    const void* g = ctx->grad_outputs[0];
     void* gz = nullptr;
     if (L->relu) {
         void* z = *ctx->tape;
-        if (graphed_scratch_alloc(ctx->scratch, n * 4, &gz) != GRAPHED_STATUS_OK) return 101;
-        if (int e = L->dev->relu_bwd(ctx->stream, gy, static_cast<float*>(z), static_cast<float*>(gz), n)) return e;
+        if (graphed_scratch_alloc(ctx->scratch, L->act_bytes(L->out), &gz) != GRAPHED_STATUS_OK) return 101;
+        if (int e = L->dev->relu_bwd(ctx->stream, L->dtype, g, z, gz, n)) return e;
         if (graphed_scratch_free(ctx->scratch, z) != GRAPHED_STATUS_OK) return 102;
-        g = static_cast<float*>(gz);
+        g = gz;
     }
     if (gx)
-        if (int e = L->dev->linear_bwd_input(ctx->stream, g, L->w, gx, L->batch, L->in, L->out)) return e;
+        if (int e = L->dev->linear_bwd_input(ctx->stream, L->dtype, g, L->w, gx, L->batch, L->in, L->out)) return e;
     if (L->split_wgrad) {
         *ctx->tape = gz;  // kept for the weight-grad pass (NULL without ReLU: it reads the grad-output)
         return 0;
     }
-    auto* gw = static_cast<float*>(ctx->param_grads[0]);
-    auto* gb = static_cast<float*>(ctx->param_grads[1]);
-    if (int e = L->dev->linear_bwd_weight(ctx->stream, g, x, gw, gb, L->batch, L->in, L->out)) return e;
+    if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, x, ctx->param_grads[0], ctx->param_grads[1],
+                                          L->batch, L->in, L->out))
+        return e;
     if (gz && graphed_scratch_free(ctx->scratch, gz) != GRAPHED_STATUS_OK) return 103;
     return 0;
 }
 
 int32_t LinearLayer::wgrad(const graphed_pass_ctx* ctx, void* self) {
     auto* L = static_cast<LinearLayer*>(self);
-    auto* x = static_cast<const float*>(ctx->inputs[0]);
     void* gz = *ctx->tape;
-    const float* g = gz ? static_cast<const float*>(gz) : static_cast<const float*>(ctx->grad_outputs[0]);
-    auto* gw = static_cast<float*>(ctx->param_grads[0]);
-    auto* gb = static_cast<float*>(ctx->param_grads[1]);
-    if (int e = L->dev->linear_bwd_weight(ctx->stream, g, x, gw, gb, L->batch, L->in, L->out)) return e;
+    const void* g = gz ? gz : ctx->grad_outputs[0];
+    if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, ctx->inputs[0], ctx->param_grads[0],
+                                          ctx->param_grads[1], L->batch, L->in, L->out))
+        return e;
     if (gz && graphed_scratch_free(ctx->scratch, gz) != GRAPHED_STATUS_OK) return 104;
     return 0;
 }
@@ -116,8 +112,8 @@ Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed) : dev_(de
         L.in = width;
         L.out = width;
         L.relu = i + 1 < layers;
-        L.w = w_[i].f32();
-        L.b = b_[i].f32();
+        L.w = w_[i].get();
+        L.b = b_[i].get();
         L.name = "fc" + std::to_string(i);
         z_.emplace_back(dev, act);
         y_.emplace_back(dev, act);

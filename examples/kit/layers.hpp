@@ -19,10 +19,11 @@ struct LinearLayer {
     int batch = 0, in = 0, out = 0;
     bool relu = true;
     bool split_wgrad = false;
+    uint32_t dtype = GRAPHED_DTYPE_F32;  // f32, f16 or bf16
     uint32_t param_flags = GRAPHED_PARAM_FLAGS_NONE;
     uint32_t param_policy = GRAPHED_GRAD_POLICY_DEFAULT;
-    float* w = nullptr;
-    float* b = nullptr;
+    void* w = nullptr;
+    void* b = nullptr;
     std::string name;
 
     // Filled by describe(); the descriptor points into them.
@@ -37,10 +38,12 @@ struct LinearLayer {
     static int32_t backward(const graphed_pass_ctx* ctx, void* self);
     static int32_t wgrad(const graphed_pass_ctx* ctx, void* self);
 
+    size_t act_bytes(int features) const { return size_t(batch) * features * dtype_size(dtype); }
+
     // The same math eagerly, on explicit buffers.
-    int eager_forward(graphed_stream s, const float* x, float* z, float* y) const;
-    int eager_backward(graphed_stream s, const float* x, const float* z, const float* gy, float* gz, float* gx,
-                       float* gw, float* gb) const;
+    int eager_forward(graphed_stream s, const void* x, void* z, void* y) const;
+    int eager_backward(graphed_stream s, const void* x, const void* z, const void* gy, void* gz, void* gx, void* gw,
+                       void* gb) const;
 };
 
 // Grads of one training step, copied to the host.

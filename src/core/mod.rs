@@ -6,7 +6,9 @@ pub mod arena;
 pub mod dtype;
 pub mod layout;
 pub mod lease;
+pub mod plan;
 pub mod policy;
+pub mod schedule;
 
 /// A pass of a callable. C name: `graphed_pass`.
 #[repr(u32)]

@@ -17,7 +17,7 @@ use crate::error::{Error, PassKind, Result};
 use crate::orchestrate::scratch::Scratch;
 use crate::orchestrate::{
     returned, CallableSpec, CloneAllocator, HookPoint, LogLevel, PassCallbacks, PassView,
-    ReplayArgs, Returned, Session, SessionOptions, TensorSpec,
+    ReplayArgs, Returned, ScheduleSpec, Session, SessionOptions, TensorSpec,
 };
 use std::collections::HashSet;
 use std::ffi::{c_void, CStr, CString};
@@ -103,6 +103,11 @@ pub extern "C" fn graphed_session_config_default() -> graphed_session_config {
         warmup_hook: None,
         warmup_hook_data: std::ptr::null_mut(),
         share_pool_with: std::ptr::null_mut(),
+        schedule: std::ptr::null(),
+        num_schedule_steps: 0,
+        layers_per_chunk: std::ptr::null(),
+        num_layers_per_chunk: 0,
+        reuse_buffers: false,
     }
 }
 
@@ -298,7 +303,39 @@ fn options(cfg: &graphed_session_config) -> Result<SessionOptions> {
             }
         }) as Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>
     });
+    let schedule = if cfg.schedule.is_null() && cfg.num_schedule_steps == 0 {
+        None
+    } else {
+        // SAFETY: the caller passes the stated number of steps.
+        let steps = unsafe { arg_slice(cfg.schedule, cfg.num_schedule_steps, "config.schedule") }?;
+        if steps.is_empty() {
+            return Err(Error::InvalidSchedule(
+                "config.schedule is given with num_schedule_steps = 0".into(),
+            ));
+        }
+        let layers_per_chunk = if cfg.layers_per_chunk.is_null() {
+            None
+        } else {
+            // SAFETY: the caller passes the stated number of entries.
+            Some(
+                unsafe {
+                    arg_slice(
+                        cfg.layers_per_chunk,
+                        cfg.num_layers_per_chunk,
+                        "config.layers_per_chunk",
+                    )
+                }?
+                .to_vec(),
+            )
+        };
+        Some(ScheduleSpec {
+            steps: steps.to_vec(),
+            layers_per_chunk,
+        })
+    };
     Ok(SessionOptions {
+        schedule,
+        reuse_buffers: cfg.reuse_buffers,
         warmup_iterations: cfg.warmup_iterations,
         clone_param_grads_on_return: cfg.clone_param_grads_on_return,
         strict_leases: cfg.strict_leases,
@@ -823,6 +860,9 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             instances: st.instances,
             leases_held: st.leases_held,
             captured: st.captured,
+            static_bytes_without_reuse: st.static_bytes_without_reuse,
+            peak_live_bytes: st.peak_live_bytes,
+            microbatches: st.microbatches,
         };
         let n = have.struct_size.min(size_of::<graphed_session_stats>());
         // SAFETY: the caller's struct has struct_size writable bytes; we
@@ -849,7 +889,42 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         instances: 0,
         leases_held: 0,
         captured: false,
+        static_bytes_without_reuse: 0,
+        peak_live_bytes: 0,
+        microbatches: 0,
     }
+}
+
+/// Writes the static-buffer plan of a captured session as text (one line
+/// per buffer: callable, microbatch, role, size, offset, memory slot,
+/// lifetime in capture-order pass positions) into `buffer` (`capacity`
+/// bytes, NUL-terminated, truncated if short) and its full length (without
+/// the NUL) to `*length_out`. Pass a NULL buffer to ask for the length.
+///
+/// # Safety
+/// `buffer` must be NULL or have room for `capacity` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_plan_dump(
+    session: *mut graphed_session,
+    buffer: *mut std::ffi::c_char,
+    capacity: usize,
+    length_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_plan_dump", || {
+        let len_out = arg_out(length_out, "length_out")?;
+        let text = with_session(session, |s| s.plan_dump())?;
+        if !buffer.is_null() && capacity > 0 {
+            let n = text.len().min(capacity - 1);
+            // SAFETY: the caller's buffer has `capacity` bytes; we write n + 1 <= capacity.
+            unsafe {
+                std::ptr::copy_nonoverlapping(text.as_ptr(), buffer as *mut u8, n);
+                buffer.add(n).write(0);
+            }
+        }
+        // SAFETY: checked non-NULL.
+        unsafe { len_out.write(text.len()) };
+        Ok(())
+    })
 }
 
 /// The driver's figure for the session's device: free and total bytes

@@ -5,6 +5,7 @@
 
 use std::ffi::{c_char, c_void};
 
+use crate::core::schedule::ScheduleStep;
 use crate::orchestrate::RefKind;
 
 /// A stream: a `CUstream` (`cudaStream_t`) on the CUDA backend, a host
@@ -199,6 +200,20 @@ pub struct graphed_session_config {
     /// Optional: share the scratch pool of this other session (same backend
     /// and device). Graphs sharing a pool must be replayed in capture order.
     pub share_pool_with: *mut super::graphed_session,
+    /// Optional pipeline schedule: `num_schedule_steps` steps (forward,
+    /// backward or weight-grad of a chunk), in the order they run. Copied.
+    /// NULL: one microbatch, forwards in registration order, then backwards
+    /// in reverse.
+    pub schedule: *const ScheduleStep,
+    pub num_schedule_steps: usize,
+    /// Optional number of layers (callables, in registration order) of each
+    /// chunk; NULL: the callables split evenly over the chunks.
+    pub layers_per_chunk: *const u32,
+    pub num_layers_per_chunk: usize,
+    /// Share memory between static buffers whose lifetimes do not overlap
+    /// (needs a schedule; default false). Outputs are then valid only until
+    /// their backward, and input grads until the next backward replay.
+    pub reuse_buffers: bool,
 }
 
 /// Arguments of a replay call. Initialise with graphed_replay_args_default().
@@ -268,4 +283,10 @@ pub struct graphed_session_stats {
     /// Strict leases currently held.
     pub leases_held: u32,
     pub captured: bool,
+    /// Static bytes the same buffers would take without reuse.
+    pub static_bytes_without_reuse: u64,
+    /// The most static bytes live at one pass: no plan can use less.
+    pub peak_live_bytes: u64,
+    /// Microbatches per callable (1 without a schedule).
+    pub microbatches: u32,
 }

@@ -1,14 +1,16 @@
-//! Warmup and capture. Passes run in one order for warmup and capture (all
-//! forwards in registration order, then all backwards in reverse, each
-//! weight-grad right after its backward), eagerly on a side stream for the
-//! warmup iterations, then once each under stream capture into its own
-//! graph. Per-callable hooks run around every callback, outside capture.
+//! Warmup and capture. Passes run in one order for warmup and capture (the
+//! pipeline schedule's, or by default all forwards in registration order,
+//! then all backwards in reverse, each weight-grad right after its
+//! backward), eagerly on a side stream for the warmup iterations, then once
+//! each under stream capture into its own graph. Per-callable hooks run around every callback, outside capture.
 //! Every device resource is owned by the `Captured` under construction, so
 //! an error anywhere releases all of it.
 
 use crate::backend::{CaptureEnd, DevPtr, MemCounters};
-use crate::core::layout::{layout, InstanceShape, Placement};
+use crate::core::layout::{layout, InstanceShape};
+use crate::core::plan::{self, Plan};
 use crate::core::policy::{snapshot, GradPolicy};
+use crate::core::schedule::Schedule;
 use crate::error::{Error, PassKind, Result};
 use std::cell::Cell;
 
@@ -23,34 +25,11 @@ pub(crate) struct PassRef {
     pub kind: PassKind,
 }
 
-/// The default order: forwards in registration order, backwards in
-/// reverse, each weight-grad right after its backward.
-fn default_order(has_wgrad: &[bool]) -> Vec<PassRef> {
-    let n = has_wgrad.len();
-    let mut order: Vec<PassRef> = (0..n)
-        .map(|i| PassRef {
-            instance: i,
-            kind: PassKind::Forward,
-        })
-        .collect();
-    for i in (0..n).rev() {
-        order.push(PassRef {
-            instance: i,
-            kind: PassKind::Backward,
-        });
-        if has_wgrad[i] {
-            order.push(PassRef {
-                instance: i,
-                kind: PassKind::Wgrad,
-            });
-        }
-    }
-    order
-}
-
 /// Builds the instances (static buffers, frozen policies) of a session.
-fn build_instances(s: &Session, cap: &mut Captured) -> Result<(Vec<Instance>, Vec<bool>)> {
-    let microbatches = 1u32;
+/// Instance `callable * microbatches + microbatch`; the static buffers are
+/// placed by the reuse planner when the session asks for reuse.
+fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Result<Vec<Instance>> {
+    let microbatches = schedule.microbatches as u32;
     let mut shapes = Vec::new();
     let mut owners = Vec::new();
     for (c, spec) in s.callables.iter().enumerate() {
@@ -78,7 +57,16 @@ fn build_instances(s: &Session, cap: &mut Captured) -> Result<(Vec<Instance>, Ve
         }
     }
     let layout = layout(&shapes);
-    let placement = Placement::disjoint(&layout.buffers);
+    let m = schedule.microbatches;
+    let lifetimes = plan::lifetimes(schedule, &layout, |c, mb| c * m + mb);
+    let placement = if s.opts.reuse_buffers {
+        plan::reuse(&layout.buffers, &lifetimes)
+    } else {
+        Plan {
+            peak_live_bytes: plan::peak_live(&layout.buffers, &lifetimes),
+            ..plan::disjoint(&layout.buffers)
+        }
+    };
 
     cap.statics = s.backend.alloc(placement.total_bytes)?;
     cap.statics_bytes = placement.total_bytes;
@@ -168,6 +156,14 @@ fn build_instances(s: &Session, cap: &mut Captured) -> Result<(Vec<Instance>, Ve
                 })
                 .collect();
         }
+        // A replay overwrites the buffers it writes and, with reuse, every
+        // buffer sharing their memory.
+        let sharing = |written: Vec<usize>| -> Vec<usize> {
+            let slots: Vec<usize> = written.iter().map(|&b| placement.slot_of[b]).collect();
+            (0..layout.buffers.len())
+                .filter(|&b| slots.contains(&placement.slot_of[b]))
+                .collect()
+        };
         for ((inst, ib), &has_w) in instances.iter_mut().zip(&layout.instances).zip(&wgrad) {
             let mut fwd: Vec<usize> = ib.inputs.clone();
             fwd.extend(&ib.outputs);
@@ -177,12 +173,15 @@ fn build_instances(s: &Session, cap: &mut Captured) -> Result<(Vec<Instance>, Ve
             if !has_w {
                 bwd.extend(&slab);
             }
-            inst.check_fwd = cap.leases.slots_in(&fwd);
-            inst.check_bwd = cap.leases.slots_in(&bwd);
-            inst.check_wgrad = cap.leases.slots_in(&slab);
+            inst.check_fwd = cap.leases.slots_in(&sharing(fwd));
+            inst.check_bwd = cap.leases.slots_in(&sharing(bwd));
+            inst.check_wgrad = cap.leases.slots_in(&sharing(slab));
         }
     }
-    Ok((instances, wgrad))
+    cap.plan = placement;
+    cap.lifetimes = lifetimes;
+    cap.buffers = layout.buffers;
+    Ok(instances)
 }
 
 fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
@@ -315,7 +314,16 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
     cap.side = backend.create_stream()?;
     cap.ev_in = backend.create_event()?;
     cap.ev_out = backend.create_event()?;
-    let (instances, wgrad) = build_instances(s, &mut cap)?;
+    let has_wgrad: Vec<bool> = s
+        .callables
+        .iter()
+        .map(|c| c.callbacks.has_wgrad())
+        .collect();
+    let schedule = match &s.opts.schedule {
+        Some(spec) => Schedule::derive(&spec.steps, spec.layers_per_chunk.as_deref(), &has_wgrad)?,
+        None => Schedule::sequential(&has_wgrad),
+    };
+    let instances = build_instances(s, &mut cap, &schedule)?;
     cap.instances = instances;
     cap.tapes = (0..cap.instances.len()).map(|_| Cell::new(0)).collect();
 
@@ -337,7 +345,15 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
         backend.prepare_accumulate()?;
     }
 
-    let order = default_order(&wgrad);
+    let m = schedule.microbatches;
+    let order: Vec<PassRef> = schedule
+        .passes
+        .iter()
+        .map(|p| PassRef {
+            instance: p.callable * m + p.microbatch,
+            kind: p.kind,
+        })
+        .collect();
 
     let scratch = Scratch::measuring(backend.clone());
     let result = warmup_and_capture(s, &mut cap, &scratch, &order);

@@ -6,8 +6,9 @@
 
 use crate::backend::{Backend, BackendKind, DevPtr, EventRef, Graph, MemCounters, StreamRef};
 use crate::core::dtype::DType;
-use crate::core::layout::{Role, SlabSlot};
+use crate::core::layout::{BufferDesc, Role, SlabSlot};
 use crate::core::lease::Leases;
+use crate::core::plan::{Lifetime, Plan};
 use crate::core::policy::{GradPolicy, KNOWN_PARAM_FLAGS};
 use crate::error::{Error, Result};
 use std::cell::Cell;
@@ -72,6 +73,10 @@ pub(crate) struct Captured {
     pub leases: Leases,
     pub tapes: Box<[Cell<usize>]>,
     pub graph_count: u32,
+    /// The static-buffer plan, with the buffers and lifetimes it placed.
+    pub plan: Plan,
+    pub buffers: Vec<BufferDesc>,
+    pub lifetimes: Vec<Lifetime>,
     pub stage_a: Vec<Returned>,
     pub stage_b: Vec<Returned>,
 }
@@ -97,6 +102,9 @@ impl Captured {
             leases: Leases::default(),
             tapes: Box::new([]),
             graph_count: 0,
+            plan: Plan::default(),
+            buffers: Vec::new(),
+            lifetimes: Vec::new(),
             stage_a: Vec::new(),
             stage_b: Vec::new(),
         }
@@ -157,6 +165,10 @@ pub(crate) enum State {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     pub static_bytes: u64,
+    /// The static bytes without reuse, and the least any plan could use.
+    pub static_bytes_without_reuse: u64,
+    pub peak_live_bytes: u64,
+    pub microbatches: u32,
     pub scratch_bytes: u64,
     pub pool_bytes: u64,
     pub clone_bytes_outstanding: u64,
@@ -233,6 +245,15 @@ impl Session {
             }
             None => Pool::new(backend.clone()),
         };
+        match &opts.schedule {
+            Some(spec) => crate::core::schedule::check_steps(&spec.steps)?,
+            None if opts.reuse_buffers => {
+                return Err(Error::InvalidSchedule(
+                    "reuse_buffers needs a pipeline schedule: buffer lifetimes come from the schedule's order".into(),
+                ))
+            }
+            None => {}
+        }
         let s = Session {
             backend,
             pool,
@@ -440,12 +461,60 @@ impl Session {
             ..Stats::default()
         };
         if let State::Captured(c) = &self.state {
+            st.static_bytes_without_reuse = c.plan.disjoint_bytes as u64;
+            st.peak_live_bytes = c.plan.peak_live_bytes as u64;
+            st.microbatches = c.by_callable.first().map_or(0, |v| v.len() as u32);
             st.graph_count = c.graph_count;
             st.instances = c.instances.len() as u32;
             st.leases_held = c.leases.held_count() as u32;
             st.captured = true;
         }
         st
+    }
+
+    /// The static-buffer plan as text: one line per buffer with its
+    /// instance, role, size, offset, memory slot and lifetime (in pass
+    /// positions of the capture order).
+    pub fn plan_dump(&self) -> Result<String> {
+        use std::fmt::Write;
+        let cap = self.captured()?;
+        let p = &cap.plan;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "static bytes {} (without reuse {}, peak live {}), {} buffers in {} slots",
+            p.total_bytes,
+            p.disjoint_bytes,
+            p.peak_live_bytes,
+            cap.buffers.len(),
+            p.slot_of.iter().max().map_or(0, |m| m + 1)
+        );
+        let _ = writeln!(
+            out,
+            "callable  microbatch  role             index  bytes       offset      slot  lifetime"
+        );
+        for (i, b) in cap.buffers.iter().enumerate() {
+            let inst = &cap.instances[b.instance];
+            let lt = cap
+                .lifetimes
+                .get(i)
+                .copied()
+                .unwrap_or(Lifetime { start: 0, end: 0 });
+            let _ = writeln!(
+                out,
+                "{:<9} {:<11} {:<16} {:<6} {:<11} {:<11} {:<5} [{}, {}]",
+                self.callables[inst.callable].name,
+                inst.microbatch,
+                b.role.name(),
+                b.index,
+                b.bytes,
+                p.offsets[i],
+                p.slot_of[i],
+                lt.start,
+                lt.end
+            );
+        }
+        Ok(out)
     }
 
     /// (free, total) device memory as the driver reports it.

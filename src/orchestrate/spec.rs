@@ -5,6 +5,7 @@
 use crate::backend::{CaptureMode, DevPtr, StreamRef};
 use crate::core::dtype::DType;
 use crate::core::policy::ParamSpec;
+use crate::core::schedule::ScheduleStep;
 use crate::error::{PassKind, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -122,6 +123,14 @@ impl LogLevel {
 pub type Logger = Box<dyn Fn(LogLevel, &str) + Send>;
 pub type SessionHook = Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>;
 
+/// A pipeline schedule as configured (validated against the callables at
+/// capture).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduleSpec {
+    pub steps: Vec<ScheduleStep>,
+    pub layers_per_chunk: Option<Vec<u32>>,
+}
+
 /// Session options, fixed at creation.
 pub struct SessionOptions {
     pub warmup_iterations: u32,
@@ -133,6 +142,11 @@ pub struct SessionOptions {
     pub log_level: LogLevel,
     /// Runs before the first and after the last warmup iteration.
     pub warmup_hook: Option<SessionHook>,
+    /// A pipeline schedule (None: one microbatch in the default order).
+    pub schedule: Option<ScheduleSpec>,
+    /// Share memory between static buffers whose lifetimes do not overlap
+    /// (needs a schedule).
+    pub reuse_buffers: bool,
 }
 
 impl Default for SessionOptions {
@@ -146,6 +160,8 @@ impl Default for SessionOptions {
             log: None,
             log_level: LogLevel::Warn,
             warmup_hook: None,
+            schedule: None,
+            reuse_buffers: false,
         }
     }
 }

@@ -1,0 +1,482 @@
+//! Where the static buffers live. Without reuse every buffer has its own
+//! memory. With reuse (a pipeline schedule only), buffers whose lifetimes
+//! do not overlap share memory, one slot per signature (size), following
+//! Transformer Engine's reuse rules:
+//!
+//! - static inputs live from their forward to their backward (weight-grad):
+//!   a later microbatch's inputs take over an earlier one's once its
+//!   backward ran;
+//! - outputs live from their forward to their backward, then are released;
+//! - grad-outputs are only used inside their backward (and weight-grad), so
+//!   all of one signature share memory;
+//! - a grad-input lives until the next backward pass has run (and, for the
+//!   first layer of a chunk, until the previous chunk's backward of the same
+//!   microbatch took it);
+//! - a parameter-grad slab lives only during its replay when every slot is
+//!   copied out (CLONE, COPY_INTO, ACCUMULATE_INTO); a slab with an ALIAS
+//!   slot is kept for the whole session.
+//!
+//! Lifetimes are in pass positions of the capture order (inclusive); the
+//! plan is a pure function of them and the buffer sizes.
+
+use super::align_up;
+use super::layout::{BufferDesc, Layout, Role};
+use super::policy::GradPolicy;
+use super::schedule::Schedule;
+use super::PassKind;
+use std::collections::HashMap;
+
+/// The passes (inclusive) during which a buffer's contents matter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetime {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Lifetime {
+    pub fn overlaps(&self, o: &Lifetime) -> bool {
+        self.start <= o.end && o.start <= self.end
+    }
+}
+
+/// Where each buffer lives.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Offset of each buffer in the static allocation.
+    pub offsets: Vec<usize>,
+    /// Physical slot of each buffer: buffers sharing memory share a slot.
+    pub slot_of: Vec<usize>,
+    /// Size of the static allocation.
+    pub total_bytes: usize,
+    /// What it would be without reuse.
+    pub disjoint_bytes: usize,
+    /// Lower bound of any plan: the most bytes live at one pass.
+    pub peak_live_bytes: usize,
+}
+
+fn size(b: &BufferDesc) -> usize {
+    align_up(b.bytes.max(1))
+}
+
+/// Every buffer in its own memory.
+pub fn disjoint(buffers: &[BufferDesc]) -> Plan {
+    let mut offsets = Vec::with_capacity(buffers.len());
+    let mut total = 0;
+    for b in buffers {
+        offsets.push(total);
+        total += size(b);
+    }
+    Plan {
+        offsets,
+        slot_of: (0..buffers.len()).collect(),
+        total_bytes: total,
+        disjoint_bytes: total,
+        peak_live_bytes: total,
+    }
+}
+
+/// The lifetime of every buffer of `layout` under schedule `s`.
+/// `instance(callable, microbatch)` is the instance index of the layout.
+pub fn lifetimes(
+    s: &Schedule,
+    layout: &Layout,
+    instance: impl Fn(usize, usize) -> usize,
+) -> Vec<Lifetime> {
+    let n = layout.instances.len();
+    let last = s.passes.len().saturating_sub(1);
+    let (mut fwd, mut bwd, mut wgrad) = (vec![0; n], vec![0; n], vec![None; n]);
+    for (pos, p) in s.passes.iter().enumerate() {
+        let i = instance(p.callable, p.microbatch);
+        match p.kind {
+            PassKind::Forward => fwd[i] = pos,
+            PassKind::Backward => bwd[i] = pos,
+            PassKind::Wgrad => wgrad[i] = Some(pos),
+        }
+    }
+    // The next backward pass after each position.
+    let mut next_bwd = vec![last; s.passes.len() + 1];
+    for pos in (0..s.passes.len()).rev() {
+        next_bwd[pos] = if s.passes[pos].kind == PassKind::Backward {
+            pos
+        } else {
+            next_bwd[pos + 1]
+        };
+    }
+    let owner: Vec<(usize, usize)> = {
+        let mut o = vec![(0, 0); n];
+        for p in &s.passes {
+            o[instance(p.callable, p.microbatch)] = (p.callable, p.microbatch);
+        }
+        o
+    };
+    layout
+        .buffers
+        .iter()
+        .map(|b| {
+            let i = b.instance;
+            let done = wgrad[i].unwrap_or(bwd[i]);
+            match b.role {
+                Role::Input => Lifetime {
+                    start: fwd[i],
+                    end: done,
+                },
+                Role::Output => Lifetime {
+                    start: fwd[i],
+                    end: bwd[i],
+                },
+                Role::GradOutput => Lifetime {
+                    start: bwd[i],
+                    end: done,
+                },
+                Role::GradInput => {
+                    let mut end = next_bwd[bwd[i] + 1];
+                    let (callable, mb) = owner[i];
+                    let chunk = s.chunk_of(callable);
+                    if callable == s.prefix[chunk] && chunk > 0 {
+                        // Taken by the last layer of the previous chunk.
+                        let prev = s.prefix[chunk] - 1;
+                        end = end.max(bwd[instance(prev, mb)]);
+                    }
+                    Lifetime { start: bwd[i], end }
+                }
+                Role::ParamGrads => {
+                    let slab = &layout.instances[i].slab_layout;
+                    if slab
+                        .slots
+                        .iter()
+                        .flatten()
+                        .any(|s| s.policy == GradPolicy::Alias)
+                    {
+                        Lifetime {
+                            start: 0,
+                            end: last,
+                        }
+                    } else {
+                        Lifetime {
+                            start: done,
+                            end: done,
+                        }
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// Shares memory between buffers of the same size whose lifetimes do not
+/// overlap. Greedy by start: a buffer takes a free slot of its size if one
+/// is free, else a new slot, which is optimal per size class (the slot count
+/// equals the most buffers of that size live at once).
+pub fn reuse(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> Plan {
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by_key(|&i| (lifetimes[i].start, lifetimes[i].end, i));
+    // Per size: slots with the end of their last lifetime.
+    let mut free_at: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+    let mut slot_size: Vec<usize> = Vec::new();
+    let mut slot_of = vec![0; buffers.len()];
+    for i in order {
+        let sz = size(&buffers[i]);
+        let lt = lifetimes[i];
+        let slots = free_at.entry(sz).or_default();
+        match slots.iter_mut().find(|(_, end)| *end < lt.start) {
+            Some((slot, end)) => {
+                *end = lt.end;
+                slot_of[i] = *slot;
+            }
+            None => {
+                slot_size.push(sz);
+                slots.push((slot_size.len() - 1, lt.end));
+                slot_of[i] = slot_size.len() - 1;
+            }
+        }
+    }
+    let mut slot_offset = Vec::with_capacity(slot_size.len());
+    let mut total = 0;
+    for &sz in &slot_size {
+        slot_offset.push(total);
+        total += sz;
+    }
+    Plan {
+        offsets: slot_of.iter().map(|&s| slot_offset[s]).collect(),
+        slot_of,
+        total_bytes: total,
+        disjoint_bytes: buffers.iter().map(size).sum(),
+        peak_live_bytes: peak_live(buffers, lifetimes),
+    }
+}
+
+/// The most bytes live at any one pass.
+pub fn peak_live(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> usize {
+    let end = lifetimes.iter().map(|l| l.end + 1).max().unwrap_or(0);
+    let mut delta = vec![0i64; end + 1];
+    for (b, l) in buffers.iter().zip(lifetimes) {
+        delta[l.start] += size(b) as i64;
+        delta[l.end + 1] -= size(b) as i64;
+    }
+    let (mut live, mut peak) = (0i64, 0i64);
+    for d in delta {
+        live += d;
+        peak = peak.max(live);
+    }
+    peak as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::layout::{layout, InstanceShape};
+    use crate::core::schedule::{from_te_order, Pass, ScheduleStep};
+
+    const H: usize = 1024; // bytes of every activation in these tests
+
+    /// A layout of `callables` x `mb` identical one-input one-output layers
+    /// with one CLONE (or ALIAS) parameter, instance = callable * mb + m.
+    fn setup(s: &Schedule, first_input_grad: bool, policy: GradPolicy) -> (Layout, Vec<Lifetime>) {
+        let callables = s.layers_per_chunk.iter().sum::<usize>();
+        let shapes: Vec<InstanceShape> = (0..callables * s.microbatches)
+            .map(|i| InstanceShape {
+                inputs: vec![(H, first_input_grad || i >= s.microbatches)],
+                outputs: vec![(H, true)],
+                params: vec![Some((4 * H, policy))],
+            })
+            .collect();
+        let l = layout(&shapes);
+        let m = s.microbatches;
+        let lt = lifetimes(s, &l, |c, mb| c * m + mb);
+        (l, lt)
+    }
+
+    fn check_no_overlap(buffers: &[BufferDesc], lt: &[Lifetime], plan: &Plan) {
+        for i in 0..buffers.len() {
+            for j in i + 1..buffers.len() {
+                let (a0, a1) = (plan.offsets[i], plan.offsets[i] + buffers[i].bytes);
+                let (b0, b1) = (plan.offsets[j], plan.offsets[j] + buffers[j].bytes);
+                let mem = a0 < b1 && b0 < a1;
+                assert!(
+                    !(mem && lt[i].overlaps(&lt[j])),
+                    "buffers {i} {:?} {:?} and {j} {:?} {:?} share memory while both live",
+                    buffers[i],
+                    lt[i],
+                    buffers[j],
+                    lt[j]
+                );
+            }
+        }
+    }
+
+    /// Per size class, the plan uses exactly as many slots as the most
+    /// buffers of that size live at one pass.
+    fn check_optimal(buffers: &[BufferDesc], lt: &[Lifetime], plan: &Plan) {
+        let mut sizes: Vec<usize> = buffers.iter().map(size).collect();
+        sizes.sort();
+        sizes.dedup();
+        for sz in sizes {
+            let members: Vec<usize> = (0..buffers.len())
+                .filter(|&i| size(&buffers[i]) == sz)
+                .collect();
+            let mut slots: Vec<usize> = members.iter().map(|&i| plan.slot_of[i]).collect();
+            slots.sort();
+            slots.dedup();
+            let end = members.iter().map(|&i| lt[i].end).max().unwrap_or(0);
+            let most = (0..=end)
+                .map(|t| {
+                    members
+                        .iter()
+                        .filter(|&&i| lt[i].start <= t && t <= lt[i].end)
+                        .count()
+                })
+                .max();
+            assert_eq!(Some(slots.len()), most, "size {sz}");
+        }
+    }
+
+    #[test]
+    fn te_scenario_lifetimes_and_assignments() {
+        let s = Schedule::derive(
+            &from_te_order(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]),
+            None,
+            &[false, false],
+        )
+        .unwrap();
+        let (l, lt) = setup(&s, false, GradPolicy::Clone);
+        // Pass positions: F00 F10 F01 F11 B10 B00 F02 F12 B11 B01 B12 B02
+        //                  0   1   2   3   4   5   6   7   8   9  10  11
+        let find = |inst: usize, role: Role| {
+            let i = l
+                .buffers
+                .iter()
+                .position(|b| b.instance == inst && b.role == role)
+                .unwrap();
+            (i, lt[i])
+        };
+        let inst = |c: usize, m: usize| c * 3 + m;
+        assert_eq!(
+            find(inst(0, 0), Role::Input).1,
+            Lifetime { start: 0, end: 5 }
+        );
+        assert_eq!(
+            find(inst(1, 2), Role::Output).1,
+            Lifetime { start: 7, end: 10 }
+        );
+        assert_eq!(
+            find(inst(1, 0), Role::GradOutput).1,
+            Lifetime { start: 4, end: 4 }
+        );
+        // The grad-input of chunk 1 (first layer) lives until chunk 0 took it.
+        assert_eq!(
+            find(inst(1, 0), Role::GradInput).1,
+            Lifetime { start: 4, end: 5 }
+        );
+        assert_eq!(
+            find(inst(1, 1), Role::ParamGrads).1,
+            Lifetime { start: 8, end: 8 }
+        );
+        let plan = reuse(&l.buffers, &lt);
+        check_no_overlap(&l.buffers, &lt, &plan);
+        // Microbatch 2's inputs take over microbatch 0's once its backward ran.
+        let (a, _) = find(inst(0, 0), Role::Input);
+        let (b, _) = find(inst(0, 2), Role::Input);
+        assert_eq!(plan.slot_of[a], plan.slot_of[b]);
+        // Grad-outputs are never live together: they need one slot's worth
+        // of memory between them, and the plan is optimal per size.
+        check_optimal(&l.buffers, &lt, &plan);
+        // CLONE slabs are live only during their backward: one slot for all six.
+        let slabs: Vec<usize> = (0..l.buffers.len())
+            .filter(|&i| l.buffers[i].role == Role::ParamGrads)
+            .map(|i| plan.slot_of[i])
+            .collect();
+        assert!(slabs.windows(2).all(|w| w[0] == w[1]), "{slabs:?}");
+        assert!(plan.total_bytes < plan.disjoint_bytes);
+        assert!(plan.peak_live_bytes <= plan.total_bytes);
+        // ALIAS slabs are kept: never shared.
+        let (l2, lt2) = setup(&s, false, GradPolicy::Alias);
+        let plan2 = reuse(&l2.buffers, &lt2);
+        let slabs2: Vec<usize> = (0..l2.buffers.len())
+            .filter(|&i| l2.buffers[i].role == Role::ParamGrads)
+            .map(|i| plan2.slot_of[i])
+            .collect();
+        let mut uniq = slabs2.clone();
+        uniq.dedup();
+        assert_eq!(uniq.len(), 6, "{slabs2:?}");
+        check_no_overlap(&l2.buffers, &lt2, &plan2);
+    }
+
+    #[test]
+    fn three_chunk_schedule() {
+        let s = Schedule::derive(
+            &from_te_order(&[1, 2, 3, 1, 2, 3, -3, -2, -1, -3, -2, -1]),
+            Some(&[1, 2, 1]),
+            &[false; 4],
+        )
+        .unwrap();
+        let (l, lt) = setup(&s, true, GradPolicy::Clone);
+        let plan = reuse(&l.buffers, &lt);
+        check_no_overlap(&l.buffers, &lt, &plan);
+        assert!(plan.total_bytes < plan.disjoint_bytes);
+        assert!(plan.peak_live_bytes <= plan.total_bytes);
+        // The grad-input of chunk 2 (callable 3) for microbatch 0 lives until
+        // callable 2 (last layer of chunk 1) ran its backward.
+        let gin = (0..l.buffers.len())
+            .find(|&i| l.buffers[i].role == Role::GradInput && l.buffers[i].instance == 3 * 2)
+            .unwrap();
+        let b2 = s
+            .passes
+            .iter()
+            .position(|p| p.callable == 2 && p.microbatch == 0 && p.kind == PassKind::Backward);
+        assert_eq!(lt[gin].end, b2.unwrap());
+    }
+
+    /// Random valid interleaved schedules: chunks run in order per
+    /// microbatch, forwards lead backwards by a random amount.
+    fn random_schedule(seed: &mut u64) -> (Vec<ScheduleStep>, usize, usize) {
+        let mut rnd = |n: usize| {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((*seed >> 33) as usize) % n
+        };
+        let chunks = 1 + rnd(3);
+        let mb = 1 + rnd(4);
+        // Per microbatch a sequence F0..F(c-1), B(c-1)..B0; interleave the
+        // microbatches' sequences randomly, keeping microbatch order per step kind.
+        let mut next = vec![0usize; mb];
+        let seq: Vec<ScheduleStep> = (0..chunks)
+            .map(|c| ScheduleStep {
+                pass: 0,
+                chunk: c as u32,
+            })
+            .chain((0..chunks).rev().map(|c| ScheduleStep {
+                pass: 1,
+                chunk: c as u32,
+            }))
+            .collect();
+        let mut steps = Vec::new();
+        let mut started = 0;
+        while steps.len() < 2 * chunks * mb {
+            // Candidates: the earliest unfinished microbatch (keeps per-chunk
+            // microbatch order) or the next one to start.
+            let mut cands: Vec<usize> = (0..started)
+                .filter(|&m| next[m] < seq.len())
+                .take(1)
+                .collect();
+            if started < mb {
+                cands.push(started);
+            }
+            let m = cands[rnd(cands.len())];
+            if m == started {
+                started += 1;
+            }
+            steps.push(seq[next[m]]);
+            next[m] += 1;
+        }
+        (steps, chunks, mb)
+    }
+
+    #[test]
+    fn random_schedules_never_share_live_memory() {
+        let mut seed = 42u64;
+        for _ in 0..300 {
+            let (steps, chunks, _) = random_schedule(&mut seed);
+            let layers: Vec<u32> = (0..chunks)
+                .map(|c| 1 + (c as u32 + seed as u32) % 3)
+                .collect();
+            let n: usize = layers.iter().map(|&x| x as usize).sum();
+            let s = match Schedule::derive(&steps, Some(&layers), &vec![false; n]) {
+                Ok(s) => s,
+                Err(e) => panic!("generated an invalid schedule {steps:?}: {e}"),
+            };
+            for policy in [GradPolicy::Clone, GradPolicy::Alias] {
+                let (l, lt) = setup(&s, (seed & 1) == 0, policy);
+                let plan = reuse(&l.buffers, &lt);
+                check_no_overlap(&l.buffers, &lt, &plan);
+                check_optimal(&l.buffers, &lt, &plan);
+                assert!(plan.peak_live_bytes <= plan.total_bytes);
+                assert!(plan.total_bytes <= plan.disjoint_bytes);
+                // Every buffer is used inside its lifetime's passes.
+                for (b, t) in l.buffers.iter().zip(&lt) {
+                    assert!(t.start <= t.end, "{b:?} {t:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn disjoint_plan_gives_every_buffer_its_own_memory() {
+        let bufs: Vec<BufferDesc> = (0..5)
+            .map(|i| BufferDesc {
+                instance: 0,
+                role: Role::Input,
+                index: i,
+                bytes: 100 * (i + 1),
+            })
+            .collect();
+        let p = disjoint(&bufs);
+        assert_eq!(p.slot_of, vec![0, 1, 2, 3, 4]);
+        assert_eq!(p.total_bytes, 256 + 256 + 512 + 512 + 512);
+        let _ = Pass {
+            callable: 0,
+            microbatch: 0,
+            kind: PassKind::Forward,
+        };
+    }
+}

@@ -1,0 +1,530 @@
+//! Pipeline schedules: the Megatron-style interleaved order of steps
+//! (forward, backward or weight-grad of a model chunk), validated with
+//! Transformer Engine's rules (`_make_graphed_callables`), and the passes
+//! (callable, microbatch, kind) it expands to, in capture order.
+//!
+//! Chunks are numbered from 0 here (TE's `_order` numbers them from 1). The
+//! k-th forward step of chunk c runs microbatch k through the chunk's
+//! layers in order; the k-th backward step runs them in reverse; the k-th
+//! weight-grad step runs the delayed weight-gradient of microbatch k.
+
+use super::PassKind;
+use crate::error::{Error, Result};
+
+/// One step of a schedule. C name: `graphed_schedule_step`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduleStep {
+    /// A graphed_pass value: FORWARD, BACKWARD or WGRAD.
+    pub pass: u32,
+    /// The model chunk, from 0.
+    pub chunk: u32,
+}
+
+/// One captured pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pass {
+    pub callable: usize,
+    pub microbatch: usize,
+    pub kind: PassKind,
+}
+
+/// A validated schedule and its passes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub chunks: usize,
+    pub microbatches: usize,
+    pub layers_per_chunk: Vec<usize>,
+    /// First callable of each chunk.
+    pub prefix: Vec<usize>,
+    /// Every pass, in warmup and capture order.
+    pub passes: Vec<Pass>,
+}
+
+fn bad(msg: String) -> Error {
+    Error::InvalidSchedule(msg)
+}
+
+fn kind_of(step: &ScheduleStep, i: usize) -> Result<PassKind> {
+    match step.pass {
+        0 => Ok(PassKind::Forward),
+        1 => Ok(PassKind::Backward),
+        2 => Ok(PassKind::Wgrad),
+        p => Err(bad(format!(
+            "step {i}: pass {p} is not a graphed_pass value"
+        ))),
+    }
+}
+
+impl Schedule {
+    /// The chunk a callable belongs to.
+    pub fn chunk_of(&self, callable: usize) -> usize {
+        self.prefix
+            .iter()
+            .rposition(|&p| p <= callable)
+            .unwrap_or(0)
+    }
+
+    /// The default order without a schedule: one microbatch, forwards in
+    /// registration order, backwards in reverse, each weight-grad right
+    /// after its backward.
+    pub fn sequential(has_wgrad: &[bool]) -> Schedule {
+        let n = has_wgrad.len();
+        let mut passes: Vec<Pass> = (0..n)
+            .map(|c| Pass {
+                callable: c,
+                microbatch: 0,
+                kind: PassKind::Forward,
+            })
+            .collect();
+        for c in (0..n).rev() {
+            passes.push(Pass {
+                callable: c,
+                microbatch: 0,
+                kind: PassKind::Backward,
+            });
+            if has_wgrad[c] {
+                passes.push(Pass {
+                    callable: c,
+                    microbatch: 0,
+                    kind: PassKind::Wgrad,
+                });
+            }
+        }
+        Schedule {
+            chunks: 1,
+            microbatches: 1,
+            layers_per_chunk: vec![n],
+            prefix: vec![0],
+            passes,
+        }
+    }
+
+    /// Validates `steps` against the registered callables and expands them.
+    /// `layers_per_chunk` is derived (callables split evenly) when absent.
+    pub fn derive(
+        steps: &[ScheduleStep],
+        layers_per_chunk: Option<&[u32]>,
+        has_wgrad: &[bool],
+    ) -> Result<Schedule> {
+        let shape = Shape::check(steps)?;
+        let (chunks, mb) = (shape.chunks, shape.microbatches);
+        let n = has_wgrad.len();
+        let layers: Vec<usize> = match layers_per_chunk {
+            Some(l) => {
+                if l.len() != chunks {
+                    return Err(bad(format!(
+                        "layers_per_chunk has {} entries; the schedule has {chunks} chunks",
+                        l.len()
+                    )));
+                }
+                if let Some(c) = l.iter().position(|&x| x == 0) {
+                    return Err(bad(format!(
+                        "layers_per_chunk[{c}] is 0; every chunk needs at least one layer"
+                    )));
+                }
+                let total: usize = l.iter().map(|&x| x as usize).sum();
+                if total != n {
+                    return Err(bad(format!(
+                        "the chunks hold {total} layers in all (layers_per_chunk) but {n} callables are registered; \
+                         there must be one callable per layer"
+                    )));
+                }
+                l.iter().map(|&x| x as usize).collect()
+            }
+            None => {
+                if n == 0 || n % chunks != 0 {
+                    return Err(bad(format!(
+                        "{n} callables cannot be split evenly into {chunks} chunks; give layers_per_chunk"
+                    )));
+                }
+                vec![n / chunks; chunks]
+            }
+        };
+        let mut prefix = vec![0; chunks];
+        for c in 1..chunks {
+            prefix[c] = prefix[c - 1] + layers[c - 1];
+        }
+        for c in 0..chunks {
+            let members = prefix[c]..prefix[c] + layers[c];
+            let with_wgrad = members.clone().filter(|&i| has_wgrad[i]).count();
+            if shape.wgrad_steps[c] > 0 {
+                if layers[c] != 1 {
+                    return Err(bad(format!(
+                        "chunk {c} has weight-grad steps and {} layers; weight-grad steps need one layer per chunk",
+                        layers[c]
+                    )));
+                }
+                if let Some(i) = members.clone().find(|&i| !has_wgrad[i]) {
+                    return Err(bad(format!(
+                        "chunk {c} has weight-grad steps, but callable {i} has no weight-grad callback \
+                         (weight-grad steps are only for delayed weight-gradient callables)"
+                    )));
+                }
+            } else if with_wgrad > 0 {
+                let i = members.clone().find(|&i| has_wgrad[i]).unwrap_or(prefix[c]);
+                return Err(bad(format!(
+                    "callable {i} has a weight-grad callback, but chunk {c} has no weight-grad steps to capture it"
+                )));
+            }
+        }
+
+        let mut passes = Vec::new();
+        let mut seen = [
+            vec![0usize; chunks],
+            vec![0usize; chunks],
+            vec![0usize; chunks],
+        ];
+        for (i, step) in steps.iter().enumerate() {
+            let kind = kind_of(step, i)?;
+            let c = step.chunk as usize;
+            let k = &mut seen[kind as usize][c];
+            let m = *k;
+            *k += 1;
+            let ls: Vec<usize> = match kind {
+                PassKind::Forward => (0..layers[c]).collect(),
+                _ => (0..layers[c]).rev().collect(),
+            };
+            passes.extend(ls.into_iter().map(|l| Pass {
+                callable: prefix[c] + l,
+                microbatch: m,
+                kind,
+            }));
+        }
+        Ok(Schedule {
+            chunks,
+            microbatches: mb,
+            layers_per_chunk: layers,
+            prefix,
+            passes,
+        })
+    }
+}
+
+/// Checks what the steps alone can be checked for (counts and order), before
+/// any callable is registered.
+pub fn check_steps(steps: &[ScheduleStep]) -> Result<()> {
+    Shape::check(steps).map(|_| ())
+}
+
+/// What the steps alone say: chunk and microbatch counts, checked.
+struct Shape {
+    chunks: usize,
+    microbatches: usize,
+    wgrad_steps: Vec<usize>,
+}
+
+impl Shape {
+    fn check(steps: &[ScheduleStep]) -> Result<Shape> {
+        if steps.is_empty() {
+            return Err(bad("the schedule has no steps".into()));
+        }
+        let mut kinds = Vec::with_capacity(steps.len());
+        for (i, s) in steps.iter().enumerate() {
+            kinds.push(kind_of(s, i)?);
+        }
+        let chunks = steps.iter().map(|s| s.chunk as usize).max().unwrap_or(0) + 1;
+        if chunks > 4096 {
+            return Err(bad(format!(
+                "chunk {} is out of range (at most 4096 chunks)",
+                chunks - 1
+            )));
+        }
+        let count = |k: PassKind, c: usize| {
+            steps
+                .iter()
+                .zip(&kinds)
+                .filter(|(s, &kk)| kk == k && s.chunk as usize == c)
+                .count()
+        };
+        let fb = kinds.iter().filter(|&&k| k != PassKind::Wgrad).count();
+        if fb % (2 * chunks) != 0 {
+            return Err(bad(format!(
+                "the schedule has {fb} forward and backward steps over {chunks} chunks; it needs \
+                 chunks x microbatches x 2 of them"
+            )));
+        }
+        let mb = fb / (2 * chunks);
+        for c in 0..chunks {
+            let (f, b) = (count(PassKind::Forward, c), count(PassKind::Backward, c));
+            if f != mb || b != mb {
+                return Err(bad(format!(
+                    "chunk {c} has {f} forward and {b} backward steps; with {chunks} chunks and {mb} microbatches \
+                     every chunk needs {mb} of each"
+                )));
+            }
+            let w = count(PassKind::Wgrad, c);
+            if w != 0 && w != b {
+                return Err(bad(format!(
+                    "chunk {c} has {w} weight-grad steps and {b} backward steps; they must be as many"
+                )));
+            }
+        }
+        // Position of the k-th step of each kind and chunk.
+        let mut pos = vec![vec![vec![usize::MAX; mb]; chunks]; 3];
+        let mut seen = vec![vec![0usize; chunks]; 3];
+        for (i, (s, &k)) in steps.iter().zip(&kinds).enumerate() {
+            let c = s.chunk as usize;
+            let n = &mut seen[k as usize][c];
+            if *n < mb {
+                pos[k as usize][c][*n] = i;
+            }
+            *n += 1;
+        }
+        let (fwd, bwd, wg) = (&pos[0], &pos[1], &pos[2]);
+        for c in 0..chunks {
+            for m in 0..mb {
+                if bwd[c][m] < fwd[c][m] {
+                    return Err(bad(format!(
+                        "step {}: the backward of chunk {c} for microbatch {m} comes before its forward (step {})",
+                        bwd[c][m], fwd[c][m]
+                    )));
+                }
+                if c > 0 && fwd[c][m] < fwd[c - 1][m] {
+                    return Err(bad(format!(
+                        "step {}: the forward of chunk {c} for microbatch {m} comes before the forward of chunk {} \
+                         (step {}) whose output it takes",
+                        fwd[c][m],
+                        c - 1,
+                        fwd[c - 1][m]
+                    )));
+                }
+                if c + 1 < chunks && bwd[c][m] < bwd[c + 1][m] {
+                    return Err(bad(format!(
+                        "step {}: the backward of chunk {c} for microbatch {m} comes before the backward of chunk {} \
+                         (step {}) whose input grad it takes",
+                        bwd[c][m],
+                        c + 1,
+                        bwd[c + 1][m]
+                    )));
+                }
+                if seen[2][c] > 0 && wg[c][m] < bwd[c][m] {
+                    return Err(bad(format!(
+                        "step {}: the weight-grad of chunk {c} for microbatch {m} comes before its backward (step {})",
+                        wg[c][m], bwd[c][m]
+                    )));
+                }
+            }
+        }
+        Ok(Shape {
+            chunks,
+            microbatches: mb,
+            wgrad_steps: seen[2].clone(),
+        })
+    }
+}
+
+/// Steps from Transformer Engine's `_order` notation: +c is the forward of
+/// chunk c (from 1), -c its backward. (Weight-grad steps, TE's -c-0.5, are
+/// given as `ScheduleStep`s directly.) For tests and migration.
+pub fn from_te_order(order: &[i32]) -> Vec<ScheduleStep> {
+    order
+        .iter()
+        .map(|&c| ScheduleStep {
+            pass: if c > 0 {
+                PassKind::Forward as u32
+            } else {
+                PassKind::Backward as u32
+            },
+            chunk: c.unsigned_abs().saturating_sub(1),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use PassKind::*;
+
+    fn p(callable: usize, microbatch: usize, kind: PassKind) -> Pass {
+        Pass {
+            callable,
+            microbatch,
+            kind,
+        }
+    }
+
+    fn w(chunk: u32) -> ScheduleStep {
+        ScheduleStep {
+            pass: Wgrad as u32,
+            chunk,
+        }
+    }
+
+    pub(crate) const TE_ORDER: [i32; 12] = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
+
+    #[test]
+    fn te_scenario_two_chunks_three_microbatches() {
+        let s = Schedule::derive(&from_te_order(&TE_ORDER), None, &[false, false]).unwrap();
+        assert_eq!((s.chunks, s.microbatches), (2, 3));
+        assert_eq!(s.layers_per_chunk, vec![1, 1]);
+        assert_eq!(
+            s.passes,
+            vec![
+                p(0, 0, Forward),
+                p(1, 0, Forward),
+                p(0, 1, Forward),
+                p(1, 1, Forward),
+                p(1, 0, Backward),
+                p(0, 0, Backward),
+                p(0, 2, Forward),
+                p(1, 2, Forward),
+                p(1, 1, Backward),
+                p(0, 1, Backward),
+                p(1, 2, Backward),
+                p(0, 2, Backward),
+            ]
+        );
+        assert_eq!(s.chunk_of(1), 1);
+    }
+
+    #[test]
+    fn layers_expand_forward_in_order_and_backward_in_reverse() {
+        let steps = from_te_order(&[1, 2, 3, -3, -2, -1]);
+        let s = Schedule::derive(&steps, Some(&[1, 2, 1]), &[false; 4]).unwrap();
+        assert_eq!(s.prefix, vec![0, 1, 3]);
+        let kinds: Vec<(usize, PassKind)> = s.passes.iter().map(|p| (p.callable, p.kind)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (0, Forward),
+                (1, Forward),
+                (2, Forward),
+                (3, Forward),
+                (3, Backward),
+                (2, Backward),
+                (1, Backward),
+                (0, Backward)
+            ]
+        );
+        assert_eq!((s.chunk_of(0), s.chunk_of(2), s.chunk_of(3)), (0, 1, 2));
+        // Derived: 6 callables over 3 chunks is 2 layers each.
+        let s = Schedule::derive(&steps, None, &[false; 6]).unwrap();
+        assert_eq!(s.layers_per_chunk, vec![2, 2, 2]);
+        assert_eq!(s.passes.len(), 12);
+    }
+
+    #[test]
+    fn weight_grad_steps_expand_after_their_backward() {
+        let mut steps = from_te_order(&[1, 2, -2]);
+        steps.push(w(1));
+        steps.extend(from_te_order(&[-1]));
+        steps.push(w(0));
+        let s = Schedule::derive(&steps, None, &[true, true]).unwrap();
+        assert_eq!(
+            s.passes,
+            vec![
+                p(0, 0, Forward),
+                p(1, 0, Forward),
+                p(1, 0, Backward),
+                p(1, 0, Wgrad),
+                p(0, 0, Backward),
+                p(0, 0, Wgrad)
+            ]
+        );
+    }
+
+    #[test]
+    fn sequential_order() {
+        let s = Schedule::sequential(&[false, true, false]);
+        let k: Vec<(usize, PassKind)> = s.passes.iter().map(|p| (p.callable, p.kind)).collect();
+        assert_eq!(
+            k,
+            vec![
+                (0, Forward),
+                (1, Forward),
+                (2, Forward),
+                (2, Backward),
+                (1, Backward),
+                (1, Wgrad),
+                (0, Backward)
+            ]
+        );
+    }
+
+    fn rejects(steps: &[ScheduleStep], layers: Option<&[u32]>, wgrad: &[bool], needle: &str) {
+        match Schedule::derive(steps, layers, wgrad) {
+            Err(Error::InvalidSchedule(m)) => assert!(m.contains(needle), "'{needle}' not in: {m}"),
+            other => {
+                panic!("expected an InvalidSchedule error containing '{needle}', got {other:?}")
+            }
+        }
+    }
+
+    #[test]
+    fn every_rule_has_its_own_message() {
+        let te = from_te_order(&TE_ORDER);
+        rejects(&[], None, &[false], "no steps");
+        rejects(
+            &[ScheduleStep { pass: 7, chunk: 0 }],
+            None,
+            &[false],
+            "not a graphed_pass",
+        );
+        rejects(
+            &te[..11],
+            None,
+            &[false, false],
+            "chunks x microbatches x 2",
+        );
+        rejects(
+            &from_te_order(&[1, 1, -2, -2]),
+            None,
+            &[false, false],
+            "chunk 0 has 2 forward and 0 backward",
+        );
+        rejects(
+            &from_te_order(&[-1, 1]),
+            None,
+            &[false],
+            "comes before its forward",
+        );
+        rejects(
+            &from_te_order(&[2, 1, -2, -1]),
+            None,
+            &[false, false],
+            "whose output it takes",
+        );
+        rejects(
+            &from_te_order(&[1, 2, -1, -2]),
+            None,
+            &[false, false],
+            "whose input grad it takes",
+        );
+        rejects(
+            &te,
+            Some(&[1]),
+            &[false, false],
+            "layers_per_chunk has 1 entries",
+        );
+        rejects(
+            &te,
+            Some(&[1, 0]),
+            &[false, false],
+            "layers_per_chunk[1] is 0",
+        );
+        rejects(&te, Some(&[1, 2]), &[false, false], "hold 3 layers in all");
+        rejects(&te, None, &[false, false, false], "cannot be split evenly");
+        let mut two_w = from_te_order(&[1, -1]);
+        two_w.extend([w(0), w(0)]);
+        rejects(&two_w, None, &[true], "2 weight-grad steps and 1 backward");
+        let mut early_w = vec![from_te_order(&[1])[0], w(0)];
+        early_w.extend(from_te_order(&[-1]));
+        rejects(
+            &early_w,
+            None,
+            &[true],
+            "weight-grad of chunk 0 for microbatch 0 comes before its backward",
+        );
+        let mut ok_w = from_te_order(&[1, -1]);
+        ok_w.push(w(0));
+        rejects(&ok_w, None, &[false], "no weight-grad callback");
+        rejects(&ok_w, None, &[true, true], "one layer per chunk");
+        rejects(
+            &from_te_order(&[1, -1]),
+            None,
+            &[true],
+            "no weight-grad steps to capture it",
+        );
+    }
+}
