@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Writes src/backend/cuda/accumulate.ptx: the ACCUMULATE_INTO kernels
-(dst += src, summed in f32, rounded to nearest even) for f32, f16 and bf16,
-each as a scalar grid-stride kernel and a 16-byte vector kernel.
+(dst += src, summed in f32, rounded to nearest even) for f32, f16 and bf16:
+a scalar grid-stride kernel, a 16-byte vector kernel, and a batched kernel
+that accumulates up to BATCH tensors in one launch (descriptors passed by
+value in the kernel parameters; blockIdx.y picks the tensor).
 
 PTX ISA 7.0 for sm_52, so that every driver from CUDA 12.0 on JIT-compiles
 it (nvcc 13 would emit ISA 9.0, which 12.x drivers reject). bf16 is converted
@@ -184,6 +186,69 @@ for k in range(4):
 bf16x8_lines.append("st.global.v4.b32 [%rd8], {%r18, %r19, %r20, %r21};")
 bf16x8 = ind(bf16x8_lines)
 
+BATCH = 160  # descriptors per launch: 160 * 24 bytes fits the 4 KiB parameter space
+
+def batch_kernel(name, vec_body, scalar_body, per_vec_log2, elem_log2):
+    """Descriptors {u64 dst, u64 src, u64 n (elements)}; all 16-byte aligned.
+    Vectors go grid-stride along x; block 0 also does the n % per_vec tail."""
+    return f"""
+.visible .entry {name}(
+    .param .u32 p_count,
+    .param .align 8 .b8 p_desc[{BATCH * 24}]
+)
+{{
+    .reg .pred %p<4>;
+    .reg .b16 %h<24>;
+    .reg .b32 %r<64>;
+    .reg .b64 %rd<24>;
+    .reg .f32 %f<40>;
+
+    ld.param.u32 %r5, [p_count];
+    mov.u32 %r6, %ctaid.y;
+    setp.ge.u32 %p3, %r6, %r5;
+    @%p3 bra DONE;
+    mul.wide.u32 %rd10, %r6, 24;
+    mov.u64 %rd11, p_desc;
+    add.u64 %rd11, %rd11, %rd10;
+    ld.param.u64 %rd1, [%rd11];
+    ld.param.u64 %rd2, [%rd11+8];
+    ld.param.u64 %rd12, [%rd11+16];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    shr.u64 %rd3, %rd12, {per_vec_log2};
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    mul.wide.u32 %rd4, %r1, %r2;
+    cvt.u64.u32 %rd5, %r3;
+    add.u64 %rd4, %rd4, %rd5;
+    mul.wide.u32 %rd6, %r4, %r2;
+    mov.u64 %rd13, %rd4;
+VLOOP:
+    setp.ge.u64 %p1, %rd4, %rd3;
+    @%p1 bra TAIL;
+    shl.b64 %rd7, %rd4, 4;
+    add.u64 %rd8, %rd1, %rd7;
+    add.u64 %rd9, %rd2, %rd7;
+{vec_body}
+    add.u64 %rd4, %rd4, %rd6;
+    bra VLOOP;
+TAIL:
+    // Elements past the last whole vector: global thread t takes element t of the tail.
+    shl.b64 %rd14, %rd3, {per_vec_log2};
+    add.u64 %rd4, %rd14, %rd13;
+    setp.ge.u64 %p1, %rd4, %rd12;
+    @%p1 bra DONE;
+    shl.b64 %rd7, %rd4, {elem_log2};
+    add.u64 %rd8, %rd1, %rd7;
+    add.u64 %rd9, %rd2, %rd7;
+{scalar_body}
+DONE:
+    ret;
+}}
+"""
+
 out = HEAD
 out += kernel("graphed_acc_f32", 2, f32)
 out += kernel("graphed_acc_f32x4", 4, f32x4)
@@ -191,6 +256,9 @@ out += kernel("graphed_acc_f16", 1, f16)
 out += kernel("graphed_acc_f16x8", 4, f16x8)
 out += kernel("graphed_acc_bf16", 1, bf16)
 out += kernel("graphed_acc_bf16x8", 4, bf16x8)
+out += batch_kernel("graphed_acc_batch_f32", f32x4, f32, 2, 2)
+out += batch_kernel("graphed_acc_batch_f16", f16x8, f16, 3, 1)
+out += batch_kernel("graphed_acc_batch_bf16", bf16x8, bf16, 3, 1)
 path = pathlib.Path(__file__).resolve().parent.parent / "src/backend/cuda/accumulate.ptx"
 path.write_text(out)
 print(f"wrote {path}")

@@ -81,6 +81,14 @@ impl CaptureMode {
     }
 }
 
+/// One tensor of a batched accumulate: `count` elements at `dst` += `src`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AccItem {
+    pub dst: DevPtr,
+    pub src: DevPtr,
+    pub count: usize,
+}
+
 /// An instantiated, uploaded graph. Dropping it destroys it.
 pub trait Graph: Send {
     fn launch(&self, stream: StreamRef) -> Result<()>;
@@ -171,6 +179,14 @@ pub trait Backend: Send + Sync {
         dtype: DType,
         stream: StreamRef,
     ) -> Result<()>;
+    /// `accumulate` for several tensors of one dtype, in as few launches as
+    /// the backend can.
+    fn accumulate_batch(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
+        for it in items {
+            self.accumulate(it.dst, it.src, it.count, dtype, stream)?;
+        }
+        Ok(())
+    }
     /// Prepares what `accumulate` needs (loads kernels), outside capture.
     fn prepare_accumulate(&self) -> Result<()>;
 

@@ -47,15 +47,17 @@ impl Leases {
     }
 
     /// Fails with `AliasHeld` if any of `slots` is held; `what` names the
-    /// replay that would overwrite them.
-    pub fn check_free(&self, slots: &[usize], what: &str) -> Result<()> {
+    /// replay that would overwrite them (only called on failure, so the
+    /// check allocates nothing).
+    pub fn check_free(&self, slots: &[usize], what: impl FnOnce() -> String) -> Result<()> {
         for &i in slots {
             let s = &self.slots[i];
             if s.held {
                 return Err(Error::AliasHeld(format!(
-                    "{what} would overwrite {}, an alias handed out by replay {} that is still held \
+                    "{} would overwrite {}, an alias handed out by replay {} that is still held \
                      (lease 0x{:x}); nothing was replayed. Release it with graphed_lease_release once \
                      you are done with it, or take that grad as CLONE or COPY_INTO",
+                    what(),
                     s.name,
                     s.generation,
                     token(i, s.generation)
@@ -121,18 +123,19 @@ mod tests {
         let mut l = table();
         let bwd = l.slots_in(&[7]);
         assert_eq!(bwd, vec![0, 2]);
-        l.check_free(&bwd, "backward").unwrap();
+        l.check_free(&bwd, || "backward".into()).unwrap();
         let t = l.acquire(2);
         let err = l
-            .check_free(&bwd, "backward replay of callable 'a'")
+            .check_free(&bwd, || "backward replay of callable 'a'".into())
             .unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("param 1 grad of callable 'a'"), "{msg}");
         assert!(msg.contains("replay 1"), "{msg}");
         // A replay that writes other buffers is not blocked.
-        l.check_free(&l.slots_in(&[3]), "forward").unwrap();
+        l.check_free(&l.slots_in(&[3]), || "forward".into())
+            .unwrap();
         l.release(t).unwrap();
-        l.check_free(&bwd, "backward").unwrap();
+        l.check_free(&bwd, || "backward".into()).unwrap();
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! enqueued, and results are staged in vectors the session reuses, so the
 //! steady-state path does no host allocation beyond one clone block.
 
-use crate::backend::{Backend, DevPtr, EventRef, Graph, MemCounters};
+use crate::backend::{AccItem, Backend, DevPtr, EventRef, Graph, MemCounters};
+use crate::core::dtype::DType;
 use crate::core::lease::Leases;
 use crate::core::policy::GradPolicy;
 use crate::error::{Error, Result};
@@ -26,6 +27,7 @@ struct Replay<'a> {
     leases: &'a mut Leases,
     stage_a: &'a mut Vec<Returned>,
     stage_b: &'a mut Vec<Returned>,
+    stage_acc: &'a mut Vec<AccItem>,
     ev_in: EventRef,
     ev_out: EventRef,
 }
@@ -50,6 +52,7 @@ impl Session {
             leases,
             stage_a,
             stage_b,
+            stage_acc,
             ev_in,
             ev_out,
             ..
@@ -65,6 +68,7 @@ impl Session {
             leases,
             stage_a,
             stage_b,
+            stage_acc,
             ev_in: *ev_in,
             ev_out: *ev_out,
         })
@@ -74,12 +78,12 @@ impl Session {
     /// static outputs: aliases, valid until the next forward replay of the
     /// same instance.
     pub fn forward(&mut self, a: &ReplayArgs) -> Result<&[Returned]> {
-        let r = self.replay_parts(a)?;
+        let mut r = self.replay_parts(a)?;
         let (inst, spec) = (r.inst, r.spec);
         check_data(a.data, inst.inputs.len(), |_| true, "inputs", spec)?;
         if r.strict {
             r.leases
-                .check_free(&inst.check_fwd, &describe("forward", spec, inst))?;
+                .check_free(&inst.check_fwd, || describe("forward", spec, inst))?;
         }
         let graph = graph(&inst.fwd, "forward", spec)?;
         let sizes = spec.inputs.iter().map(|t| t.bytes);
@@ -107,7 +111,7 @@ impl Session {
     /// parameter grads per their frozen policies (all `None` when the
     /// callable has a weight-grad graph: `wgrad` returns them).
     pub fn backward(&mut self, a: &ReplayArgs) -> Result<(&[Returned], &[Returned])> {
-        let r = self.replay_parts(a)?;
+        let mut r = self.replay_parts(a)?;
         let (inst, spec) = (r.inst, r.spec);
         let gout = &inst.grad_outputs;
         check_data(a.data, gout.len(), |i| gout[i] != 0, "grad_outputs", spec)?;
@@ -117,7 +121,7 @@ impl Session {
         }
         if r.strict {
             r.leases
-                .check_free(&inst.check_bwd, &describe("backward", spec, inst))?;
+                .check_free(&inst.check_bwd, || describe("backward", spec, inst))?;
         }
         let graph = graph(&inst.bwd, "backward", spec)?;
         let sizes = spec.outputs.iter().map(|t| t.bytes);
@@ -157,7 +161,7 @@ impl Session {
     /// Replays the weight-grad graph of a callable registered with a
     /// weight-grad callback; returns its parameter grads per policy.
     pub fn wgrad(&mut self, a: &ReplayArgs) -> Result<&[Returned]> {
-        let r = self.replay_parts(a)?;
+        let mut r = self.replay_parts(a)?;
         let (inst, spec) = (r.inst, r.spec);
         if !inst.has_wgrad() {
             return Err(Error::invalid(format!(
@@ -173,7 +177,7 @@ impl Session {
         check_dsts(a.param_dsts, inst, spec)?;
         if r.strict {
             r.leases
-                .check_free(&inst.check_wgrad, &describe("weight-grad", spec, inst))?;
+                .check_free(&inst.check_wgrad, || describe("weight-grad", spec, inst))?;
         }
         let graph = graph(&inst.wgrad, "weight-grad", spec)?;
         let block = r.run(a, std::iter::empty(), graph, Some(a.param_dsts))?;
@@ -189,7 +193,7 @@ impl Replay<'_> {
     /// block (handle and device pointer; 0 for none). The clone block is allocated before the
     /// graph is launched, so an allocation failure launches nothing.
     fn run(
-        &self,
+        &mut self,
         a: &ReplayArgs,
         copies: impl Iterator<Item = (DevPtr, usize)>,
         graph: &dyn Graph,
@@ -232,15 +236,31 @@ impl Replay<'_> {
             }
             for (i, slot) in inst.slots.iter().enumerate() {
                 let Some(slot) = slot else { continue };
-                let src = inst.slab_base + slot.offset as DevPtr;
-                let dst = dsts.map_or(0, |d| d[i]);
-                match slot.policy {
-                    GradPolicy::CopyInto => backend.copy(dst, src, slot.bytes, s)?,
-                    GradPolicy::AccumulateInto => {
-                        let dtype = inst.param_dtypes[i];
-                        backend.accumulate(dst, src, slot.bytes / dtype.size(), dtype, s)?
+                if slot.policy == GradPolicy::CopyInto {
+                    let dst = dsts.map_or(0, |d| d[i]);
+                    backend.copy(dst, inst.slab_base + slot.offset as DevPtr, slot.bytes, s)?;
+                }
+            }
+            // ACCUMULATE_INTO slots: one batched launch per dtype.
+            for dtype in [DType::F32, DType::F16, DType::Bf16] {
+                self.stage_acc.clear();
+                for (i, slot) in inst.slots.iter().enumerate() {
+                    match slot {
+                        Some(slot)
+                            if slot.policy == GradPolicy::AccumulateInto
+                                && inst.param_dtypes[i] == dtype =>
+                        {
+                            self.stage_acc.push(AccItem {
+                                dst: dsts.map_or(0, |d| d[i]),
+                                src: inst.slab_base + slot.offset as DevPtr,
+                                count: slot.bytes / dtype.size(),
+                            })
+                        }
+                        _ => {}
                     }
-                    _ => {}
+                }
+                if !self.stage_acc.is_empty() {
+                    backend.accumulate_batch(self.stage_acc, dtype, s)?;
                 }
             }
         }

@@ -7,6 +7,7 @@
 use crate::backend::{Backend, DevPtr, MemCounters, StreamRef};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::spec::CloneAllocator;
@@ -108,13 +109,16 @@ impl Drop for GradBlock {
 }
 
 struct Entry {
-    block: Box<GradBlock>,
+    /// Held for its `Drop`, which frees the memory.
+    _block: GradBlock,
     refs: usize,
 }
 
-/// Live blocks by handle, with their outstanding references: a handle from
-/// C is checked here before it is used, so a release after the last one is
-/// reported instead of freeing twice.
+/// Live blocks by handle, with their outstanding references. Handles are
+/// never reused (a counter, not an address), so a release after the last
+/// one is reported instead of freeing twice, and blocks live inline in the
+/// map: once it has grown to the steady-state number of live blocks,
+/// publishing and releasing allocate nothing.
 fn blocks() -> MutexGuard<'static, HashMap<usize, Entry>> {
     static BLOCKS: OnceLock<Mutex<HashMap<usize, Entry>>> = OnceLock::new();
     BLOCKS
@@ -123,11 +127,11 @@ fn blocks() -> MutexGuard<'static, HashMap<usize, Entry>> {
         .unwrap_or_else(|p| p.into_inner())
 }
 
-/// Registers a block with `refs` references; returns its handle.
+/// Registers a block with `refs` references; returns its handle (never 0).
 pub fn publish(block: GradBlock, refs: usize) -> usize {
-    let block = Box::new(block);
-    let handle = &*block as *const GradBlock as usize;
-    blocks().insert(handle, Entry { block, refs });
+    static NEXT: AtomicUsize = AtomicUsize::new(1);
+    let handle = NEXT.fetch_add(1, Ordering::Relaxed);
+    blocks().insert(handle, Entry { _block: block, refs });
     handle
 }
 
@@ -159,11 +163,4 @@ pub fn release(handle: usize) -> Result<()> {
     // Free outside the registry lock: a caller's free callback may call back.
     drop(freed);
     Ok(())
-}
-
-/// (device pointer, bytes, outstanding references) of a live block.
-pub fn info(handle: usize) -> Result<(DevPtr, usize, usize)> {
-    let b = blocks();
-    let e = b.get(&handle).ok_or_else(|| unknown(handle))?;
-    Ok((e.block.ptr, e.block.bytes, e.refs))
 }

@@ -4,7 +4,9 @@
 //! releases them all when dropped, so a failed capture leaves nothing behind
 //! and the session can be captured again.
 
-use crate::backend::{Backend, BackendKind, DevPtr, EventRef, Graph, MemCounters, StreamRef};
+use crate::backend::{
+    AccItem, Backend, BackendKind, DevPtr, EventRef, Graph, MemCounters, StreamRef,
+};
 use crate::core::dtype::DType;
 use crate::core::layout::{BufferDesc, Role, SlabSlot};
 use crate::core::lease::Leases;
@@ -79,6 +81,7 @@ pub(crate) struct Captured {
     pub lifetimes: Vec<Lifetime>,
     pub stage_a: Vec<Returned>,
     pub stage_b: Vec<Returned>,
+    pub stage_acc: Vec<AccItem>,
 }
 
 impl Captured {
@@ -107,6 +110,7 @@ impl Captured {
             lifetimes: Vec::new(),
             stage_a: Vec::new(),
             stage_b: Vec::new(),
+            stage_acc: Vec::new(),
         }
     }
 

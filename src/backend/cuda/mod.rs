@@ -8,7 +8,8 @@
 pub mod driver;
 
 use super::{
-    Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph, StreamRef,
+    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
+    StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -23,12 +24,38 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 /// for cuModuleLoadData.
 static ACCUMULATE_PTX: &str = concat!(include_str!("accumulate.ptx"), "\0");
 
+/// Descriptors per batched accumulate launch (the kernel's parameter array).
+const BATCH: usize = 160;
+
+/// The kernels of one dtype.
+#[derive(Clone, Copy)]
+struct AccKernels {
+    vector: sys::CUfunction,
+    scalar: sys::CUfunction,
+    batch: sys::CUfunction,
+    /// Elements per 16-byte vector.
+    per_vec: usize,
+}
+
 struct Kernels {
     module: sys::CUmodule,
-    /// (vector kernel, scalar kernel, elements per 16-byte vector) per dtype.
-    f32: (sys::CUfunction, sys::CUfunction, usize),
-    f16: (sys::CUfunction, sys::CUfunction, usize),
-    bf16: (sys::CUfunction, sys::CUfunction, usize),
+    f32: AccKernels,
+    f16: AccKernels,
+    bf16: AccKernels,
+}
+
+impl Kernels {
+    fn of(&self, dtype: DType) -> Result<AccKernels> {
+        match dtype {
+            DType::F32 => Ok(self.f32),
+            DType::F16 => Ok(self.f16),
+            DType::Bf16 => Ok(self.bf16),
+            other => Err(Error::invalid(format!(
+                "cannot accumulate {}",
+                other.name()
+            ))),
+        }
+    }
 }
 
 struct Inner {
@@ -91,11 +118,34 @@ fn load_kernels() -> Result<Kernels> {
         Ok(f)
     };
     let k = (|| {
+        let kernels = |vector, scalar, batch, per_vec| -> Result<AccKernels> {
+            Ok(AccKernels {
+                vector: get(vector)?,
+                scalar: get(scalar)?,
+                batch: get(batch)?,
+                per_vec,
+            })
+        };
         Ok(Kernels {
             module,
-            f32: (get("graphed_acc_f32x4")?, get("graphed_acc_f32")?, 4),
-            f16: (get("graphed_acc_f16x8")?, get("graphed_acc_f16")?, 8),
-            bf16: (get("graphed_acc_bf16x8")?, get("graphed_acc_bf16")?, 8),
+            f32: kernels(
+                "graphed_acc_f32x4",
+                "graphed_acc_f32",
+                "graphed_acc_batch_f32",
+                4,
+            )?,
+            f16: kernels(
+                "graphed_acc_f16x8",
+                "graphed_acc_f16",
+                "graphed_acc_batch_f16",
+                8,
+            )?,
+            bf16: kernels(
+                "graphed_acc_bf16x8",
+                "graphed_acc_bf16",
+                "graphed_acc_batch_bf16",
+                8,
+            )?,
         })
     })();
     if k.is_err() {
@@ -362,32 +412,74 @@ impl Backend for CudaBackend {
         dtype: DType,
         stream: StreamRef,
     ) -> Result<()> {
-        let k = self.inner.kernels()?;
-        let (vector, scalar, per_vec) = match dtype {
-            DType::F32 => k.f32,
-            DType::F16 => k.f16,
-            DType::Bf16 => k.bf16,
-            other => {
-                return Err(Error::invalid(format!(
-                    "cannot accumulate {}",
-                    other.name()
-                )))
-            }
-        };
+        let k = self.inner.kernels()?.of(dtype)?;
         if dst % 16 == 0 && src % 16 == 0 {
-            let nvec = count / per_vec;
-            self.launch_acc(vector, dst, src, nvec, stream)?;
+            let nvec = count / k.per_vec;
+            self.launch_acc(k.vector, dst, src, nvec, stream)?;
             let done = (nvec * 16) as u64;
             self.launch_acc(
-                scalar,
+                k.scalar,
                 dst + done,
                 src + done,
-                count - nvec * per_vec,
+                count - nvec * k.per_vec,
                 stream,
             )
         } else {
-            self.launch_acc(scalar, dst, src, count, stream)
+            self.launch_acc(k.scalar, dst, src, count, stream)
         }
+    }
+
+    fn accumulate_batch(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
+        let k = self.inner.kernels()?.of(dtype)?;
+        if items.iter().any(|it| it.dst % 16 != 0 || it.src % 16 != 0) {
+            for it in items {
+                self.accumulate(it.dst, it.src, it.count, dtype, stream)?;
+            }
+            return Ok(());
+        }
+        for group in items.chunks(BATCH) {
+            // The kernel's parameters: a u32 count, then the descriptor array
+            // (8-aligned); unused descriptors are never read.
+            let mut count = group.len() as u32;
+            let mut desc = [0u64; BATCH * 3];
+            for (i, it) in group.iter().enumerate() {
+                desc[3 * i] = it.dst;
+                desc[3 * i + 1] = it.src;
+                desc[3 * i + 2] = it.count as u64;
+            }
+            let most = group
+                .iter()
+                .map(|it| it.count / k.per_vec)
+                .max()
+                .unwrap_or(0)
+                .max(1);
+            let per_tensor = (self.inner.sm_count as usize * 16)
+                .div_ceil(group.len())
+                .max(1);
+            let blocks_x = most.div_ceil(256).min(per_tensor).max(1) as u32;
+            let mut params: [*mut c_void; 2] =
+                [(&mut count as *mut u32).cast(), desc.as_mut_ptr().cast()];
+            // SAFETY: the kernel takes (u32, 3840-byte array), passed by
+            // address; every descriptor's buffers hold `count` elements of
+            // `dtype`, 16-byte aligned, per the caller's contract.
+            let r = unsafe {
+                sys::cuLaunchKernel(
+                    k.batch,
+                    blocks_x,
+                    group.len() as u32,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    stream.0 as sys::CUstream,
+                    params.as_mut_ptr(),
+                    null_mut(),
+                )
+            };
+            check("cuLaunchKernel(accumulate batch)", r)?;
+        }
+        Ok(())
     }
 
     fn prepare_accumulate(&self) -> Result<()> {
