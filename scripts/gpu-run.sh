@@ -2,7 +2,9 @@
 # For the GPU machine (it has nvcc, CMake, Ninja and GoogleTest but no Rust):
 # configures the CMake build against the prebuilt library carried in at
 # target/release/libgraphed.so, builds the CUDA tests with the local nvcc,
-# runs ctest and prints a summary. With --bench it also runs the benchmarks.
+# runs ctest and the demo and prints a summary. Options:
+#   --bench     also run the benchmarks (report in $out/benchmarks.md)
+#   --sanitize  also run the CUDA test instances under compute-sanitizer memcheck
 # Logs go to $OUT when set (the device tool's output folder).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,3 +37,21 @@ grep -E "tests passed|tests failed" "$out/ctest.log"
 
 echo "== demo"
 "$build/examples/mlp_demo" 2>&1 | tee "$out/demo.log" | tail -30
+
+for arg in "$@"; do
+  case "$arg" in
+    --sanitize)
+      echo "== compute-sanitizer memcheck (CUDA instances)"
+      compute-sanitizer --tool memcheck --error-exitcode 1 --leak-check full \
+        "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*' > "$out/memcheck.log" 2>&1
+      echo "memcheck exit status $?"
+      grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -4
+      ;;
+    --bench)
+      echo "== benchmarks"
+      "$build/benches/graphed_bench" --out "$out/benchmarks.md" > "$out/bench.log" 2>&1
+      echo "bench exit status $?"
+      cat "$out/bench.log"
+      ;;
+  esac
+done

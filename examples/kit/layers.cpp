@@ -96,22 +96,20 @@ int32_t LinearLayer::wgrad(const graphed_pass_ctx* ctx, void* self) {
     return 0;
 }
 
-Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed) : dev_(dev), batch_(batch), width_(width) {
+Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed, uint32_t dtype)
+    : dev_(dev), batch_(batch), width_(width), dtype_(dtype), es_(dtype_size(dtype)) {
     layer_.resize(layers);
-    size_t act = static_cast<size_t>(batch) * width * 4;
+    size_t act = size_t(batch) * width * es_;
     for (int i = 0; i < layers; ++i) {
-        w_.emplace_back(dev, static_cast<size_t>(width) * width * 4);
-        b_.emplace_back(dev, static_cast<size_t>(width) * 4);
-        auto wv = random_floats(static_cast<size_t>(width) * width, seed + 17 * i, 1.0f / width);
-        auto bv = random_floats(width, seed + 17 * i + 1, 0.1f);
-        dev.upload(w_[i].get(), wv.data(), w_[i].bytes());
-        dev.upload(b_[i].get(), bv.data(), b_[i].bytes());
+        w_.push_back(tensor(random_floats(size_t(width) * width, seed + 17 * i, 1.0f / width)));
+        b_.push_back(tensor(random_floats(width, seed + 17 * i + 1, 0.1f)));
         LinearLayer& L = layer_[i];
         L.dev = &dev;
         L.batch = batch;
         L.in = width;
         L.out = width;
         L.relu = i + 1 < layers;
+        L.dtype = dtype;
         L.w = w_[i].get();
         L.b = b_[i].get();
         L.name = "fc" + std::to_string(i);
@@ -125,44 +123,58 @@ Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed) : dev_(de
     gy_ = Buffer(dev, act);
 }
 
-StepGrads Mlp::eager_step(const float* x, const float* target, float lr) {
+Buffer Mlp::tensor(const std::vector<float>& values) {
+    auto raw = to_dtype(values, dtype_);
+    Buffer b(dev_, raw.size());
+    dev_.upload(b.get(), raw.data(), raw.size());
+    return b;
+}
+
+std::vector<float> Mlp::values(const void* p, size_t bytes) {
+    std::vector<uint8_t> raw(bytes);
+    dev_.download(raw.data(), p, bytes);
+    return from_dtype(raw, dtype_);
+}
+
+StepGrads Mlp::eager_step(const void* x, const void* target, float lr, bool keep) {
     graphed_stream s = dev_.stream();
-    size_t act = static_cast<size_t>(batch_) * width_;
-    const float* in = x;
+    size_t act = size_t(batch_) * width_;
+    const void* in = x;
     for (int i = 0; i < layers(); ++i) {
-        check(layer_[i].eager_forward(s, in, z_[i].f32(), y_[i].f32()) == 0 ? GRAPHED_STATUS_OK
-                                                                             : GRAPHED_STATUS_INTERNAL,
-              "eager forward");
-        in = y_[i].f32();
+        if (layer_[i].eager_forward(s, in, z_[i].get(), y_[i].get()) != 0)
+            throw std::runtime_error("eager forward failed");
+        in = y_[i].get();
     }
-    dev_.sub(s, y_.back().f32(), target, gy_.f32(), act);
-    const float* g = gy_.f32();
+    dev_.sub(s, dtype_, y_.back().get(), target, gy_.get(), act);
+    const void* g = gy_.get();
     for (int i = layers() - 1; i >= 0; --i) {
-        const float* xi = i == 0 ? x : y_[i - 1].f32();
-        float* gx = i == 0 ? nullptr : gx_[i].f32();
-        if (layer_[i].eager_backward(s, xi, z_[i].f32(), g, gz_[i].f32(), gx, gw_[i].f32(), gb_[i].f32()) != 0)
+        const void* xi = i == 0 ? x : y_[i - 1].get();
+        void* gx = i == 0 ? nullptr : gx_[i].get();
+        if (layer_[i].eager_backward(s, xi, z_[i].get(), g, gz_[i].get(), gx, gw_[i].get(), gb_[i].get()) != 0)
             throw std::runtime_error("eager backward failed");
         g = gx;
     }
     StepGrads out;
     for (int i = 0; i < layers(); ++i) {
-        out.w.push_back(fetch<float>(dev_, gw_[i].get(), gw_[i].bytes() / 4));
-        out.b.push_back(fetch<float>(dev_, gb_[i].get(), gb_[i].bytes() / 4));
-        dev_.sgd(s, w_[i].f32(), gw_[i].f32(), lr, gw_[i].bytes() / 4);
-        dev_.sgd(s, b_[i].f32(), gb_[i].f32(), lr, gb_[i].bytes() / 4);
+        if (keep) {
+            out.w.push_back(values(gw_[i].get(), gw_[i].bytes()));
+            out.b.push_back(values(gb_[i].get(), gb_[i].bytes()));
+        }
+        dev_.sgd(s, dtype_, w_[i].get(), gw_[i].get(), lr, gw_[i].bytes() / es_);
+        dev_.sgd(s, dtype_, b_[i].get(), gb_[i].get(), lr, gb_[i].bytes() / es_);
     }
-    dev_.sync();
+    if (keep) dev_.sync();
     return out;
 }
 
 double Mlp::last_loss() {
-    auto d = fetch<float>(dev_, gy_.get(), gy_.bytes() / 4);
+    auto d = values(gy_.get(), gy_.bytes());
     double sum = 0.0;
     for (float v : d) sum += 0.5 * double(v) * double(v);
     return sum;
 }
 
-void Mlp::register_layers(graphed_session* session, const float* sample_x) {
+void Mlp::register_layers(graphed_session* session, const void* sample_x) {
     for (int i = 0; i < layers(); ++i) {
         graphed_callable_desc d = layer_[i].describe(sample_x, i > 0);
         uint32_t index = 0;
@@ -171,9 +183,10 @@ void Mlp::register_layers(graphed_session* session, const float* sample_x) {
     }
 }
 
-StepGrads Mlp::graphed_step(graphed_session* session, const float* x, const float* target, float lr, bool side) {
+StepGrads Mlp::graphed_step(graphed_session* session, const void* x, const void* target, float lr, bool side,
+                            bool keep) {
     graphed_stream s = dev_.stream();
-    size_t act = static_cast<size_t>(batch_) * width_;
+    size_t act = size_t(batch_) * width_;
     graphed_replay_args args = graphed_replay_args_default();
     args.stream = s;
     args.side_stream = side ? dev_.side_stream() : nullptr;
@@ -186,28 +199,30 @@ StepGrads Mlp::graphed_step(graphed_session* session, const float* x, const floa
         check(graphed_forward(session, &args, &out, 1), "graphed_forward");
         in = out.ptr;
     }
-    dev_.sub(s, static_cast<const float*>(in), target, gy_.f32(), act);
+    dev_.sub(s, dtype_, in, target, gy_.get(), act);
     const void* g = gy_.get();
-    std::vector<graphed_ref> grads(2 * layers());
+    grads_.resize(2 * layers());
     for (int i = layers() - 1; i >= 0; --i) {
         graphed_ref gin{};
         args.callable = static_cast<uint32_t>(i);
         args.data = &g;
         args.num_data = 1;
-        check(graphed_backward(session, &args, &gin, 1, &grads[2 * i], 2), "graphed_backward");
+        check(graphed_backward(session, &args, &gin, 1, &grads_[2 * i], 2), "graphed_backward");
         g = gin.ptr;
     }
     StepGrads out;
     for (int i = 0; i < layers(); ++i) {
-        const graphed_ref& gw = grads[2 * i];
-        const graphed_ref& gb = grads[2 * i + 1];
-        out.w.push_back(fetch<float>(dev_, gw.ptr, gw.bytes / 4));
-        out.b.push_back(fetch<float>(dev_, gb.ptr, gb.bytes / 4));
-        dev_.sgd(s, w_[i].f32(), static_cast<const float*>(gw.ptr), lr, gw.bytes / 4);
-        dev_.sgd(s, b_[i].f32(), static_cast<const float*>(gb.ptr), lr, gb.bytes / 4);
+        const graphed_ref& gw = grads_[2 * i];
+        const graphed_ref& gb = grads_[2 * i + 1];
+        if (keep) {
+            out.w.push_back(values(gw.ptr, gw.bytes));
+            out.b.push_back(values(gb.ptr, gb.bytes));
+        }
+        dev_.sgd(s, dtype_, w_[i].get(), gw.ptr, lr, gw.bytes / es_);
+        dev_.sgd(s, dtype_, b_[i].get(), gb.ptr, lr, gb.bytes / es_);
     }
-    for (auto& r : grads) check(graphed_buffer_release(r.owner), "graphed_buffer_release");
-    dev_.sync();
+    for (auto& r : grads_) check(graphed_buffer_release(r.owner), "graphed_buffer_release");
+    if (keep) dev_.sync();
     return out;
 }
 

@@ -52,39 +52,50 @@ struct StepGrads {
 };
 
 // An MLP of `layers` LinearLayers of width `width` (ReLU on all but the
-// last), trained with SGD on the squared error against a target.
+// last), trained with SGD on the squared error against a target, in f32,
+// f16 or bf16.
 class Mlp {
   public:
-    Mlp(Device& dev, int layers, int batch, int width, uint32_t seed);
+    Mlp(Device& dev, int layers, int batch, int width, uint32_t seed, uint32_t dtype = GRAPHED_DTYPE_F32);
     Mlp(const Mlp&) = delete;
     Mlp& operator=(const Mlp&) = delete;
 
     int layers() const { return static_cast<int>(layer_.size()); }
     LinearLayer& layer(int i) { return layer_[i]; }
-    std::vector<float> weights(int i) { return fetch<float>(dev_, w_[i].get(), w_[i].bytes() / 4); }
-    std::vector<float> biases(int i) { return fetch<float>(dev_, b_[i].get(), b_[i].bytes() / 4); }
+    std::vector<float> weights(int i) { return values(w_[i].get(), w_[i].bytes()); }
+    std::vector<float> biases(int i) { return values(b_[i].get(), b_[i].bytes()); }
+    // Device memory of `values` in the model's dtype.
+    Buffer tensor(const std::vector<float>& values);
 
-    // One eager step: forward, loss grad, backward, SGD. Returns the grads.
-    StepGrads eager_step(const float* x, const float* target, float lr);
+    // One eager step: forward, loss grad, backward, SGD. Returns the grads
+    // (copied to the host only when `keep` is true; else the step is left
+    // running on the device).
+    StepGrads eager_step(const void* x, const void* target, float lr, bool keep = true);
 
     // 0.5 * sum((y - target)^2) of the last step.
     double last_loss();
 
     // Registers every layer as a callable of `session` (before capture).
-    void register_layers(graphed_session* session, const float* sample_x);
+    void register_layers(graphed_session* session, const void* sample_x);
     // One graphed step through a captured session: replays, SGD with the
     // returned grads (whatever their policy), release of clones. With
     // `side` the replays run on the device's side stream.
-    StepGrads graphed_step(graphed_session* session, const float* x, const float* target, float lr, bool side = false);
+    StepGrads graphed_step(graphed_session* session, const void* x, const void* target, float lr, bool side = false,
+                           bool keep = true);
 
   private:
+    std::vector<float> values(const void* p, size_t bytes);
+
     Device& dev_;
     int batch_, width_;
+    uint32_t dtype_;
+    size_t es_;
     std::vector<LinearLayer> layer_;
     std::vector<Buffer> w_, b_;
     // Eager activations and grads.
     std::vector<Buffer> z_, y_, gz_, gx_, gw_, gb_;
     Buffer gy_;
+    std::vector<graphed_ref> grads_;
 };
 
 }  // namespace kit
