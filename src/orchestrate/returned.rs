@@ -131,7 +131,13 @@ fn blocks() -> MutexGuard<'static, HashMap<usize, Entry>> {
 pub fn publish(block: GradBlock, refs: usize) -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(1);
     let handle = NEXT.fetch_add(1, Ordering::Relaxed);
-    blocks().insert(handle, Entry { _block: block, refs });
+    blocks().insert(
+        handle,
+        Entry {
+            _block: block,
+            refs,
+        },
+    );
     handle
 }
 
