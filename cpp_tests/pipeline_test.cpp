@@ -8,6 +8,7 @@
 #include "layers.hpp"
 #include "support.hpp"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 #include <vector>
@@ -291,8 +292,20 @@ class Rig {
 
 class Pipeline : public BackendTest {
   protected:
+    // The session's plan, as graphed_session_plan_dump writes it.
+    std::string plan_of(graphed_session* s) {
+        size_t len = 0;
+        EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_plan_dump(s, nullptr, 0, &len)) << last_error();
+        std::string text(len + 1, '\0');
+        size_t len2 = 0;
+        EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_plan_dump(s, &text[0], text.size(), &len2));
+        EXPECT_EQ(len, len2);
+        text.resize(len);
+        return text;
+    }
+
     // Builds, captures and runs a rig; returns the session's stats.
-    graphed_session_stats run(const Options& o) {
+    graphed_session_stats run(const Options& o, std::string* plan = nullptr) {
         Rig rig(*dev, o);
         graphed_session_config c = rig.config();
         SessionPtr s = create(c);
@@ -302,6 +315,7 @@ class Pipeline : public BackendTest {
         EXPECT_EQ(GRAPHED_STATUS_OK, st) << last_error();
         if (st != GRAPHED_STATUS_OK) return {};
         rig.run_and_compare(s.get());
+        if (plan) *plan = plan_of(s.get());
         graphed_session_stats stats = this->stats(s.get());
         EXPECT_EQ(uint32_t(rig.microbatches()), stats.microbatches);
         EXPECT_EQ(0u, stats.clone_bytes_outstanding);
@@ -368,7 +382,14 @@ TEST_P(Pipeline, ReuseUsesLessStaticMemory) {
     o.iterations = 1;
     graphed_session_stats plain = run(o);
     o.reuse = true;
-    graphed_session_stats reused = run(o);
+    std::string plan;
+    graphed_session_stats reused = run(o, &plan);
+    std::printf("%s", plan.c_str());
+    // A header, a column line, and one line per buffer: 6 instances with an
+    // input, an output, a grad-output, a slab, and grad-inputs for the 3 of
+    // layer 1 (layer 0's input takes no grad).
+    EXPECT_EQ(2u + 6 * 4 + 3, size_t(std::count(plan.begin(), plan.end(), '\n'))) << plan;
+    EXPECT_NE(std::string::npos, plan.find("static bytes " + std::to_string(reused.static_bytes))) << plan;
     std::printf("  2 layers x 3 microbatches, batch 32, width 64, fp32: static bytes without reuse %llu, with reuse %llu "
                 "(peak live lower bound %llu)\n",
                 (unsigned long long)plain.static_bytes, (unsigned long long)reused.static_bytes,

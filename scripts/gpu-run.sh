@@ -43,7 +43,7 @@ for arg in "$@"; do
     --sanitize)
       echo "== compute-sanitizer memcheck (CUDA instances)"
       compute-sanitizer --tool memcheck --error-exitcode 1 --leak-check full \
-        "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*' > "$out/memcheck.log" 2>&1
+        "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/memcheck.log" 2>&1
       echo "memcheck exit status $?"
       grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -4
       ;;
