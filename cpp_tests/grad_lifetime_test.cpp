@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -729,6 +730,100 @@ TEST_P(GradLifetime, StaticInputPassedBackIsUsedInPlace) {
     GRAPHED_ASSERT_OK(graphed_backward(s.get(), &a, &st.gin, 1, st.gp, 2));
     EXPECT_EQ(eager_wgrad(1), read(st.gp[0]));
     release(st);
+}
+
+// A layer whose output, input grad and parameter grads live in its own
+// memory (as a framework's tensors would), handed over at capture.
+struct ExternalLayer {
+    kit::LinearLayer* L;
+    Buffer y, gx, gw, gb;
+    bool provide = true;
+    graphed_status in_warmup = GRAPHED_STATUS_OK, wrong_role = GRAPHED_STATUS_OK;
+    static int32_t forward(const graphed_pass_ctx* c, void* self) {
+        auto* e = static_cast<ExternalLayer*>(self);
+        if (c->outputs[0] != nullptr) return 900;  // nothing placed for an external output
+        void* z = nullptr;
+        if (graphed_scratch_alloc(c->scratch, e->L->act_bytes(e->L->out), &z) != GRAPHED_STATUS_OK) return 901;
+        *c->tape = z;
+        if (int r = e->L->eager_forward(c->stream, c->inputs[0], z, e->y.get())) return r;
+        if (c->phase == GRAPHED_PHASE_WARMUP) {
+            e->in_warmup = graphed_pass_set_buffer(c, GRAPHED_BUFFER_ROLE_OUTPUT, 0, e->y.get());
+        } else if (e->provide) {
+            e->wrong_role = graphed_pass_set_buffer(c, GRAPHED_BUFFER_ROLE_GRAD_OUTPUT, 0, e->y.get());
+            return static_cast<int32_t>(graphed_pass_set_buffer(c, GRAPHED_BUFFER_ROLE_OUTPUT, 0, e->y.get()));
+        }
+        return 0;
+    }
+    static int32_t backward(const graphed_pass_ctx* c, void* self) {
+        auto* e = static_cast<ExternalLayer*>(self);
+        if (c->grad_inputs[0] != nullptr || c->param_grads[0] != nullptr) return 902;
+        void* z = *c->tape;
+        void* gz = nullptr;
+        if (graphed_scratch_alloc(c->scratch, e->L->act_bytes(e->L->out), &gz) != GRAPHED_STATUS_OK) return 903;
+        if (int r = e->L->eager_backward(c->stream, c->inputs[0], z, c->grad_outputs[0], gz, e->gx.get(), e->gw.get(),
+                                         e->gb.get()))
+            return r;
+        graphed_scratch_free(c->scratch, gz);
+        graphed_scratch_free(c->scratch, z);
+        if (c->phase != GRAPHED_PHASE_CAPTURE) return 0;
+        for (auto [role, index, ptr] : {std::tuple{GRAPHED_BUFFER_ROLE_GRAD_INPUT, 0, e->gx.get()},
+                                        std::tuple{GRAPHED_BUFFER_ROLE_PARAM_GRADS, 0, e->gw.get()},
+                                        std::tuple{GRAPHED_BUFFER_ROLE_PARAM_GRADS, 1, e->gb.get()}})
+            if (graphed_status st = graphed_pass_set_buffer(c, role, index, ptr)) return static_cast<int32_t>(st);
+        return 0;
+    }
+};
+
+TEST_P(GradLifetime, ExternalBuffersProvidedAtCapture) {
+    ExternalLayer e{&layer, Buffer(*dev, B * OUT * 4), Buffer(*dev, B * IN * 4), Buffer(*dev, OUT * IN * 4),
+                    Buffer(*dev, OUT * 4)};
+    auto session = [&](bool external) {
+        SessionPtr s = create(config());
+        graphed_callable_desc d = layer.describe(x[0].get(), true);
+        if (external) {
+            layer.input.flags = layer.output.flags = GRAPHED_TENSOR_FLAGS_EXTERNAL;
+            layer.params[0].flags = layer.params[1].flags = GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD;
+            d.forward = &ExternalLayer::forward;
+            d.backward = &ExternalLayer::backward;
+            d.user_data = &e;
+        }
+        uint32_t idx;
+        EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_add_callable(s.get(), &d, &idx)) << last_error();
+        return s;
+    };
+    SessionPtr plain = session(false);
+    GRAPHED_ASSERT_OK(graphed_session_capture(plain.get()));
+    SessionPtr s = session(true);
+    GRAPHED_ASSERT_OK(graphed_session_capture(s.get()));
+    EXPECT_EQ(GRAPHED_STATUS_WRONG_STATE, e.in_warmup) << "buffers are provided under capture only";
+    EXPECT_EQ(GRAPHED_STATUS_INVALID_ARGUMENT, e.wrong_role) << "only external buffers of this pass";
+    EXPECT_LT(stats(s.get()).static_bytes, stats(plain.get()).static_bytes) << "nothing placed for external buffers";
+    void* slots[2] = {};
+    GRAPHED_ASSERT_OK(graphed_session_buffers(s.get(), 0, 0, GRAPHED_BUFFER_ROLE_PARAM_GRADS, slots, 2));
+    EXPECT_EQ(e.gw.get(), slots[0]);
+    EXPECT_EQ(e.gb.get(), slots[1]);
+
+    Step s1, s2;
+    GRAPHED_ASSERT_OK(step(s.get(), 0, &s1));
+    EXPECT_EQ(e.y.get(), s1.out.ptr) << "replays return the provided output";
+    EXPECT_EQ(e.gx.get(), s1.gin.ptr);
+    ASSERT_EQ(GRAPHED_REF_KIND_CLONE, s1.gp[0].kind);
+    EXPECT_NE(e.gw.get(), s1.gp[0].ptr) << "CLONE grads are copied out of the provided memory";
+    const std::vector<float> g1 = read(s1.gp[0]);
+    EXPECT_EQ(eager_wgrad(0), g1);
+    GRAPHED_ASSERT_OK(step(s.get(), 1, &s2));
+    EXPECT_EQ(g1, read(s1.gp[0])) << "the clone from replay 1 is intact after replay 2";
+    EXPECT_EQ(eager_wgrad(1), read(s2.gp[0]));
+    EXPECT_EQ(fetch<float>(*dev, e.gb.get(), OUT), read(s2.gp[1]));
+    release(s1);
+    release(s2);
+
+    // A callback that does not provide its external buffer fails capture.
+    e.provide = false;
+    SessionPtr missing = session(true);
+    GRAPHED_EXPECT_STATUS(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_capture(missing.get()));
+    EXPECT_NE(std::string::npos, last_error().find("declared output 0 external but did not provide it")) << last_error();
+    EXPECT_EQ(0u, stats(missing.get()).graph_count);
 }
 
 GRAPHED_BACKENDS(GradLifetime);

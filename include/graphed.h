@@ -167,6 +167,33 @@ typedef uint32_t graphed_ref_kind;
 #endif // __cplusplus
 
 /**
+ * Flags of a graphed_tensor_desc (bit set).
+ */
+enum graphed_tensor_flags
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_TENSOR_FLAGS_NONE = 0,
+  /**
+   * The library places no buffer for what the callable writes for this
+   * tensor (the output itself, or the grad of an input): the callback
+   * writes it wherever it likes and, during capture, hands its address to
+   * graphed_pass_set_buffer (it must stay valid while the session's
+   * graphs exist). Replays return that address. For frameworks that
+   * allocate outputs and grads themselves (PyTorch).
+   */
+  GRAPHED_TENSOR_FLAGS_EXTERNAL = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_tensor_flags graphed_tensor_flags;
+#else
+typedef uint32_t graphed_tensor_flags;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Element type of a tensor. C name: `graphed_dtype`.
  */
 enum graphed_dtype
@@ -246,6 +273,11 @@ enum graphed_param_flags
    * returned grad keeps aliasing the static buffer by default.
    */
   GRAPHED_PARAM_FLAGS_DELAYED_WGRAD = 1,
+  /**
+   * The parameter's grad is provided by the callback at capture (external
+   * memory, e.g. a framework's tensor), not placed in the slab.
+   */
+  GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD = 2,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -573,6 +605,12 @@ typedef struct graphed_tensor_desc {
    * zeroed). Read during graphed_session_capture only.
    */
   const void *sample;
+  /**
+   * graphed_tensor_flags bits: GRAPHED_TENSOR_FLAGS_EXTERNAL makes the
+   * buffer the callable writes for this tensor (an output, or an input's
+   * grad) memory its callback provides at capture.
+   */
+  uint32_t flags;
 } graphed_tensor_desc;
 
 /**
@@ -591,7 +629,8 @@ typedef struct graphed_param_desc {
    */
   uint32_t dtype;
   /**
-   * graphed_param_flags bits (GRAPHED_PARAM_FLAGS_DELAYED_WGRAD).
+   * graphed_param_flags bits (GRAPHED_PARAM_FLAGS_DELAYED_WGRAD,
+   * GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD).
    */
   uint32_t flags;
   /**
@@ -675,6 +714,10 @@ typedef struct graphed_pass_ctx {
    * for backward, and temporaries.
    */
   struct graphed_scratch *scratch;
+  /**
+   * Used by graphed_pass_set_buffer (NULL outside capture).
+   */
+  void *capture;
 } graphed_pass_ctx;
 
 /**
@@ -1125,6 +1168,23 @@ graphed_status graphed_buffer_retain(struct graphed_buffer *buffer);
  * `scratch` must be the ctx->scratch of the running callback.
  */
 graphed_status graphed_scratch_alloc(struct graphed_scratch *scratch, size_t bytes, void **ptr_out);
+
+/**
+ * Provides, during capture, the memory of an external buffer of the running
+ * pass: `role` is a graphed_buffer_role (OUTPUT from forward; GRAD_INPUT or
+ * PARAM_GRADS from backward, or PARAM_GRADS from the weight-grad callback),
+ * `index` the output, input or parameter. The memory must hold the
+ * buffer's bytes and stay valid, at that address, while the session's
+ * graphs exist; replays return it. Every external buffer of a pass must be
+ * provided, or capture fails naming it.
+ *
+ * # Safety
+ * `ctx` must be the context of the running callback.
+ */
+graphed_status graphed_pass_set_buffer(const struct graphed_pass_ctx *ctx,
+                                       uint32_t role,
+                                       size_t index,
+                                       void *ptr);
 
 /**
  * Frees a scratch allocation (see graphed_scratch_alloc).

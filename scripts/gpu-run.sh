@@ -5,6 +5,8 @@
 # runs ctest and the demo and prints a summary. Options:
 #   --bench     also run the benchmarks (report in $out/benchmarks.md)
 #   --sanitize  also run the CUDA test instances under compute-sanitizer memcheck
+#   --torch     also build and run the libtorch program and the PyTorch
+#               comparison (report in $out/pytorch.md)
 # Logs go to $OUT when set (the device tool's output folder).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,6 +48,23 @@ for arg in "$@"; do
         "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/memcheck.log" 2>&1
       echo "memcheck exit status $?"
       grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -4
+      ;;
+    --torch)
+      echo "== libtorch program"
+      prefix="$build/install"
+      cmake --install "$build" --prefix "$prefix" > "$out/install.log" 2>&1
+      torch_prefix="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+      cmake -S examples/libtorch_mlp -B "$root/build-libtorch" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix" > "$out/libtorch-configure.log" 2>&1 \
+        && cmake --build "$root/build-libtorch" > "$out/libtorch-build.log" 2>&1 \
+        || { echo "libtorch build failed"; tail -40 "$out/libtorch-configure.log" "$out/libtorch-build.log"; }
+      [ -x "$root/build-libtorch/libtorch_mlp" ] && "$root/build-libtorch/libtorch_mlp" 2>&1 | tee "$out/libtorch.log"
+      echo "libtorch exit status ${PIPESTATUS[0]}"
+      echo "== PyTorch comparison"
+      GRAPHED_LIBRARY="$lib" PYTHONUNBUFFERED=1 python3 examples/torch_extension/compare.py \
+        --out "$out/pytorch.md" --commit "${GRAPHED_COMMIT:-unknown}" > "$out/compare.log" 2>&1
+      echo "compare exit status $?"
+      tail -60 "$out/compare.log"
       ;;
     --bench)
       echo "== benchmarks"

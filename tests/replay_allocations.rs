@@ -97,6 +97,7 @@ fn replay_allocations(clones: bool, strict: bool, policy: u32, iters: usize) -> 
         shape: null(),
         requires_grad: grad,
         sample: null(),
+        flags: 0,
     };
     let inputs = [tensor(256, true)];
     let outputs = [tensor(256, true)];

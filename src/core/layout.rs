@@ -62,15 +62,33 @@ pub struct BufferDesc {
     pub bytes: usize,
 }
 
+/// A static input or output as the layout sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TensorShape {
+    pub bytes: usize,
+    pub requires_grad: bool,
+    /// The buffer this callable writes for the tensor (its output, or its
+    /// grad for an input) is provided by the callback at capture: the
+    /// library places nothing for it.
+    pub external: bool,
+}
+
+/// A parameter's gradient slot as the layout sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParamShape {
+    pub bytes: usize,
+    pub policy: GradPolicy,
+    /// Provided by the callback at capture (not in the slab).
+    pub external: bool,
+}
+
 /// Sizes and flags of one instance, as the layout needs them.
 #[derive(Clone, Debug, Default)]
 pub struct InstanceShape {
-    /// (bytes, requires_grad) per input.
-    pub inputs: Vec<(usize, bool)>,
-    /// (bytes, requires_grad) per output.
-    pub outputs: Vec<(usize, bool)>,
-    /// Per parameter: None without a gradient, else (bytes, frozen policy).
-    pub params: Vec<Option<(usize, GradPolicy)>>,
+    pub inputs: Vec<TensorShape>,
+    pub outputs: Vec<TensorShape>,
+    /// Per parameter: None without a gradient.
+    pub params: Vec<Option<ParamShape>>,
 }
 
 /// One parameter's slot in its slab; offset from the slab's start.
@@ -104,8 +122,12 @@ fn group(p: GradPolicy) -> u8 {
 }
 
 /// Lays out one slab: slots grouped by policy (CLONE first), in registration
-/// order within a group, each aligned.
-pub fn slab_layout(params: &[Option<(usize, GradPolicy)>]) -> Slab {
+/// order within a group, each aligned. External slots are not in the slab.
+pub fn slab_layout(params: &[Option<ParamShape>]) -> Slab {
+    let params: Vec<Option<(usize, GradPolicy)>> = params
+        .iter()
+        .map(|p| p.filter(|p| !p.external).map(|p| (p.bytes, p.policy)))
+        .collect();
     let mut order: Vec<usize> = (0..params.len()).filter(|&i| params[i].is_some()).collect();
     order.sort_by_key(|&i| (params[i].map(|(_, p)| group(p)), i));
     let mut slots = vec![None; params.len()];
@@ -133,11 +155,55 @@ pub fn slab_layout(params: &[Option<(usize, GradPolicy)>]) -> Slab {
     }
 }
 
-/// The logical buffers of one instance, by id into `Layout::buffers`.
+/// Where the CLONE grads of one replay go in their block: the slab's clone
+/// span first (one copy), then each external CLONE slot (one copy each).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CloneLayout {
+    pub bytes: usize,
+    /// The slab span [start, end), copied to block offset 0.
+    pub span: Option<(usize, usize)>,
+    /// (parameter, block offset) of each external CLONE slot.
+    pub external: Vec<(usize, usize)>,
+    /// Block offset of each parameter's clone (None: not CLONE).
+    pub offsets: Vec<Option<usize>>,
+    /// How many grads the block holds (references handed out).
+    pub count: usize,
+}
+
+pub fn clone_layout(slab: &Slab, params: &[Option<ParamShape>]) -> CloneLayout {
+    let span = slab.clone_span;
+    let mut bytes = span.map_or(0, |(a, b)| align_up(b - a));
+    let mut offsets = vec![None; params.len()];
+    let mut external = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        match (p, slab.slots.get(i).copied().flatten()) {
+            (Some(p), _) if p.policy == GradPolicy::Clone && p.external => {
+                offsets[i] = Some(bytes);
+                external.push((i, bytes));
+                bytes += align_up(p.bytes);
+            }
+            (_, Some(slot)) if slot.policy == GradPolicy::Clone => {
+                offsets[i] = span.map(|(a, _)| slot.offset - a);
+            }
+            _ => {}
+        }
+    }
+    let count = offsets.iter().flatten().count();
+    CloneLayout {
+        bytes,
+        span,
+        external,
+        offsets,
+        count,
+    }
+}
+
+/// The logical buffers of one instance, by id into `Layout::buffers`
+/// (None where there is none, or where the callback provides it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct InstanceBuffers {
     pub inputs: Vec<usize>,
-    pub outputs: Vec<usize>,
+    pub outputs: Vec<Option<usize>>,
     pub grad_outputs: Vec<Option<usize>>,
     pub grad_inputs: Vec<Option<usize>>,
     pub slab: Option<usize>,
@@ -169,25 +235,30 @@ pub fn layout(shapes: &[InstanceShape]) -> Layout {
             .inputs
             .iter()
             .enumerate()
-            .map(|(i, &(b, _))| add(n, Role::Input, i, b))
+            .map(|(i, t)| add(n, Role::Input, i, t.bytes))
             .collect();
         let outputs = s
             .outputs
             .iter()
             .enumerate()
-            .map(|(i, &(b, _))| add(n, Role::Output, i, b))
+            .map(|(i, t)| (!t.external).then(|| add(n, Role::Output, i, t.bytes)))
             .collect();
         let grad_outputs = s
             .outputs
             .iter()
             .enumerate()
-            .map(|(i, &(b, g))| g.then(|| add(n, Role::GradOutput, i, b)))
+            .map(|(i, t)| {
+                t.requires_grad
+                    .then(|| add(n, Role::GradOutput, i, t.bytes))
+            })
             .collect();
         let grad_inputs = s
             .inputs
             .iter()
             .enumerate()
-            .map(|(i, &(b, g))| g.then(|| add(n, Role::GradInput, i, b)))
+            .map(|(i, t)| {
+                (t.requires_grad && !t.external).then(|| add(n, Role::GradInput, i, t.bytes))
+            })
             .collect();
         let slab_layout = slab_layout(&s.params);
         let slab = (slab_layout.bytes > 0).then(|| add(n, Role::ParamGrads, 0, slab_layout.bytes));
@@ -233,14 +304,30 @@ mod tests {
     use super::*;
     use GradPolicy::*;
 
+    fn p(bytes: usize, policy: GradPolicy) -> Option<ParamShape> {
+        Some(ParamShape {
+            bytes,
+            policy,
+            external: false,
+        })
+    }
+
+    fn t(bytes: usize, requires_grad: bool) -> TensorShape {
+        TensorShape {
+            bytes,
+            requires_grad,
+            external: false,
+        }
+    }
+
     #[test]
     fn clone_slots_come_first_and_form_one_span() {
         let params = [
-            Some((100, Alias)),
-            Some((512, Clone)),
+            p(100, Alias),
+            p(512, Clone),
             None,
-            Some((300, Clone)),
-            Some((64, AccumulateInto)),
+            p(300, Clone),
+            p(64, AccumulateInto),
         ];
         let slab = slab_layout(&params);
         let s = |i: usize| slab.slots[i].unwrap();
@@ -258,7 +345,7 @@ mod tests {
 
     #[test]
     fn no_clone_slots_no_span() {
-        let slab = slab_layout(&[Some((8, Alias)), Some((8, CopyInto))]);
+        let slab = slab_layout(&[p(8, Alias), p(8, CopyInto)]);
         assert_eq!(slab.clone_span, None);
         assert_eq!(slab_layout(&[]).bytes, 0);
     }
@@ -268,10 +355,10 @@ mod tests {
         let params: Vec<_> = (0..40)
             .map(|i| match i % 5 {
                 0 => None,
-                1 => Some((i * 37 + 1, Clone)),
-                2 => Some((i * 11 + 3, Alias)),
-                3 => Some((i * 5 + 7, CopyInto)),
-                _ => Some((i * 3 + 2, Clone)),
+                1 => p(i * 37 + 1, Clone),
+                2 => p(i * 11 + 3, Alias),
+                3 => p(i * 5 + 7, CopyInto),
+                _ => p(i * 3 + 2, Clone),
             })
             .collect();
         let slab = slab_layout(&params);
@@ -305,11 +392,70 @@ mod tests {
     }
 
     #[test]
+    fn clone_layout_puts_the_span_first_then_external_slots() {
+        let ext = |bytes, policy| {
+            Some(ParamShape {
+                bytes,
+                policy,
+                external: true,
+            })
+        };
+        let params = [
+            p(512, Clone),
+            ext(100, Clone),
+            p(64, Alias),
+            ext(64, Alias),
+            p(300, Clone),
+        ];
+        let slab = slab_layout(&params);
+        let c = clone_layout(&slab, &params);
+        assert_eq!(c.span, Some((0, 512 + 300)));
+        assert_eq!(c.offsets, vec![Some(0), Some(1024), None, None, Some(512)]);
+        assert_eq!(c.external, vec![(1, 1024)]);
+        assert_eq!(c.bytes, 1024 + 256);
+        assert_eq!(c.count, 3);
+        let none = clone_layout(&slab_layout(&[p(8, Alias)]), &[p(8, Alias)]);
+        assert_eq!((none.bytes, none.count, none.span), (0, 0, None));
+    }
+
+    #[test]
+    fn external_buffers_are_not_placed() {
+        let ext = |bytes| TensorShape {
+            bytes,
+            requires_grad: true,
+            external: true,
+        };
+        let shape = InstanceShape {
+            inputs: vec![ext(64)],
+            outputs: vec![ext(128)],
+            params: vec![
+                Some(ParamShape {
+                    bytes: 256,
+                    policy: Clone,
+                    external: true,
+                }),
+                p(512, Clone),
+            ],
+        };
+        let l = layout(&[shape]);
+        let i = &l.instances[0];
+        assert_eq!(i.outputs, vec![None], "the callback provides the output");
+        assert_eq!(i.grad_inputs, vec![None], "and the input's grad");
+        assert!(
+            i.grad_outputs[0].is_some(),
+            "the grad-output is still the library's"
+        );
+        assert!(i.slab_layout.slots[0].is_none());
+        assert_eq!(i.slab_layout.slots[1].unwrap().offset, 0);
+        assert_eq!(l.buffers.len(), 3, "input, grad-output, slab");
+    }
+
+    #[test]
     fn layout_creates_buffers_for_grads_only_where_needed() {
         let shape = InstanceShape {
-            inputs: vec![(64, true), (32, false)],
-            outputs: vec![(128, true), (16, false)],
-            params: vec![Some((256, Clone))],
+            inputs: vec![t(64, true), t(32, false)],
+            outputs: vec![t(128, true), t(16, false)],
+            params: vec![p(256, Clone)],
         };
         let l = layout(&[shape.clone(), shape]);
         assert_eq!(l.instances.len(), 2);
@@ -317,6 +463,7 @@ mod tests {
         assert_eq!(i0.grad_inputs[1], None);
         assert!(i0.grad_inputs[0].is_some());
         assert_eq!(i0.grad_outputs[1], None);
+        assert!(i0.outputs.iter().all(|o| o.is_some()));
         assert_eq!(l.buffers.len(), 2 * (2 + 2 + 1 + 1 + 1));
         let p = Placement::disjoint(&l.buffers);
         for (i, b) in l.buffers.iter().enumerate() {

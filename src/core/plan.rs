@@ -224,7 +224,7 @@ pub fn peak_live(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::layout::{layout, InstanceShape};
+    use crate::core::layout::{layout, InstanceShape, ParamShape, TensorShape};
     use crate::core::schedule::{from_te_order, Pass, ScheduleStep};
 
     const H: usize = 1024; // bytes of every activation in these tests
@@ -235,9 +235,21 @@ mod tests {
         let callables = s.layers_per_chunk.iter().sum::<usize>();
         let shapes: Vec<InstanceShape> = (0..callables * s.microbatches)
             .map(|i| InstanceShape {
-                inputs: vec![(H, first_input_grad || i >= s.microbatches)],
-                outputs: vec![(H, true)],
-                params: vec![Some((4 * H, policy))],
+                inputs: vec![TensorShape {
+                    bytes: H,
+                    requires_grad: first_input_grad || i >= s.microbatches,
+                    external: false,
+                }],
+                outputs: vec![TensorShape {
+                    bytes: H,
+                    requires_grad: true,
+                    external: false,
+                }],
+                params: vec![Some(ParamShape {
+                    bytes: 4 * H,
+                    policy,
+                    external: false,
+                })],
             })
             .collect();
         let l = layout(&shapes);

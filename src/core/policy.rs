@@ -64,10 +64,14 @@ pub enum ParamFlags {
     /// weight-gradient, Transformer Engine's skip_backward_post_hook): its
     /// returned grad keeps aliasing the static buffer by default.
     DelayedWgrad = 1,
+    /// The parameter's grad is provided by the callback at capture (external
+    /// memory, e.g. a framework's tensor), not placed in the slab.
+    ExternalGrad = 2,
 }
 
 /// Every flag bit this version knows.
-pub(crate) const KNOWN_PARAM_FLAGS: u32 = ParamFlags::DelayedWgrad as u32;
+pub(crate) const KNOWN_PARAM_FLAGS: u32 =
+    ParamFlags::DelayedWgrad as u32 | ParamFlags::ExternalGrad as u32;
 
 /// A parameter as registered, copied out of the caller's descriptor.
 #[derive(Clone, Debug, PartialEq)]
@@ -83,6 +87,10 @@ pub struct ParamSpec {
 impl ParamSpec {
     pub fn delayed_wgrad(&self) -> bool {
         self.flags & ParamFlags::DelayedWgrad as u32 != 0
+    }
+
+    pub fn external_grad(&self) -> bool {
+        self.flags & ParamFlags::ExternalGrad as u32 != 0
     }
 
     /// Checks what can be checked at registration, so that resolution at
@@ -227,6 +235,7 @@ mod tests {
     fn validation_catches_bad_descriptors() {
         assert!(param(0, GradPolicy::Default).validate("p").is_ok());
         assert!(param(4, GradPolicy::Default).validate("p").is_err());
+        assert!(param(2, GradPolicy::Default).validate("p").is_ok());
         let mut p = param(0, GradPolicy::AccumulateInto);
         p.dtype = DType::I32;
         assert!(p.validate("p").is_err());

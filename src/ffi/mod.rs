@@ -85,6 +85,16 @@ pub(crate) fn boundary_value<T>(func: &'static str, fallback: T, f: impl FnOnce(
     }
 }
 
+/// A shared reference from a C pointer, or `NullPointer` naming the argument.
+///
+/// # Safety
+/// `p` must be NULL or point to a valid, initialised `T` that outlives `'a`
+/// and is not mutated while the reference lives.
+pub(crate) unsafe fn arg_ref<'a, T>(p: *const T, what: &'static str) -> Result<&'a T> {
+    // SAFETY: the caller guarantees validity when non-NULL; NULL is rejected.
+    unsafe { p.as_ref() }.ok_or(Error::NullPointer { what })
+}
+
 /// A slice from a C pointer and length. A length of zero gives an empty
 /// slice whatever the pointer; a non-zero length with NULL is an error.
 ///

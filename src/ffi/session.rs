@@ -14,6 +14,7 @@ use crate::core::dtype::DType;
 use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::error::{Error, PassKind, Result};
+use crate::orchestrate::external::Provided;
 use crate::orchestrate::scratch::Scratch;
 use crate::orchestrate::{
     returned, CallableSpec, CloneAllocator, HookPoint, LogLevel, PassCallbacks, PassView,
@@ -188,6 +189,9 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
         param_grads: v.param_grads.as_ptr().cast(),
         tape: v.tape,
         scratch: v.scratch.handle() as *mut graphed_scratch,
+        capture: v
+            .provided
+            .map_or(std::ptr::null_mut(), |p| p.handle() as *mut c_void),
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.
@@ -446,6 +450,16 @@ fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
         shape,
         requires_grad: t.requires_grad,
         sample: t.sample as DevPtr,
+        external: match t.flags {
+            0 => false,
+            1 => true,
+            f => {
+                return Err(Error::invalid(format!(
+                    "{what}.flags has unknown bits 0x{:x}",
+                    f & !1
+                )))
+            }
+        },
     })
 }
 
@@ -1022,6 +1036,31 @@ pub unsafe extern "C" fn graphed_scratch_alloc(
         // SAFETY: checked non-NULL.
         unsafe { out.write(p as *mut c_void) };
         Ok(())
+    })
+}
+
+/// Provides, during capture, the memory of an external buffer of the running
+/// pass: `role` is a graphed_buffer_role (OUTPUT from forward; GRAD_INPUT or
+/// PARAM_GRADS from backward, or PARAM_GRADS from the weight-grad callback),
+/// `index` the output, input or parameter. The memory must hold the
+/// buffer's bytes and stay valid, at that address, while the session's
+/// graphs exist; replays return it. Every external buffer of a pass must be
+/// provided, or capture fails naming it.
+///
+/// # Safety
+/// `ctx` must be the context of the running callback.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_pass_set_buffer(
+    ctx: *const graphed_pass_ctx,
+    role: u32,
+    index: usize,
+    ptr: *mut c_void,
+) -> graphed_status {
+    boundary("graphed_pass_set_buffer", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { super::arg_ref(ctx, "ctx") }?;
+        let role = Role::from_code(role)?;
+        Provided::with_handle(c.capture as usize, |p| p.set(role, index, ptr as DevPtr))
     })
 }
 

@@ -33,6 +33,24 @@ pub struct graphed_tensor_desc {
     /// the static input before warmup (NULL: the static input starts
     /// zeroed). Read during graphed_session_capture only.
     pub sample: *const c_void,
+    /// graphed_tensor_flags bits: GRAPHED_TENSOR_FLAGS_EXTERNAL makes the
+    /// buffer the callable writes for this tensor (an output, or an input's
+    /// grad) memory its callback provides at capture.
+    pub flags: u32,
+}
+
+/// Flags of a graphed_tensor_desc (bit set).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_tensor_flags {
+    None = 0,
+    /// The library places no buffer for what the callable writes for this
+    /// tensor (the output itself, or the grad of an input): the callback
+    /// writes it wherever it likes and, during capture, hands its address to
+    /// graphed_pass_set_buffer (it must stay valid while the session's
+    /// graphs exist). Replays return that address. For frameworks that
+    /// allocate outputs and grads themselves (PyTorch).
+    External = 1,
 }
 
 /// A parameter of a callable. The library never writes `data`; it hands
@@ -46,7 +64,8 @@ pub struct graphed_param_desc {
     pub bytes: usize,
     /// A graphed_dtype value.
     pub dtype: u32,
-    /// graphed_param_flags bits (GRAPHED_PARAM_FLAGS_DELAYED_WGRAD).
+    /// graphed_param_flags bits (GRAPHED_PARAM_FLAGS_DELAYED_WGRAD,
+    /// GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD).
     pub flags: u32,
     /// A graphed_grad_policy value: GRAPHED_GRAD_POLICY_DEFAULT lets capture
     /// decide (CLONE; ALIAS for delayed-wgrad parameters or when the
@@ -104,6 +123,8 @@ pub struct graphed_pass_ctx {
     /// Scratch memory from the session pool for tensors saved from forward
     /// for backward, and temporaries.
     pub scratch: *mut graphed_scratch,
+    /// Used by graphed_pass_set_buffer (NULL outside capture).
+    pub capture: *mut c_void,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.

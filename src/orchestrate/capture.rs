@@ -7,16 +7,17 @@
 //! an error anywhere releases all of it.
 
 use crate::backend::{CaptureEnd, DevPtr, MemCounters};
-use crate::core::layout::{layout, InstanceShape};
+use crate::core::layout::{clone_layout, layout, InstanceShape, ParamShape, Role, TensorShape};
 use crate::core::plan::{self, Plan};
 use crate::core::policy::{snapshot, GradPolicy};
 use crate::core::schedule::Schedule;
 use crate::error::{Error, PassKind, Result};
 use std::cell::Cell;
 
+use super::external::Provided;
 use super::scratch::Scratch;
-use super::session::{Captured, Instance, Session};
-use super::spec::{HookPoint, LogLevel, PassView, Phase};
+use super::session::{Captured, ExternalBuffers, Instance, Session};
+use super::spec::{HookPoint, LogLevel, PassView, Phase, TensorSpec};
 
 /// One pass of one instance, in warmup/capture order.
 #[derive(Clone, Copy, Debug)]
@@ -29,35 +30,38 @@ pub(crate) struct PassRef {
 /// Instance `callable * microbatches + microbatch`; the static buffers are
 /// placed by the reuse planner when the session asks for reuse.
 fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Result<Vec<Instance>> {
-    let microbatches = schedule.microbatches as u32;
+    let m = schedule.microbatches;
     let mut shapes = Vec::new();
     let mut owners = Vec::new();
     for (c, spec) in s.callables.iter().enumerate() {
         let policies = snapshot(s.opts.clone_param_grads_on_return, &spec.params);
-        for mb in 0..microbatches {
-            shapes.push(InstanceShape {
-                inputs: spec
-                    .inputs
-                    .iter()
-                    .map(|t| (t.bytes, t.requires_grad))
-                    .collect(),
-                outputs: spec
-                    .outputs
-                    .iter()
-                    .map(|t| (t.bytes, t.requires_grad))
-                    .collect(),
-                params: spec
-                    .params
-                    .iter()
-                    .zip(&policies)
-                    .map(|(p, pol)| pol.map(|pol| (p.bytes, pol)))
-                    .collect(),
-            });
+        let tensor = |t: &TensorSpec| TensorShape {
+            bytes: t.bytes,
+            requires_grad: t.requires_grad,
+            external: t.external,
+        };
+        let shape = InstanceShape {
+            inputs: spec.inputs.iter().map(tensor).collect(),
+            outputs: spec.outputs.iter().map(tensor).collect(),
+            params: spec
+                .params
+                .iter()
+                .zip(&policies)
+                .map(|(p, pol)| {
+                    pol.map(|policy| ParamShape {
+                        bytes: p.bytes,
+                        policy,
+                        external: p.external_grad(),
+                    })
+                })
+                .collect(),
+        };
+        for mb in 0..m {
+            shapes.push(shape.clone());
             owners.push((c, mb));
         }
     }
     let layout = layout(&shapes);
-    let m = schedule.microbatches;
     let lifetimes = plan::lifetimes(schedule, &layout, |c, mb| c * m + mb);
     let placement = if s.opts.reuse_buffers {
         plan::reuse(&layout.buffers, &lifetimes)
@@ -76,33 +80,35 @@ fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Resu
     let opt = |id: Option<usize>| id.map_or(0, at);
 
     let mut instances = Vec::with_capacity(shapes.len());
-    let mut wgrad = Vec::with_capacity(shapes.len());
     cap.by_callable = vec![Vec::new(); s.callables.len()];
-    for (n, ((c, mb), ib)) in owners.into_iter().zip(&layout.instances).enumerate() {
+    for (n, (((c, mb), ib), shape)) in owners
+        .into_iter()
+        .zip(&layout.instances)
+        .zip(&shapes)
+        .enumerate()
+    {
         let spec = &s.callables[c];
         let slab_base = opt(ib.slab);
-        let slots = ib.slab_layout.slots.clone();
         instances.push(Instance {
             callable: c,
-            microbatch: mb,
+            microbatch: mb as u32,
             inputs: ib.inputs.iter().map(|&b| at(b)).collect(),
-            outputs: ib.outputs.iter().map(|&b| at(b)).collect(),
+            outputs: ib.outputs.iter().map(|&b| opt(b)).collect(),
             grad_outputs: ib.grad_outputs.iter().map(|&b| opt(b)).collect(),
             grad_inputs: ib.grad_inputs.iter().map(|&b| opt(b)).collect(),
             params: spec.params.iter().map(|p| p.data).collect(),
-            param_grads: slots
+            param_grads: ib
+                .slab_layout
+                .slots
                 .iter()
                 .map(|sl| sl.map_or(0, |sl| slab_base + sl.offset as DevPtr))
                 .collect(),
             param_dtypes: spec.params.iter().map(|p| p.dtype).collect(),
-            clone_count: slots
-                .iter()
-                .flatten()
-                .filter(|sl| sl.policy == GradPolicy::Clone)
-                .count(),
-            slots,
+            param_bytes: spec.params.iter().map(|p| p.bytes).collect(),
+            policies: shape.params.iter().map(|p| p.map(|p| p.policy)).collect(),
             slab_base,
-            clone_span: ib.slab_layout.clone_span,
+            clone: clone_layout(&ib.slab_layout, &shape.params),
+            external: external_buffers(shape, spec.callbacks.has_wgrad()),
             fwd: None,
             bwd: None,
             wgrad: None,
@@ -113,27 +119,67 @@ fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Resu
             lease_gin: Vec::new(),
             lease_param: Vec::new(),
         });
-        wgrad.push(spec.callbacks.has_wgrad());
         cap.by_callable[c].push(n);
     }
 
     if s.opts.strict_leases {
-        for (inst, ib) in instances.iter_mut().zip(&layout.instances) {
-            let name = &s.callables[inst.callable].name;
-            let who = |what: String| {
-                format!(
-                    "{what} of callable '{name}' (microbatch {})",
-                    inst.microbatch
-                )
-            };
-            inst.lease_out = ib
+        // Lease slots live in logical buffers; external buffers get ids of
+        // their own past the layout's (nothing shares their memory).
+        let nbuf = layout.buffers.len();
+        let mut next = nbuf;
+        let mut fresh = || {
+            next += 1;
+            next - 1
+        };
+        // A replay overwrites the buffers it writes and, with reuse, every
+        // buffer sharing their memory.
+        let sharing = |written: &[usize]| -> Vec<usize> {
+            let slots: Vec<usize> = written
+                .iter()
+                .filter(|&&b| b < nbuf)
+                .map(|&b| placement.slot_of[b])
+                .collect();
+            let mut all: Vec<usize> = (0..nbuf)
+                .filter(|&b| slots.contains(&placement.slot_of[b]))
+                .collect();
+            all.extend(written.iter().filter(|&&b| b >= nbuf));
+            all
+        };
+        for ((inst, ib), shape) in instances.iter_mut().zip(&layout.instances).zip(&shapes) {
+            let spec = &s.callables[inst.callable];
+            let name = &spec.name;
+            let mb = inst.microbatch;
+            let who = |what: String| format!("{what} of callable '{name}' (microbatch {mb})");
+            let out_ids: Vec<usize> = ib
                 .outputs
+                .iter()
+                .map(|b| b.unwrap_or_else(&mut fresh))
+                .collect();
+            let gin_ids: Vec<Option<usize>> = ib
+                .grad_inputs
+                .iter()
+                .zip(&shape.inputs)
+                .map(|(b, t)| b.or_else(|| t.requires_grad.then(&mut fresh)))
+                .collect();
+            let param_ids: Vec<Option<usize>> = shape
+                .params
+                .iter()
+                .map(|p| {
+                    p.map(|p| {
+                        if p.external {
+                            fresh()
+                        } else {
+                            ib.slab.unwrap_or(usize::MAX)
+                        }
+                    })
+                })
+                .collect();
+            inst.lease_out = out_ids
                 .iter()
                 .enumerate()
                 .map(|(i, &b)| cap.leases.add_slot(who(format!("output {i}")), b))
                 .collect();
-            inst.lease_gin = ib
-                .grad_inputs
+            inst.lease_gin = gin_ids
                 .iter()
                 .enumerate()
                 .map(|(i, b)| {
@@ -143,45 +189,58 @@ fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Resu
                     })
                 })
                 .collect();
-            inst.lease_param = inst
-                .slots
+            inst.lease_param = param_ids
                 .iter()
+                .zip(&inst.policies)
                 .enumerate()
-                .map(|(i, sl)| match (sl, ib.slab) {
-                    (Some(sl), Some(slab)) if sl.policy == GradPolicy::Alias => Some(
+                .map(|(i, (b, pol))| match (b, pol) {
+                    (Some(b), Some(GradPolicy::Alias)) => Some(
                         cap.leases
-                            .add_slot(who(format!("the grad of param {i}")), slab),
+                            .add_slot(who(format!("the grad of param {i}")), *b),
                     ),
                     _ => None,
                 })
                 .collect();
-        }
-        // A replay overwrites the buffers it writes and, with reuse, every
-        // buffer sharing their memory.
-        let sharing = |written: Vec<usize>| -> Vec<usize> {
-            let slots: Vec<usize> = written.iter().map(|&b| placement.slot_of[b]).collect();
-            (0..layout.buffers.len())
-                .filter(|&b| slots.contains(&placement.slot_of[b]))
-                .collect()
-        };
-        for ((inst, ib), &has_w) in instances.iter_mut().zip(&layout.instances).zip(&wgrad) {
+            let params: Vec<usize> = param_ids.iter().flatten().copied().collect();
             let mut fwd: Vec<usize> = ib.inputs.clone();
-            fwd.extend(&ib.outputs);
+            fwd.extend(&out_ids);
             let mut bwd: Vec<usize> = ib.grad_outputs.iter().flatten().copied().collect();
-            bwd.extend(ib.grad_inputs.iter().flatten());
-            let slab: Vec<usize> = ib.slab.into_iter().collect();
-            if !has_w {
-                bwd.extend(&slab);
+            bwd.extend(gin_ids.iter().flatten());
+            if !spec.callbacks.has_wgrad() {
+                bwd.extend(&params);
             }
-            inst.check_fwd = cap.leases.slots_in(&sharing(fwd));
-            inst.check_bwd = cap.leases.slots_in(&sharing(bwd));
-            inst.check_wgrad = cap.leases.slots_in(&sharing(slab));
+            inst.check_fwd = cap.leases.slots_in(&sharing(&fwd));
+            inst.check_bwd = cap.leases.slots_in(&sharing(&bwd));
+            inst.check_wgrad = cap.leases.slots_in(&sharing(&params));
         }
     }
     cap.plan = placement;
     cap.lifetimes = lifetimes;
     cap.buffers = layout.buffers;
     Ok(instances)
+}
+
+/// Which external buffers each pass of an instance must provide.
+fn external_buffers(shape: &InstanceShape, has_wgrad: bool) -> ExternalBuffers {
+    let outputs = (0..shape.outputs.len())
+        .filter(|&i| shape.outputs[i].external)
+        .map(|i| (Role::Output, i));
+    let grads = (0..shape.inputs.len())
+        .filter(|&i| shape.inputs[i].external && shape.inputs[i].requires_grad)
+        .map(|i| (Role::GradInput, i));
+    let params: Vec<(Role, usize)> = (0..shape.params.len())
+        .filter(|&i| shape.params[i].is_some_and(|p| p.external))
+        .map(|i| (Role::ParamGrads, i))
+        .collect();
+    let mut backward: Vec<(Role, usize)> = grads.collect();
+    if !has_wgrad {
+        backward.extend(&params);
+    }
+    ExternalBuffers {
+        forward: outputs.collect(),
+        backward,
+        wgrad: if has_wgrad { params } else { Vec::new() },
+    }
 }
 
 fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
@@ -217,15 +276,33 @@ impl Runner<'_> {
     /// the callback alone is captured into a graph.
     fn run(&mut self, p: PassRef, phase: Phase, iteration: u32) -> Result<()> {
         let spec = &self.s.callables[self.cap.instances[p.instance].callable];
+        let context = format!(
+            "the {} callback of callable '{}' (microbatch {}) during {}",
+            p.kind,
+            spec.name,
+            self.cap.instances[p.instance].microbatch,
+            phase.name()
+        );
+        // Under capture, the external buffers this pass must provide.
+        let provided = (phase == Phase::Capture).then(|| {
+            let ext = &self.cap.instances[p.instance].external;
+            let expected = match p.kind {
+                PassKind::Forward => &ext.forward,
+                PassKind::Backward => &ext.backward,
+                PassKind::Wgrad => &ext.wgrad,
+            };
+            Provided::new(expected.clone(), context.clone())
+        });
         let graph = {
-            let view = view(self.cap, self.scratch, p, phase, iteration);
-            self.scratch.set_context(format!(
-                "the {} callback of callable '{}' (microbatch {}) during {}",
-                p.kind,
-                spec.name,
-                view.microbatch,
-                phase.name()
-            ));
+            let view = view(
+                self.cap,
+                self.scratch,
+                provided.as_deref(),
+                p,
+                phase,
+                iteration,
+            );
+            self.scratch.set_context(context);
             spec.callbacks
                 .hook(HookPoint::Pre, &view)
                 .map_err(|c| self.failed(p, phase, Some(HookPoint::Pre), c))?;
@@ -266,6 +343,15 @@ impl Runner<'_> {
         };
         if let Some(g) = graph {
             let inst = &mut self.cap.instances[p.instance];
+            if let Some(provided) = &provided {
+                for (role, i, ptr) in provided.finish()? {
+                    match role {
+                        Role::Output => inst.outputs[i] = ptr,
+                        Role::GradInput => inst.grad_inputs[i] = ptr,
+                        _ => inst.param_grads[i] = ptr,
+                    }
+                }
+            }
             match p.kind {
                 PassKind::Forward => inst.fwd = Some(g),
                 PassKind::Backward => inst.bwd = Some(g),
@@ -273,7 +359,7 @@ impl Runner<'_> {
             }
             self.cap.graph_count += 1;
         }
-        let view = view(self.cap, self.scratch, p, phase, iteration);
+        let view = view(self.cap, self.scratch, None, p, phase, iteration);
         spec.callbacks
             .hook(HookPoint::Post, &view)
             .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))
@@ -284,6 +370,7 @@ impl Runner<'_> {
 fn view<'a>(
     cap: &'a Captured,
     scratch: &'a Scratch,
+    provided: Option<&'a Provided>,
     p: PassRef,
     phase: Phase,
     iteration: u32,
@@ -304,6 +391,7 @@ fn view<'a>(
         param_grads: &inst.param_grads,
         tape: cap.tapes[p.instance].as_ptr().cast(),
         scratch,
+        provided,
     }
 }
 
@@ -339,8 +427,8 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
     if cap
         .instances
         .iter()
-        .flat_map(|i| i.slots.iter().flatten())
-        .any(|sl| sl.policy == GradPolicy::AccumulateInto)
+        .flat_map(|i| i.policies.iter().flatten())
+        .any(|&p| p == GradPolicy::AccumulateInto)
     {
         backend.prepare_accumulate()?;
     }
@@ -370,11 +458,11 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
             .iter()
             .map(|i| {
                 let spec = &s.callables[i.callable];
-                i.slots
+                i.policies
                     .iter()
                     .zip(&spec.params)
-                    .filter(|(sl, p)| {
-                        sl.is_some_and(|sl| sl.policy == GradPolicy::Alias)
+                    .filter(|(pol, p)| {
+                        **pol == Some(GradPolicy::Alias)
                             && p.policy == GradPolicy::Default
                             && !p.delayed_wgrad()
                     })

@@ -3,6 +3,7 @@
 //! Nothing here knows about C types or about CUDA.
 
 pub mod capture;
+pub mod external;
 pub mod pool;
 pub mod replay;
 pub mod returned;

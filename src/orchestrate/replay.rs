@@ -153,7 +153,7 @@ impl Session {
         if returns_params {
             stage_params(inst, a.param_dsts, block, r.leases, r.strict, r.stage_b);
         } else {
-            r.stage_b.resize(inst.slots.len(), Returned::default());
+            r.stage_b.resize(inst.policies.len(), Returned::default());
         }
         Ok((r.stage_a, r.stage_b))
     }
@@ -210,16 +210,17 @@ impl Replay<'_> {
             }
             None => a.stream,
         };
-        let span = inst.clone_span.filter(|_| params.is_some());
-        let mut block = match span {
-            Some((start, end)) => Some(GradBlock::alloc(
+        let clone = &inst.clone;
+        let mut block = if params.is_some() && clone.count > 0 {
+            Some(GradBlock::alloc(
                 self.backend,
                 self.allocator,
                 self.counters,
-                end - start,
+                clone.bytes,
                 s,
-            )?),
-            None => None,
+            )?)
+        } else {
+            None
         };
         if let Some(data) = a.data {
             // Entries with no static buffer (dst 0) take no data.
@@ -231,32 +232,36 @@ impl Replay<'_> {
         }
         graph.launch(s)?;
         if let Some(dsts) = params {
-            if let (Some(b), Some((start, end))) = (&block, span) {
-                backend.copy(b.ptr, inst.slab_base + start as DevPtr, end - start, s)?;
+            if let Some(b) = &block {
+                // The slab's CLONE span in one copy, then any external CLONE slot.
+                if let Some((start, end)) = clone.span {
+                    backend.copy(b.ptr, inst.slab_base + start as DevPtr, end - start, s)?;
+                }
+                for &(i, offset) in &clone.external {
+                    backend.copy(
+                        b.ptr + offset as DevPtr,
+                        inst.param_grads[i],
+                        inst.param_bytes[i],
+                        s,
+                    )?;
+                }
             }
-            for (i, slot) in inst.slots.iter().enumerate() {
-                let Some(slot) = slot else { continue };
-                if slot.policy == GradPolicy::CopyInto {
+            for (i, pol) in inst.policies.iter().enumerate() {
+                if *pol == Some(GradPolicy::CopyInto) {
                     let dst = dsts.map_or(0, |d| d[i]);
-                    backend.copy(dst, inst.slab_base + slot.offset as DevPtr, slot.bytes, s)?;
+                    backend.copy(dst, inst.param_grads[i], inst.param_bytes[i], s)?;
                 }
             }
             // ACCUMULATE_INTO slots: one batched launch per dtype.
             for dtype in [DType::F32, DType::F16, DType::Bf16] {
                 self.stage_acc.clear();
-                for (i, slot) in inst.slots.iter().enumerate() {
-                    match slot {
-                        Some(slot)
-                            if slot.policy == GradPolicy::AccumulateInto
-                                && inst.param_dtypes[i] == dtype =>
-                        {
-                            self.stage_acc.push(AccItem {
-                                dst: dsts.map_or(0, |d| d[i]),
-                                src: inst.slab_base + slot.offset as DevPtr,
-                                count: slot.bytes / dtype.size(),
-                            })
-                        }
-                        _ => {}
+                for (i, pol) in inst.policies.iter().enumerate() {
+                    if *pol == Some(GradPolicy::AccumulateInto) && inst.param_dtypes[i] == dtype {
+                        self.stage_acc.push(AccItem {
+                            dst: dsts.map_or(0, |d| d[i]),
+                            src: inst.param_grads[i],
+                            count: inst.param_bytes[i] / dtype.size(),
+                        });
                     }
                 }
                 if !self.stage_acc.is_empty() {
@@ -272,7 +277,7 @@ impl Replay<'_> {
             Some(mut b) => {
                 b.set_stream(a.stream);
                 let ptr = b.ptr;
-                (publish(b, inst.clone_count), ptr)
+                (publish(b, clone.count), ptr)
             }
             None => (0, 0),
         })
@@ -288,23 +293,19 @@ fn stage_params(
     strict: bool,
     out: &mut Vec<Returned>,
 ) {
-    let span_start = inst.clone_span.map_or(0, |(s, _)| s);
-    for (i, slot) in inst.slots.iter().enumerate() {
-        let Some(slot) = slot else {
-            out.push(Returned::default());
-            continue;
-        };
-        let bytes = slot.bytes;
+    for (i, pol) in inst.policies.iter().enumerate() {
+        let bytes = inst.param_bytes[i];
         let dst = dsts.map_or(0, |d| d[i]);
-        out.push(match slot.policy {
-            GradPolicy::Clone => Returned {
-                ptr: block_ptr + (slot.offset - span_start) as DevPtr,
+        out.push(match pol {
+            None | Some(GradPolicy::Default) => Returned::default(),
+            Some(GradPolicy::Clone) => Returned {
+                ptr: block_ptr + inst.clone.offsets[i].unwrap_or(0) as DevPtr,
                 bytes,
                 kind: RefKind::Clone,
                 owner: block,
                 lease: 0,
             },
-            GradPolicy::Alias => {
+            Some(GradPolicy::Alias) => {
                 let lease = match (strict, inst.lease_param.get(i)) {
                     (true, Some(Some(l))) => leases.acquire(*l),
                     _ => 0,
@@ -317,21 +318,20 @@ fn stage_params(
                     lease,
                 }
             }
-            GradPolicy::CopyInto => Returned {
+            Some(GradPolicy::CopyInto) => Returned {
                 ptr: dst,
                 bytes,
                 kind: RefKind::CopyInto,
                 owner: 0,
                 lease: 0,
             },
-            GradPolicy::AccumulateInto => Returned {
+            Some(GradPolicy::AccumulateInto) => Returned {
                 ptr: dst,
                 bytes,
                 kind: RefKind::AccumulateInto,
                 owner: 0,
                 lease: 0,
             },
-            GradPolicy::Default => Returned::default(),
         });
     }
 }
@@ -385,23 +385,23 @@ fn check_data(
 
 /// Checks the destinations of COPY_INTO / ACCUMULATE_INTO slots.
 fn check_dsts(dsts: Option<&[DevPtr]>, inst: &Instance, spec: &CallableSpec) -> Result<()> {
-    let needs = |i: usize| inst.slots[i].is_some_and(|s| s.policy.needs_destination());
+    let needs = |i: usize| inst.policies[i].is_some_and(|p| p.needs_destination());
+    let n = inst.policies.len();
     match dsts {
-        Some(d) if d.len() != inst.slots.len() => Err(Error::invalid(format!(
-            "{} param destinations were passed; callable '{}' has {} parameters",
+        Some(d) if d.len() != n => Err(Error::invalid(format!(
+            "{} param destinations were passed; callable '{}' has {n} parameters",
             d.len(),
-            spec.name,
-            inst.slots.len()
+            spec.name
         ))),
         Some(d) => match (0..d.len()).find(|&i| needs(i) && d[i] == 0) {
             Some(i) => Err(Error::invalid(format!(
                 "param_dsts[{i}] of callable '{}' is NULL, but that parameter's grad policy ({}) needs a destination",
                 spec.name,
-                inst.slots[i].map_or("?", |s| s.policy.name())
+                inst.policies[i].map_or("?", |p| p.name())
             ))),
             None => Ok(()),
         },
-        None => match (0..inst.slots.len()).find(|&i| needs(i)) {
+        None => match (0..n).find(|&i| needs(i)) {
             Some(i) => Err(Error::invalid(format!(
                 "callable '{}' has parameters returned by COPY_INTO or ACCUMULATE_INTO (param {i}): pass param_dsts",
                 spec.name

@@ -8,7 +8,7 @@ use crate::backend::{
     AccItem, Backend, BackendKind, DevPtr, EventRef, Graph, MemCounters, StreamRef,
 };
 use crate::core::dtype::DType;
-use crate::core::layout::{BufferDesc, Role, SlabSlot};
+use crate::core::layout::{BufferDesc, CloneLayout, Role};
 use crate::core::lease::Leases;
 use crate::core::plan::{Lifetime, Plan};
 use crate::core::policy::{GradPolicy, KNOWN_PARAM_FLAGS};
@@ -32,11 +32,14 @@ pub(crate) struct Instance {
     pub params: Vec<DevPtr>,
     pub param_grads: Vec<DevPtr>,
     pub param_dtypes: Vec<DType>,
-    /// Frozen slot layout and policy of each parameter (None: no grad).
-    pub slots: Vec<Option<SlabSlot>>,
+    pub param_bytes: Vec<usize>,
+    /// Frozen grad policy of each parameter (None: no grad).
+    pub policies: Vec<Option<GradPolicy>>,
     pub slab_base: DevPtr,
-    pub clone_span: Option<(usize, usize)>,
-    pub clone_count: usize,
+    /// Where the CLONE grads of a replay go in their block.
+    pub clone: CloneLayout,
+    /// The external buffers each pass provides at capture.
+    pub external: ExternalBuffers,
     pub fwd: Option<Box<dyn Graph>>,
     pub bwd: Option<Box<dyn Graph>>,
     pub wgrad: Option<Box<dyn Graph>>,
@@ -48,6 +51,14 @@ pub(crate) struct Instance {
     pub lease_out: Vec<usize>,
     pub lease_gin: Vec<Option<usize>>,
     pub lease_param: Vec<Option<usize>>,
+}
+
+/// (role, index) of the external buffers each pass of an instance provides.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ExternalBuffers {
+    pub forward: Vec<(Role, usize)>,
+    pub backward: Vec<(Role, usize)>,
+    pub wgrad: Vec<(Role, usize)>,
 }
 
 impl Instance {
@@ -450,7 +461,7 @@ impl Session {
     pub fn policies(&self, callable: u32) -> Result<Vec<Option<GradPolicy>>> {
         let cap = self.captured()?;
         let inst = &cap.instances[cap.instance_index(callable, 0)?];
-        Ok(inst.slots.iter().map(|s| s.map(|s| s.policy)).collect())
+        Ok(inst.policies.clone())
     }
 
     pub fn stats(&self) -> Stats {

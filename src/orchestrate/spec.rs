@@ -10,6 +10,7 @@ use crate::error::{PassKind, Result};
 use std::ffi::c_void;
 use std::sync::Arc;
 
+use super::external::Provided;
 use super::scratch::Scratch;
 
 /// A static input or output.
@@ -23,6 +24,9 @@ pub struct TensorSpec {
     /// Inputs: device pointer to sample data copied into the static input
     /// before warmup (0: the static input starts zeroed).
     pub sample: DevPtr,
+    /// The buffer the callable writes for this tensor (an output, or an
+    /// input's grad) is provided by its callback at capture.
+    pub external: bool,
 }
 
 /// Whether a callback runs eagerly in warmup or under stream capture.
@@ -69,6 +73,8 @@ pub struct PassView<'a> {
     /// may leave a pointer there for backward.
     pub tape: *mut *mut c_void,
     pub scratch: &'a Scratch,
+    /// Under capture: where the callback provides its external buffers.
+    pub provided: Option<&'a Provided>,
 }
 
 /// The callbacks of one callable. Errors are the callback's own code.

@@ -1,0 +1,66 @@
+// graphed for libtorch: make_graphed_callables for functions of tensors
+// (a module's forward), shared by the PyTorch extension and libtorch
+// programs. Forward and backward run as libtorch ops inside graphed's
+// callbacks, on graphed's capture stream, with PyTorch's caching allocator
+// routed into a private pool during each capture (as at::cuda::CUDAGraph
+// does); outputs and grads stay PyTorch tensors (graphed's external
+// buffers), and replays plug into autograd through a custom Function, so
+// `loss.backward()` and `param.grad` accumulation behave as in eager
+// PyTorch. Parameter grads are returned as owned clones (memory from
+// PyTorch's caching allocator) unless the caller opts out.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <graphed.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace graphed_torch {
+
+// A function of tensors to graph: a module's forward.
+using ForwardFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+struct CallableSpec {
+    std::string name;
+    ForwardFn forward;
+    // Sample inputs (shape, dtype, requires_grad, and the data warmup uses).
+    std::vector<at::Tensor> sample_inputs;
+    // The parameters the forward uses; those with requires_grad get grads.
+    std::vector<at::Tensor> params;
+    // graphed_param_flags per parameter (e.g. DELAYED_WGRAD for
+    // Transformer Engine's skip_backward_post_hook); empty: none.
+    std::vector<uint32_t> param_flags;
+};
+
+struct Options {
+    int num_warmup_iters = 3;
+    // Parameter grads as owned clones (the default) or aliases of static
+    // buffers that the next backward replay overwrites (opt-out).
+    bool clone_param_grads_on_return = true;
+    // Clones from PyTorch's caching allocator (counted by
+    // torch.cuda.memory_allocated) instead of graphed's own pool.
+    bool clones_from_torch_allocator = true;
+};
+
+struct Shared;
+
+// One graphed callable: call it like the function it replaces.
+class GraphedCallable {
+  public:
+    GraphedCallable(std::shared_ptr<Shared> shared, size_t index) : shared_(std::move(shared)), index_(index) {}
+    std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& inputs) const;
+    const std::vector<at::Tensor>& params() const;
+
+  private:
+    std::shared_ptr<Shared> shared_;
+    size_t index_;
+};
+
+// Warms up and captures every callable into one graphed session sharing
+// one private memory pool; throws std::runtime_error with graphed's message.
+std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& options = {});
+
+}  // namespace graphed_torch
