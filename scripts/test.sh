@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of graphed on this machine, after installing what they need
 # (scripts/setup.sh): the Rust unit tests, then the CMake build and the
-# GoogleTest suite under ctest. Without a GPU, the CUDA tests are compiled and
-# skip at run time with their reason, which this script prints at the end.
+# GoogleTest suite under ctest, then the host suite again under ASan, UBSan
+# and LeakSanitizer. Without a GPU, the CUDA tests are compiled and skip at
+# run time with their reason, which this script prints at the end.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -20,4 +21,8 @@ cmake --build "$build"
 
 echo "== ctest"
 (cd "$build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
+
+echo "== ctest under ASan + UBSan + LeakSanitizer (host backend)"
+bash scripts/sanitize.sh | grep -E "tests passed|tests failed|sanitize:"
+
 bash scripts/skip-report.sh "$build"
