@@ -3,6 +3,8 @@
 // torch.utils.cpp_extension against libgraphed.so (see graphed_torch.py).
 #include <torch/extension.h>
 
+#include <pybind11/stl.h>
+
 #include "graphed_torch.h"
 
 namespace py = pybind11;
@@ -22,8 +24,14 @@ std::vector<at::Tensor> flatten(const py::handle& out) {
     throw std::runtime_error("graphed callables must return a tensor or a tuple of tensors");
 }
 
+// One tuple of sample args per callable. With a schedule (`steps`, in
+// graphed's {pass, chunk} form, converted from Transformer Engine's _order
+// by graphed_torch.py), the callables are the layers and the result lists
+// each layer's graphs for every microbatch: result[callable][microbatch].
 py::list make_graphed_callables(py::sequence callables, py::sequence sample_args, int num_warmup_iters,
-                                bool clone_param_grads_on_return, bool clones_from_torch_allocator) {
+                                bool clone_param_grads_on_return, bool clones_from_torch_allocator,
+                                std::vector<std::pair<uint32_t, uint32_t>> steps, std::vector<uint32_t> layers_per_chunk,
+                                bool reuse_buffers) {
     if (py::len(callables) != py::len(sample_args))
         throw std::runtime_error("make_graphed_callables: one tuple of sample args per callable");
     std::vector<graphed_torch::CallableSpec> specs;
@@ -62,6 +70,9 @@ py::list make_graphed_callables(py::sequence callables, py::sequence sample_args
     o.num_warmup_iters = num_warmup_iters;
     o.clone_param_grads_on_return = clone_param_grads_on_return;
     o.clones_from_torch_allocator = clones_from_torch_allocator;
+    for (auto [pass, chunk] : steps) o.schedule.push_back({pass, chunk});
+    o.layers_per_chunk = std::move(layers_per_chunk);
+    o.reuse_buffers = reuse_buffers;
     std::vector<graphed_torch::GraphedCallable> out;
     {
         // Capture runs the callables, which take the GIL themselves; the
@@ -70,7 +81,11 @@ py::list make_graphed_callables(py::sequence callables, py::sequence sample_args
         out = graphed_torch::make_graphed_callables(std::move(specs), o);
     }
     py::list result;
-    for (auto& g : out) result.append(py::cast(g));
+    for (auto& g : out) {
+        py::list per_microbatch;
+        for (uint32_t m = 0; m < g.microbatches(); ++m) per_microbatch.append(py::cast(g.for_microbatch(m)));
+        result.append(per_microbatch);
+    }
     return result;
 }
 
@@ -89,8 +104,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  for (size_t i = 0; i < outs.size(); ++i) t[i] = py::cast(outs[i]);
                  return std::move(t);
              })
-        .def_property_readonly("params", &graphed_torch::GraphedCallable::params);
+        .def_property_readonly("params", &graphed_torch::GraphedCallable::params)
+        .def("session_stats", [](const graphed_torch::GraphedCallable& g) {
+            graphed_session_stats st = g.stats();
+            py::dict d;
+            d["static_bytes"] = st.static_bytes;
+            d["static_bytes_without_reuse"] = st.static_bytes_without_reuse;
+            d["peak_live_bytes"] = st.peak_live_bytes;
+            d["scratch_bytes"] = st.scratch_bytes;
+            d["clone_bytes_outstanding"] = st.clone_bytes_outstanding;
+            d["graph_count"] = st.graph_count;
+            d["microbatches"] = st.microbatches;
+            return d;
+        });
     m.def("make_graphed_callables", &make_graphed_callables, py::arg("callables"), py::arg("sample_args"),
           py::arg("num_warmup_iters") = 3, py::arg("clone_param_grads_on_return") = true,
-          py::arg("clones_from_torch_allocator") = true);
+          py::arg("clones_from_torch_allocator") = true, py::arg("steps") = std::vector<std::pair<uint32_t, uint32_t>>{},
+          py::arg("layers_per_chunk") = std::vector<uint32_t>{}, py::arg("reuse_buffers") = false);
 }

@@ -59,9 +59,9 @@ struct Callable {
     std::vector<at::Tensor> samples, params;
     std::vector<Meta> in, out;
     std::vector<uint32_t> flags;
-    // Warmup and capture: the leaves over the static inputs and the outputs
-    // whose autograd graph backward differentiates.
-    std::vector<at::Tensor> fwd_inputs, fwd_outputs;
+    // Warmup and capture, per microbatch: the leaves over the static inputs
+    // and the outputs whose autograd graph backward differentiates.
+    std::vector<std::vector<at::Tensor>> fwd_inputs, fwd_outputs;
     // Tensors handed to graphed as external buffers: they live as long as
     // the graphs.
     std::vector<at::Tensor> keep;
@@ -75,6 +75,7 @@ struct Callable {
 struct Shared {
     graphed_session* session = nullptr;
     c10::DeviceIndex device = 0;
+    uint32_t microbatches = 1;
     c10::MempoolId_t pool{0, 0};
     bool routing = false;
     std::vector<std::unique_ptr<Callable>> callables;
@@ -170,24 +171,30 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
                 c->keep.push_back(outs[i].detach());
             }
         }
-        c->fwd_inputs = std::move(ins);
-        c->fwd_outputs = std::move(outs);
+        const size_t mb = ctx->microbatch;
+        if (c->fwd_inputs.size() <= mb) {
+            c->fwd_inputs.resize(mb + 1);
+            c->fwd_outputs.resize(mb + 1);
+        }
+        c->fwd_inputs[mb] = std::move(ins);
+        c->fwd_outputs[mb] = std::move(outs);
     });
 }
 
 int32_t backward_cb(const graphed_pass_ctx* ctx, void* self) {
     auto* c = static_cast<Callable*>(self);
     return run_guarded(c, ctx, [&] {
+        const size_t mb = ctx->microbatch;
         std::vector<at::Tensor> outs, gouts, wrt;
         for (size_t i = 0; i < c->out.size(); ++i) {
             if (!c->out[i].requires_grad) continue;
-            outs.push_back(c->fwd_outputs[i]);
+            outs.push_back(c->fwd_outputs.at(mb)[i]);
             gouts.push_back(at::from_blob(ctx->grad_outputs[i], c->out[i].sizes, options(c->out[i], c->shared->device)));
         }
         std::vector<size_t> in_idx, p_idx;
         for (size_t i = 0; i < c->in.size(); ++i)
             if (c->in[i].requires_grad) {
-                wrt.push_back(c->fwd_inputs[i]);
+                wrt.push_back(c->fwd_inputs.at(mb)[i]);
                 in_idx.push_back(i);
             }
         for (size_t j = 0; j < c->params.size(); ++j)
@@ -208,8 +215,8 @@ int32_t backward_cb(const graphed_pass_ctx* ctx, void* self) {
                 c->keep.push_back(grads[k]);
             }
         }
-        c->fwd_outputs.clear();
-        c->fwd_inputs.clear();
+        c->fwd_outputs[mb].clear();
+        c->fwd_inputs[mb].clear();
     });
 }
 
@@ -230,6 +237,7 @@ void torch_free(void*, void* ptr, size_t, graphed_stream) { c10::cuda::CUDACachi
 struct GraphedBackward : public torch::autograd::Node {
     std::shared_ptr<Shared> shared;
     size_t index = 0;
+    uint32_t microbatch = 0;
 
     std::string name() const override { return "GraphedBackward"; }
 
@@ -252,6 +260,7 @@ struct GraphedBackward : public torch::autograd::Node {
         }
         graphed_replay_args a = graphed_replay_args_default();
         a.callable = static_cast<uint32_t>(index);
+        a.microbatch = microbatch;
         a.stream = c10::cuda::getCurrentCUDAStream(shared->device).stream();
         a.data = data.data();
         a.num_data = data.size();
@@ -292,6 +301,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     }
     graphed_replay_args a = graphed_replay_args_default();
     a.callable = static_cast<uint32_t>(index_);
+    a.microbatch = microbatch_;
     a.stream = c10::cuda::getCurrentCUDAStream(shared_->device).stream();
     a.data = data.data();
     a.num_data = data.size();
@@ -309,6 +319,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         auto node = std::shared_ptr<GraphedBackward>(new GraphedBackward(), torch::autograd::deleteNode);
         node->shared = shared_;
         node->index = index_;
+        node->microbatch = microbatch_;
         node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
         for (size_t i = 0; i < result.size(); ++i)
             if (c->out[i].requires_grad) torch::autograd::set_history(result[i], node);
@@ -317,6 +328,22 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
 }
 
 const std::vector<at::Tensor>& GraphedCallable::params() const { return shared_->callables[index_]->params; }
+
+GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
+    if (microbatch >= shared_->microbatches)
+        throw std::runtime_error("graphed callable '" + shared_->callables[index_]->name + "' has " +
+                                 std::to_string(shared_->microbatches) + " microbatch(es), not " +
+                                 std::to_string(microbatch + 1));
+    return GraphedCallable(shared_, index_, microbatch);
+}
+
+uint32_t GraphedCallable::microbatches() const { return shared_->microbatches; }
+
+graphed_session_stats GraphedCallable::stats() const {
+    graphed_session_stats st = graphed_session_stats_default();
+    check(graphed_session_stats_get(shared_->session, &st), "graphed_session_stats_get");
+    return st;
+}
 
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& o) {
     if (specs.empty()) throw std::runtime_error("make_graphed_callables: no callables");
@@ -335,6 +362,15 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         cfg.clone_alloc = torch_alloc;
         cfg.clone_free = torch_free;
     }
+    if (!o.schedule.empty()) {
+        cfg.schedule = o.schedule.data();
+        cfg.num_schedule_steps = o.schedule.size();
+        if (!o.layers_per_chunk.empty()) {
+            cfg.layers_per_chunk = o.layers_per_chunk.data();
+            cfg.num_layers_per_chunk = o.layers_per_chunk.size();
+        }
+    }
+    cfg.reuse_buffers = o.reuse_buffers;
     check(graphed_session_create(&cfg, &shared->session), "graphed_session_create");
 
     for (CallableSpec& s : specs) {
@@ -401,6 +437,9 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         throw std::runtime_error(msg);
     }
     for (auto& c : shared->callables) c->samples.clear();
+    graphed_session_stats stats = graphed_session_stats_default();
+    check(graphed_session_stats_get(shared->session, &stats), "graphed_session_stats_get");
+    shared->microbatches = stats.microbatches;
     std::vector<GraphedCallable> out;
     for (size_t i = 0; i < shared->callables.size(); ++i) out.emplace_back(shared, i);
     return out;

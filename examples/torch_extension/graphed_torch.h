@@ -43,6 +43,14 @@ struct Options {
     // Clones from PyTorch's caching allocator (counted by
     // torch.cuda.memory_allocated) instead of graphed's own pool.
     bool clones_from_torch_allocator = true;
+    // Optional interleaved pipeline schedule (docs/pipeline.md): the steps
+    // and the layers of each chunk (empty: split evenly). The callables are
+    // the layers, in chunk order.
+    std::vector<graphed_schedule_step> schedule;
+    std::vector<uint32_t> layers_per_chunk;
+    // Share memory between graphed's own static buffers (static inputs,
+    // grad-outputs) whose lifetimes do not overlap; needs a schedule.
+    bool reuse_buffers = false;
 };
 
 struct Shared;
@@ -50,17 +58,26 @@ struct Shared;
 // One graphed callable: call it like the function it replaces.
 class GraphedCallable {
   public:
-    GraphedCallable(std::shared_ptr<Shared> shared, size_t index) : shared_(std::move(shared)), index_(index) {}
+    GraphedCallable(std::shared_ptr<Shared> shared, size_t index, uint32_t microbatch = 0)
+        : shared_(std::move(shared)), index_(index), microbatch_(microbatch) {}
     std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& inputs) const;
     const std::vector<at::Tensor>& params() const;
+    // The same callable's graphs for another microbatch of the schedule.
+    GraphedCallable for_microbatch(uint32_t microbatch) const;
+    uint32_t microbatches() const;
+    // The session's memory and graph figures (graphed's accounting).
+    graphed_session_stats stats() const;
 
   private:
     std::shared_ptr<Shared> shared_;
     size_t index_;
+    uint32_t microbatch_;
 };
 
 // Warms up and captures every callable into one graphed session sharing
 // one private memory pool; throws std::runtime_error with graphed's message.
+// Returns the callables' graphs for microbatch 0 (for_microbatch gives the
+// others).
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& options = {});
 
 }  // namespace graphed_torch
