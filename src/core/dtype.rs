@@ -19,6 +19,9 @@ pub enum DType {
     Bool = 8,
 }
 
+/// The dtypes ACCUMULATE_INTO supports.
+pub(crate) const ACCUMULABLE: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
 impl DType {
     /// The dtype for a C value, or an error naming the field.
     pub fn from_code(code: u32, what: &str) -> Result<DType> {
@@ -65,7 +68,7 @@ impl DType {
 
     /// Whether ACCUMULATE_INTO supports this dtype.
     pub fn accumulable(self) -> bool {
-        matches!(self, DType::F32 | DType::F16 | DType::Bf16)
+        ACCUMULABLE.contains(&self)
     }
 }
 

@@ -2,7 +2,7 @@
 //! back after a backward replay, decided once at capture from the session
 //! option, the parameter's flags and an explicit override, and never re-read.
 
-use super::dtype::DType;
+use super::dtype::{DType, ACCUMULABLE};
 use crate::error::{Error, Result};
 
 /// How a parameter gradient is returned. C name: `graphed_grad_policy`.
@@ -156,6 +156,36 @@ pub fn snapshot(
         .collect()
 }
 
+/// The parameters whose grads a replay writes into caller memory, by
+/// index: the COPY_INTO ones, and the ACCUMULATE_INTO ones grouped by dtype
+/// (one batched launch per group). Derived once at capture from the frozen
+/// policies, so that a replay walks only these.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Destinations {
+    pub copy_into: Vec<usize>,
+    pub accumulate: Vec<(DType, Vec<usize>)>,
+}
+
+impl Destinations {
+    /// `dtypes[i]` is parameter i's dtype; ACCUMULATE_INTO parameters have an
+    /// accumulable dtype (checked at registration).
+    pub fn of(policies: &[Option<GradPolicy>], dtypes: &[DType]) -> Destinations {
+        let with = |policy: GradPolicy, dtype: Option<DType>| -> Vec<usize> {
+            (0..policies.len())
+                .filter(|&i| policies[i] == Some(policy) && dtype.map_or(true, |d| dtypes[i] == d))
+                .collect()
+        };
+        Destinations {
+            copy_into: with(GradPolicy::CopyInto, None),
+            accumulate: ACCUMULABLE
+                .into_iter()
+                .map(|d| (d, with(GradPolicy::AccumulateInto, Some(d))))
+                .filter(|(_, idx)| !idx.is_empty())
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,5 +276,38 @@ mod tests {
         p.requires_grad = false;
         assert!(p.validate("p").is_err());
         assert!(GradPolicy::from_code(5, "x").is_err());
+    }
+
+    #[test]
+    fn destinations_group_accumulates_by_dtype() {
+        use GradPolicy::*;
+        let policies = [
+            Some(AccumulateInto),
+            Some(CopyInto),
+            None,
+            Some(AccumulateInto),
+            Some(Clone),
+            Some(AccumulateInto),
+            Some(CopyInto),
+        ];
+        let dtypes = [
+            DType::Bf16,
+            DType::F32,
+            DType::F32,
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::I32,
+        ];
+        let d = Destinations::of(&policies, &dtypes);
+        assert_eq!(d.copy_into, vec![1, 6]);
+        assert_eq!(
+            d.accumulate,
+            vec![(DType::F32, vec![3]), (DType::Bf16, vec![0, 5])]
+        );
+        assert_eq!(
+            Destinations::of(&[None, Some(Alias)], &dtypes[..2]),
+            Destinations::default()
+        );
     }
 }

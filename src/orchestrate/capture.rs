@@ -9,7 +9,7 @@
 use crate::backend::{CaptureEnd, DevPtr, MemCounters};
 use crate::core::layout::{clone_layout, layout, InstanceShape, ParamShape, Role, TensorShape};
 use crate::core::plan::{self, Plan};
-use crate::core::policy::{snapshot, GradPolicy};
+use crate::core::policy::{snapshot, Destinations, GradPolicy};
 use crate::core::schedule::Schedule;
 use crate::error::{Error, PassKind, Result};
 use std::cell::Cell;
@@ -89,6 +89,9 @@ fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Resu
     {
         let spec = &s.callables[c];
         let slab_base = opt(ib.slab);
+        let policies: Vec<_> = shape.params.iter().map(|p| p.map(|p| p.policy)).collect();
+        let dtypes: Vec<_> = spec.params.iter().map(|p| p.dtype).collect();
+        let destinations = Destinations::of(&policies, &dtypes);
         instances.push(Instance {
             callable: c,
             microbatch: mb as u32,
@@ -103,9 +106,9 @@ fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Resu
                 .iter()
                 .map(|sl| sl.map_or(0, |sl| slab_base + sl.offset as DevPtr))
                 .collect(),
-            param_dtypes: spec.params.iter().map(|p| p.dtype).collect(),
             param_bytes: spec.params.iter().map(|p| p.bytes).collect(),
-            policies: shape.params.iter().map(|p| p.map(|p| p.policy)).collect(),
+            policies,
+            destinations,
             slab_base,
             clone: clone_layout(&ib.slab_layout, &shape.params),
             external: external_buffers(shape, spec.callbacks.has_wgrad()),

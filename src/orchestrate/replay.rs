@@ -6,7 +6,6 @@
 //! steady-state path does no host allocation beyond one clone block.
 
 use crate::backend::{AccItem, Backend, DevPtr, EventRef, Graph, MemCounters};
-use crate::core::dtype::DType;
 use crate::core::lease::Leases;
 use crate::core::policy::GradPolicy;
 use crate::error::{Error, Result};
@@ -246,27 +245,20 @@ impl Replay<'_> {
                     )?;
                 }
             }
-            for (i, pol) in inst.policies.iter().enumerate() {
-                if *pol == Some(GradPolicy::CopyInto) {
-                    let dst = dsts.map_or(0, |d| d[i]);
-                    backend.copy(dst, inst.param_grads[i], inst.param_bytes[i], s)?;
-                }
+            // check_dsts made sure these have destinations.
+            let dst = |i: usize| dsts.map_or(0, |d| d[i]);
+            for &i in &inst.destinations.copy_into {
+                backend.copy(dst(i), inst.param_grads[i], inst.param_bytes[i], s)?;
             }
             // ACCUMULATE_INTO slots: one batched launch per dtype.
-            for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            for (dtype, params) in &inst.destinations.accumulate {
                 self.stage_acc.clear();
-                for (i, pol) in inst.policies.iter().enumerate() {
-                    if *pol == Some(GradPolicy::AccumulateInto) && inst.param_dtypes[i] == dtype {
-                        self.stage_acc.push(AccItem {
-                            dst: dsts.map_or(0, |d| d[i]),
-                            src: inst.param_grads[i],
-                            count: inst.param_bytes[i] / dtype.size(),
-                        });
-                    }
-                }
-                if !self.stage_acc.is_empty() {
-                    backend.accumulate_batch(self.stage_acc, dtype, s)?;
-                }
+                self.stage_acc.extend(params.iter().map(|&i| AccItem {
+                    dst: dst(i),
+                    src: inst.param_grads[i],
+                    count: inst.param_bytes[i] / dtype.size(),
+                }));
+                backend.accumulate_batch(self.stage_acc, *dtype, s)?;
             }
         }
         if let Some(side) = a.side_stream {

@@ -7,11 +7,10 @@
 use crate::backend::{
     AccItem, Backend, BackendKind, DevPtr, EventRef, Graph, MemCounters, StreamRef,
 };
-use crate::core::dtype::DType;
 use crate::core::layout::{BufferDesc, CloneLayout, Role};
 use crate::core::lease::Leases;
 use crate::core::plan::{Lifetime, Plan};
-use crate::core::policy::{GradPolicy, KNOWN_PARAM_FLAGS};
+use crate::core::policy::{Destinations, GradPolicy, KNOWN_PARAM_FLAGS};
 use crate::error::{Error, Result};
 use std::cell::Cell;
 use std::sync::Arc;
@@ -31,10 +30,11 @@ pub(crate) struct Instance {
     pub grad_inputs: Vec<DevPtr>,
     pub params: Vec<DevPtr>,
     pub param_grads: Vec<DevPtr>,
-    pub param_dtypes: Vec<DType>,
     pub param_bytes: Vec<usize>,
     /// Frozen grad policy of each parameter (None: no grad).
     pub policies: Vec<Option<GradPolicy>>,
+    /// The COPY_INTO and ACCUMULATE_INTO parameters, derived from `policies`.
+    pub destinations: Destinations,
     pub slab_base: DevPtr,
     /// Where the CLONE grads of a replay go in their block.
     pub clone: CloneLayout,
