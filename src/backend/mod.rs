@@ -89,6 +89,20 @@ pub struct AccItem {
     pub count: usize,
 }
 
+/// `accumulate` for each item in turn: the default `accumulate_batch`, and
+/// a backend's fallback where its batched launch does not apply.
+pub fn accumulate_each<B: Backend + ?Sized>(
+    backend: &B,
+    items: &[AccItem],
+    dtype: DType,
+    stream: StreamRef,
+) -> Result<()> {
+    for it in items {
+        backend.accumulate(it.dst, it.src, it.count, dtype, stream)?;
+    }
+    Ok(())
+}
+
 /// An instantiated, uploaded graph. Dropping it destroys it.
 pub trait Graph: Send {
     fn launch(&self, stream: StreamRef) -> Result<()>;
@@ -182,10 +196,7 @@ pub trait Backend: Send + Sync {
     /// `accumulate` for several tensors of one dtype, in as few launches as
     /// the backend can.
     fn accumulate_batch(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
-        for it in items {
-            self.accumulate(it.dst, it.src, it.count, dtype, stream)?;
-        }
-        Ok(())
+        accumulate_each(self, items, dtype, stream)
     }
     /// Prepares what `accumulate` needs (loads kernels), outside capture.
     fn prepare_accumulate(&self) -> Result<()>;

@@ -432,10 +432,7 @@ impl Backend for CudaBackend {
     fn accumulate_batch(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
         let k = self.inner.kernels()?.of(dtype)?;
         if items.iter().any(|it| it.dst % 16 != 0 || it.src % 16 != 0) {
-            for it in items {
-                self.accumulate(it.dst, it.src, it.count, dtype, stream)?;
-            }
-            return Ok(());
+            return super::accumulate_each(self, items, dtype, stream);
         }
         for group in items.chunks(BATCH) {
             // The kernel's parameters: a u32 count, then the descriptor array
