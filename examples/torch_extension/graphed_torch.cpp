@@ -117,6 +117,19 @@ at::Tensor wrap_clone(const graphed_ref& r, const Meta& m, c10::DeviceIndex devi
     return at::from_blob(r.ptr, m.sizes, [owner](void*) { graphed_buffer_release(owner); }, options(m, device));
 }
 
+// The arguments of one replay of (index, microbatch) on the current stream,
+// copying `data` into the static buffers.
+graphed_replay_args replay_args(const Shared& shared, size_t index, uint32_t microbatch,
+                                const std::vector<const void*>& data) {
+    graphed_replay_args a = graphed_replay_args_default();
+    a.callable = static_cast<uint32_t>(index);
+    a.microbatch = microbatch;
+    a.stream = c10::cuda::getCurrentCUDAStream(shared.device).stream();
+    a.data = data.data();
+    a.num_data = data.size();
+    return a;
+}
+
 int32_t run_guarded(Callable* c, const graphed_pass_ctx* ctx, const std::function<void()>& body) {
     try {
         c10::cuda::CUDAStreamGuard guard(
@@ -258,12 +271,7 @@ struct GraphedBackward : public torch::autograd::Node {
                                              : at::zeros(c->out[i].sizes, options(c->out[i], shared->device)));
             data.push_back(contiguous.back().data_ptr());
         }
-        graphed_replay_args a = graphed_replay_args_default();
-        a.callable = static_cast<uint32_t>(index);
-        a.microbatch = microbatch;
-        a.stream = c10::cuda::getCurrentCUDAStream(shared->device).stream();
-        a.data = data.data();
-        a.num_data = data.size();
+        graphed_replay_args a = replay_args(*shared, index, microbatch, data);
         std::vector<graphed_ref> gin(c->in.size()), gp(c->params.size());
         check(graphed_backward(shared->session, &a, gin.data(), gin.size(), gp.data(), gp.size()), "graphed_backward");
         torch::autograd::variable_list result;
@@ -299,12 +307,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         contiguous.push_back(inputs[i].contiguous());
         data.push_back(contiguous.back().data_ptr());
     }
-    graphed_replay_args a = graphed_replay_args_default();
-    a.callable = static_cast<uint32_t>(index_);
-    a.microbatch = microbatch_;
-    a.stream = c10::cuda::getCurrentCUDAStream(shared_->device).stream();
-    a.data = data.data();
-    a.num_data = data.size();
+    graphed_replay_args a = replay_args(*shared_, index_, microbatch_, data);
     std::vector<graphed_ref> out(c->out.size());
     check(graphed_forward(shared_->session, &a, out.data(), out.size()), "graphed_forward");
     std::vector<at::Tensor> result;

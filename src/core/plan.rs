@@ -225,6 +225,7 @@ pub fn peak_live(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> usize {
 mod tests {
     use super::*;
     use crate::core::layout::{layout, InstanceShape, ParamShape, TensorShape};
+    use crate::core::schedule::tests::TE_ORDER;
     use crate::core::schedule::{from_te_order, Pass, ScheduleStep};
 
     const H: usize = 1024; // bytes of every activation in these tests
@@ -304,12 +305,7 @@ mod tests {
 
     #[test]
     fn te_scenario_lifetimes_and_assignments() {
-        let s = Schedule::derive(
-            &from_te_order(&[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]),
-            None,
-            &[false, false],
-        )
-        .unwrap();
+        let s = Schedule::derive(&from_te_order(&TE_ORDER), None, &[false, false]).unwrap();
         let (l, lt) = setup(&s, false, GradPolicy::Clone);
         // Pass positions: F00 F10 F01 F11 B10 B00 F02 F12 B11 B01 B12 B02
         //                  0   1   2   3   4   5   6   7   8   9  10  11

@@ -332,7 +332,7 @@ pub fn from_te_order(order: &[i32]) -> Vec<ScheduleStep> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use PassKind::*;
 
