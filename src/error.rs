@@ -2,7 +2,7 @@
 //! the `ffi` layer maps each variant to a stable `graphed_status` code and
 //! keeps the `Display` text as the thread's last error message.
 
-pub use crate::core::PassKind;
+use crate::core::PassKind;
 
 /// Everything that can go wrong, in every layer.
 #[derive(Debug, thiserror::Error)]
@@ -13,12 +13,10 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
 
-    #[error("{what}.struct_size is {got}; it must be at least {min} (initialise the struct with its _default() function)")]
-    StructSize {
-        what: &'static str,
-        got: usize,
-        min: usize,
-    },
+    /// A struct the caller passes was not set up by its `_default()`
+    /// function: the message says what is wrong with it.
+    #[error("{what} {detail} (initialise it with its _default() function, then set the fields you need)")]
+    BadStruct { what: String, detail: String },
 
     #[error("no CUDA driver: {0}")]
     NoDriver(String),
@@ -77,6 +75,9 @@ pub enum Error {
 
     #[error("{0}")]
     Busy(String),
+
+    #[error("{0}")]
+    StreamCapturing(String),
 
     #[error("{0}")]
     UseAfterDestroy(String),

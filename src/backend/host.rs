@@ -5,27 +5,29 @@
 //! runs the tasks again on the same addresses. Static-buffer semantics are
 //! the same as on a GPU, so the aliasing hazard and its fix show on a CPU.
 //!
-//! User callbacks enqueue work with `graphed_host_enqueue`; a synchronize
-//! under capture (`graphed_host_synchronize`) invalidates the capture, as a
-//! device synchronize does under CUDA's global capture mode.
+//! Streams are registered in the handle table (the ids callbacks see as
+//! their stream). User work is enqueued with [`enqueue`]; [`synchronize`]
+//! under capture invalidates the capture, as a device synchronize does
+//! under CUDA's global capture mode.
 
 use super::{
-    Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph, StreamRef,
+    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
+    StreamRef,
 };
 use crate::core::dtype::{accumulate_host, DType};
+use crate::core::handle::{self, Kind};
 use crate::core::ALIGN;
 use crate::error::{Error, Result};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-/// A user task: `f(data)`.
-pub type HostTaskFn = unsafe extern "C" fn(*mut c_void);
+/// User work on a host stream.
+pub type HostTask = Arc<dyn Fn() + Send + Sync>;
 
 /// One unit of stream work. Addresses are stored as integers: they are
 /// device addresses in the CUDA sense, only dereferenced when the task runs.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Task {
     Copy {
         dst: usize,
@@ -42,14 +44,11 @@ enum Task {
         count: usize,
         dtype: DType,
     },
-    User {
-        f: HostTaskFn,
-        data: usize,
-    },
+    User(HostTask),
 }
 
-fn run(task: Task) -> Result<()> {
-    match task {
+fn run(task: &Task) -> Result<()> {
+    match *task {
         // SAFETY (all arms): the addresses were handed to the backend as
         // device pointers of at least `bytes` bytes (library-owned static
         // buffers, or caller buffers under the API contract), and the host
@@ -66,7 +65,7 @@ fn run(task: Task) -> Result<()> {
             count,
             dtype,
         } => unsafe { accumulate_host(dst as *mut u8, src as *const u8, count, dtype)? },
-        Task::User { f, data } => unsafe { f(data as *mut c_void) },
+        Task::User(ref f) => f(),
     }
     Ok(())
 }
@@ -77,7 +76,7 @@ struct StreamState {
     invalidated: Option<String>,
 }
 
-/// A host stream. Created by the backend; C code sees its address.
+/// A host stream.
 #[derive(Default)]
 pub struct HostStream {
     state: Mutex<StreamState>,
@@ -85,36 +84,26 @@ pub struct HostStream {
 
 impl HostStream {
     fn lock(&self) -> MutexGuard<'_, StreamState> {
-        // A panic while the lock was held cannot leave the state half
-        // written (every update is a single assignment), so poison is moot.
+        // Every update is a single assignment, so poison is moot.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-/// Live host streams by address, so that a pointer from C is checked before
-/// it is used.
-fn streams() -> MutexGuard<'static, HashMap<usize, Arc<HostStream>>> {
-    static STREAMS: OnceLock<Mutex<HashMap<usize, Arc<HostStream>>>> = OnceLock::new();
-    STREAMS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-}
-
 fn lookup(stream: StreamRef) -> Result<Arc<HostStream>> {
-    streams().get(&stream.0).cloned().ok_or_else(|| {
-        Error::invalid(format!(
+    handle::get::<HostStream>(Kind::HostStream, stream.0 as u64).map_err(|e| match e {
+        Error::InvalidArgument(_) => Error::invalid(format!(
             "stream 0x{:x} is not a stream of the host backend (CUDA sessions pass CUstreams, \
              which the host functions cannot use)",
             stream.0
-        ))
+        )),
+        other => other,
     })
 }
 
 /// Runs `task` on `stream`: now, or recorded when the stream is capturing.
 fn submit(stream: StreamRef, task: Task) -> Result<()> {
     if stream.0 == 0 {
-        return run(task);
+        return run(&task);
     }
     let s = lookup(stream)?;
     {
@@ -125,27 +114,21 @@ fn submit(stream: StreamRef, task: Task) -> Result<()> {
         }
     }
     // Run outside the lock: a user task may enqueue more work.
-    run(task)
+    run(&task)
 }
 
-/// `graphed_host_enqueue`: a user task on a host stream (0 = run now).
-pub fn enqueue_user(stream: StreamRef, f: HostTaskFn, data: *mut c_void) -> Result<()> {
-    submit(
-        stream,
-        Task::User {
-            f,
-            data: data as usize,
-        },
-    )
+/// User work on a host stream (0 = run now).
+pub fn enqueue(stream: StreamRef, task: HostTask) -> Result<()> {
+    submit(stream, Task::User(task))
 }
 
-/// `graphed_host_synchronize`: waits for a stream (0 = the whole device).
-/// Host work has already run, so this only checks capture: synchronizing a
-/// capturing stream, or the device while any stream captures, is illegal
-/// and invalidates those captures, as under CUDA's global capture mode.
-pub fn synchronize_user(stream: StreamRef) -> Result<()> {
+/// Waits for a host stream (0 = the whole device). Host work has already
+/// run, so this only checks capture: synchronizing a capturing stream, or
+/// the device while any stream captures, is illegal and invalidates those
+/// captures, as under CUDA's global capture mode.
+pub fn synchronize(stream: StreamRef) -> Result<()> {
     let targets: Vec<Arc<HostStream>> = if stream.0 == 0 {
-        streams().values().cloned().collect()
+        handle::all::<HostStream>(Kind::HostStream)
     } else {
         vec![lookup(stream)?]
     };
@@ -155,7 +138,7 @@ pub fn synchronize_user(stream: StreamRef) -> Result<()> {
         if st.capture.is_some() {
             hit = true;
             st.invalidated.get_or_insert_with(|| {
-                "graphed_host_synchronize was called while the stream was capturing \
+                "a host synchronize was called while the stream was capturing \
                  (the host counterpart of a device synchronize under stream capture)"
                     .to_string()
             });
@@ -163,7 +146,7 @@ pub fn synchronize_user(stream: StreamRef) -> Result<()> {
     }
     if hit {
         Err(Error::IllegalUnderCapture(
-            "graphed_host_synchronize is not allowed while a stream is capturing; the capture is invalidated".into(),
+            "a host synchronize is not allowed while a stream is capturing; the capture is invalidated".into(),
         ))
     } else {
         Ok(())
@@ -176,8 +159,8 @@ struct HostGraph {
 
 impl Graph for HostGraph {
     fn launch(&self, stream: StreamRef) -> Result<()> {
-        for &t in &self.tasks {
-            submit(stream, t)?;
+        for t in &self.tasks {
+            submit(stream, t.clone())?;
         }
         Ok(())
     }
@@ -273,29 +256,25 @@ impl Backend for HostBackend {
         )
     }
 
-    fn accumulate(
-        &self,
-        dst: DevPtr,
-        src: DevPtr,
-        count: usize,
-        dtype: DType,
-        stream: StreamRef,
-    ) -> Result<()> {
+    fn accumulate(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
         if !dtype.accumulable() {
             return Err(Error::invalid(format!(
                 "cannot accumulate {}",
                 dtype.name()
             )));
         }
-        submit(
-            stream,
-            Task::Accumulate {
-                dst: dst as usize,
-                src: src as usize,
-                count,
-                dtype,
-            },
-        )
+        for it in items {
+            submit(
+                stream,
+                Task::Accumulate {
+                    dst: it.dst as usize,
+                    src: it.src as usize,
+                    count: it.count,
+                    dtype,
+                },
+            )?;
+        }
+        Ok(())
     }
 
     fn prepare_accumulate(&self) -> Result<()> {
@@ -303,27 +282,26 @@ impl Backend for HostBackend {
     }
 
     fn create_stream(&self) -> Result<StreamRef> {
-        let s = Arc::new(HostStream::default());
-        let key = Arc::as_ptr(&s) as usize;
-        streams().insert(key, s);
-        Ok(StreamRef(key))
+        let id = handle::insert(Kind::HostStream, Arc::new(HostStream::default()), 1);
+        Ok(StreamRef(id as usize))
     }
 
     fn destroy_stream(&self, s: StreamRef) {
-        streams().remove(&s.0);
+        drop(handle::remove(s.0 as u64));
     }
 
+    // Host work runs as it is enqueued: events and waits have nothing to order.
     fn create_event(&self) -> Result<EventRef> {
         Ok(EventRef(0))
     }
 
     fn destroy_event(&self, _e: EventRef) {}
 
-    fn record_event(&self, _e: EventRef, _s: StreamRef) -> Result<()> {
+    fn record(&self, _event: EventRef, _stream: StreamRef) -> Result<()> {
         Ok(())
     }
 
-    fn wait_event(&self, _s: StreamRef, _e: EventRef) -> Result<()> {
+    fn wait(&self, _stream: StreamRef, _event: EventRef) -> Result<()> {
         Ok(())
     }
 
@@ -331,7 +309,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn synchronize_device(&self) -> Result<()> {
+    fn synchronize_all(&self) -> Result<()> {
         Ok(())
     }
 
@@ -360,6 +338,13 @@ impl Backend for HostBackend {
         })
     }
 
+    fn is_capturing(&self, s: StreamRef) -> Result<bool> {
+        if s.0 == 0 {
+            return Ok(false);
+        }
+        Ok(lookup(s)?.lock().capture.is_some())
+    }
+
     fn mem_info(&self) -> Result<(usize, usize)> {
         Err(Error::Unsupported(
             "the host backend has no device memory figure".into(),
@@ -370,10 +355,13 @@ impl Backend for HostBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
 
-    unsafe extern "C" fn bump(data: *mut c_void) {
-        // SAFETY: the tests pass a pointer to a live u32.
-        unsafe { *(data as *mut u32) += 1 };
+    fn counter_task(c: &Arc<AtomicU32>) -> HostTask {
+        let c = c.clone();
+        Arc::new(move || {
+            c.fetch_add(1, Ordering::Relaxed);
+        })
     }
 
     #[test]
@@ -382,20 +370,26 @@ mod tests {
         let s = b.create_stream().unwrap();
         let src = b.alloc(16).unwrap();
         let dst = b.alloc(16).unwrap();
-        let mut counter = 0u32;
+        let counter = Arc::new(AtomicU32::new(0));
         b.begin_capture(s, CaptureMode::Global).unwrap();
-        enqueue_user(s, bump, &mut counter as *mut u32 as *mut c_void).unwrap();
+        assert!(b.is_capturing(s).unwrap());
+        enqueue(s, counter_task(&counter)).unwrap();
         b.copy(dst, src, 16, s).unwrap();
-        assert_eq!(counter, 0, "nothing runs under capture");
+        assert_eq!(
+            counter.load(Ordering::Relaxed),
+            0,
+            "nothing runs under capture"
+        );
         let g = match b.end_capture(s).unwrap() {
             CaptureEnd::Graph(g) => g,
             CaptureEnd::Invalidated(why) => panic!("invalidated: {why}"),
         };
+        assert!(!b.is_capturing(s).unwrap());
         // SAFETY: src is a live 16-byte allocation of this backend.
         unsafe { *(src as *mut u32) = 42 };
         g.launch(StreamRef(0)).unwrap();
         g.launch(s).unwrap();
-        assert_eq!(counter, 2);
+        assert_eq!(counter.load(Ordering::Relaxed), 2);
         // SAFETY: dst is a live 16-byte allocation.
         assert_eq!(unsafe { *(dst as *const u32) }, 42);
         b.destroy_stream(s);
@@ -405,11 +399,11 @@ mod tests {
     fn synchronize_under_capture_invalidates_it() {
         let b = HostBackend::new();
         let s = b.create_stream().unwrap();
-        synchronize_user(s).unwrap();
+        synchronize(s).unwrap();
         b.begin_capture(s, CaptureMode::Global).unwrap();
         assert!(matches!(
             // This stream, not the whole device: tests run on parallel threads.
-            synchronize_user(s),
+            synchronize(s),
             Err(Error::IllegalUnderCapture(_))
         ));
         assert!(matches!(
@@ -423,10 +417,15 @@ mod tests {
     }
 
     #[test]
-    fn unknown_streams_are_rejected() {
-        let mut x = 0u32;
-        let r = enqueue_user(StreamRef(0xdead0), bump, &mut x as *mut u32 as *mut c_void);
+    fn unknown_and_destroyed_streams_are_rejected() {
+        let counter = Arc::new(AtomicU32::new(0));
+        let r = enqueue(StreamRef(0xdead0), counter_task(&counter));
         assert!(matches!(r, Err(Error::InvalidArgument(_))));
-        assert_eq!(x, 0);
+        let b = HostBackend::new();
+        let s = b.create_stream().unwrap();
+        b.destroy_stream(s);
+        let r = enqueue(s, counter_task(&counter));
+        assert!(matches!(r, Err(Error::UseAfterDestroy(_))), "{r:?}");
+        assert_eq!(counter.load(Ordering::Relaxed), 0);
     }
 }

@@ -1,13 +1,15 @@
 //! Backends: the CUDA driver backend (the product) and the host emulation
-//! (for tests and for users' CI). Orchestration sees only the [`Backend`]
-//! trait: device memory, streams, events, capture, graphs.
+//! (for tests and for users' CI). Orchestration sees the [`Backend`] trait
+//! and the resource types that own what it makes ([`DeviceMemory`],
+//! [`Stream`], [`Event`]); [`open`] picks the implementation. Nothing here
+//! knows about C.
 
 pub mod cuda;
 pub mod host;
 
 use crate::core::dtype::DType;
 use crate::error::Result;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// A device address (host address on the host backend).
 pub type DevPtr = u64;
@@ -22,28 +24,17 @@ pub struct StreamRef(pub usize);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EventRef(pub usize);
 
-/// Which backend. C name: `graphed_backend`.
-#[repr(u32)]
+/// Which backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
     /// CUDA through the driver API (the product).
-    Cuda = 0,
+    Cuda,
     /// Host emulation: "device" memory is host memory, a stream is a task
     /// queue, capture records tasks and replay re-runs them.
-    Host = 1,
+    Host,
 }
 
 impl BackendKind {
-    pub fn from_code(code: u32) -> Result<BackendKind> {
-        match code {
-            0 => Ok(BackendKind::Cuda),
-            1 => Ok(BackendKind::Host),
-            _ => Err(crate::error::Error::invalid(format!(
-                "backend: {code} is not a graphed_backend value"
-            ))),
-        }
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cuda => "cuda",
@@ -52,55 +43,25 @@ impl BackendKind {
     }
 }
 
-/// Capture mode of a stream capture. C name: `graphed_capture_mode`.
-#[repr(u32)]
+/// Capture mode of a stream capture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CaptureMode {
     /// Unsafe calls (allocations, synchronizations) from any thread during a
     /// capture invalidate it: PyTorch's default, and the safest.
-    Global = 0,
+    Global,
     /// Only unsafe calls from the capturing thread invalidate it.
-    ThreadLocal = 1,
+    ThreadLocal,
     /// No checks: the caller promises nothing unsafe happens. (The host
     /// backend checks its own synchronize in every mode.)
-    Relaxed = 2,
+    Relaxed,
 }
 
-impl CaptureMode {
-    pub fn from_code(code: u32) -> crate::error::Result<CaptureMode> {
-        Ok(match code {
-            0 => CaptureMode::Global,
-            1 => CaptureMode::ThreadLocal,
-            2 => CaptureMode::Relaxed,
-            _ => {
-                return Err(crate::error::Error::invalid(format!(
-                    "capture_mode: {code} is not a graphed_capture_mode value"
-                )))
-            }
-        })
-    }
-}
-
-/// One tensor of a batched accumulate: `count` elements at `dst` += `src`.
+/// One tensor of an accumulate: `count` elements at `dst` += `src`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AccItem {
     pub dst: DevPtr,
     pub src: DevPtr,
     pub count: usize,
-}
-
-/// `accumulate` for each item in turn: the default `accumulate_batch`, and
-/// a backend's fallback where its batched launch does not apply.
-pub fn accumulate_each<B: Backend + ?Sized>(
-    backend: &B,
-    items: &[AccItem],
-    dtype: DType,
-    stream: StreamRef,
-) -> Result<()> {
-    for it in items {
-        backend.accumulate(it.dst, it.src, it.count, dtype, stream)?;
-    }
-    Ok(())
 }
 
 /// An instantiated, uploaded graph. Dropping it destroys it.
@@ -140,32 +101,9 @@ impl Drop for ContextGuard {
     }
 }
 
-/// Bytes the library holds, by kind; shared by a session with the buffers
-/// it hands out, so that the accounting outlives the session.
-#[derive(Debug, Default)]
-pub struct MemCounters {
-    pub static_bytes: AtomicU64,
-    pub scratch_bytes: AtomicU64,
-    pub clone_bytes: AtomicU64,
-    pub clone_blocks: AtomicU64,
-}
-
-impl MemCounters {
-    pub fn add(c: &AtomicU64, n: usize) {
-        c.fetch_add(n as u64, Ordering::Relaxed);
-    }
-
-    pub fn sub(c: &AtomicU64, n: usize) {
-        c.fetch_sub(n as u64, Ordering::Relaxed);
-    }
-
-    pub fn get(c: &AtomicU64) -> u64 {
-        c.load(Ordering::Relaxed)
-    }
-}
-
 /// What orchestration needs from a device. All stream work is asynchronous
-/// in stream order; under capture it is recorded instead of run.
+/// in stream order; under capture it is recorded instead of run. The
+/// create/destroy pairs are used through the owning types below.
 pub trait Backend: Send + Sync {
     fn kind(&self) -> BackendKind;
     /// The device ordinal (0 on the host).
@@ -176,7 +114,7 @@ pub trait Backend: Send + Sync {
 
     /// Device memory outside any stream (not legal under capture).
     fn alloc(&self, bytes: usize) -> Result<DevPtr>;
-    /// Frees `alloc` memory; waits for the device first where needed.
+    /// Frees `alloc` memory (the caller has waited for work that uses it).
     fn free(&self, ptr: DevPtr);
     /// Stream-ordered allocation from the backend's pool (clones).
     fn alloc_async(&self, bytes: usize, stream: StreamRef) -> Result<DevPtr>;
@@ -184,20 +122,10 @@ pub trait Backend: Send + Sync {
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
-    /// `dst += src` for `count` elements of `dtype` (f32, f16, bf16).
-    fn accumulate(
-        &self,
-        dst: DevPtr,
-        src: DevPtr,
-        count: usize,
-        dtype: DType,
-        stream: StreamRef,
-    ) -> Result<()>;
-    /// `accumulate` for several tensors of one dtype, in as few launches as
-    /// the backend can.
-    fn accumulate_batch(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
-        accumulate_each(self, items, dtype, stream)
-    }
+    /// `dst += src` for every item, elements of `dtype` (f32, f16, bf16), in
+    /// as few launches as the backend can. Destinations are aligned to the
+    /// element size (checked by the caller).
+    fn accumulate(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()>;
     /// Prepares what `accumulate` needs (loads kernels), outside capture.
     fn prepare_accumulate(&self) -> Result<()>;
 
@@ -205,15 +133,141 @@ pub trait Backend: Send + Sync {
     fn destroy_stream(&self, s: StreamRef);
     fn create_event(&self) -> Result<EventRef>;
     fn destroy_event(&self, e: EventRef);
-    fn record_event(&self, e: EventRef, s: StreamRef) -> Result<()>;
-    fn wait_event(&self, s: StreamRef, e: EventRef) -> Result<()>;
+    /// Records `event` at the current end of `stream`.
+    fn record(&self, event: EventRef, stream: StreamRef) -> Result<()>;
+    /// Makes later work on `stream` wait for the last record of `event`.
+    fn wait(&self, stream: StreamRef, event: EventRef) -> Result<()>;
+    /// Makes later work on `to` wait for the work enqueued on `from` so far,
+    /// through `event`.
+    fn join(&self, from: StreamRef, to: StreamRef, event: EventRef) -> Result<()> {
+        self.record(event, from)?;
+        self.wait(to, event)
+    }
     fn synchronize(&self, s: StreamRef) -> Result<()>;
-    fn synchronize_device(&self) -> Result<()>;
+    /// Waits for all work of the device (of every stream).
+    fn synchronize_all(&self) -> Result<()>;
 
     fn begin_capture(&self, s: StreamRef, mode: CaptureMode) -> Result<()>;
     /// Ends the capture on `s`; a valid capture is instantiated and uploaded.
     fn end_capture(&self, s: StreamRef) -> Result<CaptureEnd>;
+    /// Whether `s` is capturing a graph now (anyone's capture).
+    fn is_capturing(&self, s: StreamRef) -> Result<bool>;
 
     /// (free, total) device memory as the driver reports it.
     fn mem_info(&self) -> Result<(usize, usize)>;
+}
+
+/// The backend of `kind` on device `device` (ignored on the host). CUDA
+/// backends are shared by the sessions of one device.
+pub fn open(kind: BackendKind, device: i32) -> Result<Arc<dyn Backend>> {
+    Ok(match kind {
+        BackendKind::Cuda => cuda::CudaBackend::for_device(device)?,
+        BackendKind::Host => host::HostBackend::new(),
+    })
+}
+
+/// `Ok` when a backend of `kind` can run on this machine, else why not
+/// (no driver, no device).
+pub fn available(kind: BackendKind) -> Result<()> {
+    match kind {
+        BackendKind::Host => Ok(()),
+        BackendKind::Cuda => cuda::driver::device_count().map(|_| ()),
+    }
+}
+
+/// Number of CUDA devices (`NoDriver` / `NoDevice` when there are none).
+pub fn cuda_device_count() -> Result<u32> {
+    cuda::driver::device_count()
+}
+
+/// The CUDA driver's version, as 1000 * major + 10 * minor.
+pub fn cuda_driver_version() -> Result<i32> {
+    cuda::driver::driver_version()
+}
+
+/// Device memory from [`Backend::alloc`], freed when dropped (after
+/// waiting for the device: replays may still use it).
+pub struct DeviceMemory {
+    backend: Arc<dyn Backend>,
+    ptr: DevPtr,
+    bytes: usize,
+}
+
+impl DeviceMemory {
+    pub fn new(backend: &Arc<dyn Backend>, bytes: usize) -> Result<DeviceMemory> {
+        Ok(DeviceMemory {
+            ptr: backend.alloc(bytes)?,
+            bytes,
+            backend: backend.clone(),
+        })
+    }
+
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let _ctx = self.backend.bind();
+        let _ = self.backend.synchronize_all();
+        self.backend.free(self.ptr);
+    }
+}
+
+/// A stream made by a backend, destroyed when dropped.
+pub struct Stream {
+    backend: Arc<dyn Backend>,
+    raw: StreamRef,
+}
+
+impl Stream {
+    pub fn new(backend: &Arc<dyn Backend>) -> Result<Stream> {
+        Ok(Stream {
+            raw: backend.create_stream()?,
+            backend: backend.clone(),
+        })
+    }
+
+    pub fn raw(&self) -> StreamRef {
+        self.raw
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ctx = self.backend.bind();
+        let _ = self.backend.synchronize(self.raw);
+        self.backend.destroy_stream(self.raw);
+    }
+}
+
+/// An event made by a backend, destroyed when dropped.
+pub struct Event {
+    backend: Arc<dyn Backend>,
+    raw: EventRef,
+}
+
+impl Event {
+    pub fn new(backend: &Arc<dyn Backend>) -> Result<Event> {
+        Ok(Event {
+            raw: backend.create_event()?,
+            backend: backend.clone(),
+        })
+    }
+
+    pub fn raw(&self) -> EventRef {
+        self.raw
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ctx = self.backend.bind();
+        self.backend.destroy_event(self.raw);
+    }
 }

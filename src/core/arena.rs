@@ -5,7 +5,7 @@
 //! from that measurement. Memory freed by one capture is reused by later
 //! captures, as in PyTorch's graph pools (capture order is replay order).
 
-use super::align_up;
+use super::size::align_up;
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug, Default)]
@@ -33,9 +33,9 @@ impl Arena {
     }
 
     /// Offset of a new allocation of `bytes`, or None when a bounded arena
-    /// has no room.
+    /// has no room (or the size would overflow the address space).
     pub fn alloc(&mut self, bytes: usize) -> Option<usize> {
-        let len = align_up(bytes.max(1));
+        let len = align_up(bytes.max(1))?;
         let fit = self
             .free
             .iter()
@@ -53,13 +53,14 @@ impl Arena {
                 Some((&o, &l)) if o + l == self.top => (o, true),
                 _ => (self.top, false),
             };
-            if self.capacity.is_some_and(|c| start + len > c) {
+            let end = start.checked_add(len)?;
+            if self.capacity.is_some_and(|c| end > c) {
                 return None;
             }
             if absorbed {
                 self.free.remove(&start);
             }
-            self.top = start + len;
+            self.top = end;
             self.high_water = self.high_water.max(self.top);
             start
         };
@@ -121,6 +122,18 @@ mod tests {
         assert_eq!(z, 0, "first fit reuses the freed range");
         assert_eq!(a.high_water(), 1024 + ALIGN);
         assert!(!a.free(12345));
+    }
+
+    #[test]
+    fn sizes_that_would_wrap_are_refused() {
+        let mut a = Arena::unbounded();
+        assert_eq!(a.alloc(usize::MAX), None);
+        a.alloc(ALIGN).unwrap();
+        assert_eq!(a.alloc(usize::MAX - 300), None, "top + len would wrap");
+        let mut b = Arena::bounded(4 * ALIGN);
+        b.alloc(ALIGN).unwrap();
+        assert_eq!(b.alloc(usize::MAX), None);
+        assert_eq!(b.high_water(), ALIGN);
     }
 
     #[test]

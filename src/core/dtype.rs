@@ -4,45 +4,24 @@
 
 use crate::error::{Error, Result};
 
-/// Element type of a tensor. C name: `graphed_dtype`.
-#[repr(u32)]
+/// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
-    F32 = 0,
-    F16 = 1,
-    Bf16 = 2,
-    F64 = 3,
-    I8 = 4,
-    U8 = 5,
-    I32 = 6,
-    I64 = 7,
-    Bool = 8,
+    F32,
+    F16,
+    Bf16,
+    F64,
+    I8,
+    U8,
+    I32,
+    I64,
+    Bool,
 }
 
 /// The dtypes ACCUMULATE_INTO supports.
 pub(crate) const ACCUMULABLE: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
 impl DType {
-    /// The dtype for a C value, or an error naming the field.
-    pub fn from_code(code: u32, what: &str) -> Result<DType> {
-        Ok(match code {
-            0 => DType::F32,
-            1 => DType::F16,
-            2 => DType::Bf16,
-            3 => DType::F64,
-            4 => DType::I8,
-            5 => DType::U8,
-            6 => DType::I32,
-            7 => DType::I64,
-            8 => DType::Bool,
-            _ => {
-                return Err(Error::invalid(format!(
-                    "{what}: {code} is not a graphed_dtype value"
-                )))
-            }
-        })
-    }
-
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
@@ -110,9 +89,13 @@ pub fn half_codec(dtype: DType) -> Option<HalfCodec> {
 /// `dst[i] += src[i]` for `count` elements of `dtype` (f32, f16 or bf16),
 /// the sum computed in f32 and rounded to nearest even.
 ///
+/// Elements are read and written unaligned: the caller's destination needs
+/// no alignment (the C API still asks for element alignment, which the CUDA
+/// kernels need).
+///
 /// # Safety
-/// `dst` and `src` must each point to `count` valid, aligned elements of
-/// `dtype`; they may be the same buffer but must not otherwise overlap.
+/// `dst` and `src` must each point to `count` valid elements of `dtype`;
+/// they may be the same buffer but must not otherwise overlap.
 pub unsafe fn accumulate_host(
     dst: *mut u8,
     src: *const u8,
@@ -122,14 +105,21 @@ pub unsafe fn accumulate_host(
     if dtype == DType::F32 {
         let (d, s) = (dst as *mut f32, src as *const f32);
         for i in 0..count {
-            // SAFETY: i < count, within both buffers per the contract.
-            unsafe { *d.add(i) += *s.add(i) };
+            // SAFETY: i < count, within both buffers per the contract;
+            // unaligned accesses are allowed for any address.
+            unsafe {
+                d.add(i)
+                    .write_unaligned(d.add(i).read_unaligned() + s.add(i).read_unaligned())
+            };
         }
     } else if let Some((to, from)) = half_codec(dtype) {
         let (d, s) = (dst as *mut u16, src as *const u16);
         for i in 0..count {
-            // SAFETY: i < count, within both buffers per the contract.
-            unsafe { *d.add(i) = to(from(*d.add(i)) + from(*s.add(i))) };
+            // SAFETY: as above.
+            unsafe {
+                let sum = from(d.add(i).read_unaligned()) + from(s.add(i).read_unaligned());
+                d.add(i).write_unaligned(to(sum));
+            }
         }
     } else {
         return Err(Error::invalid(format!(
@@ -143,14 +133,6 @@ pub unsafe fn accumulate_host(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn codes_round_trip() {
-        for code in 0..9 {
-            assert_eq!(DType::from_code(code, "x").unwrap() as u32, code);
-        }
-        assert!(DType::from_code(9, "x").is_err());
-    }
 
     #[test]
     fn bf16_rounds_to_nearest_even() {
@@ -189,6 +171,34 @@ mod tests {
             accumulate_host(d.as_mut_ptr().cast(), b.as_ptr().cast(), 4, DType::F32).unwrap()
         };
         assert_eq!(d, [1.75, 0.0, 1e-3 + 3e-3, 65520.0]);
+    }
+
+    #[test]
+    fn accumulate_handles_misaligned_buffers() {
+        // Destination and source at odd addresses inside byte buffers.
+        let mut dst = [0u8; 4 * 3 + 1];
+        let mut src = [0u8; 4 * 3 + 3];
+        for (i, v) in [1.0f32, 2.0, 3.0].iter().enumerate() {
+            dst[1 + 4 * i..1 + 4 * i + 4].copy_from_slice(&v.to_ne_bytes());
+            src[3 + 4 * i..3 + 4 * i + 4].copy_from_slice(&(v * 10.0).to_ne_bytes());
+        }
+        // SAFETY: 3 f32 elements at each (unaligned) start.
+        unsafe {
+            accumulate_host(dst.as_mut_ptr().add(1), src.as_ptr().add(3), 3, DType::F32).unwrap()
+        };
+        let got: Vec<f32> = (0..3)
+            .map(|i| f32::from_ne_bytes(dst[1 + 4 * i..5 + 4 * i].try_into().unwrap()))
+            .collect();
+        assert_eq!(got, vec![11.0, 22.0, 33.0]);
+        let mut h = [0u8; 5];
+        let one = f32_to_bf16(1.0).to_ne_bytes();
+        h[1..3].copy_from_slice(&one);
+        h[3..5].copy_from_slice(&one);
+        // SAFETY: one bf16 element at each odd address.
+        unsafe {
+            accumulate_host(h.as_mut_ptr().add(1), h.as_ptr().add(3), 1, DType::Bf16).unwrap()
+        };
+        assert_eq!(u16::from_ne_bytes([h[1], h[2]]), f32_to_bf16(2.0));
     }
 
     #[test]

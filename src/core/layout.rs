@@ -7,36 +7,19 @@
 //! the CLONE slots come first in it, so that returning every cloned grad of
 //! a backward costs one copy of one span.
 
-use super::align_up;
 use super::policy::GradPolicy;
+use super::size;
+use crate::error::Result;
 
-/// What a logical buffer holds. C name: `graphed_buffer_role`.
-#[repr(u32)]
+/// What a logical buffer holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
-    Input = 0,
-    Output = 1,
-    GradOutput = 2,
-    GradInput = 3,
+    Input,
+    Output,
+    GradOutput,
+    GradInput,
     /// One entry per parameter: its slot in the parameter-grad slab.
-    ParamGrads = 4,
-}
-
-impl Role {
-    pub fn from_code(code: u32) -> crate::error::Result<Role> {
-        Ok(match code {
-            0 => Role::Input,
-            1 => Role::Output,
-            2 => Role::GradOutput,
-            3 => Role::GradInput,
-            4 => Role::ParamGrads,
-            _ => {
-                return Err(crate::error::Error::invalid(format!(
-                    "role: {code} is not a graphed_buffer_role value"
-                )))
-            }
-        })
-    }
+    ParamGrads,
 }
 
 impl Role {
@@ -123,7 +106,7 @@ fn group(p: GradPolicy) -> u8 {
 
 /// Lays out one slab: slots grouped by policy (CLONE first), in registration
 /// order within a group, each aligned. External slots are not in the slab.
-pub fn slab_layout(params: &[Option<ParamShape>]) -> Slab {
+pub fn slab_layout(params: &[Option<ParamShape>]) -> Result<Slab> {
     let params: Vec<Option<(usize, GradPolicy)>> = params
         .iter()
         .map(|p| p.filter(|p| !p.external).map(|p| (p.bytes, p.policy)))
@@ -142,17 +125,18 @@ pub fn slab_layout(params: &[Option<ParamShape>]) -> Slab {
             bytes,
             policy,
         });
+        const WHAT: &str = "a parameter-grad slab";
         if policy == GradPolicy::Clone {
             let start = clone_span.map_or(offset, |(s, _)| s);
-            clone_span = Some((start, offset + bytes));
+            clone_span = Some((start, size::add(offset, bytes, WHAT)?));
         }
-        offset += align_up(bytes);
+        offset = size::add(offset, size::aligned(bytes, WHAT)?, WHAT)?;
     }
-    Slab {
+    Ok(Slab {
         bytes: offset,
         slots,
         clone_span,
-    }
+    })
 }
 
 /// Where the CLONE grads of one replay go in their block: the slab's clone
@@ -170,9 +154,13 @@ pub struct CloneLayout {
     pub count: usize,
 }
 
-pub fn clone_layout(slab: &Slab, params: &[Option<ParamShape>]) -> CloneLayout {
+pub fn clone_layout(slab: &Slab, params: &[Option<ParamShape>]) -> Result<CloneLayout> {
+    const WHAT: &str = "a block of returned clones";
     let span = slab.clone_span;
-    let mut bytes = span.map_or(0, |(a, b)| align_up(b - a));
+    let mut bytes = match span {
+        Some((a, b)) => size::aligned(b - a, WHAT)?,
+        None => 0,
+    };
     let mut offsets = vec![None; params.len()];
     let mut external = Vec::new();
     for (i, p) in params.iter().enumerate() {
@@ -180,7 +168,7 @@ pub fn clone_layout(slab: &Slab, params: &[Option<ParamShape>]) -> CloneLayout {
             (Some(p), _) if p.policy == GradPolicy::Clone && p.external => {
                 offsets[i] = Some(bytes);
                 external.push((i, bytes));
-                bytes += align_up(p.bytes);
+                bytes = size::add(bytes, size::aligned(p.bytes, WHAT)?, WHAT)?;
             }
             (_, Some(slot)) if slot.policy == GradPolicy::Clone => {
                 offsets[i] = span.map(|(a, _)| slot.offset - a);
@@ -189,13 +177,13 @@ pub fn clone_layout(slab: &Slab, params: &[Option<ParamShape>]) -> CloneLayout {
         }
     }
     let count = offsets.iter().flatten().count();
-    CloneLayout {
+    Ok(CloneLayout {
         bytes,
         span,
         external,
         offsets,
         count,
-    }
+    })
 }
 
 /// The logical buffers of one instance, by id into `Layout::buffers`
@@ -218,7 +206,7 @@ pub struct Layout {
 }
 
 /// The logical buffers of a list of instances.
-pub fn layout(shapes: &[InstanceShape]) -> Layout {
+pub fn layout(shapes: &[InstanceShape]) -> Result<Layout> {
     let mut buffers = Vec::new();
     let mut add = |instance, role, index, bytes| {
         buffers.push(BufferDesc {
@@ -260,7 +248,7 @@ pub fn layout(shapes: &[InstanceShape]) -> Layout {
                 (t.requires_grad && !t.external).then(|| add(n, Role::GradInput, i, t.bytes))
             })
             .collect();
-        let slab_layout = slab_layout(&s.params);
+        let slab_layout = slab_layout(&s.params)?;
         let slab = (slab_layout.bytes > 0).then(|| add(n, Role::ParamGrads, 0, slab_layout.bytes));
         instances.push(InstanceBuffers {
             inputs,
@@ -271,38 +259,14 @@ pub fn layout(shapes: &[InstanceShape]) -> Layout {
             slab_layout,
         });
     }
-    Layout { buffers, instances }
-}
-
-/// Where each logical buffer lives in the static allocation.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct Placement {
-    /// Offset of each buffer, by buffer id.
-    pub offsets: Vec<usize>,
-    /// Size of the static allocation.
-    pub total_bytes: usize,
-}
-
-impl Placement {
-    /// Every buffer in its own memory: no two buffers overlap.
-    pub fn disjoint(buffers: &[BufferDesc]) -> Placement {
-        let mut offsets = Vec::with_capacity(buffers.len());
-        let mut total = 0;
-        for b in buffers {
-            offsets.push(total);
-            total += align_up(b.bytes.max(1));
-        }
-        Placement {
-            offsets,
-            total_bytes: total,
-        }
-    }
+    Ok(Layout { buffers, instances })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use GradPolicy::*;
+    const MAXB: usize = crate::core::size::MAX_BYTES;
 
     fn p(bytes: usize, policy: GradPolicy) -> Option<ParamShape> {
         Some(ParamShape {
@@ -329,7 +293,7 @@ mod tests {
             p(300, Clone),
             p(64, AccumulateInto),
         ];
-        let slab = slab_layout(&params);
+        let slab = slab_layout(&params).unwrap();
         let s = |i: usize| slab.slots[i].unwrap();
         assert_eq!(s(1).offset, 0);
         assert_eq!(s(3).offset, 512);
@@ -345,9 +309,9 @@ mod tests {
 
     #[test]
     fn no_clone_slots_no_span() {
-        let slab = slab_layout(&[p(8, Alias), p(8, CopyInto)]);
+        let slab = slab_layout(&[p(8, Alias), p(8, CopyInto)]).unwrap();
         assert_eq!(slab.clone_span, None);
-        assert_eq!(slab_layout(&[]).bytes, 0);
+        assert_eq!(slab_layout(&[]).unwrap().bytes, 0);
     }
 
     #[test]
@@ -361,7 +325,7 @@ mod tests {
                 _ => p(i * 3 + 2, Clone),
             })
             .collect();
-        let slab = slab_layout(&params);
+        let slab = slab_layout(&params).unwrap();
         let mut spans: Vec<_> = slab
             .slots
             .iter()
@@ -407,14 +371,14 @@ mod tests {
             ext(64, Alias),
             p(300, Clone),
         ];
-        let slab = slab_layout(&params);
-        let c = clone_layout(&slab, &params);
+        let slab = slab_layout(&params).unwrap();
+        let c = clone_layout(&slab, &params).unwrap();
         assert_eq!(c.span, Some((0, 512 + 300)));
         assert_eq!(c.offsets, vec![Some(0), Some(1024), None, None, Some(512)]);
         assert_eq!(c.external, vec![(1, 1024)]);
         assert_eq!(c.bytes, 1024 + 256);
         assert_eq!(c.count, 3);
-        let none = clone_layout(&slab_layout(&[p(8, Alias)]), &[p(8, Alias)]);
+        let none = clone_layout(&slab_layout(&[p(8, Alias)]).unwrap(), &[p(8, Alias)]).unwrap();
         assert_eq!((none.bytes, none.count, none.span), (0, 0, None));
     }
 
@@ -437,7 +401,7 @@ mod tests {
                 p(512, Clone),
             ],
         };
-        let l = layout(&[shape]);
+        let l = layout(&[shape]).unwrap();
         let i = &l.instances[0];
         assert_eq!(i.outputs, vec![None], "the callback provides the output");
         assert_eq!(i.grad_inputs, vec![None], "and the input's grad");
@@ -451,13 +415,26 @@ mod tests {
     }
 
     #[test]
+    fn sizes_that_would_wrap_are_refused() {
+        let big = MAXB;
+        let shape = InstanceShape {
+            inputs: vec![],
+            outputs: vec![],
+            params: (0..70_000).map(|_| p(big, Clone)).collect(),
+        };
+        let e = layout(&[shape]).unwrap_err();
+        assert!(matches!(e, crate::error::Error::OutOfMemory(_)), "{e}");
+        assert!(e.to_string().contains("slab"), "{e}");
+    }
+
+    #[test]
     fn layout_creates_buffers_for_grads_only_where_needed() {
         let shape = InstanceShape {
             inputs: vec![t(64, true), t(32, false)],
             outputs: vec![t(128, true), t(16, false)],
             params: vec![p(256, Clone)],
         };
-        let l = layout(&[shape.clone(), shape]);
+        let l = layout(&[shape.clone(), shape]).unwrap();
         assert_eq!(l.instances.len(), 2);
         let i0 = &l.instances[0];
         assert_eq!(i0.grad_inputs[1], None);
@@ -465,7 +442,7 @@ mod tests {
         assert_eq!(i0.grad_outputs[1], None);
         assert!(i0.outputs.iter().all(|o| o.is_some()));
         assert_eq!(l.buffers.len(), 2 * (2 + 2 + 1 + 1 + 1));
-        let p = Placement::disjoint(&l.buffers);
+        let p = crate::core::plan::disjoint(&l.buffers).unwrap();
         for (i, b) in l.buffers.iter().enumerate() {
             for (j, c) in l.buffers.iter().enumerate() {
                 if i < j {

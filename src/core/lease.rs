@@ -17,25 +17,48 @@ struct Slot {
 }
 
 /// The lease table of a captured session.
+///
+/// A token is `epoch << 48 | (slot + 1) << 24 | generation`: 16 bits of
+/// capture epoch (so a token from an earlier capture of the session is
+/// refused), 24 bits of slot and 24 bits of generation (never 0).
 #[derive(Clone, Debug, Default)]
 pub struct Leases {
+    epoch: u16,
     slots: Vec<Slot>,
 }
 
-fn token(slot: usize, generation: u32) -> u64 {
-    ((slot as u64 + 1) << 32) | generation as u64
-}
+const SLOT_BITS: u32 = 24;
+const GEN_MASK: u32 = (1 << SLOT_BITS) - 1;
+/// The most lease slots one capture can have.
+pub const MAX_SLOTS: usize = (1 << SLOT_BITS) - 2;
 
 impl Leases {
+    /// An empty table for the capture numbered `epoch`.
+    pub fn new(epoch: u16) -> Leases {
+        Leases {
+            epoch,
+            slots: Vec::new(),
+        }
+    }
+
+    fn token(&self, slot: usize, generation: u32) -> u64 {
+        (self.epoch as u64) << 48 | (slot as u64 + 1) << SLOT_BITS | generation as u64
+    }
+
     /// Registers an aliasable slot living in logical buffer `buffer`.
-    pub fn add_slot(&mut self, name: String, buffer: usize) -> usize {
+    pub fn add_slot(&mut self, name: String, buffer: usize) -> Result<usize> {
+        if self.slots.len() >= MAX_SLOTS {
+            return Err(Error::invalid(format!(
+                "strict leases: the session has more than {MAX_SLOTS} aliases to track"
+            )));
+        }
         self.slots.push(Slot {
             name,
             buffer,
             generation: 0,
             held: false,
         });
-        self.slots.len() - 1
+        Ok(self.slots.len() - 1)
     }
 
     /// The slots that live in any of `buffers`: those a write of these
@@ -55,12 +78,12 @@ impl Leases {
             if s.held {
                 return Err(Error::AliasHeld(format!(
                     "{} would overwrite {}, an alias handed out by replay {} that is still held \
-                     (lease 0x{:x}); nothing was replayed. Release it with graphed_lease_release once \
+                     (lease 0x{:x}); nothing was replayed. Release the lease once \
                      you are done with it, or take that grad as CLONE or COPY_INTO",
                     what(),
                     s.name,
                     s.generation,
-                    token(i, s.generation)
+                    self.token(i, s.generation)
                 )));
             }
         }
@@ -71,15 +94,26 @@ impl Leases {
     /// first). Returns the token the caller releases.
     pub fn acquire(&mut self, slot: usize) -> u64 {
         let s = &mut self.slots[slot];
-        s.generation = s.generation.wrapping_add(1).max(1);
+        s.generation = (s.generation + 1) & GEN_MASK;
+        if s.generation == 0 {
+            s.generation = 1;
+        }
         s.held = true;
-        token(slot, s.generation)
+        let generation = s.generation;
+        self.token(slot, generation)
     }
 
     /// Releases a lease token.
     pub fn release(&mut self, lease: u64) -> Result<()> {
-        let slot = (lease >> 32) as usize;
-        let generation = lease as u32;
+        let epoch = (lease >> 48) as u16;
+        let slot = ((lease >> SLOT_BITS) & GEN_MASK as u64) as usize;
+        let generation = (lease as u32) & GEN_MASK;
+        if epoch != self.epoch {
+            return Err(Error::invalid(format!(
+                "lease 0x{lease:x} was not issued by this capture of the session (it is from an earlier \
+                 capture, another session, or not a lease)"
+            )));
+        }
         let Some(s) = slot.checked_sub(1).and_then(|i| self.slots.get_mut(i)) else {
             return Err(Error::invalid(format!(
                 "lease 0x{lease:x} was not issued by this session"
@@ -111,10 +145,12 @@ mod tests {
     use super::*;
 
     fn table() -> Leases {
-        let mut l = Leases::default();
-        l.add_slot("param 0 grad of callable 'a'".into(), 7);
-        l.add_slot("output 0 of callable 'a'".into(), 3);
-        l.add_slot("param 1 grad of callable 'a'".into(), 7);
+        let mut l = Leases::new(3);
+        l.add_slot("param 0 grad of callable 'a'".into(), 7)
+            .unwrap();
+        l.add_slot("output 0 of callable 'a'".into(), 3).unwrap();
+        l.add_slot("param 1 grad of callable 'a'".into(), 7)
+            .unwrap();
         l
     }
 
@@ -159,6 +195,14 @@ mod tests {
         let mut l = table();
         assert!(l.release(0).is_err());
         assert!(l.release(u64::MAX).is_err());
-        assert!(l.release(token(99, 1)).is_err());
+        assert!(l.release(l.token(99, 1)).is_err());
+        // A token of an earlier capture (epoch) is refused even when its
+        // slot and generation match.
+        let t = l.acquire(0);
+        let mut next = Leases::new(4);
+        next.add_slot("param 0 grad of callable 'a'".into(), 7)
+            .unwrap();
+        next.acquire(0);
+        assert!(next.release(t).is_err());
     }
 }

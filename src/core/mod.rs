@@ -1,23 +1,38 @@
-//! The pure core: decisions and bookkeeping with no CUDA in them, so that
-//! they are unit-tested on any machine. Element types, grad-return policies,
-//! the static-buffer layout, alias leases and the scratch arena.
+//! The pure core: decisions and bookkeeping with no CUDA and no C in them,
+//! so that they are unit-tested on any machine. Element types, grad-return
+//! policies and the return plan they freeze into, the static-buffer layout,
+//! alias leases, the scratch arena, pipeline schedules, the buffer-reuse
+//! planner, checked size arithmetic and the handle table.
 
 pub mod arena;
 pub mod dtype;
+pub mod handle;
 pub mod layout;
 pub mod lease;
 pub mod plan;
 pub mod policy;
+pub mod returns;
 pub mod schedule;
+pub mod size;
 
-/// A pass of a callable. C name: `graphed_pass`.
-#[repr(u32)]
+/// A pass of a callable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PassKind {
-    Forward = 0,
-    Backward = 1,
+    Forward,
+    Backward,
     /// The delayed weight-gradient pass.
-    Wgrad = 2,
+    Wgrad,
+}
+
+impl PassKind {
+    /// Index for per-pass tables: forward 0, backward 1, weight-grad 2.
+    pub fn index(self) -> usize {
+        match self {
+            PassKind::Forward => 0,
+            PassKind::Backward => 1,
+            PassKind::Wgrad => 2,
+        }
+    }
 }
 
 impl std::fmt::Display for PassKind {
@@ -33,9 +48,4 @@ impl std::fmt::Display for PassKind {
 /// Alignment of every buffer the library places (static buffers, slab
 /// slots, scratch): enough for any vector load and for the driver's own
 /// allocation granularity of small buffers.
-pub(crate) const ALIGN: usize = 256;
-
-/// `n` rounded up to a multiple of `ALIGN`.
-pub const fn align_up(n: usize) -> usize {
-    n.div_ceil(ALIGN) * ALIGN
-}
+pub const ALIGN: usize = 256;

@@ -19,11 +19,12 @@
 //! Lifetimes are in pass positions of the capture order (inclusive); the
 //! plan is a pure function of them and the buffer sizes.
 
-use super::align_up;
 use super::layout::{BufferDesc, Layout, Role};
 use super::policy::GradPolicy;
 use super::schedule::Schedule;
+use super::size;
 use super::PassKind;
+use crate::error::Result;
 use std::collections::HashMap;
 
 /// The passes (inclusive) during which a buffer's contents matter.
@@ -54,25 +55,28 @@ pub struct Plan {
     pub peak_live_bytes: usize,
 }
 
-fn size(b: &BufferDesc) -> usize {
-    align_up(b.bytes.max(1))
+const WHAT: &str = "the static buffers";
+
+/// The memory a buffer takes: its size rounded up to the alignment.
+fn size(b: &BufferDesc) -> Result<usize> {
+    size::aligned(b.bytes.max(1), WHAT)
 }
 
 /// Every buffer in its own memory.
-pub fn disjoint(buffers: &[BufferDesc]) -> Plan {
+pub fn disjoint(buffers: &[BufferDesc]) -> Result<Plan> {
     let mut offsets = Vec::with_capacity(buffers.len());
-    let mut total = 0;
+    let mut total = 0usize;
     for b in buffers {
         offsets.push(total);
-        total += size(b);
+        total = size::add(total, size(b)?, WHAT)?;
     }
-    Plan {
+    Ok(Plan {
         offsets,
         slot_of: (0..buffers.len()).collect(),
         total_bytes: total,
         disjoint_bytes: total,
         peak_live_bytes: total,
-    }
+    })
 }
 
 /// The lifetime of every buffer of `layout` under schedule `s`.
@@ -167,7 +171,8 @@ pub fn lifetimes(
 /// overlap. Greedy by start: a buffer takes a free slot of its size if one
 /// is free, else a new slot, which is optimal per size class (the slot count
 /// equals the most buffers of that size live at once).
-pub fn reuse(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> Plan {
+pub fn reuse(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> Result<Plan> {
+    let disjoint_bytes = disjoint(buffers)?.total_bytes;
     let mut order: Vec<usize> = (0..buffers.len()).collect();
     order.sort_by_key(|&i| (lifetimes[i].start, lifetimes[i].end, i));
     // Per size: slots with the end of their last lifetime.
@@ -175,7 +180,7 @@ pub fn reuse(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> Plan {
     let mut slot_size: Vec<usize> = Vec::new();
     let mut slot_of = vec![0; buffers.len()];
     for i in order {
-        let sz = size(&buffers[i]);
+        let sz = size(&buffers[i])?;
         let lt = lifetimes[i];
         let slots = free_at.entry(sz).or_default();
         match slots.iter_mut().find(|(_, end)| *end < lt.start) {
@@ -194,39 +199,43 @@ pub fn reuse(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> Plan {
     let mut total = 0;
     for &sz in &slot_size {
         slot_offset.push(total);
+        // At most the disjoint total, which fits.
         total += sz;
     }
-    Plan {
+    Ok(Plan {
         offsets: slot_of.iter().map(|&s| slot_offset[s]).collect(),
         slot_of,
         total_bytes: total,
-        disjoint_bytes: buffers.iter().map(size).sum(),
-        peak_live_bytes: peak_live(buffers, lifetimes),
-    }
+        disjoint_bytes,
+        peak_live_bytes: peak_live(buffers, lifetimes)?,
+    })
 }
 
-/// The most bytes live at any one pass.
-pub fn peak_live(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> usize {
+/// The most bytes live at any one pass (at most the disjoint total, so it
+/// fits when that does; sums run in 128 bits).
+pub fn peak_live(buffers: &[BufferDesc], lifetimes: &[Lifetime]) -> Result<usize> {
     let end = lifetimes.iter().map(|l| l.end + 1).max().unwrap_or(0);
-    let mut delta = vec![0i64; end + 1];
+    let mut delta = vec![0i128; end + 1];
     for (b, l) in buffers.iter().zip(lifetimes) {
-        delta[l.start] += size(b) as i64;
-        delta[l.end + 1] -= size(b) as i64;
+        let sz = size(b)? as i128;
+        delta[l.start] += sz;
+        delta[l.end + 1] -= sz;
     }
-    let (mut live, mut peak) = (0i64, 0i64);
+    let (mut live, mut peak) = (0i128, 0i128);
     for d in delta {
         live += d;
         peak = peak.max(live);
     }
-    peak as usize
+    usize::try_from(peak)
+        .map_err(|_| crate::error::Error::OutOfMemory(format!("{WHAT} overflow the address space")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::core::layout::{layout, InstanceShape, ParamShape, TensorShape};
-    use crate::core::schedule::tests::TE_ORDER;
-    use crate::core::schedule::{from_te_order, Pass, ScheduleStep};
+    use crate::core::schedule::tests::{te, TE_ORDER};
+    use crate::core::schedule::{Pass, ScheduleStep};
 
     const H: usize = 1024; // bytes of every activation in these tests
 
@@ -253,7 +262,7 @@ mod tests {
                 })],
             })
             .collect();
-        let l = layout(&shapes);
+        let l = layout(&shapes).unwrap();
         let m = s.microbatches;
         let lt = lifetimes(s, &l, |c, mb| c * m + mb);
         (l, lt)
@@ -280,12 +289,12 @@ mod tests {
     /// Per size class, the plan uses exactly as many slots as the most
     /// buffers of that size live at one pass.
     fn check_optimal(buffers: &[BufferDesc], lt: &[Lifetime], plan: &Plan) {
-        let mut sizes: Vec<usize> = buffers.iter().map(size).collect();
+        let mut sizes: Vec<usize> = buffers.iter().map(|b| size(b).unwrap()).collect();
         sizes.sort();
         sizes.dedup();
         for sz in sizes {
             let members: Vec<usize> = (0..buffers.len())
-                .filter(|&i| size(&buffers[i]) == sz)
+                .filter(|&i| size(&buffers[i]).unwrap() == sz)
                 .collect();
             let mut slots: Vec<usize> = members.iter().map(|&i| plan.slot_of[i]).collect();
             slots.sort();
@@ -305,7 +314,7 @@ mod tests {
 
     #[test]
     fn te_scenario_lifetimes_and_assignments() {
-        let s = Schedule::derive(&from_te_order(&TE_ORDER), None, &[false, false]).unwrap();
+        let s = Schedule::derive(&te(&TE_ORDER), None, &[false, false]).unwrap();
         let (l, lt) = setup(&s, false, GradPolicy::Clone);
         // Pass positions: F00 F10 F01 F11 B10 B00 F02 F12 B11 B01 B12 B02
         //                  0   1   2   3   4   5   6   7   8   9  10  11
@@ -339,7 +348,7 @@ mod tests {
             find(inst(1, 1), Role::ParamGrads).1,
             Lifetime { start: 8, end: 8 }
         );
-        let plan = reuse(&l.buffers, &lt);
+        let plan = reuse(&l.buffers, &lt).unwrap();
         check_no_overlap(&l.buffers, &lt, &plan);
         // Microbatch 2's inputs take over microbatch 0's once its backward ran.
         let (a, _) = find(inst(0, 0), Role::Input);
@@ -358,7 +367,7 @@ mod tests {
         assert!(plan.peak_live_bytes <= plan.total_bytes);
         // ALIAS slabs are kept: never shared.
         let (l2, lt2) = setup(&s, false, GradPolicy::Alias);
-        let plan2 = reuse(&l2.buffers, &lt2);
+        let plan2 = reuse(&l2.buffers, &lt2).unwrap();
         let slabs2: Vec<usize> = (0..l2.buffers.len())
             .filter(|&i| l2.buffers[i].role == Role::ParamGrads)
             .map(|i| plan2.slot_of[i])
@@ -372,13 +381,15 @@ mod tests {
     #[test]
     fn three_chunk_schedule() {
         let s = Schedule::derive(
-            &from_te_order(&[1, 2, 3, 1, 2, 3, -3, -2, -1, -3, -2, -1]),
+            &te(&[
+                1.0, 2.0, 3.0, 1.0, 2.0, 3.0, -3.0, -2.0, -1.0, -3.0, -2.0, -1.0,
+            ]),
             Some(&[1, 2, 1]),
             &[false; 4],
         )
         .unwrap();
         let (l, lt) = setup(&s, true, GradPolicy::Clone);
-        let plan = reuse(&l.buffers, &lt);
+        let plan = reuse(&l.buffers, &lt).unwrap();
         check_no_overlap(&l.buffers, &lt, &plan);
         assert!(plan.total_bytes < plan.disjoint_bytes);
         assert!(plan.peak_live_bytes <= plan.total_bytes);
@@ -410,11 +421,11 @@ mod tests {
         let mut next = vec![0usize; mb];
         let seq: Vec<ScheduleStep> = (0..chunks)
             .map(|c| ScheduleStep {
-                pass: 0,
+                kind: PassKind::Forward,
                 chunk: c as u32,
             })
             .chain((0..chunks).rev().map(|c| ScheduleStep {
-                pass: 1,
+                kind: PassKind::Backward,
                 chunk: c as u32,
             }))
             .collect();
@@ -455,7 +466,7 @@ mod tests {
             };
             for policy in [GradPolicy::Clone, GradPolicy::Alias] {
                 let (l, lt) = setup(&s, (seed & 1) == 0, policy);
-                let plan = reuse(&l.buffers, &lt);
+                let plan = reuse(&l.buffers, &lt).unwrap();
                 check_no_overlap(&l.buffers, &lt, &plan);
                 check_optimal(&l.buffers, &lt, &plan);
                 assert!(plan.peak_live_bytes <= plan.total_bytes);
@@ -478,7 +489,7 @@ mod tests {
                 bytes: 100 * (i + 1),
             })
             .collect();
-        let p = disjoint(&bufs);
+        let p = disjoint(&bufs).unwrap();
         assert_eq!(p.slot_of, vec![0, 1, 2, 3, 4]);
         assert_eq!(p.total_bytes, 256 + 256 + 512 + 512 + 512);
         let _ = Pass {

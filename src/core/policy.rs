@@ -2,43 +2,28 @@
 //! back after a backward replay, decided once at capture from the session
 //! option, the parameter's flags and an explicit override, and never re-read.
 
-use super::dtype::{DType, ACCUMULABLE};
+use super::dtype::DType;
+use super::size;
 use crate::error::{Error, Result};
 
-/// How a parameter gradient is returned. C name: `graphed_grad_policy`.
-#[repr(u32)]
+/// How a parameter gradient is returned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum GradPolicy {
     /// No explicit choice: decided at capture (CLONE, or ALIAS for
     /// delayed-wgrad parameters and when the session opts out of clones).
-    Default = 0,
-    /// A fresh buffer the caller owns (released with graphed_buffer_release).
-    Clone = 1,
+    Default,
+    /// A fresh buffer the caller owns.
+    Clone,
     /// The static buffer itself: valid until this callable's next backward
     /// (or weight-grad) replay overwrites it.
-    Alias = 2,
+    Alias,
     /// Copied into a caller buffer given at replay; no allocation.
-    CopyInto = 3,
+    CopyInto,
     /// Added into a caller buffer given at replay (f32, f16, bf16).
-    AccumulateInto = 4,
+    AccumulateInto,
 }
 
 impl GradPolicy {
-    pub fn from_code(code: u32, what: &str) -> Result<GradPolicy> {
-        Ok(match code {
-            0 => GradPolicy::Default,
-            1 => GradPolicy::Clone,
-            2 => GradPolicy::Alias,
-            3 => GradPolicy::CopyInto,
-            4 => GradPolicy::AccumulateInto,
-            _ => {
-                return Err(Error::invalid(format!(
-                    "{what}: {code} is not a graphed_grad_policy value"
-                )))
-            }
-        })
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             GradPolicy::Default => "DEFAULT",
@@ -55,23 +40,17 @@ impl GradPolicy {
     }
 }
 
-/// Parameter flags (bit set). C name: `graphed_param_flags`.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ParamFlags {
-    None = 0,
+/// What a parameter's flags say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParamFlags {
     /// The parameter's real gradient is produced elsewhere (delayed
     /// weight-gradient, Transformer Engine's skip_backward_post_hook): its
     /// returned grad keeps aliasing the static buffer by default.
-    DelayedWgrad = 1,
+    pub delayed_wgrad: bool,
     /// The parameter's grad is provided by the callback at capture (external
     /// memory, e.g. a framework's tensor), not placed in the slab.
-    ExternalGrad = 2,
+    pub external_grad: bool,
 }
-
-/// Every flag bit this version knows.
-pub(crate) const KNOWN_PARAM_FLAGS: u32 =
-    ParamFlags::DelayedWgrad as u32 | ParamFlags::ExternalGrad as u32;
 
 /// A parameter as registered, copied out of the caller's descriptor.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,31 +59,26 @@ pub struct ParamSpec {
     pub bytes: usize,
     pub dtype: DType,
     pub requires_grad: bool,
-    pub flags: u32,
+    pub flags: ParamFlags,
     pub policy: GradPolicy,
 }
 
 impl ParamSpec {
     pub fn delayed_wgrad(&self) -> bool {
-        self.flags & ParamFlags::DelayedWgrad as u32 != 0
+        self.flags.delayed_wgrad
     }
 
     pub fn external_grad(&self) -> bool {
-        self.flags & ParamFlags::ExternalGrad as u32 != 0
+        self.flags.external_grad
     }
 
     /// Checks what can be checked at registration, so that resolution at
     /// capture cannot fail.
     pub fn validate(&self, what: &str) -> Result<()> {
-        if self.flags & !KNOWN_PARAM_FLAGS != 0 {
-            return Err(Error::invalid(format!(
-                "{what}.flags has unknown bits 0x{:x}",
-                self.flags & !KNOWN_PARAM_FLAGS
-            )));
-        }
         if self.bytes == 0 {
             return Err(Error::invalid(format!("{what}.bytes is 0")));
         }
+        size::check_bytes(self.bytes, &format!("{what}.bytes"))?;
         if self.bytes % self.dtype.size() != 0 {
             return Err(Error::invalid(format!(
                 "{what}.bytes ({}) is not a multiple of the {} element size ({})",
@@ -156,36 +130,6 @@ pub fn snapshot(
         .collect()
 }
 
-/// The parameters whose grads a replay writes into caller memory, by
-/// index: the COPY_INTO ones, and the ACCUMULATE_INTO ones grouped by dtype
-/// (one batched launch per group). Derived once at capture from the frozen
-/// policies, so that a replay walks only these.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Destinations {
-    pub copy_into: Vec<usize>,
-    pub accumulate: Vec<(DType, Vec<usize>)>,
-}
-
-impl Destinations {
-    /// `dtypes[i]` is parameter i's dtype; ACCUMULATE_INTO parameters have an
-    /// accumulable dtype (checked at registration).
-    pub fn of(policies: &[Option<GradPolicy>], dtypes: &[DType]) -> Destinations {
-        let with = |policy: GradPolicy, dtype: Option<DType>| -> Vec<usize> {
-            (0..policies.len())
-                .filter(|&i| policies[i] == Some(policy) && dtype.map_or(true, |d| dtypes[i] == d))
-                .collect()
-        };
-        Destinations {
-            copy_into: with(GradPolicy::CopyInto, None),
-            accumulate: ACCUMULABLE
-                .into_iter()
-                .map(|d| (d, with(GradPolicy::AccumulateInto, Some(d))))
-                .filter(|(_, idx)| !idx.is_empty())
-                .collect(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,7 +140,10 @@ mod tests {
             bytes: 64,
             dtype: DType::F32,
             requires_grad: true,
-            flags,
+            flags: ParamFlags {
+                delayed_wgrad: flags & 1 != 0,
+                external_grad: flags & 2 != 0,
+            },
             policy,
         }
     }
@@ -252,8 +199,8 @@ mod tests {
     fn snapshot_is_a_copy_not_a_view() {
         let mut params = vec![param(0, GradPolicy::Default), param(1, GradPolicy::Default)];
         let snap = snapshot(true, &params);
-        params[0].flags = 1;
-        params[1].flags = 0;
+        params[0].flags.delayed_wgrad = true;
+        params[1].flags.delayed_wgrad = false;
         assert_eq!(snap, vec![Some(GradPolicy::Clone), Some(GradPolicy::Alias)]);
         assert_eq!(
             snapshot(true, &params),
@@ -264,7 +211,6 @@ mod tests {
     #[test]
     fn validation_catches_bad_descriptors() {
         assert!(param(0, GradPolicy::Default).validate("p").is_ok());
-        assert!(param(4, GradPolicy::Default).validate("p").is_err());
         assert!(param(2, GradPolicy::Default).validate("p").is_ok());
         let mut p = param(0, GradPolicy::AccumulateInto);
         p.dtype = DType::I32;
@@ -275,39 +221,8 @@ mod tests {
         let mut p = param(0, GradPolicy::Clone);
         p.requires_grad = false;
         assert!(p.validate("p").is_err());
-        assert!(GradPolicy::from_code(5, "x").is_err());
-    }
-
-    #[test]
-    fn destinations_group_accumulates_by_dtype() {
-        use GradPolicy::*;
-        let policies = [
-            Some(AccumulateInto),
-            Some(CopyInto),
-            None,
-            Some(AccumulateInto),
-            Some(Clone),
-            Some(AccumulateInto),
-            Some(CopyInto),
-        ];
-        let dtypes = [
-            DType::Bf16,
-            DType::F32,
-            DType::F32,
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::I32,
-        ];
-        let d = Destinations::of(&policies, &dtypes);
-        assert_eq!(d.copy_into, vec![1, 6]);
-        assert_eq!(
-            d.accumulate,
-            vec![(DType::F32, vec![3]), (DType::Bf16, vec![0, 5])]
-        );
-        assert_eq!(
-            Destinations::of(&[None, Some(Alias)], &dtypes[..2]),
-            Destinations::default()
-        );
+        let mut p = param(0, GradPolicy::Default);
+        p.bytes = usize::MAX - 3;
+        assert!(p.validate("p").is_err(), "sizes past 2^48 are refused");
     }
 }

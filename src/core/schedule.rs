@@ -11,12 +11,10 @@
 use super::PassKind;
 use crate::error::{Error, Result};
 
-/// One step of a schedule. C name: `graphed_schedule_step`.
-#[repr(C)]
+/// One step of a schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScheduleStep {
-    /// A graphed_pass value: FORWARD, BACKWARD or WGRAD.
-    pub pass: u32,
+    pub kind: PassKind,
     /// The model chunk, from 0.
     pub chunk: u32,
 }
@@ -43,17 +41,6 @@ pub struct Schedule {
 
 fn bad(msg: String) -> Error {
     Error::InvalidSchedule(msg)
-}
-
-fn kind_of(step: &ScheduleStep, i: usize) -> Result<PassKind> {
-    match step.pass {
-        0 => Ok(PassKind::Forward),
-        1 => Ok(PassKind::Backward),
-        2 => Ok(PassKind::Wgrad),
-        p => Err(bad(format!(
-            "step {i}: pass {p} is not a graphed_pass value"
-        ))),
-    }
 }
 
 impl Schedule {
@@ -110,41 +97,7 @@ impl Schedule {
         let shape = Shape::check(steps)?;
         let (chunks, mb) = (shape.chunks, shape.microbatches);
         let n = has_wgrad.len();
-        let layers: Vec<usize> = match layers_per_chunk {
-            Some(l) => {
-                if l.len() != chunks {
-                    return Err(bad(format!(
-                        "layers_per_chunk has {} entries; the schedule has {chunks} chunks",
-                        l.len()
-                    )));
-                }
-                if let Some(c) = l.iter().position(|&x| x == 0) {
-                    return Err(bad(format!(
-                        "layers_per_chunk[{c}] is 0; every chunk needs at least one layer"
-                    )));
-                }
-                let total: usize = l.iter().map(|&x| x as usize).sum();
-                if total != n {
-                    return Err(bad(format!(
-                        "the chunks hold {total} layers in all (layers_per_chunk) but {n} callables are registered; \
-                         there must be one callable per layer"
-                    )));
-                }
-                l.iter().map(|&x| x as usize).collect()
-            }
-            None => {
-                if n == 0 || n % chunks != 0 {
-                    return Err(bad(format!(
-                        "{n} callables cannot be split evenly into {chunks} chunks; give layers_per_chunk"
-                    )));
-                }
-                vec![n / chunks; chunks]
-            }
-        };
-        let mut prefix = vec![0; chunks];
-        for c in 1..chunks {
-            prefix[c] = prefix[c - 1] + layers[c - 1];
-        }
+        let (layers, prefix) = chunk_layers(&shape, layers_per_chunk, n)?;
         for c in 0..chunks {
             let members = prefix[c]..prefix[c] + layers[c];
             let with_wgrad = members.clone().filter(|&i| has_wgrad[i]).count();
@@ -175,10 +128,10 @@ impl Schedule {
             vec![0usize; chunks],
             vec![0usize; chunks],
         ];
-        for (i, step) in steps.iter().enumerate() {
-            let kind = kind_of(step, i)?;
+        for step in steps {
+            let kind = step.kind;
             let c = step.chunk as usize;
-            let k = &mut seen[kind as usize][c];
+            let k = &mut seen[kind.index()][c];
             let m = *k;
             *k += 1;
             let ls: Vec<usize> = match kind {
@@ -201,6 +154,53 @@ impl Schedule {
     }
 }
 
+/// The layers (callables) of each chunk and the first callable of each:
+/// `layers_per_chunk` when given (checked against `n` callables), else the
+/// callables split evenly.
+pub fn chunk_layers(
+    shape: &Shape,
+    layers_per_chunk: Option<&[u32]>,
+    n: usize,
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let chunks = shape.chunks;
+    let layers: Vec<usize> = match layers_per_chunk {
+        Some(l) => {
+            if l.len() != chunks {
+                return Err(bad(format!(
+                    "layers_per_chunk has {} entries; the schedule has {chunks} chunks",
+                    l.len()
+                )));
+            }
+            if let Some(c) = l.iter().position(|&x| x == 0) {
+                return Err(bad(format!(
+                    "layers_per_chunk[{c}] is 0; every chunk needs at least one layer"
+                )));
+            }
+            let total: usize = l.iter().map(|&x| x as usize).sum();
+            if total != n {
+                return Err(bad(format!(
+                    "the chunks hold {total} layers in all (layers_per_chunk) but {n} callables are registered; \
+                     there must be one callable per layer"
+                )));
+            }
+            l.iter().map(|&x| x as usize).collect()
+        }
+        None => {
+            if n == 0 || n % chunks != 0 {
+                return Err(bad(format!(
+                    "{n} callables cannot be split evenly into {chunks} chunks; give layers_per_chunk"
+                )));
+            }
+            vec![n / chunks; chunks]
+        }
+    };
+    let mut prefix = vec![0; chunks];
+    for c in 1..chunks {
+        prefix[c] = prefix[c - 1] + layers[c - 1];
+    }
+    Ok((layers, prefix))
+}
+
 /// Checks what the steps alone can be checked for (counts and order), before
 /// any callable is registered.
 pub fn check_steps(steps: &[ScheduleStep]) -> Result<()> {
@@ -208,21 +208,21 @@ pub fn check_steps(steps: &[ScheduleStep]) -> Result<()> {
 }
 
 /// What the steps alone say: chunk and microbatch counts, checked.
-struct Shape {
-    chunks: usize,
-    microbatches: usize,
-    wgrad_steps: Vec<usize>,
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub chunks: usize,
+    pub microbatches: usize,
+    /// Weight-grad steps per chunk.
+    pub wgrad_steps: Vec<usize>,
 }
 
 impl Shape {
-    fn check(steps: &[ScheduleStep]) -> Result<Shape> {
+    /// Checks the steps' counts and order and returns their shape.
+    pub fn check(steps: &[ScheduleStep]) -> Result<Shape> {
         if steps.is_empty() {
             return Err(bad("the schedule has no steps".into()));
         }
-        let mut kinds = Vec::with_capacity(steps.len());
-        for (i, s) in steps.iter().enumerate() {
-            kinds.push(kind_of(s, i)?);
-        }
+        let kinds: Vec<PassKind> = steps.iter().map(|s| s.kind).collect();
         let chunks = steps.iter().map(|s| s.chunk as usize).max().unwrap_or(0) + 1;
         if chunks > 4096 {
             return Err(bad(format!(
@@ -265,7 +265,7 @@ impl Shape {
         let mut seen = vec![vec![0usize; chunks]; 3];
         for (i, (s, &k)) in steps.iter().zip(&kinds).enumerate() {
             let c = s.chunk as usize;
-            let n = &mut seen[k as usize][c];
+            let n = &mut seen[k.index()][c];
             if *n < mb {
                 pos[k as usize][c][*n] = i;
             }
@@ -314,19 +314,36 @@ impl Shape {
     }
 }
 
-/// Steps from Transformer Engine's `_order` notation: +c is the forward of
-/// chunk c (from 1), -c its backward. (Weight-grad steps, TE's -c-0.5, are
-/// given as `ScheduleStep`s directly.) For tests and migration.
-pub fn from_te_order(order: &[i32]) -> Vec<ScheduleStep> {
+/// Steps from Transformer Engine's `_order` notation: `c` is the forward of
+/// chunk c (chunks from 1), `-c` its backward and `-c - 0.5` its delayed
+/// weight-gradient.
+pub fn from_te_order(order: &[f64]) -> Result<Vec<ScheduleStep>> {
     order
         .iter()
-        .map(|&c| ScheduleStep {
-            pass: if c > 0 {
-                PassKind::Forward as u32
+        .enumerate()
+        .map(|(i, &v)| {
+            let invalid = || {
+                bad(format!(
+                    "order[{i}] is {v}: Transformer Engine's order holds c (forward of chunk c, from 1), -c \
+                     (its backward) or -c - 0.5 (its weight-grad)"
+                ))
+            };
+            if !v.is_finite() || v == 0.0 || v.abs() > 4096.5 {
+                return Err(invalid());
+            }
+            let (kind, chunk) = if v.fract() == 0.0 {
+                let kind = if v > 0.0 { PassKind::Forward } else { PassKind::Backward };
+                (kind, v.abs())
+            } else if v < 0.0 && v.fract() == -0.5 && v <= -1.5 {
+                (PassKind::Wgrad, -v - 0.5)
             } else {
-                PassKind::Backward as u32
-            },
-            chunk: c.unsigned_abs().saturating_sub(1),
+                return Err(invalid());
+            };
+            Ok(ScheduleStep {
+                kind,
+                // 1 <= chunk <= 4096, integral.
+                chunk: chunk as u32 - 1,
+            })
         })
         .collect()
 }
@@ -345,17 +362,21 @@ pub(crate) mod tests {
     }
 
     fn w(chunk: u32) -> ScheduleStep {
-        ScheduleStep {
-            pass: Wgrad as u32,
-            chunk,
-        }
+        ScheduleStep { kind: Wgrad, chunk }
     }
 
-    pub(crate) const TE_ORDER: [i32; 12] = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1];
+    pub(crate) const TE_ORDER: [f64; 12] = [
+        1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0,
+    ];
+
+    /// Steps from a Transformer Engine order that is valid notation.
+    pub(crate) fn te(order: &[f64]) -> Vec<ScheduleStep> {
+        from_te_order(order).unwrap()
+    }
 
     #[test]
     fn te_scenario_two_chunks_three_microbatches() {
-        let s = Schedule::derive(&from_te_order(&TE_ORDER), None, &[false, false]).unwrap();
+        let s = Schedule::derive(&te(&TE_ORDER), None, &[false, false]).unwrap();
         assert_eq!((s.chunks, s.microbatches), (2, 3));
         assert_eq!(s.layers_per_chunk, vec![1, 1]);
         assert_eq!(
@@ -380,7 +401,7 @@ pub(crate) mod tests {
 
     #[test]
     fn layers_expand_forward_in_order_and_backward_in_reverse() {
-        let steps = from_te_order(&[1, 2, 3, -3, -2, -1]);
+        let steps = te(&[1.0, 2.0, 3.0, -3.0, -2.0, -1.0]);
         let s = Schedule::derive(&steps, Some(&[1, 2, 1]), &[false; 4]).unwrap();
         assert_eq!(s.prefix, vec![0, 1, 3]);
         let kinds: Vec<(usize, PassKind)> = s.passes.iter().map(|p| (p.callable, p.kind)).collect();
@@ -406,9 +427,9 @@ pub(crate) mod tests {
 
     #[test]
     fn weight_grad_steps_expand_after_their_backward() {
-        let mut steps = from_te_order(&[1, 2, -2]);
+        let mut steps = te(&[1.0, 2.0, -2.0]);
         steps.push(w(1));
-        steps.extend(from_te_order(&[-1]));
+        steps.extend(te(&[-1.0]));
         steps.push(w(0));
         let s = Schedule::derive(&steps, None, &[true, true]).unwrap();
         assert_eq!(
@@ -453,78 +474,132 @@ pub(crate) mod tests {
 
     #[test]
     fn every_rule_has_its_own_message() {
-        let te = from_te_order(&TE_ORDER);
+        let te_steps = te(&TE_ORDER);
         rejects(&[], None, &[false], "no steps");
         rejects(
-            &[ScheduleStep { pass: 7, chunk: 0 }],
-            None,
-            &[false],
-            "not a graphed_pass",
-        );
-        rejects(
-            &te[..11],
+            &te_steps[..11],
             None,
             &[false, false],
             "chunks x microbatches x 2",
         );
         rejects(
-            &from_te_order(&[1, 1, -2, -2]),
+            &te(&[1.0, 1.0, -2.0, -2.0]),
             None,
             &[false, false],
             "chunk 0 has 2 forward and 0 backward",
         );
         rejects(
-            &from_te_order(&[-1, 1]),
+            &te(&[-1.0, 1.0]),
             None,
             &[false],
             "comes before its forward",
         );
         rejects(
-            &from_te_order(&[2, 1, -2, -1]),
+            &te(&[2.0, 1.0, -2.0, -1.0]),
             None,
             &[false, false],
             "whose output it takes",
         );
         rejects(
-            &from_te_order(&[1, 2, -1, -2]),
+            &te(&[1.0, 2.0, -1.0, -2.0]),
             None,
             &[false, false],
             "whose input grad it takes",
         );
         rejects(
-            &te,
+            &te_steps,
             Some(&[1]),
             &[false, false],
             "layers_per_chunk has 1 entries",
         );
         rejects(
-            &te,
+            &te_steps,
             Some(&[1, 0]),
             &[false, false],
             "layers_per_chunk[1] is 0",
         );
-        rejects(&te, Some(&[1, 2]), &[false, false], "hold 3 layers in all");
-        rejects(&te, None, &[false, false, false], "cannot be split evenly");
-        let mut two_w = from_te_order(&[1, -1]);
+        rejects(
+            &te_steps,
+            Some(&[1, 2]),
+            &[false, false],
+            "hold 3 layers in all",
+        );
+        rejects(
+            &te_steps,
+            None,
+            &[false, false, false],
+            "cannot be split evenly",
+        );
+        let mut two_w = te(&[1.0, -1.0]);
         two_w.extend([w(0), w(0)]);
         rejects(&two_w, None, &[true], "2 weight-grad steps and 1 backward");
-        let mut early_w = vec![from_te_order(&[1])[0], w(0)];
-        early_w.extend(from_te_order(&[-1]));
+        let mut early_w = vec![te(&[1.0])[0], w(0)];
+        early_w.extend(te(&[-1.0]));
         rejects(
             &early_w,
             None,
             &[true],
             "weight-grad of chunk 0 for microbatch 0 comes before its backward",
         );
-        let mut ok_w = from_te_order(&[1, -1]);
+        let mut ok_w = te(&[1.0, -1.0]);
         ok_w.push(w(0));
         rejects(&ok_w, None, &[false], "no weight-grad callback");
         rejects(&ok_w, None, &[true, true], "one layer per chunk");
         rejects(
-            &from_te_order(&[1, -1]),
+            &te(&[1.0, -1.0]),
             None,
             &[true],
             "no weight-grad steps to capture it",
         );
+    }
+
+    #[test]
+    fn te_order_with_weight_grad_steps() {
+        let steps = te(&[1.0, 2.0, -2.0, -2.5, -1.0, -1.5]);
+        assert_eq!(
+            steps,
+            vec![
+                ScheduleStep {
+                    kind: Forward,
+                    chunk: 0
+                },
+                ScheduleStep {
+                    kind: Forward,
+                    chunk: 1
+                },
+                ScheduleStep {
+                    kind: Backward,
+                    chunk: 1
+                },
+                w(1),
+                ScheduleStep {
+                    kind: Backward,
+                    chunk: 0
+                },
+                w(0),
+            ]
+        );
+        let s = Schedule::derive(&steps, None, &[true, true]).unwrap();
+        assert_eq!(s.passes.len(), 6);
+        for bad in [0.0, 0.5, -0.5, 1.5, -1.25, f64::NAN, f64::INFINITY, 5000.0] {
+            let e = from_te_order(&[bad]).unwrap_err();
+            assert!(matches!(e, Error::InvalidSchedule(_)), "{bad}: {e}");
+            assert!(e.to_string().contains("order[0]"), "{e}");
+        }
+    }
+
+    #[test]
+    fn shape_and_chunk_layers() {
+        let shape = Shape::check(&te(&TE_ORDER)).unwrap();
+        assert_eq!((shape.chunks, shape.microbatches), (2, 3));
+        assert_eq!(
+            chunk_layers(&shape, None, 4).unwrap(),
+            (vec![2, 2], vec![0, 2])
+        );
+        assert_eq!(
+            chunk_layers(&shape, Some(&[1, 3]), 4).unwrap(),
+            (vec![1, 3], vec![0, 1])
+        );
+        assert!(chunk_layers(&shape, None, 3).is_err());
     }
 }

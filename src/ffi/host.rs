@@ -1,14 +1,37 @@
 //! Host-backend exports for callbacks: enqueue a task on a host stream, and
 //! synchronize (illegal under capture, as on a GPU).
 
-use super::{boundary, graphed_status, graphed_stream};
-use crate::backend::host;
-use crate::backend::StreamRef;
+use super::boundary::boundary;
+use super::callback::graphed_stream;
+use super::status::graphed_status;
+use crate::backend::{host, StreamRef};
 use crate::error::Error;
 use std::ffi::c_void;
+use std::sync::Arc;
 
 /// A host task: `fn(user_data)`.
 pub type graphed_host_task_fn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
+
+/// A C task and its argument, callable from any thread that replays.
+struct CTask {
+    f: unsafe extern "C" fn(*mut c_void),
+    data: *mut c_void,
+}
+
+// SAFETY: the API contract is that a task may run on any thread that
+// replays the session's graphs, with the same user_data every time.
+unsafe impl Send for CTask {}
+// SAFETY: as above; the library never touches `data` itself.
+unsafe impl Sync for CTask {}
+
+impl CTask {
+    // A method, so that closures capture the whole (Send + Sync) task.
+    fn run(&self) {
+        // SAFETY: per graphed_host_enqueue's contract, the task is safe to
+        // call with its user_data whenever the stream runs.
+        unsafe { (self.f)(self.data) }
+    }
+}
 
 /// Enqueues `task(user_data)` on a host-backend stream (the ctx->stream of a
 /// host session's callback; NULL runs it now). Outside capture it runs
@@ -26,7 +49,8 @@ pub unsafe extern "C" fn graphed_host_enqueue(
 ) -> graphed_status {
     boundary("graphed_host_enqueue", || {
         let f = task.ok_or(Error::NullPointer { what: "task" })?;
-        host::enqueue_user(StreamRef(stream as usize), f, user_data)
+        let t = CTask { f, data: user_data };
+        host::enqueue(StreamRef(stream as usize), Arc::new(move || t.run()))
     })
 }
 
@@ -38,6 +62,6 @@ pub unsafe extern "C" fn graphed_host_enqueue(
 #[no_mangle]
 pub extern "C" fn graphed_host_synchronize(stream: graphed_stream) -> graphed_status {
     boundary("graphed_host_synchronize", || {
-        host::synchronize_user(StreamRef(stream as usize))
+        host::synchronize(StreamRef(stream as usize))
     })
 }

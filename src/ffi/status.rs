@@ -1,7 +1,7 @@
 //! Status codes, their names, the thread's last error message and the
 //! library version: the conventions every other export relies on.
 
-use super::{boundary_value, last_error_ptr};
+use super::boundary::{boundary_value, last_error_ptr};
 use crate::error::Error;
 use std::ffi::c_char;
 
@@ -19,9 +19,10 @@ pub enum graphed_status {
     InvalidArgument = 1,
     /// A required pointer argument is NULL.
     NullPointer = 2,
-    /// A config struct's leading struct_size is smaller than any layout this
-    /// library knows.
-    StructSize = 3,
+    /// A struct the caller passes was not set up by its _default()
+    /// function: its magic field is wrong (uninitialised memory, or another
+    /// struct), or its struct_size is below the first released layout.
+    BadStruct = 3,
     /// The CUDA driver library (libcuda) is not installed on this machine.
     NoDriver = 4,
     /// The driver is present but there is no usable CUDA device.
@@ -53,24 +54,30 @@ pub enum graphed_status {
     /// The operation is not available with this backend or build.
     Unsupported = 15,
     /// The session is in use by another call (a re-entrant call from a
-    /// callback, or two threads at once).
+    /// callback, or two threads at once, destroy included).
     Busy = 16,
-    /// The handle was already destroyed.
+    /// The handle was destroyed (or released, or belonged to a callback
+    /// that has returned). Handles are never reused, so this is reported
+    /// even when the memory behind the old object was reused.
     UseAfterDestroy = 17,
     /// A bug in graphed (a caught panic); please report the message.
     Internal = 18,
+    /// A replay was asked on a stream that is capturing a graph: graphed
+    /// replays cannot be recorded into another capture. Nothing was
+    /// enqueued.
+    StreamCapturing = 19,
 }
 
 /// Every status, in code order. Kept next to the enum so that a new code
 /// cannot be added without a name.
-pub(crate) const ALL_STATUSES: [(graphed_status, &str); 19] = [
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 20] = [
     (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
     (
         graphed_status::InvalidArgument,
         "GRAPHED_STATUS_INVALID_ARGUMENT\0",
     ),
     (graphed_status::NullPointer, "GRAPHED_STATUS_NULL_POINTER\0"),
-    (graphed_status::StructSize, "GRAPHED_STATUS_STRUCT_SIZE\0"),
+    (graphed_status::BadStruct, "GRAPHED_STATUS_BAD_STRUCT\0"),
     (graphed_status::NoDriver, "GRAPHED_STATUS_NO_DRIVER\0"),
     (graphed_status::NoDevice, "GRAPHED_STATUS_NO_DEVICE\0"),
     (graphed_status::CudaError, "GRAPHED_STATUS_CUDA_ERROR\0"),
@@ -107,6 +114,10 @@ pub(crate) const ALL_STATUSES: [(graphed_status, &str); 19] = [
         "GRAPHED_STATUS_USE_AFTER_DESTROY\0",
     ),
     (graphed_status::Internal, "GRAPHED_STATUS_INTERNAL\0"),
+    (
+        graphed_status::StreamCapturing,
+        "GRAPHED_STATUS_STREAM_CAPTURING\0",
+    ),
 ];
 
 const UNKNOWN_STATUS: &str = "GRAPHED_STATUS_UNKNOWN\0";
@@ -116,7 +127,7 @@ impl From<&Error> for graphed_status {
         match e {
             Error::NullPointer { .. } => graphed_status::NullPointer,
             Error::InvalidArgument(_) => graphed_status::InvalidArgument,
-            Error::StructSize { .. } => graphed_status::StructSize,
+            Error::BadStruct { .. } => graphed_status::BadStruct,
             Error::NoDriver(_) => graphed_status::NoDriver,
             Error::NoDevice(_) => graphed_status::NoDevice,
             Error::Cuda { .. } => graphed_status::CudaError,
@@ -134,6 +145,7 @@ impl From<&Error> for graphed_status {
             Error::Busy(_) => graphed_status::Busy,
             Error::UseAfterDestroy(_) => graphed_status::UseAfterDestroy,
             Error::Internal(_) => graphed_status::Internal,
+            Error::StreamCapturing(_) => graphed_status::StreamCapturing,
         }
     }
 }

@@ -2,34 +2,46 @@
 //! pipeline schedule's, or by default all forwards in registration order,
 //! then all backwards in reverse, each weight-grad right after its
 //! backward), eagerly on a side stream for the warmup iterations, then once
-//! each under stream capture into its own graph. Per-callable hooks run around every callback, outside capture.
-//! Every device resource is owned by the `Captured` under construction, so
-//! an error anywhere releases all of it.
+//! each under stream capture into its own graph. Per-callable hooks run
+//! around every callback, outside capture.
+//!
+//! Before any of that, the static buffers are planned (layout, lifetimes,
+//! reuse), placed in one allocation, and every instance gets its frozen
+//! return plan and lease slots. Everything is owned by the `Captured` under
+//! construction, so an error anywhere releases all of it.
 
-use crate::backend::{CaptureEnd, DevPtr, MemCounters};
-use crate::core::layout::{clone_layout, layout, InstanceShape, ParamShape, Role, TensorShape};
-use crate::core::plan::{self, Plan};
-use crate::core::policy::{snapshot, Destinations, GradPolicy};
-use crate::core::schedule::Schedule;
-use crate::error::{Error, PassKind, Result};
-use std::cell::Cell;
-
+use super::captured::{Buffers, Captured, Instance, LeaseSlots, PassRef, PlanRecord, Stage};
 use super::external::Provided;
+use super::returned::CloneRing;
 use super::scratch::Scratch;
-use super::session::{Captured, ExternalBuffers, Instance, Session};
-use super::spec::{HookPoint, LogLevel, PassView, Phase, TensorSpec};
+use super::session::Session;
+use super::spec::{HookPoint, LogLevel, MemCounters, PassView, Phase, TensorSpec};
+use crate::backend::{CaptureEnd, DevPtr, DeviceMemory, Event, Stream};
+use crate::core::layout::{layout, InstanceShape, Layout, ParamShape, Role, TensorShape};
+use crate::core::lease::Leases;
+use crate::core::plan::{self, Lifetime, Plan};
+use crate::core::policy::{snapshot, GradPolicy};
+use crate::core::returns::ReturnPlan;
+use crate::core::schedule::Schedule;
+use crate::core::PassKind;
+use crate::error::{Error, Result};
+use std::cell::Cell;
+use std::sync::Arc;
 
-/// One pass of one instance, in warmup/capture order.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct PassRef {
-    pub instance: usize,
-    pub kind: PassKind,
+/// The static buffers of a session, planned but not yet placed.
+struct Planned {
+    shapes: Vec<InstanceShape>,
+    /// (callable, microbatch) of each instance.
+    owners: Vec<(usize, usize)>,
+    layout: Layout,
+    lifetimes: Vec<Lifetime>,
+    plan: Plan,
 }
 
-/// Builds the instances (static buffers, frozen policies) of a session.
-/// Instance `callable * microbatches + microbatch`; the static buffers are
-/// placed by the reuse planner when the session asks for reuse.
-fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Result<Vec<Instance>> {
+/// Lays out the static buffers of every instance (callable x microbatch,
+/// instance `callable * microbatches + microbatch`) with their frozen
+/// policies, and places them (with reuse when the session asks for it).
+fn plan_buffers(s: &Session, schedule: &Schedule) -> Result<Planned> {
     let m = schedule.microbatches;
     let mut shapes = Vec::new();
     let mut owners = Vec::new();
@@ -61,170 +73,170 @@ fn build_instances(s: &Session, cap: &mut Captured, schedule: &Schedule) -> Resu
             owners.push((c, mb));
         }
     }
-    let layout = layout(&shapes);
+    let layout = layout(&shapes)?;
     let lifetimes = plan::lifetimes(schedule, &layout, |c, mb| c * m + mb);
-    let placement = if s.opts.reuse_buffers {
-        plan::reuse(&layout.buffers, &lifetimes)
+    let plan = if s.opts.reuse_buffers {
+        plan::reuse(&layout.buffers, &lifetimes)?
     } else {
         Plan {
-            peak_live_bytes: plan::peak_live(&layout.buffers, &lifetimes),
-            ..plan::disjoint(&layout.buffers)
+            peak_live_bytes: plan::peak_live(&layout.buffers, &lifetimes)?,
+            ..plan::disjoint(&layout.buffers)?
         }
     };
+    Ok(Planned {
+        shapes,
+        owners,
+        layout,
+        lifetimes,
+        plan,
+    })
+}
 
-    cap.statics = s.backend.alloc(placement.total_bytes)?;
-    cap.statics_bytes = placement.total_bytes;
-    MemCounters::add(&cap.counters.static_bytes, placement.total_bytes);
-    let base = cap.statics;
-    let at = |id: usize| base + placement.offsets[id] as DevPtr;
+/// The instances of a planned session whose static allocation starts at
+/// `base`, with their return plans and (with strict leases) lease slots.
+fn place(s: &Session, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<Vec<Instance>> {
+    let at = |id: usize| base + p.plan.offsets[id] as DevPtr;
     let opt = |id: Option<usize>| id.map_or(0, at);
-
-    let mut instances = Vec::with_capacity(shapes.len());
-    cap.by_callable = vec![Vec::new(); s.callables.len()];
-    for (n, (((c, mb), ib), shape)) in owners
-        .into_iter()
-        .zip(&layout.instances)
-        .zip(&shapes)
-        .enumerate()
-    {
+    let mut instances = Vec::with_capacity(p.shapes.len());
+    for ((&(c, mb), ib), shape) in p.owners.iter().zip(&p.layout.instances).zip(&p.shapes) {
         let spec = &s.callables[c];
-        let slab_base = opt(ib.slab);
+        let slab = opt(ib.slab);
         let policies: Vec<_> = shape.params.iter().map(|p| p.map(|p| p.policy)).collect();
         let dtypes: Vec<_> = spec.params.iter().map(|p| p.dtype).collect();
-        let destinations = Destinations::of(&policies, &dtypes);
+        let has_wgrad = spec.callbacks.has_wgrad();
+        let returns = ReturnPlan::of(&policies, &shape.params, &dtypes, &ib.slab_layout)?;
+        let ring = (returns.clone.count > 0 && s.opts.allocator.is_none())
+            .then(|| CloneRing::new(&s.backend, &s.counters, returns.clone.bytes));
         instances.push(Instance {
             callable: c,
             microbatch: mb as u32,
-            inputs: ib.inputs.iter().map(|&b| at(b)).collect(),
-            outputs: ib.outputs.iter().map(|&b| opt(b)).collect(),
-            grad_outputs: ib.grad_outputs.iter().map(|&b| opt(b)).collect(),
-            grad_inputs: ib.grad_inputs.iter().map(|&b| opt(b)).collect(),
-            params: spec.params.iter().map(|p| p.data).collect(),
-            param_grads: ib
-                .slab_layout
-                .slots
-                .iter()
-                .map(|sl| sl.map_or(0, |sl| slab_base + sl.offset as DevPtr))
-                .collect(),
-            param_bytes: spec.params.iter().map(|p| p.bytes).collect(),
-            policies,
-            destinations,
-            slab_base,
-            clone: clone_layout(&ib.slab_layout, &shape.params),
-            external: external_buffers(shape, spec.callbacks.has_wgrad()),
-            fwd: None,
-            bwd: None,
-            wgrad: None,
-            check_fwd: Vec::new(),
-            check_bwd: Vec::new(),
-            check_wgrad: Vec::new(),
-            lease_out: Vec::new(),
-            lease_gin: Vec::new(),
-            lease_param: Vec::new(),
+            buffers: Buffers {
+                inputs: ib.inputs.iter().map(|&b| at(b)).collect(),
+                outputs: ib.outputs.iter().map(|&b| opt(b)).collect(),
+                grad_outputs: ib.grad_outputs.iter().map(|&b| opt(b)).collect(),
+                grad_inputs: ib.grad_inputs.iter().map(|&b| opt(b)).collect(),
+                params: spec.params.iter().map(|p| p.data).collect(),
+                param_grads: ib
+                    .slab_layout
+                    .slots
+                    .iter()
+                    .map(|sl| sl.map_or(0, |sl| slab + sl.offset as DevPtr))
+                    .collect(),
+                param_bytes: spec.params.iter().map(|p| p.bytes).collect(),
+                slab,
+            },
+            returns,
+            ring,
+            external: external_buffers(shape, has_wgrad),
+            graphs: [None, None, None],
+            position: [None, None, None],
+            leases: LeaseSlots::default(),
         });
-        cap.by_callable[c].push(n);
     }
-
     if s.opts.strict_leases {
-        // Lease slots live in logical buffers; external buffers get ids of
-        // their own past the layout's (nothing shares their memory).
-        let nbuf = layout.buffers.len();
-        let mut next = nbuf;
-        let mut fresh = || {
-            next += 1;
-            next - 1
-        };
-        // A replay overwrites the buffers it writes and, with reuse, every
-        // buffer sharing their memory.
-        let sharing = |written: &[usize]| -> Vec<usize> {
-            let slots: Vec<usize> = written
-                .iter()
-                .filter(|&&b| b < nbuf)
-                .map(|&b| placement.slot_of[b])
-                .collect();
-            let mut all: Vec<usize> = (0..nbuf)
-                .filter(|&b| slots.contains(&placement.slot_of[b]))
-                .collect();
-            all.extend(written.iter().filter(|&&b| b >= nbuf));
-            all
-        };
-        for ((inst, ib), shape) in instances.iter_mut().zip(&layout.instances).zip(&shapes) {
-            let spec = &s.callables[inst.callable];
-            let name = &spec.name;
-            let mb = inst.microbatch;
-            let who = |what: String| format!("{what} of callable '{name}' (microbatch {mb})");
-            let out_ids: Vec<usize> = ib
-                .outputs
-                .iter()
-                .map(|b| b.unwrap_or_else(&mut fresh))
-                .collect();
-            let gin_ids: Vec<Option<usize>> = ib
-                .grad_inputs
-                .iter()
-                .zip(&shape.inputs)
-                .map(|(b, t)| b.or_else(|| t.requires_grad.then(&mut fresh)))
-                .collect();
-            let param_ids: Vec<Option<usize>> = shape
-                .params
-                .iter()
-                .map(|p| {
-                    p.map(|p| {
-                        if p.external {
-                            fresh()
-                        } else {
-                            ib.slab.unwrap_or(usize::MAX)
-                        }
-                    })
-                })
-                .collect();
-            inst.lease_out = out_ids
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| cap.leases.add_slot(who(format!("output {i}")), b))
-                .collect();
-            inst.lease_gin = gin_ids
-                .iter()
-                .enumerate()
-                .map(|(i, b)| {
-                    b.map(|b| {
-                        cap.leases
-                            .add_slot(who(format!("the grad of input {i}")), b)
-                    })
-                })
-                .collect();
-            inst.lease_param = param_ids
-                .iter()
-                .zip(&inst.policies)
-                .enumerate()
-                .map(|(i, (b, pol))| match (b, pol) {
-                    (Some(b), Some(GradPolicy::Alias)) => Some(
-                        cap.leases
-                            .add_slot(who(format!("the grad of param {i}")), *b),
-                    ),
-                    _ => None,
-                })
-                .collect();
-            let params: Vec<usize> = param_ids.iter().flatten().copied().collect();
-            let mut fwd: Vec<usize> = ib.inputs.clone();
-            fwd.extend(&out_ids);
-            let mut bwd: Vec<usize> = ib.grad_outputs.iter().flatten().copied().collect();
-            bwd.extend(gin_ids.iter().flatten());
-            if !spec.callbacks.has_wgrad() {
-                bwd.extend(&params);
-            }
-            inst.check_fwd = cap.leases.slots_in(&sharing(&fwd));
-            inst.check_bwd = cap.leases.slots_in(&sharing(&bwd));
-            inst.check_wgrad = cap.leases.slots_in(&sharing(&params));
-        }
+        lease_slots(s, p, &mut instances, leases)?;
     }
-    cap.plan = placement;
-    cap.lifetimes = lifetimes;
-    cap.buffers = layout.buffers;
     Ok(instances)
 }
 
-/// Which external buffers each pass of an instance must provide.
-fn external_buffers(shape: &InstanceShape, has_wgrad: bool) -> ExternalBuffers {
+/// Registers a lease slot for every alias an instance hands out, and which
+/// slots each replay overwrites (with reuse, every buffer sharing memory
+/// with the buffers it writes).
+fn lease_slots(
+    s: &Session,
+    p: &Planned,
+    instances: &mut [Instance],
+    leases: &mut Leases,
+) -> Result<()> {
+    // Lease slots live in logical buffers; external buffers get ids of
+    // their own past the layout's (nothing shares their memory).
+    let nbuf = p.layout.buffers.len();
+    let mut next = nbuf;
+    let mut fresh = || {
+        next += 1;
+        next - 1
+    };
+    let sharing = |written: &[usize]| -> Vec<usize> {
+        let slots: Vec<usize> = written
+            .iter()
+            .filter(|&&b| b < nbuf)
+            .map(|&b| p.plan.slot_of[b])
+            .collect();
+        let mut all: Vec<usize> = (0..nbuf)
+            .filter(|&b| slots.contains(&p.plan.slot_of[b]))
+            .collect();
+        all.extend(written.iter().filter(|&&b| b >= nbuf));
+        all
+    };
+    for ((inst, ib), shape) in instances.iter_mut().zip(&p.layout.instances).zip(&p.shapes) {
+        let spec = &s.callables[inst.callable];
+        let (name, mb) = (&spec.name, inst.microbatch);
+        let who = |what: String| format!("{what} of callable '{name}' (microbatch {mb})");
+        let out_ids: Vec<usize> = ib
+            .outputs
+            .iter()
+            .map(|b| b.unwrap_or_else(&mut fresh))
+            .collect();
+        let gin_ids: Vec<Option<usize>> = ib
+            .grad_inputs
+            .iter()
+            .zip(&shape.inputs)
+            .map(|(b, t)| b.or_else(|| t.requires_grad.then(&mut fresh)))
+            .collect();
+        let param_ids: Vec<Option<usize>> = shape
+            .params
+            .iter()
+            .map(|sp| {
+                sp.map(|sp| {
+                    if sp.external {
+                        fresh()
+                    } else {
+                        ib.slab.unwrap_or(usize::MAX)
+                    }
+                })
+            })
+            .collect();
+        let mut slots = LeaseSlots::default();
+        for (i, &b) in out_ids.iter().enumerate() {
+            slots
+                .outputs
+                .push(leases.add_slot(who(format!("output {i}")), b)?);
+        }
+        for (i, b) in gin_ids.iter().enumerate() {
+            slots.grad_inputs.push(match b {
+                Some(b) => Some(leases.add_slot(who(format!("the grad of input {i}")), *b)?),
+                None => None,
+            });
+        }
+        for (i, (b, pol)) in param_ids.iter().zip(&inst.returns.policies).enumerate() {
+            slots.params.push(match (b, pol) {
+                (Some(b), Some(GradPolicy::Alias)) => {
+                    Some(leases.add_slot(who(format!("the grad of param {i}")), *b)?)
+                }
+                _ => None,
+            });
+        }
+        let params: Vec<usize> = param_ids.iter().flatten().copied().collect();
+        let mut fwd: Vec<usize> = ib.inputs.clone();
+        fwd.extend(&out_ids);
+        let mut bwd: Vec<usize> = ib.grad_outputs.iter().flatten().copied().collect();
+        bwd.extend(gin_ids.iter().flatten());
+        if !spec.callbacks.has_wgrad() {
+            bwd.extend(&params);
+        }
+        slots.overwritten = [
+            leases.slots_in(&sharing(&fwd)),
+            leases.slots_in(&sharing(&bwd)),
+            leases.slots_in(&sharing(&params)),
+        ];
+        inst.leases = slots;
+    }
+    Ok(())
+}
+
+/// Which external buffers each pass (forward, backward, weight-grad) of an
+/// instance must provide.
+fn external_buffers(shape: &InstanceShape, has_wgrad: bool) -> [Vec<(Role, usize)>; 3] {
     let outputs = (0..shape.outputs.len())
         .filter(|&i| shape.outputs[i].external)
         .map(|i| (Role::Output, i));
@@ -239,11 +251,11 @@ fn external_buffers(shape: &InstanceShape, has_wgrad: bool) -> ExternalBuffers {
     if !has_wgrad {
         backward.extend(&params);
     }
-    ExternalBuffers {
-        forward: outputs.collect(),
+    [
+        outputs.collect(),
         backward,
-        wgrad: if has_wgrad { params } else { Vec::new() },
-    }
+        if has_wgrad { params } else { Vec::new() },
+    ]
 }
 
 fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
@@ -260,7 +272,7 @@ fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
 struct Runner<'a> {
     s: &'a Session,
     cap: &'a mut Captured,
-    scratch: &'a Scratch,
+    scratch: &'a Arc<Scratch>,
 }
 
 impl Runner<'_> {
@@ -288,27 +300,25 @@ impl Runner<'_> {
         );
         // Under capture, the external buffers this pass must provide.
         let provided = (phase == Phase::Capture).then(|| {
-            let ext = &self.cap.instances[p.instance].external;
-            let expected = match p.kind {
-                PassKind::Forward => &ext.forward,
-                PassKind::Backward => &ext.backward,
-                PassKind::Wgrad => &ext.wgrad,
-            };
-            Provided::new(expected.clone(), context.clone())
+            let expected = self.cap.instances[p.instance].external[p.kind.index()].clone();
+            Provided::new(expected, context.clone())
         });
+        {
+            let hook_view = view(self.cap, None, None, p, phase, iteration);
+            spec.callbacks
+                .hook(HookPoint::Pre, &hook_view)
+                .map_err(|c| self.failed(p, phase, Some(HookPoint::Pre), c))?;
+        }
+        self.scratch.set_context(context);
         let graph = {
             let view = view(
                 self.cap,
-                self.scratch,
-                provided.as_deref(),
+                Some(self.scratch),
+                provided.as_ref(),
                 p,
                 phase,
                 iteration,
             );
-            self.scratch.set_context(context);
-            spec.callbacks
-                .hook(HookPoint::Pre, &view)
-                .map_err(|c| self.failed(p, phase, Some(HookPoint::Pre), c))?;
             if phase == Phase::Warmup {
                 let ran = spec.callbacks.run(&view);
                 if let Some(e) = self.scratch.take_failure() {
@@ -348,50 +358,44 @@ impl Runner<'_> {
             let inst = &mut self.cap.instances[p.instance];
             if let Some(provided) = &provided {
                 for (role, i, ptr) in provided.finish()? {
-                    match role {
-                        Role::Output => inst.outputs[i] = ptr,
-                        Role::GradInput => inst.grad_inputs[i] = ptr,
-                        _ => inst.param_grads[i] = ptr,
-                    }
+                    inst.buffers.provide(role, i, ptr);
                 }
             }
-            match p.kind {
-                PassKind::Forward => inst.fwd = Some(g),
-                PassKind::Backward => inst.bwd = Some(g),
-                PassKind::Wgrad => inst.wgrad = Some(g),
-            }
+            inst.graphs[p.kind.index()] = Some(g);
             self.cap.graph_count += 1;
         }
-        let view = view(self.cap, self.scratch, None, p, phase, iteration);
+        let hook_view = view(self.cap, None, None, p, phase, iteration);
         spec.callbacks
-            .hook(HookPoint::Post, &view)
+            .hook(HookPoint::Post, &hook_view)
             .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))
     }
 }
 
-/// What the callbacks of pass `p` see.
+/// What the callbacks (with scratch and, under capture, the external-buffer
+/// collector) or hooks (with neither) of pass `p` see.
 fn view<'a>(
     cap: &'a Captured,
-    scratch: &'a Scratch,
-    provided: Option<&'a Provided>,
+    scratch: Option<&'a Arc<Scratch>>,
+    provided: Option<&'a Arc<Provided>>,
     p: PassRef,
     phase: Phase,
     iteration: u32,
 ) -> PassView<'a> {
     let inst = &cap.instances[p.instance];
+    let b = &inst.buffers;
     PassView {
         callable: inst.callable as u32,
         microbatch: inst.microbatch,
         pass: p.kind,
         phase,
         iteration,
-        stream: cap.side,
-        inputs: &inst.inputs,
-        params: &inst.params,
-        outputs: &inst.outputs,
-        grad_outputs: &inst.grad_outputs,
-        grad_inputs: &inst.grad_inputs,
-        param_grads: &inst.param_grads,
+        stream: cap.side.raw(),
+        inputs: &b.inputs,
+        params: &b.params,
+        outputs: &b.outputs,
+        grad_outputs: &b.grad_outputs,
+        grad_inputs: &b.grad_inputs,
+        param_grads: &b.param_grads,
         tape: cap.tapes[p.instance].as_ptr().cast(),
         scratch,
         provided,
@@ -399,12 +403,9 @@ fn view<'a>(
 }
 
 /// Warmup and capture of every callable of `s`; see the module comment.
-pub(crate) fn capture(s: &Session) -> Result<Captured> {
+/// Returns the captured state and its lease table (for capture `epoch`).
+pub(crate) fn capture(s: &Session, epoch: u16) -> Result<(Captured, Leases)> {
     let backend = &s.backend;
-    let mut cap = Captured::empty(backend.clone(), s.pool.clone(), s.counters.clone());
-    cap.side = backend.create_stream()?;
-    cap.ev_in = backend.create_event()?;
-    cap.ev_out = backend.create_event()?;
     let has_wgrad: Vec<bool> = s
         .callables
         .iter()
@@ -414,54 +415,88 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
         Some(spec) => Schedule::derive(&spec.steps, spec.layers_per_chunk.as_deref(), &has_wgrad)?,
         None => Schedule::sequential(&has_wgrad),
     };
-    let instances = build_instances(s, &mut cap, &schedule)?;
-    cap.instances = instances;
+    let planned = plan_buffers(s, &schedule)?;
+    let side = Stream::new(backend)?;
+    let (ev_in, ev_out) = (Event::new(backend)?, Event::new(backend)?);
+    let statics = DeviceMemory::new(backend, planned.plan.total_bytes)?;
+    MemCounters::add(&s.counters.static_bytes, statics.bytes());
+    let mut leases = Leases::new(epoch);
+    let m = schedule.microbatches;
+    let mut cap = Captured {
+        backend: backend.clone(),
+        counters: s.counters.clone(),
+        instances: Vec::new(),
+        by_callable: vec![Vec::new(); s.callables.len()],
+        order: schedule
+            .passes
+            .iter()
+            .map(|p| PassRef {
+                instance: p.callable * m + p.microbatch,
+                kind: p.kind,
+            })
+            .collect(),
+        tapes: Box::new([]),
+        graph_count: 0,
+        plan: PlanRecord::default(),
+        stage: Stage::default(),
+        arena: None,
+        side,
+        ev_in,
+        ev_out,
+        statics: None,
+    };
+    let base = statics.ptr();
+    cap.statics = Some(statics);
+    cap.instances = place(s, &planned, base, &mut leases)?;
+    for (n, inst) in cap.instances.iter().enumerate() {
+        cap.by_callable[inst.callable].push(n);
+    }
+    for (pos, p) in cap.order.iter().enumerate() {
+        cap.instances[p.instance].position[p.kind.index()] = Some(pos);
+    }
     cap.tapes = (0..cap.instances.len()).map(|_| Cell::new(0)).collect();
+    cap.plan = PlanRecord {
+        plan: planned.plan,
+        buffers: planned.layout.buffers,
+        lifetimes: planned.lifetimes,
+    };
 
     // Static buffers start zeroed; inputs start as the samples.
-    backend.zero(cap.statics, cap.statics_bytes, cap.side)?;
+    let stream = cap.side.raw();
+    backend.zero(base, cap.statics_bytes(), stream)?;
     for inst in &cap.instances {
-        for (t, &dst) in s.callables[inst.callable].inputs.iter().zip(&inst.inputs) {
+        let inputs = &s.callables[inst.callable].inputs;
+        for (t, &dst) in inputs.iter().zip(&inst.buffers.inputs) {
             if t.sample != 0 {
-                backend.copy(dst, t.sample, t.bytes, cap.side)?;
+                backend.copy(dst, t.sample, t.bytes, stream)?;
             }
         }
     }
     if cap
         .instances
         .iter()
-        .flat_map(|i| i.policies.iter().flatten())
-        .any(|&p| p == GradPolicy::AccumulateInto)
+        .any(|i| !i.returns.accumulate.is_empty())
     {
         backend.prepare_accumulate()?;
     }
 
-    let m = schedule.microbatches;
-    let order: Vec<PassRef> = schedule
-        .passes
-        .iter()
-        .map(|p| PassRef {
-            instance: p.callable * m + p.microbatch,
-            kind: p.kind,
-        })
-        .collect();
-
     let scratch = Scratch::measuring(backend.clone());
-    let result = warmup_and_capture(s, &mut cap, &scratch, &order);
+    let result = warmup_and_capture(s, &mut cap, &scratch);
     // Whatever happened, nothing may still run on the side stream when the
     // scratch memory or the capture state is released.
-    let synced = backend.synchronize(cap.side);
+    let synced = backend.synchronize(stream);
     drop(scratch);
     result?;
     synced?;
 
     if !s.opts.clone_param_grads_on_return {
-        let aliased = cap
+        let aliased: usize = cap
             .instances
             .iter()
             .map(|i| {
                 let spec = &s.callables[i.callable];
-                i.policies
+                i.returns
+                    .policies
                     .iter()
                     .zip(&spec.params)
                     .filter(|(pol, p)| {
@@ -471,7 +506,7 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
                     })
                     .count()
             })
-            .sum::<usize>();
+            .sum();
         if aliased > 0 {
             s.log(LogLevel::Warn, || {
                 format!(
@@ -481,16 +516,10 @@ pub(crate) fn capture(s: &Session) -> Result<Captured> {
             });
         }
     }
-    Ok(cap)
+    Ok((cap, leases))
 }
 
-fn warmup_and_capture(
-    s: &Session,
-    cap: &mut Captured,
-    scratch: &Scratch,
-    order: &[PassRef],
-) -> Result<()> {
-    let backend = s.backend.clone();
+fn warmup_and_capture(s: &Session, cap: &mut Captured, scratch: &Arc<Scratch>) -> Result<()> {
     let hook = |point| -> Result<()> {
         match &s.opts.warmup_hook {
             Some(h) => h(point).map_err(|code| Error::CallbackFailed {
@@ -507,6 +536,7 @@ fn warmup_and_capture(
             None => Ok(()),
         }
     };
+    let order = cap.order.clone();
     let mut runner = Runner { s, cap, scratch };
     hook(HookPoint::Pre)?;
     let iterations = s.opts.warmup_iterations;
@@ -514,7 +544,7 @@ fn warmup_and_capture(
         if it > 0 {
             scratch.restart();
         }
-        for &p in order {
+        for &p in &order {
             runner.run(p, Phase::Warmup, it)?;
         }
         if it == 0 {
@@ -525,16 +555,16 @@ fn warmup_and_capture(
         use_measured_arena(s, runner.cap, scratch)?;
     }
     hook(HookPoint::Post)?;
-    backend.synchronize(runner.cap.side)?;
+    s.backend.synchronize(runner.cap.side.raw())?;
     s.log(LogLevel::Debug, || {
         format!(
             "warmup done: {iterations} iteration(s), scratch arena {} bytes",
-            runner.cap.arena.1
+            runner.cap.arena_bytes()
         )
     });
 
     scratch.restart();
-    for &p in order {
+    for &p in &order {
         runner.run(p, Phase::Capture, iterations)?;
     }
     Ok(())
@@ -543,10 +573,11 @@ fn warmup_and_capture(
 /// After the first warmup iteration: the real scratch allocations go, and
 /// an arena of the measured size from the pool takes over.
 fn use_measured_arena(s: &Session, cap: &mut Captured, scratch: &Scratch) -> Result<()> {
-    s.backend.synchronize(cap.side)?;
-    let (base, size) = s.pool.acquire(scratch.high_water())?;
-    cap.arena = (base, size);
+    s.backend.synchronize(cap.side.raw())?;
+    let arena = s.pool.acquire(scratch.high_water())?;
+    let (base, size) = arena.as_ref().map_or((0, 0), |a| (a.base, a.bytes));
     MemCounters::add(&cap.counters.scratch_bytes, size);
+    cap.arena = arena;
     scratch.use_arena(base, size);
     Ok(())
 }

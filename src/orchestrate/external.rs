@@ -9,8 +9,7 @@
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
 use crate::error::{Error, Result};
-use std::collections::HashSet;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex};
 
 /// The external buffers one captured pass must provide, and those it did.
 pub struct Provided {
@@ -21,42 +20,13 @@ pub struct Provided {
     context: String,
 }
 
-fn live() -> MutexGuard<'static, HashSet<usize>> {
-    static LIVE: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    LIVE.get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-}
-
 impl Provided {
-    /// Boxed: its address is the handle the callback's context carries.
-    pub fn new(expected: Vec<(Role, usize)>, context: String) -> Box<Provided> {
-        let p = Box::new(Provided {
+    pub fn new(expected: Vec<(Role, usize)>, context: String) -> Arc<Provided> {
+        Arc::new(Provided {
             expected,
             got: Mutex::new(Vec::new()),
             context,
-        });
-        live().insert(p.handle());
-        p
-    }
-
-    pub fn handle(&self) -> usize {
-        self as *const Provided as usize
-    }
-
-    /// Runs `f` on the collector behind a handle from C, if it is live (it
-    /// is during one capture callback).
-    pub fn with_handle<T>(handle: usize, f: impl FnOnce(&Provided) -> Result<T>) -> Result<T> {
-        let live = live();
-        if handle == 0 || !live.contains(&handle) {
-            return Err(Error::state(
-                "buffers can only be provided during capture (ctx->phase == GRAPHED_PHASE_CAPTURE), \
-                 from the callback of the pass that writes them",
-            ));
-        }
-        // SAFETY: registered handles are live boxed collectors; they
-        // unregister (under this lock) before they are freed.
-        f(unsafe { &*(handle as *const Provided) })
+        })
     }
 
     /// The callback provides `ptr` for (role, index).
@@ -91,7 +61,7 @@ impl Provided {
         for &(role, index) in &self.expected {
             if !got.iter().any(|&(r, i, _)| (r, i) == (role, index)) {
                 return Err(Error::invalid(format!(
-                    "{} declared {} {index} external but did not provide it with graphed_pass_set_buffer \
+                    "{} declared {} {index} external but did not hand its address over (set_buffer) \
                      during capture",
                     self.context,
                     role.name()
@@ -99,11 +69,5 @@ impl Provided {
             }
         }
         Ok(got.clone())
-    }
-}
-
-impl Drop for Provided {
-    fn drop(&mut self) {
-        live().remove(&self.handle());
     }
 }

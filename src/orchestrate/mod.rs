@@ -1,8 +1,9 @@
 //! Orchestration: registration, warmup, capture in order, replay and grad
 //! return, over the [`Backend`](crate::backend::Backend) interface only.
-//! Nothing here knows about C types or about CUDA.
+//! Nothing here knows about C or about CUDA.
 
 pub mod capture;
+pub mod captured;
 pub mod external;
 pub mod pool;
 pub mod replay;
@@ -11,6 +12,8 @@ pub mod scratch;
 pub mod session;
 pub mod spec;
 
-pub use returned::{RefKind, Returned};
-pub use session::{Session, Stats};
+pub use captured::LeaseBook;
+pub use replay::Replayed;
+pub use returned::{CloneBlock, RefKind, Returned};
+pub use session::{Session, SessionCell, Stats};
 pub use spec::*;

@@ -4,11 +4,13 @@
 //! are captured, so a later capture into the same pool reuses the same
 //! memory, on the condition PyTorch states for shared pools: graphs of
 //! sessions sharing a pool are replayed in the order they were captured,
-//! one iteration at a time.
+//! one whole iteration at a time. The pool enforces it: a replay of one
+//! session while another session sharing the pool is in the middle of its
+//! iteration is refused, naming both.
 
 use crate::backend::{Backend, DevPtr};
-use crate::error::Result;
-use std::sync::{Arc, Mutex};
+use crate::error::{Error, Result};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 struct Chunk {
     ptr: DevPtr,
@@ -16,9 +18,52 @@ struct Chunk {
     users: usize,
 }
 
+/// A captured session replaying from this pool.
+struct Member {
+    key: u64,
+    name: String,
+    /// Passes in one iteration (capture order).
+    passes: usize,
+    /// Capture-order position of its last replay, if any.
+    last: Option<usize>,
+}
+
+impl Member {
+    fn mid_iteration(&self) -> bool {
+        self.last.is_some_and(|p| p + 1 < self.passes)
+    }
+}
+
+#[derive(Default)]
+struct Order {
+    members: Vec<Member>,
+    /// The member that replayed last.
+    current: Option<u64>,
+}
+
 pub struct Pool {
     backend: Arc<dyn Backend>,
     chunks: Mutex<Vec<Chunk>>,
+    order: Mutex<Order>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update is complete before the lock is released.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A capture's arena in the pool; returned to the pool when dropped (the
+/// owner has waited for the device first).
+pub struct Arena {
+    pool: Arc<Pool>,
+    pub base: DevPtr,
+    pub bytes: usize,
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        self.pool.release(self.base);
+    }
 }
 
 impl Pool {
@@ -26,6 +71,7 @@ impl Pool {
         Arc::new(Pool {
             backend,
             chunks: Mutex::new(Vec::new()),
+            order: Mutex::new(Order::default()),
         })
     }
 
@@ -33,37 +79,43 @@ impl Pool {
         &self.backend
     }
 
-    /// An arena of at least `bytes` for a capture (0 bytes: none). Reuses the
-    /// smallest chunk that fits, else allocates one. Returns (base, size).
-    pub fn acquire(&self, bytes: usize) -> Result<(DevPtr, usize)> {
+    /// An arena of at least `bytes` for a capture (None for 0 bytes).
+    /// Reuses the smallest chunk that fits, else allocates one.
+    pub fn acquire(self: &Arc<Pool>, bytes: usize) -> Result<Option<Arena>> {
         if bytes == 0 {
-            return Ok((0, 0));
+            return Ok(None);
         }
-        let mut chunks = self.chunks.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = chunks
+        let mut chunks = lock(&self.chunks);
+        let (base, size) = match chunks
             .iter_mut()
             .filter(|c| c.bytes >= bytes)
             .min_by_key(|c| c.bytes)
         {
-            c.users += 1;
-            return Ok((c.ptr, c.bytes));
-        }
-        let ptr = self.backend.alloc(bytes)?;
-        chunks.push(Chunk {
-            ptr,
-            bytes,
-            users: 1,
-        });
-        Ok((ptr, bytes))
+            Some(c) => {
+                c.users += 1;
+                (c.ptr, c.bytes)
+            }
+            None => {
+                let ptr = self.backend.alloc(bytes)?;
+                chunks.push(Chunk {
+                    ptr,
+                    bytes,
+                    users: 1,
+                });
+                (ptr, bytes)
+            }
+        };
+        Ok(Some(Arena {
+            pool: self.clone(),
+            base,
+            bytes: size,
+        }))
     }
 
     /// A capture that used the arena at `base` is gone; a chunk no capture
-    /// uses any more is freed (the caller has synchronized the device).
-    pub fn release(&self, base: DevPtr) {
-        if base == 0 {
-            return;
-        }
-        let mut chunks = self.chunks.lock().unwrap_or_else(|p| p.into_inner());
+    /// uses any more is freed.
+    fn release(&self, base: DevPtr) {
+        let mut chunks = lock(&self.chunks);
         if let Some(i) = chunks.iter().position(|c| c.ptr == base) {
             chunks[i].users -= 1;
             if chunks[i].users == 0 {
@@ -75,11 +127,148 @@ impl Pool {
 
     /// Bytes the pool holds.
     pub fn bytes(&self) -> usize {
-        self.chunks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|c| c.bytes)
-            .sum()
+        lock(&self.chunks).iter().map(|c| c.bytes).sum()
+    }
+
+    /// A session captured into this pool: from now on its replays are
+    /// ordered against the other members'.
+    pub fn join(&self, key: u64, name: &str, passes: usize) {
+        let mut o = lock(&self.order);
+        o.members.retain(|m| m.key != key);
+        o.members.push(Member {
+            key,
+            name: name.to_string(),
+            passes,
+            last: None,
+        });
+    }
+
+    /// A session's graphs are gone (reset or destroyed).
+    pub fn leave(&self, key: u64) {
+        let mut o = lock(&self.order);
+        o.members.retain(|m| m.key != key);
+        if o.current == Some(key) {
+            o.current = None;
+        }
+    }
+
+    /// Checks that session `key` may replay its pass at capture-order
+    /// position `pos` now, and records it. With one member nothing is
+    /// checked (a session alone may replay its graphs as it likes). With
+    /// several, a session may take over from another only when that one
+    /// finished its iteration, and must start with its first pass.
+    /// `pass` describes the pass at a position, for messages.
+    pub fn replaying(
+        &self,
+        key: u64,
+        pos: usize,
+        pass: impl Fn(u64, usize) -> String,
+    ) -> Result<()> {
+        let mut o = lock(&self.order);
+        if o.members.len() > 1 && o.current != Some(key) {
+            let me = o
+                .members
+                .iter()
+                .find(|m| m.key == key)
+                .map(|m| m.name.clone())
+                .unwrap_or_default();
+            if let Some(other) = o.members.iter().find(|m| m.key != key && m.mid_iteration()) {
+                let last = other.last.unwrap_or(0);
+                return Err(Error::state(format!(
+                    "session '{me}' cannot replay {} now: it shares its scratch pool with session '{}', \
+                     which is in the middle of its iteration (its last replay was {}, pass {} of {} in \
+                     capture order; next is {}). Sessions sharing a pool must be replayed one whole \
+                     iteration at a time, in capture order; nothing was replayed",
+                    pass(key, pos),
+                    other.name,
+                    pass(other.key, last),
+                    last + 1,
+                    other.passes,
+                    pass(other.key, last + 1),
+                )));
+            }
+            if pos != 0 && o.current.is_some() {
+                let other = o
+                    .current
+                    .and_then(|k| o.members.iter().find(|m| m.key == k))
+                    .map_or("another session".to_string(), |m| {
+                        format!("session '{}'", m.name)
+                    });
+                return Err(Error::state(format!(
+                    "session '{me}' cannot replay {} now: {other}, which shares its scratch pool, replayed \
+                     last, so '{me}' must start its iteration with its first pass in capture order ({}). \
+                     Sessions sharing a pool must be replayed one whole iteration at a time, in capture \
+                     order; nothing was replayed",
+                    pass(key, pos),
+                    pass(key, 0),
+                )));
+            }
+        }
+        o.current = Some(key);
+        if let Some(m) = o.members.iter_mut().find(|m| m.key == key) {
+            m.last = Some(pos);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::host::HostBackend;
+
+    fn pass(key: u64, pos: usize) -> String {
+        format!("s{key}p{pos}")
+    }
+
+    #[test]
+    fn a_lone_session_replays_as_it_likes() {
+        let p = Pool::new(HostBackend::new());
+        p.join(1, "a", 4);
+        for pos in [2, 0, 0, 3, 1] {
+            p.replaying(1, pos, pass).unwrap();
+        }
+    }
+
+    #[test]
+    fn sharing_sessions_take_whole_iterations_in_turn() {
+        let p = Pool::new(HostBackend::new());
+        p.join(1, "a", 3);
+        p.join(2, "b", 2);
+        p.replaying(1, 0, pass).unwrap();
+        p.replaying(1, 1, pass).unwrap();
+        let e = p.replaying(2, 0, pass).unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("session 'b'") && m.contains("session 'a'"),
+            "{m}"
+        );
+        assert!(m.contains("s1p1") && m.contains("next is s1p2"), "{m}");
+        p.replaying(1, 2, pass).unwrap();
+        let e = p.replaying(2, 1, pass).unwrap_err();
+        assert!(
+            e.to_string().contains("first pass in capture order (s2p0)"),
+            "{e}"
+        );
+        p.replaying(2, 0, pass).unwrap();
+        p.replaying(2, 1, pass).unwrap();
+        p.replaying(1, 0, pass).unwrap();
+        // A member that leaves no longer blocks anyone.
+        p.leave(1);
+        p.replaying(2, 1, pass).unwrap();
+    }
+
+    #[test]
+    fn arenas_are_shared_and_freed_by_the_last_user() {
+        let p = Pool::new(HostBackend::new());
+        let a = p.acquire(1000).unwrap().unwrap();
+        let b = p.acquire(500).unwrap().unwrap();
+        assert_eq!(a.base, b.base, "the smaller request reuses the chunk");
+        assert_eq!(p.bytes(), 1000);
+        drop(a);
+        assert_eq!(p.bytes(), 1000);
+        drop(b);
+        assert_eq!(p.bytes(), 0);
+        assert!(p.acquire(0).unwrap().is_none());
     }
 }

@@ -1,33 +1,32 @@
-//! What replay hands back: references to static buffers (aliases) and
-//! clone blocks. All CLONE grads of one backward live in one block (one
-//! allocation, filled by one copy of the slab's clone span); each grad
-//! handed out holds one reference, and the block is freed, in stream order
-//! on the stream it was returned on, when the last reference is released.
+//! What replay hands back: references to static buffers (aliases), caller
+//! buffers (COPY_INTO, ACCUMULATE_INTO) and clone blocks. All CLONE grads
+//! of one backward live in one block (filled by one copy of the slab's clone
+//! span); the caller names it by a handle that counts one reference per
+//! grad. When the last reference goes, the block returns to its instance's
+//! ring for a later replay (in stream order, through an event), or is
+//! freed when it came from the caller's allocator or its session is gone.
 
-use crate::backend::{Backend, DevPtr, MemCounters, StreamRef};
+use super::spec::{CloneAllocator, MemCounters};
+use crate::backend::{Backend, DevPtr, Event, StreamRef};
 use crate::error::{Error, Result};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use super::spec::CloneAllocator;
-
-/// What a returned reference is. C name: `graphed_ref_kind`.
-#[repr(u32)]
+/// What a returned reference is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RefKind {
     /// Nothing is returned for this slot (no gradient, or returned by
     /// another call).
     #[default]
-    None = 0,
+    None,
     /// The static buffer itself; valid until the replay that overwrites it.
-    Alias = 1,
-    /// An owned copy; release it with graphed_buffer_release.
-    Clone = 2,
+    Alias,
+    /// An owned copy in the replay's clone block.
+    Clone,
     /// Copied into the caller's buffer.
-    CopyInto = 3,
+    CopyInto,
     /// Added into the caller's buffer.
-    AccumulateInto = 4,
+    AccumulateInto,
 }
 
 /// One returned reference.
@@ -36,137 +35,197 @@ pub struct Returned {
     pub ptr: DevPtr,
     pub bytes: usize,
     pub kind: RefKind,
-    /// Clone block handle (one reference), 0 for none.
-    pub owner: usize,
     /// Strict-lease token, 0 for none.
     pub lease: u64,
 }
 
-/// One allocation of returned clones.
-pub struct GradBlock {
-    pub ptr: DevPtr,
-    pub bytes: usize,
-    stream: StreamRef,
-    backend: Arc<dyn Backend>,
-    allocator: Option<Arc<dyn CloneAllocator>>,
-    counters: Arc<MemCounters>,
+/// Where a clone block comes from and goes back to.
+enum Origin {
+    /// The instance's ring: released blocks are recycled for later replays.
+    Ring(Weak<CloneRing>),
+    /// The caller's allocator (a fresh block per replay, freed through it).
+    Caller(Arc<dyn CloneAllocator>),
 }
 
-impl GradBlock {
-    /// Allocates a block of `bytes` on `stream`, from the caller's
-    /// allocator when the session has one, else from the backend's pool.
-    pub fn alloc(
+/// One block of returned clones: every CLONE grad of one replay.
+pub struct CloneBlock {
+    pub ptr: DevPtr,
+    pub bytes: usize,
+    backend: Arc<dyn Backend>,
+    counters: Arc<MemCounters>,
+    origin: Origin,
+    /// The stream the block was last returned on: its release is ordered
+    /// after the work enqueued there.
+    stream: AtomicUsize,
+    /// Ring blocks: recorded on that stream at release; a replay that
+    /// reuses the block waits for it before writing.
+    event: Option<Event>,
+    recorded: AtomicBool,
+}
+
+impl CloneBlock {
+    /// A block from the caller's allocator, on `stream`.
+    pub fn from_caller(
         backend: &Arc<dyn Backend>,
-        allocator: &Option<Arc<dyn CloneAllocator>>,
+        allocator: &Arc<dyn CloneAllocator>,
         counters: &Arc<MemCounters>,
         bytes: usize,
         stream: StreamRef,
-    ) -> Result<GradBlock> {
-        let ptr = match allocator {
-            Some(a) => a.alloc(bytes, stream).map_err(|code| {
-                Error::OutOfMemory(format!(
-                    "the session's clone allocator returned {code} for {bytes} bytes"
-                ))
-            })?,
-            None => backend.alloc_async(bytes, stream)?,
-        };
+    ) -> Result<Arc<CloneBlock>> {
+        let ptr = allocator.alloc(bytes, stream).map_err(|code| {
+            Error::OutOfMemory(format!(
+                "the session's clone allocator returned {code} for {bytes} bytes"
+            ))
+        })?;
         if ptr == 0 {
             return Err(Error::OutOfMemory(format!(
                 "the session's clone allocator returned NULL for {bytes} bytes"
             )));
         }
-        MemCounters::add(&counters.clone_bytes, bytes);
-        MemCounters::add(&counters.clone_blocks, 1);
-        Ok(GradBlock {
+        let block = Arc::new(CloneBlock {
             ptr,
             bytes,
-            stream,
             backend: backend.clone(),
-            allocator: allocator.clone(),
             counters: counters.clone(),
-        })
+            origin: Origin::Caller(allocator.clone()),
+            stream: AtomicUsize::new(stream.0),
+            event: None,
+            recorded: AtomicBool::new(false),
+        });
+        block.handed_out();
+        Ok(block)
     }
-}
 
-impl GradBlock {
+    fn handed_out(&self) {
+        MemCounters::add(&self.counters.clone_bytes, self.bytes);
+        MemCounters::add(&self.counters.clone_blocks, 1);
+    }
+
     /// The stream whose order the block's release follows (the stream it
     /// is returned on).
-    pub fn set_stream(&mut self, stream: StreamRef) {
-        self.stream = stream;
+    pub fn set_stream(&self, stream: StreamRef) {
+        self.stream.store(stream.0, Ordering::Relaxed);
     }
-}
 
-impl Drop for GradBlock {
-    fn drop(&mut self) {
-        let _ctx = self.backend.bind();
-        match &self.allocator {
-            Some(a) => a.free(self.ptr, self.bytes, self.stream),
-            None => self.backend.free_async(self.ptr, self.stream),
-        }
+    fn stream(&self) -> StreamRef {
+        StreamRef(self.stream.load(Ordering::Relaxed))
+    }
+
+    /// The caller released the last reference: a ring block goes back to
+    /// its ring (after the work enqueued on its stream, through its event);
+    /// any other block is freed, in that stream's order.
+    pub fn release(self: Arc<CloneBlock>) -> Result<()> {
         MemCounters::sub(&self.counters.clone_bytes, self.bytes);
         MemCounters::sub(&self.counters.clone_blocks, 1);
+        if let (Origin::Ring(ring), Some(event)) = (&self.origin, &self.event) {
+            if let Some(ring) = ring.upgrade() {
+                let _ctx = self.backend.bind()?;
+                self.backend.record(event.raw(), self.stream())?;
+                self.recorded.store(true, Ordering::Relaxed);
+                MemCounters::add(&self.counters.clone_cached_bytes, self.bytes);
+                ring.lock().push(self);
+                return Ok(());
+            }
+        }
+        drop(self);
+        Ok(())
     }
 }
 
-struct Entry {
-    /// Held for its `Drop`, which frees the memory.
-    _block: GradBlock,
-    refs: usize,
-}
-
-/// Live blocks by handle, with their outstanding references. Handles are
-/// never reused (a counter, not an address), so a release after the last
-/// one is reported instead of freeing twice, and blocks live inline in the
-/// map: once it has grown to the steady-state number of live blocks,
-/// publishing and releasing allocate nothing.
-fn blocks() -> MutexGuard<'static, HashMap<usize, Entry>> {
-    static BLOCKS: OnceLock<Mutex<HashMap<usize, Entry>>> = OnceLock::new();
-    BLOCKS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-}
-
-/// Registers a block with `refs` references; returns its handle (never 0).
-pub fn publish(block: GradBlock, refs: usize) -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(1);
-    let handle = NEXT.fetch_add(1, Ordering::Relaxed);
-    blocks().insert(
-        handle,
-        Entry {
-            _block: block,
-            refs,
-        },
-    );
-    handle
-}
-
-fn unknown(handle: usize) -> Error {
-    Error::UseAfterDestroy(format!(
-        "graphed_buffer 0x{handle:x} is not live: every reference to it was already released"
-    ))
-}
-
-pub fn retain(handle: usize) -> Result<()> {
-    let mut b = blocks();
-    let e = b.get_mut(&handle).ok_or_else(|| unknown(handle))?;
-    e.refs += 1;
-    Ok(())
-}
-
-/// Drops one reference; the last one frees the block.
-pub fn release(handle: usize) -> Result<()> {
-    let freed = {
-        let mut b = blocks();
-        let e = b.get_mut(&handle).ok_or_else(|| unknown(handle))?;
-        e.refs -= 1;
-        if e.refs == 0 {
-            b.remove(&handle)
-        } else {
-            None
+impl Drop for CloneBlock {
+    fn drop(&mut self) {
+        let _ctx = self.backend.bind();
+        match &self.origin {
+            Origin::Caller(a) => a.free(self.ptr, self.bytes, self.stream()),
+            Origin::Ring(_) => self.backend.free_async(self.ptr, self.stream()),
         }
-    };
-    // Free outside the registry lock: a caller's free callback may call back.
-    drop(freed);
-    Ok(())
+    }
+}
+
+/// The recycled clone blocks of one instance: a backward replay takes a
+/// released block (its writes wait for the release's event) or, when none
+/// is free, allocates one; the caller's release puts it back. In steady
+/// state (each step's grads released before the next step's) no memory is
+/// allocated and nothing is allocated on the host.
+pub struct CloneRing {
+    backend: Arc<dyn Backend>,
+    counters: Arc<MemCounters>,
+    bytes: usize,
+    free: Mutex<Vec<Arc<CloneBlock>>>,
+}
+
+impl CloneRing {
+    pub fn new(
+        backend: &Arc<dyn Backend>,
+        counters: &Arc<MemCounters>,
+        bytes: usize,
+    ) -> Arc<CloneRing> {
+        Arc::new(CloneRing {
+            backend: backend.clone(),
+            counters: counters.clone(),
+            bytes,
+            free: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Arc<CloneBlock>>> {
+        // Pushes and pops are complete updates.
+        self.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A block for a replay on `stream`: later work on `stream` is ordered
+    /// after the block's previous release.
+    pub fn take(self: &Arc<CloneRing>, stream: StreamRef) -> Result<Arc<CloneBlock>> {
+        let reused = self.lock().pop();
+        let block = match reused {
+            Some(b) => {
+                MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
+                if b.recorded.load(Ordering::Relaxed) {
+                    if let Some(e) = &b.event {
+                        if let Err(e2) = self.backend.wait(stream, e.raw()) {
+                            MemCounters::add(&self.counters.clone_cached_bytes, b.bytes);
+                            self.lock().push(b);
+                            return Err(e2);
+                        }
+                    }
+                }
+                b
+            }
+            None => {
+                let event = Event::new(&self.backend)?;
+                let ptr = self.backend.alloc_async(self.bytes, stream)?;
+                Arc::new(CloneBlock {
+                    ptr,
+                    bytes: self.bytes,
+                    backend: self.backend.clone(),
+                    counters: self.counters.clone(),
+                    origin: Origin::Ring(Arc::downgrade(self)),
+                    stream: AtomicUsize::new(stream.0),
+                    event: Some(event),
+                    recorded: AtomicBool::new(false),
+                })
+            }
+        };
+        block.set_stream(stream);
+        block.handed_out();
+        Ok(block)
+    }
+
+    /// Blocks held for reuse, and their bytes.
+    pub fn cached(&self) -> (usize, usize) {
+        let n = self.lock().len();
+        (n, n * self.bytes)
+    }
+}
+
+impl Drop for CloneRing {
+    fn drop(&mut self) {
+        // The session is going: it waited for the device, so the cached
+        // blocks are idle; their last streams may be gone, so they are freed
+        // in the default stream's order.
+        for b in self.lock().drain(..) {
+            MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
+            b.set_stream(StreamRef(0));
+        }
+    }
 }

@@ -7,9 +7,10 @@
 
 use crate::backend::{Backend, DevPtr};
 use crate::core::arena::Arena;
+use crate::core::size;
 use crate::error::{Error, Result};
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 enum Mode {
     /// Real allocations, measured by the unbounded arena.
@@ -37,19 +38,10 @@ pub struct Scratch {
     state: Mutex<State>,
 }
 
-/// Live scratch allocators by address: a handle from C is checked here.
-fn live() -> MutexGuard<'static, HashSet<usize>> {
-    static LIVE: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    LIVE.get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-}
-
 impl Scratch {
-    /// Starts in measuring mode (first warmup iteration). Boxed: its
-    /// address is the handle callbacks get.
-    pub fn measuring(backend: Arc<dyn Backend>) -> Box<Scratch> {
-        let s = Box::new(Scratch {
+    /// Starts in measuring mode (first warmup iteration).
+    pub fn measuring(backend: Arc<dyn Backend>) -> Arc<Scratch> {
+        Arc::new(Scratch {
             backend,
             state: Mutex::new(State {
                 mode: Mode::Measuring {
@@ -60,28 +52,7 @@ impl Scratch {
                 context: String::new(),
                 failure: None,
             }),
-        });
-        live().insert(s.handle());
-        s
-    }
-
-    pub fn handle(&self) -> usize {
-        self as *const Scratch as usize
-    }
-
-    /// Runs `f` on the scratch allocator behind a handle from C, if it is
-    /// live (it is only during a capture's callbacks).
-    pub fn with_handle<T>(handle: usize, f: impl FnOnce(&Scratch) -> Result<T>) -> Result<T> {
-        let live = live();
-        if !live.contains(&handle) {
-            return Err(Error::UseAfterDestroy(format!(
-                "graphed_scratch 0x{handle:x} is not live: a scratch allocator is valid only inside the \
-                 callback it was passed to"
-            )));
-        }
-        // SAFETY: registered handles are addresses of live boxed Scratch
-        // objects; they unregister (under this lock) before they are freed.
-        f(unsafe { &*(handle as *const Scratch) })
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -101,14 +72,21 @@ impl Scratch {
     }
 
     pub fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        if bytes > size::MAX_BYTES {
+            return Err(Error::OutOfMemory(format!(
+                "{bytes} bytes of scratch: graphed places at most 2^48 bytes per allocation"
+            )));
+        }
         let mut st = self.lock();
         let st = &mut *st;
         match &mut st.mode {
             Mode::Measuring { real, .. } => {
-                let offset = st
-                    .arena
-                    .alloc(bytes)
-                    .ok_or_else(|| Error::Internal("unbounded arena refused".into()))?;
+                let offset = st.arena.alloc(bytes).ok_or_else(|| {
+                    Error::OutOfMemory(format!(
+                        "{}: scratch requests total more than the address space",
+                        st.context
+                    ))
+                })?;
                 match self.backend.alloc(bytes) {
                     Ok(p) => {
                         real.insert(p, offset);
@@ -151,7 +129,7 @@ impl Scratch {
         match offset {
             Some(o) if st.arena.free(o) => Ok(()),
             _ => Err(Error::invalid(format!(
-                "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from graphed_scratch_alloc)",
+                "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from this scratch allocator)",
                 st.context
             ))),
         }
@@ -188,7 +166,6 @@ impl Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        live().remove(&self.handle());
         // Only reached with real allocations when capture failed during the
         // first iteration; the capture code synchronized before dropping.
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());

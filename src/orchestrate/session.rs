@@ -1,174 +1,25 @@
 //! The session: callables registered, then captured once into graphs that
 //! share one pool, then replayed; reset releases everything captured. The
-//! captured state (`Captured`) owns every device resource of the capture and
-//! releases them all when dropped, so a failed capture leaves nothing behind
-//! and the session can be captured again.
+//! captured state (`Captured`) owns every device resource of the capture
+//! and releases them all when dropped, so a failed capture leaves nothing
+//! behind and the session can be captured again. [`SessionCell`] is the
+//! session as callers reach it: behind a lock that a second concurrent call
+//! finds busy, with its lease book and pool reachable without that lock.
 
-use crate::backend::{
-    AccItem, Backend, BackendKind, DevPtr, EventRef, Graph, MemCounters, StreamRef,
-};
-use crate::core::layout::{BufferDesc, CloneLayout, Role};
-use crate::core::lease::Leases;
-use crate::core::plan::{Lifetime, Plan};
-use crate::core::policy::{Destinations, GradPolicy, KNOWN_PARAM_FLAGS};
-use crate::error::{Error, Result};
-use std::cell::Cell;
-use std::sync::Arc;
-
+use super::capture;
+use super::captured::{Captured, LeaseBook};
 use super::pool::Pool;
-use super::returned::Returned;
-use super::spec::{CallableSpec, LogLevel, SessionOptions, TensorSpec};
-
-/// One captured (callable, microbatch) pair: its static buffers, its frozen
-/// policies, its graphs and its lease bookkeeping.
-pub(crate) struct Instance {
-    pub callable: usize,
-    pub microbatch: u32,
-    pub inputs: Vec<DevPtr>,
-    pub outputs: Vec<DevPtr>,
-    pub grad_outputs: Vec<DevPtr>,
-    pub grad_inputs: Vec<DevPtr>,
-    pub params: Vec<DevPtr>,
-    pub param_grads: Vec<DevPtr>,
-    pub param_bytes: Vec<usize>,
-    /// Frozen grad policy of each parameter (None: no grad).
-    pub policies: Vec<Option<GradPolicy>>,
-    /// The COPY_INTO and ACCUMULATE_INTO parameters, derived from `policies`.
-    pub destinations: Destinations,
-    pub slab_base: DevPtr,
-    /// Where the CLONE grads of a replay go in their block.
-    pub clone: CloneLayout,
-    /// The external buffers each pass provides at capture.
-    pub external: ExternalBuffers,
-    pub fwd: Option<Box<dyn Graph>>,
-    pub bwd: Option<Box<dyn Graph>>,
-    pub wgrad: Option<Box<dyn Graph>>,
-    /// Lease slots each replay would overwrite (strict leases only).
-    pub check_fwd: Vec<usize>,
-    pub check_bwd: Vec<usize>,
-    pub check_wgrad: Vec<usize>,
-    /// Lease slot of each output / grad-input / ALIAS param slot.
-    pub lease_out: Vec<usize>,
-    pub lease_gin: Vec<Option<usize>>,
-    pub lease_param: Vec<Option<usize>>,
-}
-
-/// (role, index) of the external buffers each pass of an instance provides.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct ExternalBuffers {
-    pub forward: Vec<(Role, usize)>,
-    pub backward: Vec<(Role, usize)>,
-    pub wgrad: Vec<(Role, usize)>,
-}
-
-impl Instance {
-    /// Whether parameter grads come from a separate weight-grad replay.
-    pub fn has_wgrad(&self) -> bool {
-        self.wgrad.is_some()
-    }
-}
-
-/// Everything a capture made. Dropping it waits for the device, destroys
-/// the graphs, frees the static buffers and returns the arena to the pool.
-pub(crate) struct Captured {
-    pub backend: Arc<dyn Backend>,
-    pub pool: Arc<Pool>,
-    pub counters: Arc<MemCounters>,
-    pub statics: DevPtr,
-    pub statics_bytes: usize,
-    pub arena: (DevPtr, usize),
-    pub side: StreamRef,
-    pub ev_in: EventRef,
-    pub ev_out: EventRef,
-    pub instances: Vec<Instance>,
-    /// Instance index by [callable][microbatch].
-    pub by_callable: Vec<Vec<usize>>,
-    pub leases: Leases,
-    pub tapes: Box<[Cell<usize>]>,
-    pub graph_count: u32,
-    /// The static-buffer plan, with the buffers and lifetimes it placed.
-    pub plan: Plan,
-    pub buffers: Vec<BufferDesc>,
-    pub lifetimes: Vec<Lifetime>,
-    pub stage_a: Vec<Returned>,
-    pub stage_b: Vec<Returned>,
-    pub stage_acc: Vec<AccItem>,
-}
-
-impl Captured {
-    pub fn empty(
-        backend: Arc<dyn Backend>,
-        pool: Arc<Pool>,
-        counters: Arc<MemCounters>,
-    ) -> Captured {
-        Captured {
-            backend,
-            pool,
-            counters,
-            statics: 0,
-            statics_bytes: 0,
-            arena: (0, 0),
-            side: StreamRef(0),
-            ev_in: EventRef(0),
-            ev_out: EventRef(0),
-            instances: Vec::new(),
-            by_callable: Vec::new(),
-            leases: Leases::default(),
-            tapes: Box::new([]),
-            graph_count: 0,
-            plan: Plan::default(),
-            buffers: Vec::new(),
-            lifetimes: Vec::new(),
-            stage_a: Vec::new(),
-            stage_b: Vec::new(),
-            stage_acc: Vec::new(),
-        }
-    }
-
-    pub fn instance_index(&self, callable: u32, microbatch: u32) -> Result<usize> {
-        let per = self.by_callable.get(callable as usize).ok_or_else(|| {
-            Error::invalid(format!(
-                "callable {callable} does not exist (the session has {} callables)",
-                self.by_callable.len()
-            ))
-        })?;
-        per.get(microbatch as usize).copied().ok_or_else(|| {
-            Error::invalid(format!(
-                "microbatch {microbatch} does not exist for callable {callable} (it was captured for {} microbatch(es))",
-                per.len()
-            ))
-        })
-    }
-}
-
-impl Drop for Captured {
-    fn drop(&mut self) {
-        let _ctx = self.backend.bind();
-        // Replays may still be running on the caller's streams.
-        let _ = self.backend.synchronize_device();
-        for inst in &mut self.instances {
-            inst.fwd = None;
-            inst.bwd = None;
-            inst.wgrad = None;
-        }
-        if self.statics != 0 {
-            self.backend.free(self.statics);
-            MemCounters::sub(&self.counters.static_bytes, self.statics_bytes);
-        }
-        if self.arena.0 != 0 {
-            self.pool.release(self.arena.0);
-            MemCounters::sub(&self.counters.scratch_bytes, self.arena.1);
-        }
-        for e in [self.ev_in, self.ev_out] {
-            if e.0 != 0 {
-                self.backend.destroy_event(e);
-            }
-        }
-        if self.side.0 != 0 {
-            self.backend.destroy_stream(self.side);
-        }
-    }
-}
+use super::spec::{CallableSpec, LogLevel, MemCounters, SessionOptions, TensorSpec};
+use crate::backend::{Backend, BackendKind, DevPtr};
+use crate::core::layout::Role;
+use crate::core::lease::Leases;
+use crate::core::plan::Lifetime;
+use crate::core::policy::{GradPolicy, ParamFlags};
+use crate::core::schedule::check_steps;
+use crate::core::size;
+use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 pub(crate) enum State {
     Open,
@@ -188,6 +39,8 @@ pub struct Stats {
     pub pool_bytes: u64,
     pub clone_bytes_outstanding: u64,
     pub clone_blocks_outstanding: u64,
+    /// Released clone blocks kept for reuse by later replays.
+    pub clone_bytes_cached: u64,
     pub graph_count: u32,
     pub callables: u32,
     pub instances: u32,
@@ -202,12 +55,18 @@ pub struct Session {
     pub(crate) callables: Vec<CallableSpec>,
     pub(crate) state: State,
     pub(crate) counters: Arc<MemCounters>,
+    pub(crate) leases: Arc<LeaseBook>,
+    /// Identifies the session to its pool.
+    pub(crate) key: u64,
+    /// Captures so far (lease tokens carry it).
+    epoch: u16,
 }
 
 fn check_tensor(t: &TensorSpec, what: &str) -> Result<()> {
     if t.bytes == 0 {
         return Err(Error::invalid(format!("{what}.bytes is 0")));
     }
+    size::check_bytes(t.bytes, &format!("{what}.bytes"))?;
     if t.bytes % t.dtype.size() != 0 {
         return Err(Error::invalid(format!(
             "{what}.bytes ({}) is not a multiple of the {} element size ({})",
@@ -244,6 +103,7 @@ impl Session {
         pool: Option<Arc<Pool>>,
         opts: SessionOptions,
     ) -> Result<Session> {
+        static KEYS: AtomicU64 = AtomicU64::new(1);
         let pool = match pool {
             Some(p) => {
                 let other = p.backend();
@@ -261,7 +121,7 @@ impl Session {
             None => Pool::new(backend.clone()),
         };
         match &opts.schedule {
-            Some(spec) => crate::core::schedule::check_steps(&spec.steps)?,
+            Some(spec) => check_steps(&spec.steps)?,
             None if opts.reuse_buffers => {
                 return Err(Error::InvalidSchedule(
                     "reuse_buffers needs a pipeline schedule: buffer lifetimes come from the schedule's order".into(),
@@ -276,6 +136,9 @@ impl Session {
             callables: Vec::new(),
             state: State::Open,
             counters: Arc::new(MemCounters::default()),
+            leases: Arc::new(LeaseBook::default()),
+            key: KEYS.fetch_add(1, Ordering::Relaxed),
+            epoch: 0,
         };
         if !s.opts.clone_param_grads_on_return {
             s.log(LogLevel::Warn, || {
@@ -293,8 +156,8 @@ impl Session {
         self.backend.kind()
     }
 
-    pub fn pool(&self) -> Arc<Pool> {
-        self.pool.clone()
+    pub fn name(&self) -> &str {
+        &self.opts.name
     }
 
     pub(crate) fn log(&self, level: LogLevel, msg: impl FnOnce() -> String) {
@@ -320,20 +183,11 @@ impl Session {
         match &self.state {
             State::Captured(c) => Ok(c),
             State::Open => Err(Error::state(
-                "the session is not captured yet: call graphed_session_capture first",
+                "the session is not captured yet: capture it first",
             )),
             State::Reset => Err(Error::SessionReset(
-                "its graphs and static buffers were released by graphed_session_reset; destroy it"
-                    .into(),
+                "its graphs and static buffers were released by a reset; destroy it".into(),
             )),
-        }
-    }
-
-    pub(crate) fn captured_mut(&mut self) -> Result<&mut Captured> {
-        self.captured()?;
-        match &mut self.state {
-            State::Captured(c) => Ok(c),
-            _ => Err(Error::Internal("state changed".into())),
         }
     }
 
@@ -361,6 +215,9 @@ impl Session {
                 "{who} has a weight-grad callback but no parameter that requires a gradient"
             )));
         }
+        if n >= u32::MAX as usize {
+            return Err(Error::invalid("a session holds at most 2^32 - 1 callables"));
+        }
         self.callables.push(spec);
         Ok(n as u32)
     }
@@ -381,14 +238,8 @@ impl Session {
     }
 
     /// Changes a parameter's flags before capture (at capture they freeze).
-    pub fn set_param_flags(&mut self, callable: u32, param: u32, flags: u32) -> Result<()> {
+    pub fn set_param_flags(&mut self, callable: u32, param: u32, flags: ParamFlags) -> Result<()> {
         self.open("changing parameter flags")?;
-        if flags & !KNOWN_PARAM_FLAGS != 0 {
-            return Err(Error::invalid(format!(
-                "flags has unknown bits 0x{:x}",
-                flags & !KNOWN_PARAM_FLAGS
-            )));
-        }
         let n = self.callables.len();
         let c = self.callables.get_mut(callable as usize).ok_or_else(|| {
             Error::invalid(format!(
@@ -415,12 +266,16 @@ impl Session {
             ));
         }
         let _ctx = self.backend.bind()?;
-        let captured = super::capture::capture(self)?;
+        self.epoch = self.epoch.wrapping_add(1);
+        let (captured, leases) = capture::capture(self, self.epoch)?;
         let (n, st, sc) = (
             captured.graph_count,
-            captured.statics_bytes,
-            captured.arena.1,
+            captured.statics_bytes(),
+            captured.arena_bytes(),
         );
+        *self.leases.lock() = leases;
+        self.pool
+            .join(self.key, &self.opts.name, captured.order.len());
         self.state = State::Captured(Box::new(captured));
         self.log(LogLevel::Info, || {
             format!(
@@ -435,33 +290,25 @@ impl Session {
     /// SessionReset. Clones already returned stay valid. Idempotent.
     pub fn reset(&mut self) -> Result<()> {
         let _ctx = self.backend.bind()?;
+        self.pool.leave(self.key);
         self.state = State::Reset;
+        *self.leases.lock() = Leases::new(self.epoch.wrapping_add(1));
         Ok(())
     }
 
-    pub fn release_lease(&mut self, lease: u64) -> Result<()> {
-        self.captured_mut()?.leases.release(lease)
-    }
-
     /// The static buffers of one role of an instance (0 where absent).
-    pub fn buffers(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<DevPtr>> {
+    pub fn buffers(&self, callable: u32, microbatch: u32, role: Role) -> Result<&[DevPtr]> {
         let cap = self.captured()?;
         let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
-        Ok(match role {
-            Role::Input => inst.inputs.clone(),
-            Role::Output => inst.outputs.clone(),
-            Role::GradOutput => inst.grad_outputs.clone(),
-            Role::GradInput => inst.grad_inputs.clone(),
-            Role::ParamGrads => inst.param_grads.clone(),
-        })
+        Ok(inst.buffers.of_role(role))
     }
 
     /// The frozen grad policy of each parameter of a callable (None where
     /// it takes no gradient).
-    pub fn policies(&self, callable: u32) -> Result<Vec<Option<GradPolicy>>> {
+    pub fn policies(&self, callable: u32) -> Result<&[Option<GradPolicy>]> {
         let cap = self.captured()?;
         let inst = &cap.instances[cap.instance_index(callable, 0)?];
-        Ok(inst.policies.clone())
+        Ok(&inst.returns.policies)
     }
 
     pub fn stats(&self) -> Stats {
@@ -472,16 +319,17 @@ impl Session {
             pool_bytes: self.pool.bytes() as u64,
             clone_bytes_outstanding: get(&self.counters.clone_bytes),
             clone_blocks_outstanding: get(&self.counters.clone_blocks),
+            clone_bytes_cached: get(&self.counters.clone_cached_bytes),
             callables: self.callables.len() as u32,
+            leases_held: self.leases.held() as u32,
             ..Stats::default()
         };
         if let State::Captured(c) = &self.state {
-            st.static_bytes_without_reuse = c.plan.disjoint_bytes as u64;
-            st.peak_live_bytes = c.plan.peak_live_bytes as u64;
+            st.static_bytes_without_reuse = c.plan.plan.disjoint_bytes as u64;
+            st.peak_live_bytes = c.plan.plan.peak_live_bytes as u64;
             st.microbatches = c.by_callable.first().map_or(0, |v| v.len() as u32);
             st.graph_count = c.graph_count;
             st.instances = c.instances.len() as u32;
-            st.leases_held = c.leases.held_count() as u32;
             st.captured = true;
         }
         st
@@ -493,7 +341,7 @@ impl Session {
     pub fn plan_dump(&self) -> Result<String> {
         use std::fmt::Write;
         let cap = self.captured()?;
-        let p = &cap.plan;
+        let p = &cap.plan.plan;
         let mut out = String::new();
         let _ = writeln!(
             out,
@@ -501,16 +349,17 @@ impl Session {
             p.total_bytes,
             p.disjoint_bytes,
             p.peak_live_bytes,
-            cap.buffers.len(),
+            cap.plan.buffers.len(),
             p.slot_of.iter().max().map_or(0, |m| m + 1)
         );
         let _ = writeln!(
             out,
             "callable  microbatch  role             index  bytes       offset      slot  lifetime"
         );
-        for (i, b) in cap.buffers.iter().enumerate() {
+        for (i, b) in cap.plan.buffers.iter().enumerate() {
             let inst = &cap.instances[b.instance];
             let lt = cap
+                .plan
                 .lifetimes
                 .get(i)
                 .copied()
@@ -542,6 +391,44 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         let _ctx = self.backend.bind();
+        self.pool.leave(self.key);
         self.state = State::Reset;
+    }
+}
+
+/// A session as callers reach it. The session itself is behind a lock
+/// that a second concurrent call (another thread, or a callback calling
+/// back into its own session) finds busy; the lease book and the pool are
+/// usable without it.
+pub struct SessionCell {
+    session: Mutex<Session>,
+    pub leases: Arc<LeaseBook>,
+    pub pool: Arc<Pool>,
+    pub name: String,
+}
+
+impl SessionCell {
+    pub fn new(session: Session) -> SessionCell {
+        SessionCell {
+            leases: session.leases.clone(),
+            pool: session.pool.clone(),
+            name: session.opts.name.clone(),
+            session: Mutex::new(session),
+        }
+    }
+
+    /// The session, or `Busy` while another call holds it.
+    pub fn lock(&self) -> Result<MutexGuard<'_, Session>> {
+        match self.session.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::WouldBlock) => Err(Error::Busy(format!(
+                "session '{}' is in use by another call: a callback called back into its own session, \
+                 or two threads used it at once",
+                self.name
+            ))),
+            // A panic inside a previous call was caught at the boundary; the
+            // session's invariants hold between statements, so carry on.
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+        }
     }
 }

@@ -6,8 +6,9 @@ use crate::backend::{CaptureMode, DevPtr, StreamRef};
 use crate::core::dtype::DType;
 use crate::core::policy::ParamSpec;
 use crate::core::schedule::ScheduleStep;
-use crate::error::{PassKind, Result};
+use crate::core::PassKind;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::external::Provided;
@@ -30,12 +31,10 @@ pub struct TensorSpec {
 }
 
 /// Whether a callback runs eagerly in warmup or under stream capture.
-/// C name: `graphed_phase`.
-#[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
-    Warmup = 0,
-    Capture = 1,
+    Warmup,
+    Capture,
 }
 
 impl Phase {
@@ -54,8 +53,8 @@ pub enum HookPoint {
     Post,
 }
 
-/// What a callback sees: the stream to enqueue on and the static buffers of
-/// its instance. Arrays hold 0 where a buffer does not exist.
+/// What a callback (or hook) sees: the stream to enqueue on and the static
+/// buffers of its instance. Arrays hold 0 where a buffer does not exist.
 pub struct PassView<'a> {
     pub callable: u32,
     pub microbatch: u32,
@@ -72,9 +71,11 @@ pub struct PassView<'a> {
     /// One pointer-sized slot per instance, shared by its passes: forward
     /// may leave a pointer there for backward.
     pub tape: *mut *mut c_void,
-    pub scratch: &'a Scratch,
-    /// Under capture: where the callback provides its external buffers.
-    pub provided: Option<&'a Provided>,
+    /// The scratch allocator (callbacks only; None for hooks).
+    pub scratch: Option<&'a Arc<Scratch>>,
+    /// Under capture, callbacks only: where the callback provides its
+    /// external buffers.
+    pub provided: Option<&'a Arc<Provided>>,
 }
 
 /// The callbacks of one callable. Errors are the callback's own code.
@@ -100,30 +101,13 @@ pub trait CloneAllocator: Send + Sync {
     fn free(&self, ptr: DevPtr, bytes: usize, stream: StreamRef);
 }
 
-/// Severity of a log message. C name: `graphed_log_level`.
-#[repr(u32)]
+/// Severity of a log message, most severe first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
-    Error = 0,
-    Warn = 1,
-    Info = 2,
-    Debug = 3,
-}
-
-impl LogLevel {
-    pub fn from_code(code: u32) -> Result<LogLevel> {
-        Ok(match code {
-            0 => LogLevel::Error,
-            1 => LogLevel::Warn,
-            2 => LogLevel::Info,
-            3 => LogLevel::Debug,
-            _ => {
-                return Err(crate::error::Error::invalid(format!(
-                    "log_level: {code} is not a graphed_log_level value"
-                )))
-            }
-        })
-    }
+    Error,
+    Warn,
+    Info,
+    Debug,
 }
 
 pub type Logger = Box<dyn Fn(LogLevel, &str) + Send>;
@@ -139,6 +123,8 @@ pub struct ScheduleSpec {
 
 /// Session options, fixed at creation.
 pub struct SessionOptions {
+    /// Names the session in messages (for example, about shared pools).
+    pub name: String,
     pub warmup_iterations: u32,
     pub clone_param_grads_on_return: bool,
     pub strict_leases: bool,
@@ -158,6 +144,7 @@ pub struct SessionOptions {
 impl Default for SessionOptions {
     fn default() -> Self {
         SessionOptions {
+            name: "session".into(),
             warmup_iterations: 3,
             clone_param_grads_on_return: true,
             strict_leases: false,
@@ -187,4 +174,31 @@ pub struct ReplayArgs<'a> {
     /// Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
     /// per parameter (0 where the slot has another policy).
     pub param_dsts: Option<&'a [DevPtr]>,
+}
+
+/// Bytes the library holds, by kind; shared by a session with the buffers
+/// it hands out, so that the accounting outlives the session.
+#[derive(Debug, Default)]
+pub struct MemCounters {
+    pub static_bytes: AtomicU64,
+    pub scratch_bytes: AtomicU64,
+    /// Clone blocks handed out and not yet released.
+    pub clone_bytes: AtomicU64,
+    pub clone_blocks: AtomicU64,
+    /// Released clone blocks kept for reuse.
+    pub clone_cached_bytes: AtomicU64,
+}
+
+impl MemCounters {
+    pub fn add(c: &AtomicU64, n: usize) {
+        c.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn sub(c: &AtomicU64, n: usize) {
+        c.fetch_sub(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
 }

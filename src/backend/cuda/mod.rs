@@ -244,6 +244,32 @@ impl CudaBackend {
         })
     }
 
+    /// One tensor: vectorised where both addresses are 16-byte aligned.
+    fn accumulate_one(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        count: usize,
+        dtype: DType,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let k = self.inner.kernels()?.of(dtype)?;
+        if dst % 16 == 0 && src % 16 == 0 {
+            let nvec = count / k.per_vec;
+            self.launch_acc(k.vector, dst, src, nvec, stream)?;
+            let done = (nvec * 16) as u64;
+            self.launch_acc(
+                k.scalar,
+                dst + done,
+                src + done,
+                count - nvec * k.per_vec,
+                stream,
+            )
+        } else {
+            self.launch_acc(k.scalar, dst, src, count, stream)
+        }
+    }
+
     fn launch_acc(
         &self,
         f: sys::CUfunction,
@@ -404,35 +430,15 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn accumulate(
-        &self,
-        dst: DevPtr,
-        src: DevPtr,
-        count: usize,
-        dtype: DType,
-        stream: StreamRef,
-    ) -> Result<()> {
-        let k = self.inner.kernels()?.of(dtype)?;
-        if dst % 16 == 0 && src % 16 == 0 {
-            let nvec = count / k.per_vec;
-            self.launch_acc(k.vector, dst, src, nvec, stream)?;
-            let done = (nvec * 16) as u64;
-            self.launch_acc(
-                k.scalar,
-                dst + done,
-                src + done,
-                count - nvec * k.per_vec,
-                stream,
-            )
-        } else {
-            self.launch_acc(k.scalar, dst, src, count, stream)
-        }
-    }
-
-    fn accumulate_batch(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
+    fn accumulate(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
         let k = self.inner.kernels()?.of(dtype)?;
         if items.iter().any(|it| it.dst % 16 != 0 || it.src % 16 != 0) {
-            return super::accumulate_each(self, items, dtype, stream);
+            // The batched kernel reads 16-byte vectors; element-aligned
+            // tensors go one launch each.
+            for it in items {
+                self.accumulate_one(it.dst, it.src, it.count, dtype, stream)?;
+            }
+            return Ok(());
         }
         for group in items.chunks(BATCH) {
             // The kernel's parameters: a u32 count, then the descriptor array
@@ -513,17 +519,17 @@ impl Backend for CudaBackend {
         unsafe { sys::cuEventDestroy_v2(e.0 as sys::CUevent) };
     }
 
-    fn record_event(&self, e: EventRef, s: StreamRef) -> Result<()> {
+    fn record(&self, event: EventRef, stream: StreamRef) -> Result<()> {
         // SAFETY: live event and stream.
         check("cuEventRecord", unsafe {
-            sys::cuEventRecord(e.0 as sys::CUevent, s.0 as sys::CUstream)
+            sys::cuEventRecord(event.0 as sys::CUevent, stream.0 as sys::CUstream)
         })
     }
 
-    fn wait_event(&self, s: StreamRef, e: EventRef) -> Result<()> {
+    fn wait(&self, stream: StreamRef, event: EventRef) -> Result<()> {
         // SAFETY: live event and stream.
         check("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(s.0 as sys::CUstream, e.0 as sys::CUevent, 0)
+            sys::cuStreamWaitEvent(stream.0 as sys::CUstream, event.0 as sys::CUevent, 0)
         })
     }
 
@@ -534,7 +540,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn synchronize_device(&self) -> Result<()> {
+    fn synchronize_all(&self) -> Result<()> {
         // SAFETY: context bound by the caller.
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
@@ -583,6 +589,16 @@ impl Backend for CudaBackend {
             sys::cuGraphUpload(exec, s.0 as sys::CUstream)
         })?;
         Ok(CaptureEnd::Graph(Box::new(g)))
+    }
+
+    fn is_capturing(&self, s: StreamRef) -> Result<bool> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller's stream (or 0, the legacy default stream) and
+        // a valid out pointer.
+        check("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(s.0 as sys::CUstream, &mut status)
+        })?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     fn mem_info(&self) -> Result<(usize, usize)> {

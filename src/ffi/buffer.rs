@@ -1,0 +1,49 @@
+//! Returned clone blocks: the `owner` of a CLONE grad. A block holds one
+//! reference per CLONE grad of its replay; the last release returns it to
+//! its session's ring (or frees it), ordered after the work enqueued on the
+//! stream it was returned on.
+
+use super::boundary::boundary;
+use super::handles::id;
+use super::status::graphed_status;
+use crate::core::handle::{self, Kind};
+use crate::error::Error;
+use crate::orchestrate::CloneBlock;
+
+/// Opaque: a block of returned clones (graphed_ref.owner).
+pub struct graphed_buffer {
+    _private: [u8; 0],
+}
+
+/// Drops one reference to a block of returned clones; the last one gives
+/// the memory back, ordered after the work already enqueued on the stream
+/// the clones were returned on (that stream must still exist; synchronize
+/// other streams that used the clones with it first, as with PyTorch's
+/// record_stream). NULL is a no-op. Safe from any thread at any time; a
+/// released block gives GRAPHED_STATUS_USE_AFTER_DESTROY.
+#[no_mangle]
+pub extern "C" fn graphed_buffer_release(buffer: *mut graphed_buffer) -> graphed_status {
+    boundary("graphed_buffer_release", || {
+        if buffer.is_null() {
+            return Ok(());
+        }
+        match handle::release(Kind::Buffer, id(buffer))? {
+            Some(last) => last
+                .downcast::<CloneBlock>()
+                .map_err(|_| Error::Internal("a buffer handle holds another type".into()))?
+                .release(),
+            None => Ok(()),
+        }
+    })
+}
+
+/// Adds one reference to a block of returned clones.
+#[no_mangle]
+pub extern "C" fn graphed_buffer_retain(buffer: *mut graphed_buffer) -> graphed_status {
+    boundary("graphed_buffer_retain", || {
+        if buffer.is_null() {
+            return Err(Error::NullPointer { what: "buffer" });
+        }
+        handle::retain(Kind::Buffer, id(buffer))
+    })
+}

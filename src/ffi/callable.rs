@@ -1,0 +1,354 @@
+//! Registering callables: the tensor, parameter and callable descriptors,
+//! their defaults, and their conversion into the orchestration layer's
+//! specs. Everything in a descriptor is copied at registration.
+
+use super::args::{arg_out, arg_slice, assert_header, read_array, read_struct, CStruct};
+use super::boundary::boundary;
+use super::callback::{graphed_pass_fn, CCallbacks};
+use super::enums::{
+    decode_bool, graphed_dtype, graphed_grad_policy, graphed_param_flags, graphed_tensor_flags,
+};
+use super::session::{graphed_session, session};
+use super::status::graphed_status;
+use crate::backend::DevPtr;
+use crate::core::policy::ParamSpec;
+use crate::error::{Error, Result};
+use crate::orchestrate::{CallableSpec, TensorSpec};
+use std::ffi::{c_char, c_void, CStr};
+use std::mem::size_of;
+
+/// The magics the _default() functions set.
+pub const GRAPHED_TENSOR_DESC_MAGIC: u32 = 0x6772_0003;
+pub const GRAPHED_PARAM_DESC_MAGIC: u32 = 0x6772_0004;
+pub const GRAPHED_CALLABLE_DESC_MAGIC: u32 = 0x6772_0002;
+
+/// A static input or output of a callable. Initialise each with
+/// graphed_tensor_desc_default().
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_tensor_desc {
+    /// sizeof(graphed_tensor_desc); set by the _default() function. Every
+    /// element of an array has the same.
+    pub struct_size: usize,
+    /// GRAPHED_TENSOR_DESC_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// A graphed_dtype value (default F32).
+    pub dtype: u32,
+    /// Size in bytes (non-zero, a multiple of the element size, at most 2^48).
+    pub bytes: usize,
+    /// Number of dimensions of `shape` (0: no shape, only bytes).
+    pub ndim: u32,
+    /// 1: inputs get a grad-input buffer that backward writes; outputs get
+    /// a grad-output buffer that backward reads. 0 (default): none.
+    pub requires_grad: u32,
+    /// `ndim` dimensions; when given, their product times the element size
+    /// must equal `bytes`. Copied at registration.
+    pub shape: *const i64,
+    /// Inputs only: device pointer to `bytes` of sample data, copied into
+    /// the static input before warmup (NULL: the static input starts
+    /// zeroed). Read during graphed_session_capture only.
+    pub sample: *const c_void,
+    /// graphed_tensor_flags bits.
+    pub flags: u32,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_tensor_desc {
+    const NAME: &'static str = "graphed_tensor_desc";
+    const MAGIC: u32 = GRAPHED_TENSOR_DESC_MAGIC;
+    const MIN_SIZE: usize = 56;
+    fn defaults() -> Self {
+        graphed_tensor_desc_default()
+    }
+}
+assert_header!(graphed_tensor_desc);
+
+/// A tensor descriptor with its size and magic set: f32, no bytes yet, no
+/// grad, no sample.
+#[no_mangle]
+pub extern "C" fn graphed_tensor_desc_default() -> graphed_tensor_desc {
+    graphed_tensor_desc {
+        struct_size: size_of::<graphed_tensor_desc>(),
+        magic: GRAPHED_TENSOR_DESC_MAGIC,
+        dtype: graphed_dtype::F32 as u32,
+        bytes: 0,
+        ndim: 0,
+        requires_grad: 0,
+        shape: std::ptr::null(),
+        sample: std::ptr::null(),
+        flags: 0,
+    }
+}
+
+/// A parameter of a callable. The library never writes `data`; it hands
+/// the pointer to the callbacks. Initialise each with
+/// graphed_param_desc_default().
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_param_desc {
+    /// sizeof(graphed_param_desc); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_PARAM_DESC_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// A graphed_dtype value (default F32).
+    pub dtype: u32,
+    /// Caller-owned device pointer to the parameter; must stay valid while
+    /// the session's graphs exist (they bake it in).
+    pub data: *mut c_void,
+    /// Size in bytes (non-zero, a multiple of the element size, at most 2^48).
+    pub bytes: usize,
+    /// graphed_param_flags bits (DELAYED_WGRAD, EXTERNAL_GRAD).
+    pub flags: u32,
+    /// A graphed_grad_policy value: GRAPHED_GRAD_POLICY_DEFAULT lets capture
+    /// decide (CLONE; ALIAS for delayed-wgrad parameters or when the
+    /// session opts out of clones).
+    pub policy: u32,
+    /// 1 (default): the parameter takes a gradient (a slot in the grad
+    /// slab). 0: it does not.
+    pub requires_grad: u32,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_param_desc {
+    const NAME: &'static str = "graphed_param_desc";
+    const MAGIC: u32 = GRAPHED_PARAM_DESC_MAGIC;
+    const MIN_SIZE: usize = 48;
+    fn defaults() -> Self {
+        graphed_param_desc_default()
+    }
+}
+assert_header!(graphed_param_desc);
+
+/// A parameter descriptor with its size and magic set: f32, requires a
+/// gradient, default policy, no flags, no data yet.
+#[no_mangle]
+pub extern "C" fn graphed_param_desc_default() -> graphed_param_desc {
+    graphed_param_desc {
+        struct_size: size_of::<graphed_param_desc>(),
+        magic: GRAPHED_PARAM_DESC_MAGIC,
+        dtype: graphed_dtype::F32 as u32,
+        data: std::ptr::null_mut(),
+        bytes: 0,
+        flags: 0,
+        policy: graphed_grad_policy::Default as u32,
+        requires_grad: 1,
+    }
+}
+
+/// A callable to register. Initialise with graphed_callable_desc_default().
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_callable_desc {
+    /// sizeof(graphed_callable_desc); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_CALLABLE_DESC_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// Name used in messages (copied; NULL: "callable N").
+    pub name: *const c_char,
+    /// Arrays of descriptors, each initialised by its _default() function
+    /// (their struct_size is their stride).
+    pub num_inputs: usize,
+    pub inputs: *const graphed_tensor_desc,
+    pub num_params: usize,
+    pub params: *const graphed_param_desc,
+    pub num_outputs: usize,
+    pub outputs: *const graphed_tensor_desc,
+    /// Required.
+    pub forward: graphed_pass_fn,
+    /// Required.
+    pub backward: graphed_pass_fn,
+    /// Optional delayed weight-gradient callback: when set, backward
+    /// computes only input grads, this callback fills the parameter-grad
+    /// slots, it is captured as its own graph, and
+    /// graphed_backward_wgrad replays it and returns the parameter grads.
+    pub wgrad: graphed_pass_fn,
+    /// Passed to forward, backward and wgrad.
+    pub user_data: *mut c_void,
+    /// Optional hooks around every callback call, outside capture.
+    pub pre_hook: graphed_pass_fn,
+    pub post_hook: graphed_pass_fn,
+    pub hook_data: *mut c_void,
+}
+
+// SAFETY: repr(C), integers, pointers and nullable function pointers only
+// (any bit pattern of those is a valid value), header at offsets 0 and 8.
+unsafe impl CStruct for graphed_callable_desc {
+    const NAME: &'static str = "graphed_callable_desc";
+    const MAGIC: u32 = GRAPHED_CALLABLE_DESC_MAGIC;
+    const MIN_SIZE: usize = 128;
+    fn defaults() -> Self {
+        graphed_callable_desc_default()
+    }
+}
+assert_header!(graphed_callable_desc);
+
+/// An empty callable descriptor with its size and magic set.
+#[no_mangle]
+pub extern "C" fn graphed_callable_desc_default() -> graphed_callable_desc {
+    graphed_callable_desc {
+        struct_size: size_of::<graphed_callable_desc>(),
+        magic: GRAPHED_CALLABLE_DESC_MAGIC,
+        name: std::ptr::null(),
+        num_inputs: 0,
+        inputs: std::ptr::null(),
+        num_params: 0,
+        params: std::ptr::null(),
+        num_outputs: 0,
+        outputs: std::ptr::null(),
+        forward: None,
+        backward: None,
+        wgrad: None,
+        user_data: std::ptr::null_mut(),
+        pre_hook: None,
+        post_hook: None,
+        hook_data: std::ptr::null_mut(),
+    }
+}
+
+fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
+    let shape: Vec<i64> = if t.ndim == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: the caller passes `ndim` readable dimensions.
+        unsafe { arg_slice(t.shape, t.ndim as usize, "shape") }?.to_vec()
+    };
+    Ok(TensorSpec {
+        bytes: t.bytes,
+        dtype: graphed_dtype::decode(t.dtype, &format!("{what}.dtype"))?,
+        shape,
+        requires_grad: decode_bool(t.requires_grad, &format!("{what}.requires_grad"))?,
+        sample: t.sample as DevPtr,
+        external: graphed_tensor_flags::decode(t.flags, &format!("{what}.flags"))?,
+    })
+}
+
+fn param(p: &graphed_param_desc, what: &str) -> Result<ParamSpec> {
+    Ok(ParamSpec {
+        data: p.data as DevPtr,
+        bytes: p.bytes,
+        dtype: graphed_dtype::decode(p.dtype, &format!("{what}.dtype"))?,
+        requires_grad: decode_bool(p.requires_grad, &format!("{what}.requires_grad"))?,
+        flags: graphed_param_flags::decode(p.flags, &format!("{what}.flags"))?,
+        policy: graphed_grad_policy::decode(p.policy, &format!("{what}.policy"))?,
+    })
+}
+
+/// A callable descriptor as orchestration sees it (without its index-based
+/// default name).
+fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)> {
+    let name = if d.name.is_null() {
+        None
+    } else {
+        // SAFETY: a non-NULL name is NUL-terminated per the contract.
+        let s = unsafe { CStr::from_ptr(d.name) };
+        Some(
+            s.to_str()
+                .map_err(|_| Error::invalid("desc.name is not valid UTF-8"))?
+                .to_string(),
+        )
+    };
+    // SAFETY (three arrays): they hold the stated counts of descriptors.
+    let inputs = unsafe { read_array(d.inputs, d.num_inputs, "desc.inputs") }?;
+    let outputs = unsafe { read_array(d.outputs, d.num_outputs, "desc.outputs") }?;
+    let params = unsafe { read_array(d.params, d.num_params, "desc.params") }?;
+    let convert = |ts: &[graphed_tensor_desc], what: &str| -> Result<Vec<TensorSpec>> {
+        ts.iter()
+            .enumerate()
+            .map(|(i, t)| tensor(t, &format!("{what}[{i}]")))
+            .collect()
+    };
+    let callbacks = CCallbacks {
+        forward: d.forward.ok_or(Error::NullPointer {
+            what: "desc.forward",
+        })?,
+        backward: d.backward.ok_or(Error::NullPointer {
+            what: "desc.backward",
+        })?,
+        wgrad: d.wgrad,
+        user_data: d.user_data,
+        pre: d.pre_hook,
+        post: d.post_hook,
+        hook_data: d.hook_data,
+    };
+    Ok((
+        name,
+        CallableSpec {
+            name: String::new(),
+            inputs: convert(&inputs, "desc.inputs")?,
+            outputs: convert(&outputs, "desc.outputs")?,
+            params: params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| param(p, &format!("desc.params[{i}]")))
+                .collect::<Result<Vec<_>>>()?,
+            callbacks: Box::new(callbacks),
+        },
+    ))
+}
+
+/// Registers a callable before capture; writes its index to `*index_out`.
+/// Everything in the descriptor is copied: changing it afterwards changes
+/// nothing.
+///
+/// # Safety
+/// `desc` must point to a graphed_callable_desc initialised by its
+/// _default() function, whose arrays hold the counts it states.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_add_callable(
+    session: *mut graphed_session,
+    desc: *const graphed_callable_desc,
+    index_out: *mut u32,
+) -> graphed_status {
+    boundary("graphed_session_add_callable", || {
+        let s = self::session(session)?;
+        let out = arg_out(index_out, "index_out")?;
+        // SAFETY: per this function's contract.
+        let d = unsafe { read_struct(desc, "desc") }?;
+        let (name, mut spec) = callable(&d)?;
+        let mut guard = s.lock()?;
+        spec.name = name.unwrap_or_else(|| format!("callable {}", guard.callable_count()));
+        let index = guard.add_callable(spec)?;
+        // SAFETY: checked non-NULL; written only on success.
+        unsafe { out.write(index) };
+        Ok(())
+    })
+}
+
+/// Changes the graphed_param_flags of a registered parameter. Allowed only
+/// before capture: capture freezes every parameter's grad policy, and a
+/// later change gives GRAPHED_STATUS_WRONG_STATE.
+#[no_mangle]
+pub extern "C" fn graphed_session_set_param_flags(
+    session: *mut graphed_session,
+    callable: u32,
+    param: u32,
+    flags: u32,
+) -> graphed_status {
+    boundary("graphed_session_set_param_flags", || {
+        let flags = graphed_param_flags::decode(flags, "flags")?;
+        self::session(session)?
+            .lock()?
+            .set_param_flags(callable, param, flags)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_released_layouts_are_todays() {
+        assert_eq!(
+            size_of::<graphed_tensor_desc>(),
+            graphed_tensor_desc::MIN_SIZE
+        );
+        assert_eq!(
+            size_of::<graphed_param_desc>(),
+            graphed_param_desc::MIN_SIZE
+        );
+        assert_eq!(
+            size_of::<graphed_callable_desc>(),
+            graphed_callable_desc::MIN_SIZE
+        );
+    }
+}

@@ -1,0 +1,344 @@
+//! The session config: the struct, its defaults, the caller's callbacks it
+//! carries (clone allocator, log, warmup hook), and its conversion into the
+//! orchestration layer's options.
+
+use super::args::{arg_slice, assert_header, CStruct};
+use super::callback::graphed_stream;
+use super::enums::{decode_bool, graphed_backend, graphed_capture_mode, graphed_log_level};
+use super::schedule::{graphed_schedule_step, read_steps};
+use super::session::graphed_session;
+use crate::backend::{BackendKind, DevPtr, StreamRef};
+use crate::error::{Error, Result};
+use crate::orchestrate::{CloneAllocator, HookPoint, LogLevel, ScheduleSpec, SessionOptions};
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::mem::size_of;
+use std::sync::Arc;
+
+/// Allocates `bytes` of device memory for returned clones, ordered on
+/// `stream`; writes the pointer to `*ptr_out` and returns 0.
+pub type graphed_alloc_fn = Option<
+    unsafe extern "C" fn(
+        ctx: *mut c_void,
+        bytes: usize,
+        stream: graphed_stream,
+        ptr_out: *mut *mut c_void,
+    ) -> i32,
+>;
+
+/// Frees memory from the matching graphed_alloc_fn, ordered on `stream`.
+pub type graphed_free_fn = Option<
+    unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, bytes: usize, stream: graphed_stream),
+>;
+
+/// Receives log messages (`level` is a graphed_log_level value).
+pub type graphed_log_fn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, level: u32, message: *const c_char)>;
+
+/// A session hook (before / after warmup): `when` is 0 before, 1 after.
+/// Return 0; anything else aborts capture with GRAPHED_STATUS_CALLBACK_FAILED.
+pub type graphed_session_hook_fn =
+    Option<unsafe extern "C" fn(when: u32, user_data: *mut c_void) -> i32>;
+
+/// The magic graphed_session_config_default() sets.
+pub const GRAPHED_SESSION_CONFIG_MAGIC: u32 = 0x6772_0001;
+
+/// Session configuration. Initialise with graphed_session_config_default(),
+/// then set the fields you need.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_session_config {
+    /// sizeof(graphed_session_config) as the caller was built; set by the
+    /// _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_SESSION_CONFIG_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// A graphed_backend value (default GRAPHED_BACKEND_CUDA).
+    pub backend: u32,
+    /// CUDA device ordinal (default 0).
+    pub device: i32,
+    /// Eager iterations before capture (default 3). At least 1 when
+    /// callbacks use the scratch allocator.
+    pub warmup_iterations: u32,
+    /// A graphed_capture_mode value (default GRAPHED_CAPTURE_MODE_GLOBAL).
+    pub capture_mode: u32,
+    /// 1 (the default): parameter grads are returned as owned clones. 0:
+    /// aliases of static buffers that the next backward overwrites.
+    pub clone_param_grads_on_return: u32,
+    /// 1: a replay that would overwrite a held alias fails (default 0).
+    pub strict_leases: u32,
+    /// 1: static buffers whose lifetimes do not overlap share memory (needs
+    /// a schedule; default 0). Outputs are then valid only until their
+    /// backward, and input grads until the next backward replay.
+    pub reuse_buffers: u32,
+    /// Names the session in messages (copied; NULL: "session").
+    pub name: *const c_char,
+    /// Optional allocator for returned clones (both or neither).
+    pub clone_alloc: graphed_alloc_fn,
+    pub clone_free: graphed_free_fn,
+    pub allocator_ctx: *mut c_void,
+    /// Optional log callback, and the most verbose level it receives
+    /// (a graphed_log_level value, default GRAPHED_LOG_LEVEL_WARN).
+    pub log: graphed_log_fn,
+    pub log_ctx: *mut c_void,
+    pub log_level: u32,
+    /// Optional hook before (when = 0) and after (when = 1) warmup.
+    pub warmup_hook: graphed_session_hook_fn,
+    pub warmup_hook_data: *mut c_void,
+    /// Optional: share the scratch pool of this other session (same backend
+    /// and device). Sessions sharing a pool are replayed one whole
+    /// iteration at a time, in capture order (enforced).
+    pub share_pool_with: *mut graphed_session,
+    /// Optional pipeline schedule: `num_schedule_steps` steps of
+    /// `schedule_step_size` bytes each (forward, backward or weight-grad of
+    /// a chunk), in the order they run. Copied. NULL: one microbatch,
+    /// forwards in registration order, then backwards in reverse.
+    pub schedule: *const graphed_schedule_step,
+    pub num_schedule_steps: usize,
+    /// sizeof(graphed_schedule_step); set by the _default() function.
+    pub schedule_step_size: usize,
+    /// Optional number of layers (callables, in registration order) of each
+    /// chunk; NULL: the callables split evenly over the chunks.
+    pub layers_per_chunk: *const u32,
+    pub num_layers_per_chunk: usize,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_session_config {
+    const NAME: &'static str = "graphed_session_config";
+    const MAGIC: u32 = GRAPHED_SESSION_CONFIG_MAGIC;
+    const MIN_SIZE: usize = 160;
+    fn defaults() -> Self {
+        graphed_session_config_default()
+    }
+}
+assert_header!(graphed_session_config);
+
+/// The default session config: CUDA device 0, 3 warmup iterations, global
+/// capture mode, clones on return, no strict leases, no callbacks.
+#[no_mangle]
+pub extern "C" fn graphed_session_config_default() -> graphed_session_config {
+    graphed_session_config {
+        struct_size: size_of::<graphed_session_config>(),
+        magic: GRAPHED_SESSION_CONFIG_MAGIC,
+        backend: graphed_backend::Cuda as u32,
+        device: 0,
+        warmup_iterations: 3,
+        capture_mode: graphed_capture_mode::Global as u32,
+        clone_param_grads_on_return: 1,
+        strict_leases: 0,
+        reuse_buffers: 0,
+        name: std::ptr::null(),
+        clone_alloc: None,
+        clone_free: None,
+        allocator_ctx: std::ptr::null_mut(),
+        log: None,
+        log_ctx: std::ptr::null_mut(),
+        log_level: graphed_log_level::Warn as u32,
+        warmup_hook: None,
+        warmup_hook_data: std::ptr::null_mut(),
+        share_pool_with: std::ptr::null_mut(),
+        schedule: std::ptr::null(),
+        num_schedule_steps: 0,
+        schedule_step_size: size_of::<graphed_schedule_step>(),
+        layers_per_chunk: std::ptr::null(),
+        num_layers_per_chunk: 0,
+    }
+}
+
+struct CAllocator {
+    alloc: unsafe extern "C" fn(*mut c_void, usize, graphed_stream, *mut *mut c_void) -> i32,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, graphed_stream),
+    ctx: *mut c_void,
+}
+
+// SAFETY: the API contract is that the allocator callbacks may be called
+// from any thread that calls into the session or releases its buffers.
+unsafe impl Send for CAllocator {}
+// SAFETY: as above; the library never touches `ctx` itself.
+unsafe impl Sync for CAllocator {}
+
+impl CloneAllocator for CAllocator {
+    fn alloc(&self, bytes: usize, stream: StreamRef) -> std::result::Result<DevPtr, i32> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the caller's allocator, with a valid out pointer.
+        match unsafe { (self.alloc)(self.ctx, bytes, stream.0 as graphed_stream, &mut p) } {
+            0 => Ok(p as DevPtr),
+            code => Err(code),
+        }
+    }
+
+    fn free(&self, ptr: DevPtr, bytes: usize, stream: StreamRef) {
+        // SAFETY: frees what the matching alloc returned.
+        unsafe {
+            (self.free)(
+                self.ctx,
+                ptr as *mut c_void,
+                bytes,
+                stream.0 as graphed_stream,
+            )
+        }
+    }
+}
+
+/// The caller's context pointer for a callback.
+struct SendPtr(*mut c_void);
+// SAFETY: the caller's log/hook context; the API contract allows calling
+// its callbacks from any thread that uses the session.
+unsafe impl Send for SendPtr {}
+
+impl SendPtr {
+    // A method, so that closures capture the whole (Send) wrapper.
+    fn get(&self) -> *mut c_void {
+        self.0
+    }
+}
+
+/// What `graphed_session_create` needs from a config, checked.
+pub(crate) struct Config {
+    pub backend: BackendKind,
+    pub device: i32,
+    pub share_pool_with: *mut graphed_session,
+    pub options: SessionOptions,
+}
+
+/// Checks a config and converts it into session options.
+pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
+    let allocator: Option<Arc<dyn CloneAllocator>> = match (cfg.clone_alloc, cfg.clone_free) {
+        (Some(alloc), Some(free)) => Some(Arc::new(CAllocator {
+            alloc,
+            free,
+            ctx: cfg.allocator_ctx,
+        })),
+        (None, None) => None,
+        _ => {
+            return Err(Error::invalid(
+                "config.clone_alloc and config.clone_free must be given together",
+            ))
+        }
+    };
+    let log = cfg.log.map(|f| {
+        let ctx = SendPtr(cfg.log_ctx);
+        Box::new(move |level: LogLevel, msg: &str| {
+            let text = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+            // SAFETY: the caller's log callback with its context and a
+            // NUL-terminated message valid for the call.
+            unsafe { f(ctx.get(), graphed_log_level::encode(level), text.as_ptr()) }
+        }) as Box<dyn Fn(LogLevel, &str) + Send>
+    });
+    let warmup_hook = cfg.warmup_hook.map(|f| {
+        let ctx = SendPtr(cfg.warmup_hook_data);
+        Box::new(move |point: HookPoint| {
+            // SAFETY: the caller's hook with its context.
+            match unsafe { f(if point == HookPoint::Pre { 0 } else { 1 }, ctx.get()) } {
+                0 => Ok(()),
+                code => Err(code),
+            }
+        }) as Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>
+    });
+    let schedule = if cfg.schedule.is_null() && cfg.num_schedule_steps == 0 {
+        if !cfg.layers_per_chunk.is_null() {
+            return Err(Error::InvalidSchedule(
+                "config.layers_per_chunk is given without a schedule".into(),
+            ));
+        }
+        None
+    } else {
+        if cfg.num_schedule_steps == 0 {
+            return Err(Error::InvalidSchedule(
+                "config.schedule is given with num_schedule_steps = 0".into(),
+            ));
+        }
+        // SAFETY: the caller passes the stated number of steps of the stated size.
+        let steps = unsafe {
+            read_steps(
+                cfg.schedule,
+                cfg.num_schedule_steps,
+                cfg.schedule_step_size,
+                "config.schedule",
+            )
+        }?;
+        let layers_per_chunk = if cfg.layers_per_chunk.is_null() {
+            if cfg.num_layers_per_chunk != 0 {
+                return Err(Error::invalid(format!(
+                    "config.layers_per_chunk is NULL but config.num_layers_per_chunk is {}",
+                    cfg.num_layers_per_chunk
+                )));
+            }
+            None
+        } else {
+            // SAFETY: the caller passes the stated number of entries.
+            Some(
+                unsafe {
+                    arg_slice(
+                        cfg.layers_per_chunk,
+                        cfg.num_layers_per_chunk,
+                        "config.layers_per_chunk",
+                    )
+                }?
+                .to_vec(),
+            )
+        };
+        Some(ScheduleSpec {
+            steps,
+            layers_per_chunk,
+        })
+    };
+    let name = if cfg.name.is_null() {
+        "session".to_string()
+    } else {
+        // SAFETY: a non-NULL name is NUL-terminated per the contract.
+        unsafe { CStr::from_ptr(cfg.name) }
+            .to_str()
+            .map_err(|_| Error::invalid("config.name is not valid UTF-8"))?
+            .to_string()
+    };
+    Ok(Config {
+        backend: graphed_backend::decode(cfg.backend, "config.backend")?,
+        device: cfg.device,
+        share_pool_with: cfg.share_pool_with,
+        options: SessionOptions {
+            name,
+            schedule,
+            reuse_buffers: decode_bool(cfg.reuse_buffers, "config.reuse_buffers")?,
+            warmup_iterations: cfg.warmup_iterations,
+            clone_param_grads_on_return: decode_bool(
+                cfg.clone_param_grads_on_return,
+                "config.clone_param_grads_on_return",
+            )?,
+            strict_leases: decode_bool(cfg.strict_leases, "config.strict_leases")?,
+            capture_mode: graphed_capture_mode::decode(cfg.capture_mode, "config.capture_mode")?,
+            allocator,
+            log,
+            log_level: graphed_log_level::decode(cfg.log_level, "config.log_level")?,
+            warmup_hook,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CaptureMode;
+
+    #[test]
+    fn the_first_released_layout_is_todays() {
+        // MIN_SIZE is a literal that must never change: when a field is
+        // appended, size_of grows and this test moves to `>`.
+        assert_eq!(
+            size_of::<graphed_session_config>(),
+            graphed_session_config::MIN_SIZE
+        );
+    }
+
+    #[test]
+    fn defaults_convert() {
+        let c = convert(&graphed_session_config_default()).unwrap();
+        assert_eq!(c.backend, BackendKind::Cuda);
+        assert!(c.options.clone_param_grads_on_return);
+        assert_eq!(c.options.capture_mode, CaptureMode::Global);
+        let mut bad = graphed_session_config_default();
+        bad.strict_leases = 2;
+        let e = convert(&bad).err().unwrap();
+        assert!(e.to_string().contains("config.strict_leases is 2"), "{e}");
+    }
+}

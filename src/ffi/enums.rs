@@ -1,0 +1,334 @@
+//! The C enums, each with its conversion to the plain Rust enum of the
+//! layer that uses it. The enums are declared here as cbindgen reads them:
+//! `#[repr(u32)]`, variants prefixed with the C name in the header
+//! (`GRAPHED_DTYPE_F32`), never renumbered. Structs carry them as
+//! `uint32_t` fields and functions take them as `uint32_t`, so an unknown
+//! value is an `InvalidArgument` naming the field, never undefined
+//! behaviour. cbindgen does not expand macros on a stable toolchain, so the
+//! declaration stays literal; `c_enum!` beside it writes both conversions
+//! as exhaustive matches, so a variant added on one side only does not
+//! compile.
+
+use crate::backend::{BackendKind, CaptureMode};
+use crate::core::dtype::DType;
+use crate::core::layout::Role;
+use crate::core::policy::{GradPolicy, ParamFlags};
+use crate::core::PassKind;
+use crate::error::{Error, Result};
+use crate::orchestrate::{LogLevel, Phase, RefKind};
+
+/// Declares the conversions between C enum `$c` and Rust enum `$rust`.
+macro_rules! c_enum {
+    ($c:ident <=> $rust:ty { $($cv:ident <=> $rv:path),+ $(,)? }) => {
+        impl $c {
+            /// The Rust value of a C code; `InvalidArgument` naming `what`
+            /// for any other value.
+            #[allow(dead_code)]
+            pub(crate) fn decode(code: u32, what: &str) -> Result<$rust> {
+                $( if code == $c::$cv as u32 { return Ok($rv); } )+
+                Err(Error::invalid(format!(
+                    "{what}: {code} is not a {} value",
+                    stringify!($c)
+                )))
+            }
+
+            /// The C code of a Rust value.
+            #[allow(dead_code)]
+            pub(crate) fn encode(v: $rust) -> u32 {
+                match v { $( $rv => $c::$cv as u32, )+ }
+            }
+
+            /// Every C variant has a Rust one.
+            #[allow(dead_code)]
+            fn rust(self) -> $rust {
+                match self { $( $c::$cv => $rv, )+ }
+            }
+        }
+    };
+}
+
+/// Element type of a tensor.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_dtype {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+    F64 = 3,
+    I8 = 4,
+    U8 = 5,
+    I32 = 6,
+    I64 = 7,
+    Bool = 8,
+}
+
+c_enum!(graphed_dtype <=> DType {
+    F32 <=> DType::F32,
+    F16 <=> DType::F16,
+    Bf16 <=> DType::Bf16,
+    F64 <=> DType::F64,
+    I8 <=> DType::I8,
+    U8 <=> DType::U8,
+    I32 <=> DType::I32,
+    I64 <=> DType::I64,
+    Bool <=> DType::Bool,
+});
+
+/// How a parameter gradient is returned.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_grad_policy {
+    /// No explicit choice: decided at capture (CLONE; ALIAS for
+    /// delayed-wgrad parameters and when the session opts out of clones).
+    Default = 0,
+    /// A fresh buffer the caller owns (release its `owner` with
+    /// graphed_buffer_release).
+    Clone = 1,
+    /// The static buffer itself: valid until this callable's next backward
+    /// (or weight-grad) replay overwrites it.
+    Alias = 2,
+    /// Copied into a caller buffer given at replay; no allocation.
+    CopyInto = 3,
+    /// Added into a caller buffer given at replay (f32, f16, bf16; the
+    /// buffer aligned to the element size).
+    AccumulateInto = 4,
+}
+
+c_enum!(graphed_grad_policy <=> GradPolicy {
+    Default <=> GradPolicy::Default,
+    Clone <=> GradPolicy::Clone,
+    Alias <=> GradPolicy::Alias,
+    CopyInto <=> GradPolicy::CopyInto,
+    AccumulateInto <=> GradPolicy::AccumulateInto,
+});
+
+/// Which backend a session runs on.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_backend {
+    /// CUDA through the driver API.
+    Cuda = 0,
+    /// Host emulation: "device" memory is host memory, a stream is a task
+    /// queue, capture records tasks and replay re-runs them.
+    Host = 1,
+}
+
+c_enum!(graphed_backend <=> BackendKind {
+    Cuda <=> BackendKind::Cuda,
+    Host <=> BackendKind::Host,
+});
+
+/// Capture mode of the stream captures (see cudaStreamCaptureMode).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_capture_mode {
+    /// Unsafe calls from any thread invalidate a capture (PyTorch's default).
+    Global = 0,
+    /// Only unsafe calls from the capturing thread invalidate it.
+    ThreadLocal = 1,
+    /// No checks.
+    Relaxed = 2,
+}
+
+c_enum!(graphed_capture_mode <=> CaptureMode {
+    Global <=> CaptureMode::Global,
+    ThreadLocal <=> CaptureMode::ThreadLocal,
+    Relaxed <=> CaptureMode::Relaxed,
+});
+
+/// Severity of a log message, most severe first.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_log_level {
+    Error = 0,
+    Warn = 1,
+    Info = 2,
+    Debug = 3,
+}
+
+c_enum!(graphed_log_level <=> LogLevel {
+    Error <=> LogLevel::Error,
+    Warn <=> LogLevel::Warn,
+    Info <=> LogLevel::Info,
+    Debug <=> LogLevel::Debug,
+});
+
+/// A pass of a callable.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_pass {
+    Forward = 0,
+    Backward = 1,
+    /// The delayed weight-gradient pass.
+    Wgrad = 2,
+}
+
+c_enum!(graphed_pass <=> PassKind {
+    Forward <=> PassKind::Forward,
+    Backward <=> PassKind::Backward,
+    Wgrad <=> PassKind::Wgrad,
+});
+
+/// Whether a callback runs eagerly (warmup) or is being captured.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_phase {
+    Warmup = 0,
+    Capture = 1,
+}
+
+c_enum!(graphed_phase <=> Phase {
+    Warmup <=> Phase::Warmup,
+    Capture <=> Phase::Capture,
+});
+
+/// What a graphed_ref is.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_ref_kind {
+    /// Nothing is returned for this slot (no gradient, or returned by
+    /// another call).
+    None = 0,
+    /// The static buffer itself; valid until the replay that overwrites it.
+    Alias = 1,
+    /// An owned copy; release `owner` with graphed_buffer_release.
+    Clone = 2,
+    /// Copied into the caller's buffer.
+    CopyInto = 3,
+    /// Added into the caller's buffer.
+    AccumulateInto = 4,
+}
+
+c_enum!(graphed_ref_kind <=> RefKind {
+    None <=> RefKind::None,
+    Alias <=> RefKind::Alias,
+    Clone <=> RefKind::Clone,
+    CopyInto <=> RefKind::CopyInto,
+    AccumulateInto <=> RefKind::AccumulateInto,
+});
+
+/// The static buffers of a role (graphed_session_buffers,
+/// graphed_pass_set_buffer).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_buffer_role {
+    Input = 0,
+    Output = 1,
+    GradOutput = 2,
+    GradInput = 3,
+    /// One entry per parameter: its slot in the parameter-grad slab.
+    ParamGrads = 4,
+}
+
+c_enum!(graphed_buffer_role <=> Role {
+    Input <=> Role::Input,
+    Output <=> Role::Output,
+    GradOutput <=> Role::GradOutput,
+    GradInput <=> Role::GradInput,
+    ParamGrads <=> Role::ParamGrads,
+});
+
+/// Flags of a graphed_tensor_desc (bit set).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_tensor_flags {
+    None = 0,
+    /// The library places no buffer for what the callable writes for this
+    /// tensor (the output itself, or the grad of an input): the callback
+    /// writes it wherever it likes and, during capture, hands its address to
+    /// graphed_pass_set_buffer (it must stay valid while the session's
+    /// graphs exist). Replays return that address. For frameworks that
+    /// allocate outputs and grads themselves (PyTorch).
+    External = 1,
+}
+
+impl graphed_tensor_flags {
+    /// Whether the tensor is external; unknown bits are refused.
+    pub(crate) fn decode(bits: u32, what: &str) -> Result<bool> {
+        let known = graphed_tensor_flags::External as u32;
+        if bits & !known != 0 {
+            return Err(Error::invalid(format!(
+                "{what} has unknown bits 0x{:x}",
+                bits & !known
+            )));
+        }
+        Ok(bits & known != 0)
+    }
+}
+
+/// Flags of a parameter (bit set).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_param_flags {
+    None = 0,
+    /// The parameter's real gradient is produced elsewhere (delayed
+    /// weight-gradient, Transformer Engine's skip_backward_post_hook): its
+    /// returned grad keeps aliasing the static buffer by default.
+    DelayedWgrad = 1,
+    /// The parameter's grad is provided by the callback at capture (external
+    /// memory, e.g. a framework's tensor), not placed in the slab.
+    ExternalGrad = 2,
+}
+
+impl graphed_param_flags {
+    /// The flags of a bit set; unknown bits are refused.
+    pub(crate) fn decode(bits: u32, what: &str) -> Result<ParamFlags> {
+        let (delayed, external) = (
+            graphed_param_flags::DelayedWgrad as u32,
+            graphed_param_flags::ExternalGrad as u32,
+        );
+        if bits & !(delayed | external) != 0 {
+            return Err(Error::invalid(format!(
+                "{what} has unknown bits 0x{:x}",
+                bits & !(delayed | external)
+            )));
+        }
+        Ok(ParamFlags {
+            delayed_wgrad: bits & delayed != 0,
+            external_grad: bits & external != 0,
+        })
+    }
+}
+
+/// A 0/1 flag field; anything else is refused (C has no bool the ABI can
+/// trust).
+pub(crate) fn decode_bool(v: u32, what: &str) -> Result<bool> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(Error::invalid(format!("{what} is {v}; it must be 0 or 1"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_and_unknown_codes_are_refused() {
+        for code in 0..9 {
+            let d = graphed_dtype::decode(code, "x").unwrap();
+            assert_eq!(graphed_dtype::encode(d), code);
+        }
+        let e = graphed_dtype::decode(9, "desc.inputs[0].dtype").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("desc.inputs[0].dtype: 9 is not a graphed_dtype value"),
+            "{e}"
+        );
+        assert!(graphed_grad_policy::decode(5, "p").is_err());
+        assert!(graphed_pass::decode(3, "p").is_err());
+        assert!(graphed_buffer_role::decode(u32::MAX, "role").is_err());
+        assert_eq!(graphed_ref_kind::encode(RefKind::Clone), 2);
+        assert_eq!(graphed_backend::Host.rust(), BackendKind::Host);
+    }
+
+    #[test]
+    fn flags_and_bools_refuse_unknown_bits() {
+        assert!(graphed_param_flags::decode(4, "f").is_err());
+        assert!(graphed_param_flags::decode(3, "f").unwrap().external_grad);
+        assert!(graphed_tensor_flags::decode(2, "f").is_err());
+        assert!(decode_bool(2, "b").is_err());
+        assert!(decode_bool(1, "b").unwrap());
+    }
+}

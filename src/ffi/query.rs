@@ -1,0 +1,273 @@
+//! What a session can be asked: its memory and graph figures (the
+//! library's accounting), the driver's memory figure, its static buffers,
+//! its frozen policies and its buffer plan; and whether a backend can run
+//! here at all.
+
+use super::args::{arg_out, assert_header, check_out_array, write_struct, CStruct};
+use super::boundary::boundary;
+use super::enums::{graphed_backend, graphed_buffer_role, graphed_grad_policy};
+use super::session::{graphed_session, session};
+use super::status::graphed_status;
+use crate::backend;
+use crate::core::policy::GradPolicy;
+use crate::error::Error;
+use std::ffi::{c_char, c_void};
+use std::mem::size_of;
+
+/// The magic graphed_session_stats_default() sets.
+pub const GRAPHED_SESSION_STATS_MAGIC: u32 = 0x6772_0006;
+
+/// Memory and graph figures of a session (library accounting).
+/// Initialise with graphed_session_stats_default() before asking.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_session_stats {
+    /// sizeof(graphed_session_stats); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_SESSION_STATS_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// 1 once the session is captured.
+    pub captured: u32,
+    /// Bytes of static buffers (inputs, outputs, grads, slabs).
+    pub static_bytes: u64,
+    /// Bytes of the scratch arena this session's graphs use.
+    pub scratch_bytes: u64,
+    /// Bytes held by the (possibly shared) scratch pool.
+    pub pool_bytes: u64,
+    /// Bytes and blocks of returned clones not yet released.
+    pub clone_bytes_outstanding: u64,
+    pub clone_blocks_outstanding: u64,
+    /// Bytes of released clone blocks kept for reuse by later replays.
+    pub clone_bytes_cached: u64,
+    /// Static bytes the same buffers would take without reuse.
+    pub static_bytes_without_reuse: u64,
+    /// The most static bytes live at one pass: no plan can use less.
+    pub peak_live_bytes: u64,
+    pub graph_count: u32,
+    pub callables: u32,
+    pub instances: u32,
+    /// Strict leases currently held.
+    pub leases_held: u32,
+    /// Microbatches per callable (1 without a schedule).
+    pub microbatches: u32,
+}
+
+// SAFETY: repr(C), integers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_session_stats {
+    const NAME: &'static str = "graphed_session_stats";
+    const MAGIC: u32 = GRAPHED_SESSION_STATS_MAGIC;
+    const MIN_SIZE: usize = 104;
+    fn defaults() -> Self {
+        graphed_session_stats_default()
+    }
+}
+assert_header!(graphed_session_stats);
+
+/// A zeroed stats struct with its size and magic set.
+#[no_mangle]
+pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
+    graphed_session_stats {
+        struct_size: size_of::<graphed_session_stats>(),
+        magic: GRAPHED_SESSION_STATS_MAGIC,
+        captured: 0,
+        static_bytes: 0,
+        scratch_bytes: 0,
+        pool_bytes: 0,
+        clone_bytes_outstanding: 0,
+        clone_blocks_outstanding: 0,
+        clone_bytes_cached: 0,
+        static_bytes_without_reuse: 0,
+        peak_live_bytes: 0,
+        graph_count: 0,
+        callables: 0,
+        instances: 0,
+        leases_held: 0,
+        microbatches: 0,
+    }
+}
+
+/// Writes the session's memory and graph figures (library accounting).
+///
+/// # Safety
+/// `stats` must point to a graphed_session_stats initialised by
+/// graphed_session_stats_default(), of at least its struct_size bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_stats_get(
+    session: *mut graphed_session,
+    stats: *mut graphed_session_stats,
+) -> graphed_status {
+    boundary("graphed_session_stats_get", || {
+        let cell = self::session(session)?;
+        let st = cell.lock()?.stats();
+        let full = graphed_session_stats {
+            captured: st.captured as u32,
+            static_bytes: st.static_bytes,
+            scratch_bytes: st.scratch_bytes,
+            pool_bytes: st.pool_bytes,
+            clone_bytes_outstanding: st.clone_bytes_outstanding,
+            clone_blocks_outstanding: st.clone_blocks_outstanding,
+            clone_bytes_cached: st.clone_bytes_cached,
+            static_bytes_without_reuse: st.static_bytes_without_reuse,
+            peak_live_bytes: st.peak_live_bytes,
+            graph_count: st.graph_count,
+            callables: st.callables,
+            instances: st.instances,
+            leases_held: st.leases_held,
+            microbatches: st.microbatches,
+            ..graphed_session_stats_default()
+        };
+        // SAFETY: per this function's contract.
+        unsafe { write_struct(stats, &full, "stats") }
+    })
+}
+
+/// Writes the static buffers of one role (a graphed_buffer_role value) of
+/// (callable, microbatch) to `ptrs` (`count` must equal the number of
+/// inputs, outputs or parameters; NULL where a buffer does not exist).
+/// Passing a static input back as replay data skips its copy.
+///
+/// # Safety
+/// `ptrs` must have room for `count` pointers.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_buffers(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    role: u32,
+    ptrs: *mut *mut c_void,
+    count: usize,
+) -> graphed_status {
+    boundary("graphed_session_buffers", || {
+        let cell = self::session(session)?;
+        let role = graphed_buffer_role::decode(role, "role")?;
+        let s = cell.lock()?;
+        let b = s.buffers(callable, microbatch, role)?;
+        if count != b.len() {
+            return Err(Error::invalid(format!(
+                "count is {count}; that role has {} buffers",
+                b.len()
+            )));
+        }
+        let stride = size_of::<*mut c_void>();
+        check_out_array(ptrs, b.len(), stride, stride, "ptrs")?;
+        for (i, &p) in b.iter().enumerate() {
+            // SAFETY: checked: room for `count` aligned pointers.
+            unsafe { ptrs.add(i).write(p as *mut c_void) };
+        }
+        Ok(())
+    })
+}
+
+/// Writes the frozen graphed_grad_policy of each parameter of a captured
+/// callable to `policies` (`count` = its parameter count;
+/// GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).
+///
+/// # Safety
+/// `policies` must have room for `count` values.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_param_policies(
+    session: *mut graphed_session,
+    callable: u32,
+    policies: *mut u32,
+    count: usize,
+) -> graphed_status {
+    boundary("graphed_session_param_policies", || {
+        let cell = self::session(session)?;
+        let s = cell.lock()?;
+        let p = s.policies(callable)?;
+        if count != p.len() {
+            return Err(Error::invalid(format!(
+                "count is {count}; the callable has {} parameters",
+                p.len()
+            )));
+        }
+        check_out_array(policies, p.len(), 4, 4, "policies")?;
+        for (i, pol) in p.iter().enumerate() {
+            let code = graphed_grad_policy::encode(pol.unwrap_or(GradPolicy::Default));
+            // SAFETY: checked: room for `count` aligned values.
+            unsafe { policies.add(i).write(code) };
+        }
+        Ok(())
+    })
+}
+
+/// Writes the static-buffer plan of a captured session as text (one line
+/// per buffer: callable, microbatch, role, size, offset, memory slot,
+/// lifetime in capture-order pass positions) into `buffer` (`capacity`
+/// bytes, NUL-terminated, truncated if short) and its full length (without
+/// the NUL) to `*length_out`. Pass a NULL buffer to ask for the length.
+///
+/// # Safety
+/// `buffer` must be NULL or have room for `capacity` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_plan_dump(
+    session: *mut graphed_session,
+    buffer: *mut c_char,
+    capacity: usize,
+    length_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_plan_dump", || {
+        let cell = self::session(session)?;
+        let len_out = arg_out(length_out, "length_out")?;
+        let text = cell.lock()?.plan_dump()?;
+        if !buffer.is_null() && capacity > 0 {
+            check_out_array(buffer, capacity, 1, 1, "buffer")?;
+            let n = text.len().min(capacity - 1);
+            // SAFETY: the caller's buffer has `capacity` bytes; we write n + 1 <= capacity.
+            unsafe {
+                std::ptr::copy_nonoverlapping(text.as_ptr(), buffer as *mut u8, n);
+                buffer.add(n).write(0);
+            }
+        }
+        // SAFETY: checked non-NULL.
+        unsafe { len_out.write(text.len()) };
+        Ok(())
+    })
+}
+
+/// The driver's figure for the session's device: free and total bytes
+/// (cuMemGetInfo). GRAPHED_STATUS_UNSUPPORTED on the host backend.
+///
+/// # Safety
+/// `free_out` and `total_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_device_memory(
+    session: *mut graphed_session,
+    free_out: *mut usize,
+    total_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_device_memory", || {
+        let cell = self::session(session)?;
+        let f = arg_out(free_out, "free_out")?;
+        let t = arg_out(total_out, "total_out")?;
+        let (free, total) = cell.lock()?.device_memory()?;
+        // SAFETY: both checked non-NULL.
+        unsafe {
+            f.write(free);
+            t.write(total);
+        }
+        Ok(())
+    })
+}
+
+/// GRAPHED_STATUS_OK when a backend (a graphed_backend value) can run
+/// here; otherwise the reason (GRAPHED_STATUS_NO_DRIVER, _NO_DEVICE).
+#[no_mangle]
+pub extern "C" fn graphed_backend_available(backend: u32) -> graphed_status {
+    boundary("graphed_backend_available", || {
+        backend::available(graphed_backend::decode(backend, "backend")?)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_released_layout_is_todays() {
+        assert_eq!(
+            size_of::<graphed_session_stats>(),
+            graphed_session_stats::MIN_SIZE
+        );
+    }
+}

@@ -1,0 +1,312 @@
+//! Replays and what they return: the replay arguments, the refs written
+//! back (outputs, input grads, parameter grads), and strict-mode lease
+//! release. The arrays of refs are written only when the whole replay was
+//! enqueued.
+
+use super::args::{arg_slice, assert_header, check_out_array, read_struct, write_element, CStruct};
+use super::boundary::boundary;
+use super::buffer::graphed_buffer;
+use super::callback::graphed_stream;
+use super::enums::graphed_ref_kind;
+use super::handles::ptr;
+use super::session::{graphed_session, session};
+use super::status::graphed_status;
+use crate::backend::{DevPtr, StreamRef};
+use crate::core::handle::{self, Kind};
+use crate::error::{Error, Result};
+use crate::orchestrate::{RefKind, ReplayArgs, Replayed, Returned, Session};
+use std::ffi::c_void;
+use std::mem::size_of;
+
+// Device pointers cross the ABI as `void*` and live inside as u64.
+const _: () = assert!(size_of::<*const c_void>() == size_of::<DevPtr>());
+
+/// The magic graphed_replay_args_default() sets.
+pub const GRAPHED_REPLAY_ARGS_MAGIC: u32 = 0x6772_0005;
+
+/// Arguments of a replay call. Initialise with graphed_replay_args_default().
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_replay_args {
+    /// sizeof(graphed_replay_args); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_REPLAY_ARGS_MAGIC; set by the _default() function.
+    pub magic: u32,
+    pub callable: u32,
+    /// 0 unless the session has a pipeline schedule.
+    pub microbatch: u32,
+    /// The caller's stream; the replay is ordered on it. It must not be
+    /// capturing a graph (GRAPHED_STATUS_STREAM_CAPTURING).
+    pub stream: graphed_stream,
+    /// Optional: launch there instead, synced with `stream` by events.
+    pub side_stream: graphed_stream,
+    /// New data to copy into the static inputs (forward) or grad-outputs
+    /// (backward), one device pointer per input/output; an entry equal to
+    /// the static buffer is not copied. NULL array: replay on what the
+    /// static buffers hold.
+    pub data: *const *const c_void,
+    pub num_data: usize,
+    /// Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
+    /// per parameter (NULL entries for other slots); NULL array when the
+    /// callable has no such slot. ACCUMULATE_INTO destinations are aligned
+    /// to their element size.
+    pub param_dsts: *const *mut c_void,
+    pub num_param_dsts: usize,
+    /// The element size of the graphed_ref arrays the call writes:
+    /// sizeof(graphed_ref); set by the _default() function.
+    pub ref_size: usize,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_replay_args {
+    const NAME: &'static str = "graphed_replay_args";
+    const MAGIC: u32 = GRAPHED_REPLAY_ARGS_MAGIC;
+    const MIN_SIZE: usize = 80;
+    fn defaults() -> Self {
+        graphed_replay_args_default()
+    }
+}
+assert_header!(graphed_replay_args);
+
+/// Replay arguments for callable 0, microbatch 0, the default stream, no
+/// data (replay on the static buffers) and no destinations.
+#[no_mangle]
+pub extern "C" fn graphed_replay_args_default() -> graphed_replay_args {
+    graphed_replay_args {
+        struct_size: size_of::<graphed_replay_args>(),
+        magic: GRAPHED_REPLAY_ARGS_MAGIC,
+        callable: 0,
+        microbatch: 0,
+        stream: std::ptr::null_mut(),
+        side_stream: std::ptr::null_mut(),
+        data: std::ptr::null(),
+        num_data: 0,
+        param_dsts: std::ptr::null(),
+        num_param_dsts: 0,
+        ref_size: size_of::<graphed_ref>(),
+    }
+}
+
+/// One output or gradient handed back by a replay.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_ref {
+    /// Device pointer (NULL when kind is GRAPHED_REF_KIND_NONE).
+    pub ptr: *mut c_void,
+    pub bytes: usize,
+    /// A graphed_ref_kind value.
+    pub kind: u32,
+    /// CLONE: one reference to the block holding the clone; release it
+    /// with graphed_buffer_release. NULL otherwise.
+    pub owner: *mut graphed_buffer,
+    /// ALIAS under strict leases: release with graphed_lease_release when
+    /// done with the alias. 0 otherwise.
+    pub lease: u64,
+}
+
+/// The size of the first released layout of graphed_ref.
+const REF_MIN: usize = 40;
+const _: () = assert!(size_of::<graphed_ref>() >= REF_MIN);
+
+fn ptrs<'a>(p: *const *const c_void, n: usize, what: &'static str) -> Result<Option<&'a [DevPtr]>> {
+    if p.is_null() {
+        if n != 0 {
+            return Err(Error::invalid(format!(
+                "{what} is NULL but its count is {n}"
+            )));
+        }
+        return Ok(None);
+    }
+    // SAFETY: the caller passes `n` readable pointers; u64 and pointers have
+    // the same size and alignment (asserted above).
+    Ok(Some(unsafe { arg_slice(p as *const DevPtr, n, what) }?))
+}
+
+fn replay_args(a: &graphed_replay_args) -> Result<ReplayArgs<'_>> {
+    Ok(ReplayArgs {
+        callable: a.callable,
+        microbatch: a.microbatch,
+        stream: StreamRef(a.stream as usize),
+        side_stream: (!a.side_stream.is_null()).then_some(StreamRef(a.side_stream as usize)),
+        data: ptrs(a.data, a.num_data, "args.data")?,
+        param_dsts: ptrs(a.param_dsts.cast(), a.num_param_dsts, "args.param_dsts")?,
+    })
+}
+
+/// An output array of refs, checked before the replay runs.
+struct Out {
+    p: *mut graphed_ref,
+    n: usize,
+}
+
+fn check_out(
+    p: *mut graphed_ref,
+    n: usize,
+    expected: usize,
+    stride: usize,
+    what: &'static str,
+) -> Result<Out> {
+    if n != expected {
+        return Err(Error::invalid(format!(
+            "{what} has room for {n} refs; the callable has {expected}"
+        )));
+    }
+    check_out_array(p, n, stride, REF_MIN, what)?;
+    Ok(Out { p, n })
+}
+
+/// Writes the refs of a replay; CLONE refs name `owner`.
+fn write_refs(out: &Out, stride: usize, refs: &[Returned], owner: u64) {
+    for (i, r) in refs.iter().take(out.n).enumerate() {
+        let c = graphed_ref {
+            ptr: r.ptr as *mut c_void,
+            bytes: r.bytes,
+            kind: graphed_ref_kind::encode(r.kind),
+            owner: if r.kind == RefKind::Clone {
+                ptr(owner)
+            } else {
+                std::ptr::null_mut()
+            },
+            lease: r.lease,
+        };
+        // SAFETY: check_out verified the array (non-NULL, `n` elements of
+        // `stride` bytes, aligned), and i < n.
+        unsafe { write_element(out.p, stride, i, &c) };
+    }
+}
+
+/// The clone block of a replay as a handle holding one reference per
+/// CLONE grad (0 when there is none).
+fn publish(r: &mut Replayed) -> u64 {
+    match r.block.take() {
+        Some(block) => {
+            let refs = r.second.iter().filter(|x| x.kind == RefKind::Clone).count();
+            handle::insert(Kind::Buffer, block, refs.max(1))
+        }
+        None => 0,
+    }
+}
+
+/// Runs one replay on a pinned, locked session: `arity` picks the expected
+/// sizes of the two output arrays from (inputs, params, outputs).
+fn replay(
+    func: &'static str,
+    session_p: *mut graphed_session,
+    args: *const graphed_replay_args,
+    first: (*mut graphed_ref, usize, &'static str),
+    second: (*mut graphed_ref, usize, &'static str),
+    arity: fn((usize, usize, usize)) -> (usize, usize),
+    run: for<'s> fn(&'s mut Session, &ReplayArgs) -> Result<Replayed<'s>>,
+) -> graphed_status {
+    boundary(func, || {
+        let cell = session(session_p)?;
+        // SAFETY: `args` is NULL or a caller struct per the export's contract.
+        let a = unsafe { read_struct(args, "args") }?;
+        let ra = replay_args(&a)?;
+        let mut s = cell.lock()?;
+        let (n1, n2) = arity(s.arity(a.callable)?);
+        let o1 = check_out(first.0, first.1, n1, a.ref_size, first.2)?;
+        let o2 = check_out(second.0, second.1, n2, a.ref_size, second.2)?;
+        let mut r = run(&mut s, &ra)?;
+        let owner = publish(&mut r);
+        write_refs(&o1, a.ref_size, r.first, owner);
+        write_refs(&o2, a.ref_size, r.second, owner);
+        Ok(())
+    })
+}
+
+/// Replays the forward graph of (args->callable, args->microbatch) on
+/// args->stream, after copying args->data into the static inputs. Writes
+/// one GRAPHED_REF_KIND_ALIAS ref per output to `outputs`
+/// (`num_outputs` must equal the callable's output count): the static
+/// outputs, valid until the next forward replay of the same instance.
+///
+/// # Safety
+/// `args` must point to a graphed_replay_args initialised by its
+/// _default() function; `outputs` must have room for `num_outputs` refs of
+/// args->ref_size bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_forward(
+    session: *mut graphed_session,
+    args: *const graphed_replay_args,
+    outputs: *mut graphed_ref,
+    num_outputs: usize,
+) -> graphed_status {
+    replay(
+        "graphed_forward",
+        session,
+        args,
+        (outputs, num_outputs, "outputs"),
+        (std::ptr::null_mut(), 0, "(none)"),
+        |(_, _, o)| (o, 0),
+        |s, a| s.forward(a),
+    )
+}
+
+/// Replays the backward graph of (args->callable, args->microbatch) after
+/// copying args->data into the static grad-outputs. Writes one ref per
+/// input to `input_grads` (ALIAS, valid until the next backward replay of
+/// the instance; NONE for inputs without requires_grad) and one per
+/// parameter to `param_grads`, each per its frozen policy: CLONE (an owned
+/// copy: release `owner` with graphed_buffer_release), ALIAS, COPY_INTO or
+/// ACCUMULATE_INTO (into args->param_dsts[i]), NONE (no grad, or a callable
+/// with a weight-grad callback, whose grads graphed_backward_wgrad returns).
+///
+/// # Safety
+/// As graphed_forward; the arrays must have room for the stated counts.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_backward(
+    session: *mut graphed_session,
+    args: *const graphed_replay_args,
+    input_grads: *mut graphed_ref,
+    num_input_grads: usize,
+    param_grads: *mut graphed_ref,
+    num_param_grads: usize,
+) -> graphed_status {
+    replay(
+        "graphed_backward",
+        session,
+        args,
+        (input_grads, num_input_grads, "input_grads"),
+        (param_grads, num_param_grads, "param_grads"),
+        |(i, p, _)| (i, p),
+        |s, a| s.backward(a),
+    )
+}
+
+/// Replays the weight-grad graph of a callable registered with a wgrad
+/// callback, and writes its parameter grads (per policy) to `param_grads`.
+///
+/// # Safety
+/// As graphed_backward.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_backward_wgrad(
+    session: *mut graphed_session,
+    args: *const graphed_replay_args,
+    param_grads: *mut graphed_ref,
+    num_param_grads: usize,
+) -> graphed_status {
+    replay(
+        "graphed_backward_wgrad",
+        session,
+        args,
+        (std::ptr::null_mut(), 0, "(none)"),
+        (param_grads, num_param_grads, "param_grads"),
+        |(_, p, _)| (0, p),
+        |s, a| s.wgrad(a),
+    )
+}
+
+/// Releases a strict-mode lease (the `lease` of an ALIAS ref): the alias
+/// is no longer used, so the replay that overwrites it may run. Never
+/// GRAPHED_STATUS_BUSY: it does not wait for calls in progress on the
+/// session, so it is safe from any thread (a tensor's deleter) at any time.
+#[no_mangle]
+pub extern "C" fn graphed_lease_release(
+    session: *mut graphed_session,
+    lease: u64,
+) -> graphed_status {
+    boundary("graphed_lease_release", || {
+        self::session(session)?.leases.release(lease)
+    })
+}

@@ -1,0 +1,161 @@
+//! Pipeline schedule steps, and the helpers callers would otherwise
+//! re-derive: Transformer Engine's `_order` notation to steps, and a
+//! schedule's shape (chunks, microbatches, the layers of each chunk).
+
+use super::args::{arg_out, arg_slice, check_out_array, write_element};
+use super::boundary::boundary;
+use super::enums::graphed_pass;
+use super::status::graphed_status;
+use crate::core::schedule::{chunk_layers, from_te_order, ScheduleStep, Shape};
+use crate::error::{Error, Result};
+use std::mem::size_of;
+
+/// One step of a pipeline schedule. Arrays of steps are passed with their
+/// element size (sizeof(graphed_schedule_step)), so the struct can grow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct graphed_schedule_step {
+    /// A graphed_pass value: FORWARD, BACKWARD or WGRAD.
+    pub pass: u32,
+    /// The model chunk, from 0.
+    pub chunk: u32,
+}
+
+/// The size of the first released layout of graphed_schedule_step.
+const STEP_MIN: usize = 8;
+const _: () = assert!(size_of::<graphed_schedule_step>() >= STEP_MIN);
+
+/// Reads `n` steps of `stride` bytes each (the caller's element size).
+///
+/// # Safety
+/// When `n > 0`, `p` must point to `n` elements of `stride` bytes.
+pub(crate) unsafe fn read_steps(
+    p: *const graphed_schedule_step,
+    n: usize,
+    stride: usize,
+    what: &'static str,
+) -> Result<Vec<ScheduleStep>> {
+    if stride < STEP_MIN || stride % std::mem::align_of::<graphed_schedule_step>() != 0 {
+        return Err(Error::invalid(format!(
+            "{what}: the step size is {stride} bytes; pass sizeof(graphed_schedule_step)"
+        )));
+    }
+    // Viewed as u32 words: `stride / 4` words per step.
+    let words = stride / 4;
+    let total = n
+        .checked_mul(words)
+        .ok_or_else(|| Error::invalid(format!("{what}: {n} steps do not fit in memory")))?;
+    // SAFETY: per this function's contract, `n * stride` bytes of u32-aligned steps.
+    let raw = unsafe { arg_slice(p as *const u32, total, what) }?;
+    (0..n)
+        .map(|i| {
+            let (pass, chunk) = (raw[i * words], raw[i * words + 1]);
+            Ok(ScheduleStep {
+                kind: graphed_pass::decode(pass, &format!("{what}[{i}].pass"))
+                    .map_err(|e| Error::InvalidSchedule(e.to_string()))?,
+                chunk,
+            })
+        })
+        .collect()
+}
+
+/// Converts Transformer Engine's `_order` notation into schedule steps:
+/// `c` is the forward of chunk c (chunks numbered from 1 there), `-c` its
+/// backward and `-c - 0.5` its delayed weight-gradient. Writes `num_order`
+/// steps to `steps` (room for `num_order` elements of `step_size` bytes).
+///
+/// # Safety
+/// `order` must hold `num_order` values; `steps` must have room for
+/// `num_order` elements of `step_size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_schedule_from_te_order(
+    order: *const f64,
+    num_order: usize,
+    steps: *mut graphed_schedule_step,
+    step_size: usize,
+) -> graphed_status {
+    boundary("graphed_schedule_from_te_order", || {
+        // SAFETY: per this function's contract.
+        let order = unsafe { arg_slice(order, num_order, "order") }?;
+        check_out_array(steps, num_order, step_size, STEP_MIN, "steps")?;
+        let converted = from_te_order(order)?;
+        for (i, s) in converted.iter().enumerate() {
+            let step = graphed_schedule_step {
+                pass: graphed_pass::encode(s.kind),
+                chunk: s.chunk,
+            };
+            // SAFETY: checked above, i < num_order.
+            unsafe { write_element(steps, step_size, i, &step) };
+        }
+        Ok(())
+    })
+}
+
+/// The shape of a schedule for `num_callables` callables: its chunks and
+/// microbatches, and, when `chunk_layers` and `chunk_first` are given
+/// (room for `chunk_capacity` entries each, at least the chunk count), the
+/// number of layers (callables) of each chunk and the first callable of
+/// each. `layers_per_chunk` as in the session config (NULL: split evenly).
+/// The schedule's rules are checked as at capture.
+///
+/// # Safety
+/// `steps` must hold `num_steps` elements of `step_size` bytes;
+/// `layers_per_chunk` `num_layers_per_chunk` values; the outputs must be
+/// writable (the arrays for `chunk_capacity` values) or NULL where allowed.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_schedule_shape(
+    steps: *const graphed_schedule_step,
+    num_steps: usize,
+    step_size: usize,
+    layers_per_chunk: *const u32,
+    num_layers_per_chunk: usize,
+    num_callables: u32,
+    chunks_out: *mut u32,
+    microbatches_out: *mut u32,
+    chunk_layers_out: *mut u32,
+    chunk_first_out: *mut u32,
+    chunk_capacity: usize,
+) -> graphed_status {
+    boundary("graphed_schedule_shape", || {
+        let chunks_out = arg_out(chunks_out, "chunks_out")?;
+        let mb_out = arg_out(microbatches_out, "microbatches_out")?;
+        // SAFETY: per this function's contract.
+        let steps = unsafe { read_steps(steps, num_steps, step_size, "steps") }?;
+        let lpc = if layers_per_chunk.is_null() {
+            None
+        } else {
+            // SAFETY: per this function's contract.
+            Some(unsafe { arg_slice(layers_per_chunk, num_layers_per_chunk, "layers_per_chunk") }?)
+        };
+        let shape = Shape::check(&steps)?;
+        let (layers, first) = chunk_layers(&shape, lpc, num_callables as usize)?;
+        let want_arrays = !chunk_layers_out.is_null() || !chunk_first_out.is_null();
+        if want_arrays {
+            let a = arg_out(chunk_layers_out, "chunk_layers_out")?;
+            let b = arg_out(chunk_first_out, "chunk_first_out")?;
+            if chunk_capacity < shape.chunks {
+                return Err(Error::invalid(format!(
+                    "chunk_capacity is {chunk_capacity}; the schedule has {} chunks",
+                    shape.chunks
+                )));
+            }
+            check_out_array(a, shape.chunks, 4, 4, "chunk_layers_out")?;
+            check_out_array(b, shape.chunks, 4, 4, "chunk_first_out")?;
+            for c in 0..shape.chunks {
+                // SAFETY: checked, room for chunk_capacity >= chunks values;
+                // counts fit u32 (they sum to num_callables).
+                unsafe {
+                    a.add(c).write(layers[c] as u32);
+                    b.add(c).write(first[c] as u32);
+                }
+            }
+        }
+        // SAFETY: both checked non-NULL; written only on success. At most
+        // 4096 chunks; microbatches are a count of steps.
+        unsafe {
+            chunks_out.write(shape.chunks as u32);
+            mb_out.write(u32::try_from(shape.microbatches).unwrap_or(u32::MAX));
+        }
+        Ok(())
+    })
+}
