@@ -67,6 +67,13 @@
 #define GRAPHED_REPLAY_ARGS_MAGIC 1735524357
 
 /**
+ * The magics the _default() functions set.
+ */
+#define GRAPHED_STEP_DESC_MAGIC 1735524359
+
+#define GRAPHED_STEP_ARGS_MAGIC 1735524360
+
+/**
  * The result of every graphed call. Dense, starting at 0 = OK; codes are
  * never renumbered (a retired code stays reserved). The message of the last
  * failing call on a thread is in `graphed_last_error_message()`.
@@ -446,6 +453,11 @@ enum graphed_tensor_flags
    * allocate outputs and grads themselves (PyTorch).
    */
   GRAPHED_TENSOR_FLAGS_EXTERNAL = 1,
+  /**
+   * Inputs: the input is another callable's static output
+   * (chain_callable, chain_output), read in place; no copy at replay.
+   */
+  GRAPHED_TENSOR_FLAGS_CHAINED = 2,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -552,6 +564,15 @@ typedef struct graphed_tensor_desc {
    * graphed_tensor_flags bits.
    */
   uint32_t flags;
+  /**
+   * Inputs with GRAPHED_TENSOR_FLAGS_CHAINED: this input is output
+   * `chain_output` of the earlier callable `chain_callable` (same
+   * microbatch). It has no buffer of its own: it reads that output in
+   * place, and its grad is that output's grad-output, written in place.
+   * Bytes, dtype and requires_grad must match the output's.
+   */
+  uint32_t chain_callable;
+  uint32_t chain_output;
 } graphed_tensor_desc;
 
 /**
@@ -874,6 +895,17 @@ typedef struct graphed_session_config {
    */
   const uint32_t *layers_per_chunk;
   size_t num_layers_per_chunk;
+  /**
+   * Clone slots per callable (default 2, at most 16; 0 turns them off):
+   * the pass that writes parameter grads is also captured once per slot,
+   * writing its CLONE grads straight into that slot's block, so replays
+   * return owned grads without a copy while a slot is free (one is free
+   * again once the caller released its grads). With every slot held, a
+   * replay copies into another block. Needs no caller allocator and no
+   * external buffers in that pass; costs one block of the callable's
+   * CLONE bytes per slot.
+   */
+  uint32_t clone_slots;
 } graphed_session_config;
 
 /**
@@ -1013,6 +1045,60 @@ typedef struct graphed_ref {
    */
   uint64_t lease;
 } graphed_ref;
+
+/**
+ * A step to declare. Initialise with graphed_step_desc_default().
+ */
+typedef struct graphed_step_desc {
+  /**
+   * sizeof(graphed_step_desc); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_STEP_DESC_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * The callables of the step, each once, in registration order (none
+   * with external buffers; the session has no pipeline schedule).
+   */
+  const uint32_t *callables;
+  size_t num_callables;
+  /**
+   * One destination per parameter of the step's callables, in order:
+   * where COPY_INTO and ACCUMULATE_INTO grads go at every replay (fixed
+   * at capture; NULL entries for other policies). NULL array when no
+   * parameter needs one.
+   */
+  void *const *param_dsts;
+  size_t num_param_dsts;
+} graphed_step_desc;
+
+/**
+ * Arguments of a step replay. Initialise with graphed_step_args_default().
+ */
+typedef struct graphed_step_args {
+  /**
+   * sizeof(graphed_step_args); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_STEP_ARGS_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * The step, as graphed_session_add_step returned it.
+   */
+  uint32_t step;
+  /**
+   * The caller's stream; the step is ordered on it (not capturing).
+   */
+  graphed_stream stream;
+  /**
+   * sizeof(graphed_ref); set by the _default() function.
+   */
+  size_t ref_size;
+} graphed_step_args;
 
 #ifdef __cplusplus
 extern "C" {
@@ -1398,6 +1484,52 @@ const char *graphed_last_error_message(void);
  * GRAPHED_VERSION_* macros of the header the library was built with. Static.
  */
 const char *graphed_version(void);
+
+/**
+ * An empty step descriptor with its size and magic set.
+ */
+struct graphed_step_desc graphed_step_desc_default(void);
+
+/**
+ * Declares a step before capture; writes its index to `*step_out`. At
+ * capture the step's callables are captured once more, back to back, as
+ * one graph: every forward in order, then every backward in reverse (each
+ * weight-grad right after its backward), each grad pass followed by its
+ * COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
+ * around these captures. Per-callable replays keep working.
+ *
+ * # Safety
+ * `desc` must point to a graphed_step_desc initialised by its _default()
+ * function whose arrays hold the counts it states.
+ */
+graphed_status graphed_session_add_step(struct graphed_session *session,
+                                        const struct graphed_step_desc *desc,
+                                        uint32_t *step_out);
+
+/**
+ * Step replay arguments for step 0 on the default stream.
+ */
+struct graphed_step_args graphed_step_args_default(void);
+
+/**
+ * Replays a step with one graph launch on args->stream. The step's
+ * callables read what their static buffers hold: fill the first inputs
+ * (graphed_session_buffers) or chain them; there is no copy-in. Writes
+ * one ref per parameter of the step's callables, in order, to
+ * `param_grads` (`num_param_grads` must be their total): per policy, as
+ * graphed_backward does. CLONE grads come from a clone slot free in every
+ * callable; when none is, the step replays pass by pass (same results,
+ * one launch per pass).
+ *
+ * # Safety
+ * `args` must point to a graphed_step_args initialised by its _default()
+ * function; `param_grads` must have room for `num_param_grads` refs of
+ * args->ref_size bytes.
+ */
+graphed_status graphed_step_replay(struct graphed_session *session,
+                                   const struct graphed_step_args *args,
+                                   struct graphed_ref *param_grads,
+                                   size_t num_param_grads);
 
 #ifdef __cplusplus
 }  // extern "C"

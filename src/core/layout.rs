@@ -9,7 +9,7 @@
 
 use super::policy::GradPolicy;
 use super::size;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// What a logical buffer holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,6 +54,10 @@ pub struct TensorShape {
     /// grad for an input) is provided by the callback at capture: the
     /// library places nothing for it.
     pub external: bool,
+    /// Inputs only: this input is output `.1` of instance `.0` (an earlier
+    /// instance): it has no buffer of its own but that output's, and its
+    /// grad-input is that output's grad-output.
+    pub chained: Option<(usize, usize)>,
 }
 
 /// A parameter's gradient slot as the layout sees it.
@@ -198,16 +202,31 @@ pub struct InstanceBuffers {
     pub slab_layout: Slab,
 }
 
+/// A buffer also used by an instance other than its owner: a chained
+/// input (the producer's output) or its grad (the producer's grad-output).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedUse {
+    pub buffer: usize,
+    pub instance: usize,
+    pub role: Role,
+}
+
 /// Every logical static buffer of a session.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub buffers: Vec<BufferDesc>,
     pub instances: Vec<InstanceBuffers>,
+    /// Uses of buffers by instances other than their owners (chaining).
+    pub shared: Vec<SharedUse>,
 }
 
-/// The logical buffers of a list of instances.
+/// The logical buffers of a list of instances. A chained input takes its
+/// producer's output buffer (and its grad-input the producer's grad-output)
+/// instead of a buffer of its own; producers come before their consumers
+/// and their shapes agree (checked at registration).
 pub fn layout(shapes: &[InstanceShape]) -> Result<Layout> {
     let mut buffers = Vec::new();
+    let mut shared = Vec::new();
     let mut add = |instance, role, index, bytes| {
         buffers.push(BufferDesc {
             instance,
@@ -217,14 +236,38 @@ pub fn layout(shapes: &[InstanceShape]) -> Result<Layout> {
         });
         buffers.len() - 1
     };
-    let mut instances = Vec::with_capacity(shapes.len());
+    let mut instances: Vec<InstanceBuffers> = Vec::with_capacity(shapes.len());
+    let producer = |instances: &[InstanceBuffers], (p, j): (usize, usize), grad: bool| {
+        let b = instances.get(p).and_then(|ib| {
+            if grad {
+                ib.grad_outputs.get(j).copied().flatten()
+            } else {
+                ib.outputs.get(j).copied().flatten()
+            }
+        });
+        b.ok_or_else(|| {
+            Error::Internal(format!(
+                "a chained input names {} {j} of instance {p}, which has no such buffer",
+                if grad { "grad-output" } else { "output" }
+            ))
+        })
+    };
     for (n, s) in shapes.iter().enumerate() {
-        let inputs = s
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, t)| add(n, Role::Input, i, t.bytes))
-            .collect();
+        let mut inputs = Vec::with_capacity(s.inputs.len());
+        for (i, t) in s.inputs.iter().enumerate() {
+            inputs.push(match t.chained {
+                Some(src) => {
+                    let b = producer(&instances, src, false)?;
+                    shared.push(SharedUse {
+                        buffer: b,
+                        instance: n,
+                        role: Role::Input,
+                    });
+                    b
+                }
+                None => add(n, Role::Input, i, t.bytes),
+            });
+        }
         let outputs = s
             .outputs
             .iter()
@@ -240,14 +283,22 @@ pub fn layout(shapes: &[InstanceShape]) -> Result<Layout> {
                     .then(|| add(n, Role::GradOutput, i, t.bytes))
             })
             .collect();
-        let grad_inputs = s
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                (t.requires_grad && !t.external).then(|| add(n, Role::GradInput, i, t.bytes))
-            })
-            .collect();
+        let mut grad_inputs = Vec::with_capacity(s.inputs.len());
+        for (i, t) in s.inputs.iter().enumerate() {
+            grad_inputs.push(match (t.requires_grad && !t.external, t.chained) {
+                (false, _) => None,
+                (true, Some(src)) => {
+                    let b = producer(&instances, src, true)?;
+                    shared.push(SharedUse {
+                        buffer: b,
+                        instance: n,
+                        role: Role::GradInput,
+                    });
+                    Some(b)
+                }
+                (true, None) => Some(add(n, Role::GradInput, i, t.bytes)),
+            });
+        }
         let slab_layout = slab_layout(&s.params)?;
         let slab = (slab_layout.bytes > 0).then(|| add(n, Role::ParamGrads, 0, slab_layout.bytes));
         instances.push(InstanceBuffers {
@@ -259,7 +310,11 @@ pub fn layout(shapes: &[InstanceShape]) -> Result<Layout> {
             slab_layout,
         });
     }
-    Ok(Layout { buffers, instances })
+    Ok(Layout {
+        buffers,
+        instances,
+        shared,
+    })
 }
 
 #[cfg(test)]
@@ -281,6 +336,7 @@ mod tests {
             bytes,
             requires_grad,
             external: false,
+            chained: None,
         }
     }
 
@@ -388,6 +444,7 @@ mod tests {
             bytes,
             requires_grad: true,
             external: true,
+            chained: None,
         };
         let shape = InstanceShape {
             inputs: vec![ext(64)],
@@ -412,6 +469,35 @@ mod tests {
         assert!(i.slab_layout.slots[0].is_none());
         assert_eq!(i.slab_layout.slots[1].unwrap().offset, 0);
         assert_eq!(l.buffers.len(), 3, "input, grad-output, slab");
+    }
+
+    #[test]
+    fn chained_inputs_share_the_producers_buffers() {
+        let a = InstanceShape {
+            inputs: vec![t(64, false)],
+            outputs: vec![t(128, true)],
+            params: vec![],
+        };
+        let mut b = a.clone();
+        b.inputs = vec![TensorShape {
+            chained: Some((0, 0)),
+            ..t(128, true)
+        }];
+        let l = layout(&[a, b]).unwrap();
+        let (ia, ib) = (&l.instances[0], &l.instances[1]);
+        assert_eq!(
+            ib.inputs[0],
+            ia.outputs[0].unwrap(),
+            "b reads a's output in place"
+        );
+        assert_eq!(
+            ib.grad_inputs[0], ia.grad_outputs[0],
+            "a's backward reads b's input grad in place"
+        );
+        // a: input, output, grad-output; b: output, grad-output.
+        assert_eq!(l.buffers.len(), 5);
+        assert_eq!(l.shared.len(), 2);
+        assert!(l.shared.iter().all(|u| u.instance == 1));
     }
 
     #[test]

@@ -113,58 +113,67 @@ pub fn lifetimes(
         }
         o
     };
-    layout
-        .buffers
-        .iter()
-        .map(|b| {
-            let i = b.instance;
-            let done = wgrad[i].unwrap_or(bwd[i]);
-            match b.role {
-                Role::Input => Lifetime {
-                    start: fwd[i],
-                    end: done,
-                },
-                Role::Output => Lifetime {
-                    start: fwd[i],
-                    end: bwd[i],
-                },
-                Role::GradOutput => Lifetime {
-                    start: bwd[i],
-                    end: done,
-                },
-                Role::GradInput => {
-                    let mut end = next_bwd[bwd[i] + 1];
-                    let (callable, mb) = owner[i];
-                    let chunk = s.chunk_of(callable);
-                    if callable == s.prefix[chunk] && chunk > 0 {
-                        // Taken by the last layer of the previous chunk.
-                        let prev = s.prefix[chunk] - 1;
-                        end = end.max(bwd[instance(prev, mb)]);
-                    }
-                    Lifetime { start: bwd[i], end }
+    // The lifetime of buffer `b` as used by instance `i` in `role`.
+    let span = |i: usize, role: Role| {
+        let done = wgrad[i].unwrap_or(bwd[i]);
+        match role {
+            Role::Input => Lifetime {
+                start: fwd[i],
+                end: done,
+            },
+            Role::Output => Lifetime {
+                start: fwd[i],
+                end: bwd[i],
+            },
+            Role::GradOutput => Lifetime {
+                start: bwd[i],
+                end: done,
+            },
+            Role::GradInput => {
+                let mut end = next_bwd[bwd[i] + 1];
+                let (callable, mb) = owner[i];
+                let chunk = s.chunk_of(callable);
+                if callable == s.prefix[chunk] && chunk > 0 {
+                    // Taken by the last layer of the previous chunk.
+                    let prev = s.prefix[chunk] - 1;
+                    end = end.max(bwd[instance(prev, mb)]);
                 }
-                Role::ParamGrads => {
-                    let slab = &layout.instances[i].slab_layout;
-                    if slab
-                        .slots
-                        .iter()
-                        .flatten()
-                        .any(|s| s.policy == GradPolicy::Alias)
-                    {
-                        Lifetime {
-                            start: 0,
-                            end: last,
-                        }
-                    } else {
-                        Lifetime {
-                            start: done,
-                            end: done,
-                        }
+                Lifetime { start: bwd[i], end }
+            }
+            Role::ParamGrads => {
+                let slab = &layout.instances[i].slab_layout;
+                if slab
+                    .slots
+                    .iter()
+                    .flatten()
+                    .any(|s| s.policy == GradPolicy::Alias)
+                {
+                    Lifetime {
+                        start: 0,
+                        end: last,
+                    }
+                } else {
+                    Lifetime {
+                        start: done,
+                        end: done,
                     }
                 }
             }
-        })
-        .collect()
+        }
+    };
+    let mut out: Vec<Lifetime> = layout
+        .buffers
+        .iter()
+        .map(|b| span(b.instance, b.role))
+        .collect();
+    // A chained buffer lives as long as any of its users needs it.
+    for u in &layout.shared {
+        let l = span(u.instance, u.role);
+        let o = &mut out[u.buffer];
+        o.start = o.start.min(l.start);
+        o.end = o.end.max(l.end);
+    }
+    out
 }
 
 /// Shares memory between buffers of the same size whose lifetimes do not
@@ -249,11 +258,13 @@ mod tests {
                     bytes: H,
                     requires_grad: first_input_grad || i >= s.microbatches,
                     external: false,
+                    chained: None,
                 }],
                 outputs: vec![TensorShape {
                     bytes: H,
                     requires_grad: true,
                     external: false,
+                    chained: None,
                 }],
                 params: vec![Some(ParamShape {
                     bytes: 4 * H,

@@ -50,13 +50,20 @@ pub struct graphed_tensor_desc {
     pub sample: *const c_void,
     /// graphed_tensor_flags bits.
     pub flags: u32,
+    /// Inputs with GRAPHED_TENSOR_FLAGS_CHAINED: this input is output
+    /// `chain_output` of the earlier callable `chain_callable` (same
+    /// microbatch). It has no buffer of its own: it reads that output in
+    /// place, and its grad is that output's grad-output, written in place.
+    /// Bytes, dtype and requires_grad must match the output's.
+    pub chain_callable: u32,
+    pub chain_output: u32,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
 unsafe impl CStruct for graphed_tensor_desc {
     const NAME: &'static str = "graphed_tensor_desc";
     const MAGIC: u32 = GRAPHED_TENSOR_DESC_MAGIC;
-    const MIN_SIZE: usize = 56;
+    const MIN_SIZE: usize = 64;
     fn defaults() -> Self {
         graphed_tensor_desc_default()
     }
@@ -77,6 +84,8 @@ pub extern "C" fn graphed_tensor_desc_default() -> graphed_tensor_desc {
         shape: std::ptr::null(),
         sample: std::ptr::null(),
         flags: 0,
+        chain_callable: 0,
+        chain_output: 0,
     }
 }
 
@@ -206,6 +215,7 @@ pub extern "C" fn graphed_callable_desc_default() -> graphed_callable_desc {
 }
 
 fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
+    let flags = graphed_tensor_flags::decode(t.flags, &format!("{what}.flags"))?;
     let shape: Vec<i64> = if t.ndim == 0 {
         Vec::new()
     } else {
@@ -218,7 +228,8 @@ fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
         shape,
         requires_grad: decode_bool(t.requires_grad, &format!("{what}.requires_grad"))?,
         sample: t.sample as DevPtr,
-        external: graphed_tensor_flags::decode(t.flags, &format!("{what}.flags"))?,
+        external: flags.external,
+        chained: flags.chained.then_some((t.chain_callable, t.chain_output)),
     })
 }
 
@@ -257,6 +268,13 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
             .map(|(i, t)| tensor(t, &format!("{what}[{i}]")))
             .collect()
     };
+    let outputs = convert(&outputs, "desc.outputs")?;
+    if let Some(i) = outputs.iter().position(|t| t.chained.is_some()) {
+        return Err(Error::invalid(format!(
+            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED: only inputs are chained (to an earlier \
+             callable's output)"
+        )));
+    }
     let callbacks = CCallbacks {
         forward: d.forward.ok_or(Error::NullPointer {
             what: "desc.forward",
@@ -275,7 +293,7 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
         CallableSpec {
             name: String::new(),
             inputs: convert(&inputs, "desc.inputs")?,
-            outputs: convert(&outputs, "desc.outputs")?,
+            outputs,
             params: params
                 .iter()
                 .enumerate()

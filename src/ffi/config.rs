@@ -100,13 +100,22 @@ pub struct graphed_session_config {
     /// chunk; NULL: the callables split evenly over the chunks.
     pub layers_per_chunk: *const u32,
     pub num_layers_per_chunk: usize,
+    /// Clone slots per callable (default 2, at most 16; 0 turns them off):
+    /// the pass that writes parameter grads is also captured once per slot,
+    /// writing its CLONE grads straight into that slot's block, so replays
+    /// return owned grads without a copy while a slot is free (one is free
+    /// again once the caller released its grads). With every slot held, a
+    /// replay copies into another block. Needs no caller allocator and no
+    /// external buffers in that pass; costs one block of the callable's
+    /// CLONE bytes per slot.
+    pub clone_slots: u32,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
 unsafe impl CStruct for graphed_session_config {
     const NAME: &'static str = "graphed_session_config";
     const MAGIC: u32 = GRAPHED_SESSION_CONFIG_MAGIC;
-    const MIN_SIZE: usize = 160;
+    const MIN_SIZE: usize = 168;
     fn defaults() -> Self {
         graphed_session_config_default()
     }
@@ -142,6 +151,7 @@ pub extern "C" fn graphed_session_config_default() -> graphed_session_config {
         schedule_step_size: size_of::<graphed_schedule_step>(),
         layers_per_chunk: std::ptr::null(),
         num_layers_per_chunk: 0,
+        clone_slots: 2,
     }
 }
 
@@ -311,6 +321,14 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             log,
             log_level: graphed_log_level::decode(cfg.log_level, "config.log_level")?,
             warmup_hook,
+            clone_slots: match cfg.clone_slots {
+                n @ 0..=16 => n,
+                n => {
+                    return Err(Error::invalid(format!(
+                        "config.clone_slots is {n}; at most 16"
+                    )))
+                }
+            },
         },
     })
 }

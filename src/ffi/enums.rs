@@ -240,19 +240,34 @@ pub enum graphed_tensor_flags {
     /// graphs exist). Replays return that address. For frameworks that
     /// allocate outputs and grads themselves (PyTorch).
     External = 1,
+    /// Inputs: the input is another callable's static output
+    /// (chain_callable, chain_output), read in place; no copy at replay.
+    Chained = 2,
+}
+
+/// What a tensor's flags say.
+pub(crate) struct TensorFlags {
+    pub external: bool,
+    pub chained: bool,
 }
 
 impl graphed_tensor_flags {
-    /// Whether the tensor is external; unknown bits are refused.
-    pub(crate) fn decode(bits: u32, what: &str) -> Result<bool> {
-        let known = graphed_tensor_flags::External as u32;
-        if bits & !known != 0 {
+    /// The flags of a bit set; unknown bits are refused.
+    pub(crate) fn decode(bits: u32, what: &str) -> Result<TensorFlags> {
+        let (external, chained) = (
+            graphed_tensor_flags::External as u32,
+            graphed_tensor_flags::Chained as u32,
+        );
+        if bits & !(external | chained) != 0 {
             return Err(Error::invalid(format!(
                 "{what} has unknown bits 0x{:x}",
-                bits & !known
+                bits & !(external | chained)
             )));
         }
-        Ok(bits & known != 0)
+        Ok(TensorFlags {
+            external: bits & external != 0,
+            chained: bits & chained != 0,
+        })
     }
 }
 
@@ -327,7 +342,8 @@ mod tests {
     fn flags_and_bools_refuse_unknown_bits() {
         assert!(graphed_param_flags::decode(4, "f").is_err());
         assert!(graphed_param_flags::decode(3, "f").unwrap().external_grad);
-        assert!(graphed_tensor_flags::decode(2, "f").is_err());
+        assert!(graphed_tensor_flags::decode(4, "f").is_err());
+        assert!(graphed_tensor_flags::decode(2, "f").unwrap().chained);
         assert!(decode_bool(2, "b").is_err());
         assert!(decode_bool(1, "b").unwrap());
     }

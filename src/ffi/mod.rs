@@ -19,6 +19,7 @@
 //! | `buffer` | returned clone blocks |
 //! | `query` | stats, buffers, policies, the plan dump, device memory |
 //! | `schedule` | schedule steps and the helpers that derive them |
+//! | `step` | steps: callables replayed as one graph |
 //! | `device`, `host` | device discovery; host-backend streams |
 
 mod args;
@@ -36,6 +37,7 @@ mod replay;
 mod schedule;
 mod session;
 mod status;
+mod step;
 
 pub use buffer::*;
 pub use callable::*;
@@ -49,3 +51,4 @@ pub use replay::*;
 pub use schedule::*;
 pub use session::*;
 pub use status::*;
+pub use step::*;

@@ -108,7 +108,11 @@ pub struct graphed_ref {
 const REF_MIN: usize = 40;
 const _: () = assert!(size_of::<graphed_ref>() >= REF_MIN);
 
-fn ptrs<'a>(p: *const *const c_void, n: usize, what: &'static str) -> Result<Option<&'a [DevPtr]>> {
+pub(crate) fn ptrs<'a>(
+    p: *const *const c_void,
+    n: usize,
+    what: &'static str,
+) -> Result<Option<&'a [DevPtr]>> {
     if p.is_null() {
         if n != 0 {
             return Err(Error::invalid(format!(
@@ -134,12 +138,12 @@ fn replay_args(a: &graphed_replay_args) -> Result<ReplayArgs<'_>> {
 }
 
 /// An output array of refs, checked before the replay runs.
-struct Out {
+pub(crate) struct Out {
     p: *mut graphed_ref,
     n: usize,
 }
 
-fn check_out(
+pub(crate) fn check_out(
     p: *mut graphed_ref,
     n: usize,
     expected: usize,
@@ -155,15 +159,62 @@ fn check_out(
     Ok(Out { p, n })
 }
 
-/// Writes the refs of a replay; CLONE refs name `owner`.
-fn write_refs(out: &Out, stride: usize, refs: &[Returned], owner: u64) {
+/// The handles of a replay's clone blocks, by block index.
+pub(crate) enum Owners {
+    None,
+    One(u64),
+    Many(Vec<u64>),
+}
+
+impl Owners {
+    fn get(&self, i: u32) -> u64 {
+        match self {
+            Owners::None => 0,
+            Owners::One(id) => *id,
+            Owners::Many(ids) => ids.get(i as usize).copied().unwrap_or(0),
+        }
+    }
+}
+
+/// Registers a replay's clone blocks as handles, each holding one
+/// reference per CLONE ref in it. A single block (every per-pass replay)
+/// needs no allocation.
+pub(crate) fn publish(r: &mut Replayed) -> Owners {
+    let refs = |b: usize| {
+        r.second
+            .iter()
+            .filter(|x| x.kind == RefKind::Clone && x.block as usize == b)
+            .count()
+            .max(1)
+    };
+    match r.blocks.len() {
+        0 => Owners::None,
+        1 => {
+            let n = refs(0);
+            Owners::One(handle::insert(Kind::Buffer, r.blocks.remove(0), n))
+        }
+        _ => {
+            let counts: Vec<usize> = (0..r.blocks.len()).map(refs).collect();
+            Owners::Many(
+                r.blocks
+                    .drain(..)
+                    .zip(counts)
+                    .map(|(b, n)| handle::insert(Kind::Buffer, b, n))
+                    .collect(),
+            )
+        }
+    }
+}
+
+/// Writes the refs of a replay; CLONE refs name their block's handle.
+pub(crate) fn write_refs(out: &Out, stride: usize, refs: &[Returned], owners: &Owners) {
     for (i, r) in refs.iter().take(out.n).enumerate() {
         let c = graphed_ref {
             ptr: r.ptr as *mut c_void,
             bytes: r.bytes,
             kind: graphed_ref_kind::encode(r.kind),
             owner: if r.kind == RefKind::Clone {
-                ptr(owner)
+                ptr(owners.get(r.block))
             } else {
                 std::ptr::null_mut()
             },
@@ -172,18 +223,6 @@ fn write_refs(out: &Out, stride: usize, refs: &[Returned], owner: u64) {
         // SAFETY: check_out verified the array (non-NULL, `n` elements of
         // `stride` bytes, aligned), and i < n.
         unsafe { write_element(out.p, stride, i, &c) };
-    }
-}
-
-/// The clone block of a replay as a handle holding one reference per
-/// CLONE grad (0 when there is none).
-fn publish(r: &mut Replayed) -> u64 {
-    match r.block.take() {
-        Some(block) => {
-            let refs = r.second.iter().filter(|x| x.kind == RefKind::Clone).count();
-            handle::insert(Kind::Buffer, block, refs.max(1))
-        }
-        None => 0,
     }
 }
 
@@ -208,9 +247,9 @@ fn replay(
         let o1 = check_out(first.0, first.1, n1, a.ref_size, first.2)?;
         let o2 = check_out(second.0, second.1, n2, a.ref_size, second.2)?;
         let mut r = run(&mut s, &ra)?;
-        let owner = publish(&mut r);
-        write_refs(&o1, a.ref_size, r.first, owner);
-        write_refs(&o2, a.ref_size, r.second, owner);
+        let owners = publish(&mut r);
+        write_refs(&o1, a.ref_size, r.first, &owners);
+        write_refs(&o2, a.ref_size, r.second, &owners);
         Ok(())
     })
 }

@@ -10,23 +10,46 @@
 //! return plan and lease slots. Everything is owned by the `Captured` under
 //! construction, so an error anywhere releases all of it.
 
-use super::captured::{Buffers, Captured, Instance, LeaseSlots, PassRef, PlanRecord, Stage};
+use super::captured::{
+    Buffers, Captured, CapturedStep, Instance, LeaseSlots, PassRef, PlanRecord, Stage,
+};
 use super::external::Provided;
+use super::pool::Pool;
+use super::replay::enqueue_destinations;
 use super::returned::CloneRing;
 use super::scratch::Scratch;
-use super::session::Session;
-use super::spec::{HookPoint, LogLevel, MemCounters, PassView, Phase, TensorSpec};
-use crate::backend::{CaptureEnd, DevPtr, DeviceMemory, Event, Stream};
+use super::spec::{
+    CallableSpec, HookPoint, LogLevel, MemCounters, PassView, Phase, SessionOptions, StepSpec,
+    TensorSpec,
+};
+use crate::backend::{Backend, CaptureEnd, DevPtr, DeviceMemory, Event, Graph, Stream};
+use crate::core::arena::Arena;
 use crate::core::layout::{layout, InstanceShape, Layout, ParamShape, Role, TensorShape};
 use crate::core::lease::Leases;
 use crate::core::plan::{self, Lifetime, Plan};
 use crate::core::policy::{snapshot, GradPolicy};
-use crate::core::returns::ReturnPlan;
+use crate::core::returns::{ParamReturn, ReturnPlan};
 use crate::core::schedule::Schedule;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::cell::Cell;
 use std::sync::Arc;
+
+/// What capture reads of a session.
+pub(crate) struct Inputs<'a> {
+    pub backend: &'a Arc<dyn Backend>,
+    pub pool: &'a Arc<Pool>,
+    pub opts: &'a SessionOptions,
+    pub callables: &'a [CallableSpec],
+    pub steps: &'a [StepSpec],
+    pub counters: &'a Arc<MemCounters>,
+}
+
+impl Inputs<'_> {
+    fn log(&self, level: LogLevel, msg: impl FnOnce() -> String) {
+        self.opts.log(level, msg)
+    }
+}
 
 /// The static buffers of a session, planned but not yet placed.
 struct Planned {
@@ -41,7 +64,7 @@ struct Planned {
 /// Lays out the static buffers of every instance (callable x microbatch,
 /// instance `callable * microbatches + microbatch`) with their frozen
 /// policies, and places them (with reuse when the session asks for it).
-fn plan_buffers(s: &Session, schedule: &Schedule) -> Result<Planned> {
+fn plan_buffers(s: &Inputs, schedule: &Schedule) -> Result<Planned> {
     let m = schedule.microbatches;
     let mut shapes = Vec::new();
     let mut owners = Vec::new();
@@ -51,6 +74,7 @@ fn plan_buffers(s: &Session, schedule: &Schedule) -> Result<Planned> {
             bytes: t.bytes,
             requires_grad: t.requires_grad,
             external: t.external,
+            chained: None,
         };
         let shape = InstanceShape {
             inputs: spec.inputs.iter().map(tensor).collect(),
@@ -69,7 +93,13 @@ fn plan_buffers(s: &Session, schedule: &Schedule) -> Result<Planned> {
                 .collect(),
         };
         for mb in 0..m {
-            shapes.push(shape.clone());
+            let mut shape = shape.clone();
+            for (t, spec) in shape.inputs.iter_mut().zip(&spec.inputs) {
+                t.chained = spec
+                    .chained
+                    .map(|(pc, j)| (pc as usize * m + mb, j as usize));
+            }
+            shapes.push(shape);
             owners.push((c, mb));
         }
     }
@@ -94,7 +124,7 @@ fn plan_buffers(s: &Session, schedule: &Schedule) -> Result<Planned> {
 
 /// The instances of a planned session whose static allocation starts at
 /// `base`, with their return plans and (with strict leases) lease slots.
-fn place(s: &Session, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<Vec<Instance>> {
+fn place(s: &Inputs, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<Vec<Instance>> {
     let at = |id: usize| base + p.plan.offsets[id] as DevPtr;
     let opt = |id: Option<usize>| id.map_or(0, at);
     let mut instances = Vec::with_capacity(p.shapes.len());
@@ -106,7 +136,7 @@ fn place(s: &Session, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<
         let has_wgrad = spec.callbacks.has_wgrad();
         let returns = ReturnPlan::of(&policies, &shape.params, &dtypes, &ib.slab_layout)?;
         let ring = (returns.clone.count > 0 && s.opts.allocator.is_none())
-            .then(|| CloneRing::new(&s.backend, &s.counters, returns.clone.bytes));
+            .then(|| CloneRing::new(s.backend, s.counters, returns.clone.bytes));
         instances.push(Instance {
             callable: c,
             microbatch: mb as u32,
@@ -125,8 +155,16 @@ fn place(s: &Session, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<
                 param_bytes: spec.params.iter().map(|p| p.bytes).collect(),
                 slab,
             },
+            chained_inputs: shape.inputs.iter().map(|t| t.chained.is_some()).collect(),
+            chained_grad_outputs: ib
+                .grad_outputs
+                .iter()
+                .map(|b| b.is_some_and(|b| p.layout.shared.iter().any(|u| u.buffer == b)))
+                .collect(),
             returns,
             ring,
+            rotating: Vec::new(),
+            slot_blocks: Vec::new(),
             external: external_buffers(shape, has_wgrad),
             graphs: [None, None, None],
             position: [None, None, None],
@@ -143,7 +181,7 @@ fn place(s: &Session, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<
 /// slots each replay overwrites (with reuse, every buffer sharing memory
 /// with the buffers it writes).
 fn lease_slots(
-    s: &Session,
+    s: &Inputs,
     p: &Planned,
     instances: &mut [Instance],
     leases: &mut Leases,
@@ -156,6 +194,7 @@ fn lease_slots(
         next += 1;
         next - 1
     };
+    let chained: Vec<usize> = p.layout.shared.iter().map(|u| u.buffer).collect();
     let sharing = |written: &[usize]| -> Vec<usize> {
         let slots: Vec<usize> = written
             .iter()
@@ -217,9 +256,18 @@ fn lease_slots(
             });
         }
         let params: Vec<usize> = param_ids.iter().flatten().copied().collect();
-        let mut fwd: Vec<usize> = ib.inputs.clone();
+        // Replays write by copy-in the inputs (forward) and grad-outputs
+        // (backward), except chained ones, which take no data.
+        let copied_in = |b: &usize| !chained.contains(b);
+        let mut fwd: Vec<usize> = ib.inputs.iter().copied().filter(copied_in).collect();
         fwd.extend(&out_ids);
-        let mut bwd: Vec<usize> = ib.grad_outputs.iter().flatten().copied().collect();
+        let mut bwd: Vec<usize> = ib
+            .grad_outputs
+            .iter()
+            .flatten()
+            .copied()
+            .filter(copied_in)
+            .collect();
         bwd.extend(gin_ids.iter().flatten());
         if !spec.callbacks.has_wgrad() {
             bwd.extend(&params);
@@ -270,7 +318,7 @@ fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
 }
 
 struct Runner<'a> {
-    s: &'a Session,
+    s: &'a Inputs<'a>,
     cap: &'a mut Captured,
     scratch: &'a Arc<Scratch>,
 }
@@ -288,8 +336,319 @@ impl Runner<'_> {
     }
 
     /// Runs the hooks and the callback of one pass; under `Phase::Capture`
-    /// the callback alone is captured into a graph.
+    /// the callback alone is captured into a graph, and, for the pass that
+    /// writes an instance's CLONE grads, once more per clone slot.
     fn run(&mut self, p: PassRef, phase: Phase, iteration: u32) -> Result<()> {
+        let slots = if phase == Phase::Capture {
+            self.clone_slots(p)
+        } else {
+            0
+        };
+        let before = (slots > 0).then(|| self.scratch.snapshot());
+        let graph = self.call(p, phase, iteration, true)?;
+        if let Some(g) = graph {
+            let inst = &mut self.cap.instances[p.instance];
+            inst.graphs[p.kind.index()] = Some(g);
+            self.cap.graph_count += 1;
+        }
+        if let Some(before) = before {
+            self.capture_slots(p, iteration, slots, before)?;
+        }
+        Ok(())
+    }
+
+    /// How many clone slots pass `p` is captured for: the pass that writes
+    /// the parameter grads of an instance with CLONE grads in a ring, when
+    /// it neither provides external buffers nor returns external clones.
+    fn clone_slots(&self, p: PassRef) -> usize {
+        let inst = &self.cap.instances[p.instance];
+        let grad_pass = if inst.has_wgrad() {
+            PassKind::Wgrad
+        } else {
+            PassKind::Backward
+        };
+        let eligible = p.kind == grad_pass
+            && inst.ring.is_some()
+            && inst.external[p.kind.index()].is_empty()
+            && inst.returns.clone.external.is_empty();
+        if eligible {
+            self.s.opts.clone_slots as usize
+        } else {
+            0
+        }
+    }
+
+    /// Captures pass `p` again for each clone slot, from the same scratch
+    /// state, with its CLONE slots pointing into the slot's block.
+    fn capture_slots(&mut self, p: PassRef, iteration: u32, n: usize, before: Arena) -> Result<()> {
+        let Some(ring) = self.cap.instances[p.instance].ring.clone() else {
+            return Ok(());
+        };
+        let after = self.scratch.snapshot();
+        let blocks = ring.add_slots(n, self.cap.side.raw())?;
+        self.cap.instances[p.instance].slot_blocks = blocks.clone();
+        let slab = self.cap.instances[p.instance].buffers.param_grads.clone();
+        for base in blocks {
+            let inst = &mut self.cap.instances[p.instance];
+            for (i, ret) in inst.returns.params.iter().enumerate() {
+                if let ParamReturn::Clone { offset } = *ret {
+                    inst.buffers.param_grads[i] = base + offset as DevPtr;
+                }
+            }
+            self.scratch.restore(before.clone());
+            let graph = self.call(p, Phase::Capture, iteration, false);
+            let inst = &mut self.cap.instances[p.instance];
+            inst.buffers.param_grads.clone_from(&slab);
+            if let Some(g) = graph? {
+                inst.rotating.push(g);
+                self.cap.graph_count += 1;
+            }
+        }
+        self.scratch.restore(after);
+        Ok(())
+    }
+
+    /// The graph of a capture that ended with `ended`, whose last callback
+    /// (of pass `p`) returned `ran`; or why there is none.
+    fn finish(
+        &self,
+        p: PassRef,
+        ran: std::result::Result<(), i32>,
+        ended: Result<CaptureEnd>,
+    ) -> Result<Box<dyn Graph>> {
+        if let Some(e) = self.scratch.take_failure() {
+            return Err(e);
+        }
+        let inst = &self.cap.instances[p.instance];
+        // An invalidated capture is the root cause even when the callback
+        // also failed (its next launch fails because of it).
+        match (ran, ended) {
+            (ran, Ok(CaptureEnd::Invalidated(mut detail))) => {
+                if let Err(code) = ran {
+                    detail.push_str(&format!("; the callback then returned {code}"));
+                }
+                Err(Error::CaptureInvalidated {
+                    callable: self.s.callables[inst.callable].name.clone(),
+                    pass: p.kind,
+                    microbatch: inst.microbatch,
+                    detail,
+                })
+            }
+            (Err(code), _) => Err(self.failed(p, Phase::Capture, None, code)),
+            (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(CaptureEnd::Graph(g))) => Ok(g),
+        }
+    }
+
+    /// Captures step `si` (see `CapturedStep`).
+    fn capture_step(&mut self, si: usize, iteration: u32) -> Result<()> {
+        let step = &self.s.steps[si];
+        let cap = &*self.cap;
+        let instances: Vec<usize> = step
+            .callables
+            .iter()
+            .map(|&c| cap.by_callable[c as usize][0])
+            .collect();
+        let passes: Vec<PassRef> = cap
+            .order
+            .iter()
+            .filter(|p| instances.contains(&p.instance))
+            .copied()
+            .collect();
+        // The destinations, against the frozen return plans.
+        let mut first = Vec::with_capacity(instances.len());
+        let mut at = 0;
+        for &i in &instances {
+            let inst = &cap.instances[i];
+            first.push(at);
+            for (j, r) in inst.returns.params.iter().enumerate() {
+                let d = step.param_dsts[at + j];
+                let name = &self.s.callables[inst.callable].name;
+                if r.needs_destination() && d == 0 {
+                    return Err(Error::invalid(format!(
+                        "step {si}: param_dsts[{}] (param {j} of callable '{name}') is NULL, but its grad \
+                         policy ({}) needs a destination",
+                        at + j,
+                        inst.returns.policies[j].map_or("?", |p| p.name())
+                    )));
+                }
+                if let ParamReturn::AccumulateInto { dtype } = r {
+                    if d % dtype.size() as DevPtr != 0 {
+                        return Err(Error::invalid(format!(
+                            "step {si}: param_dsts[{}] (param {j} of callable '{name}') is not aligned to its \
+                             {} element size",
+                            at + j,
+                            dtype.name()
+                        )));
+                    }
+                }
+            }
+            at += inst.returns.params.len();
+        }
+        let cloned: Vec<usize> = instances
+            .iter()
+            .copied()
+            .filter(|&i| cap.instances[i].returns.clone.count > 0)
+            .collect();
+        let slots = cloned
+            .iter()
+            .map(|&i| cap.instances[i].slot_blocks.len())
+            .min()
+            .unwrap_or(0);
+        let overwritten = {
+            let mut v: Vec<usize> = instances
+                .iter()
+                .flat_map(|&i| {
+                    cap.instances[i]
+                        .leases
+                        .overwritten
+                        .iter()
+                        .flatten()
+                        .copied()
+                })
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let dsts = step.param_dsts.clone();
+        let mut graph = None;
+        let mut slot_graphs = Vec::new();
+        if cloned.is_empty() {
+            graph =
+                Some(self.capture_sequence(&passes, &instances, &dsts, &first, None, iteration)?);
+        } else if slots == 0 {
+            self.s.log(LogLevel::Warn, || {
+                format!(
+                    "step {si} returns CLONE grads but has no clone slots (clone_slots is 0, or a caller \
+                     allocator is set): it replays pass by pass"
+                )
+            });
+        } else {
+            for k in 0..slots {
+                let g =
+                    self.capture_sequence(&passes, &instances, &dsts, &first, Some(k), iteration)?;
+                slot_graphs.push(g);
+            }
+        }
+        self.cap.graph_count += graph.is_some() as u32 + slot_graphs.len() as u32;
+        self.cap.steps.push(CapturedStep {
+            instances,
+            passes,
+            dsts,
+            graph,
+            slots: slot_graphs,
+            overwritten,
+        });
+        Ok(())
+    }
+
+    /// Captures `passes` back to back into one graph, each grad pass
+    /// followed by its COPY_INTO and ACCUMULATE_INTO returns into `dsts`
+    /// (instance k's parameters from `first[k]`); with `slot`, the CLONE
+    /// grads of every instance go into its slot block.
+    fn capture_sequence(
+        &mut self,
+        passes: &[PassRef],
+        instances: &[usize],
+        dsts: &[DevPtr],
+        first: &[usize],
+        slot: Option<usize>,
+        iteration: u32,
+    ) -> Result<Box<dyn Graph>> {
+        let saved: Vec<Vec<DevPtr>> = instances
+            .iter()
+            .map(|&i| self.cap.instances[i].buffers.param_grads.clone())
+            .collect();
+        if let Some(k) = slot {
+            for &i in instances {
+                let inst = &mut self.cap.instances[i];
+                let Some(&base) = inst.slot_blocks.get(k) else {
+                    continue;
+                };
+                for (j, r) in inst.returns.params.iter().enumerate() {
+                    if let ParamReturn::Clone { offset } = *r {
+                        inst.buffers.param_grads[j] = base + offset as DevPtr;
+                    }
+                }
+            }
+        }
+        self.scratch.restart();
+        let result = self.record_sequence(passes, instances, dsts, first, iteration);
+        for (&i, pg) in instances.iter().zip(saved) {
+            self.cap.instances[i].buffers.param_grads = pg;
+        }
+        result
+    }
+
+    fn record_sequence(
+        &mut self,
+        passes: &[PassRef],
+        instances: &[usize],
+        dsts: &[DevPtr],
+        first: &[usize],
+        iteration: u32,
+    ) -> Result<Box<dyn Graph>> {
+        let backend = self.s.backend.clone();
+        let stream = self.cap.side.raw();
+        backend.begin_capture(stream, self.s.opts.capture_mode)?;
+        let mut ran = Ok(());
+        let mut enqueued = Ok(());
+        let mut last = passes[0];
+        let mut acc = Vec::new();
+        for &p in passes {
+            last = p;
+            let inst = &self.cap.instances[p.instance];
+            let spec = &self.s.callables[inst.callable];
+            self.scratch.set_context(format!(
+                "the {} callback of callable '{}' (microbatch {}) during the capture of a step",
+                p.kind, spec.name, inst.microbatch
+            ));
+            let view = view(
+                self.cap,
+                Some(self.scratch),
+                None,
+                p,
+                Phase::Capture,
+                iteration,
+            );
+            ran = spec.callbacks.run(&view);
+            if ran.is_err() {
+                break;
+            }
+            let grad_pass =
+                p.kind == PassKind::Wgrad || (p.kind == PassKind::Backward && !inst.has_wgrad());
+            if grad_pass {
+                let k = instances.iter().position(|&i| i == p.instance).unwrap_or(0);
+                let base = first[k];
+                enqueued = enqueue_destinations(
+                    backend.as_ref(),
+                    inst,
+                    |j| dsts[base + j],
+                    &mut acc,
+                    stream,
+                );
+                if enqueued.is_err() {
+                    break;
+                }
+            }
+        }
+        let ended = backend.end_capture(stream);
+        let g = self.finish(last, ran, ended)?;
+        enqueued?;
+        Ok(g)
+    }
+
+    /// Runs the hooks and the callback of one pass once (under capture,
+    /// into a graph it returns). `provide`: record the external buffers
+    /// the callback provides (the first capture of a pass).
+    fn call(
+        &mut self,
+        p: PassRef,
+        phase: Phase,
+        iteration: u32,
+        provide: bool,
+    ) -> Result<Option<Box<dyn Graph>>> {
         let spec = &self.s.callables[self.cap.instances[p.instance].callable];
         let context = format!(
             "the {} callback of callable '{}' (microbatch {}) during {}",
@@ -331,43 +690,20 @@ impl Runner<'_> {
                 backend.begin_capture(view.stream, self.s.opts.capture_mode)?;
                 let ran = spec.callbacks.run(&view);
                 let ended = backend.end_capture(view.stream);
-                if let Some(e) = self.scratch.take_failure() {
-                    return Err(e);
-                }
-                // An invalidated capture is the root cause even when the
-                // callback also failed (its next launch fails because of it).
-                match (ran, ended) {
-                    (ran, Ok(CaptureEnd::Invalidated(mut detail))) => {
-                        if let Err(code) = ran {
-                            detail.push_str(&format!("; the callback then returned {code}"));
-                        }
-                        return Err(Error::CaptureInvalidated {
-                            callable: spec.name.clone(),
-                            pass: p.kind,
-                            microbatch: view.microbatch,
-                            detail,
-                        });
-                    }
-                    (Err(code), _) => return Err(self.failed(p, phase, None, code)),
-                    (Ok(()), Err(e)) => return Err(e),
-                    (Ok(()), Ok(CaptureEnd::Graph(g))) => Some(g),
-                }
+                Some(self.finish(p, ran, ended)?)
             }
         };
-        if let Some(g) = graph {
+        if let (Some(provided), true) = (&provided, provide) {
             let inst = &mut self.cap.instances[p.instance];
-            if let Some(provided) = &provided {
-                for (role, i, ptr) in provided.finish()? {
-                    inst.buffers.provide(role, i, ptr);
-                }
+            for (role, i, ptr) in provided.finish()? {
+                inst.buffers.provide(role, i, ptr);
             }
-            inst.graphs[p.kind.index()] = Some(g);
-            self.cap.graph_count += 1;
         }
         let hook_view = view(self.cap, None, None, p, phase, iteration);
         spec.callbacks
             .hook(HookPoint::Post, &hook_view)
-            .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))
+            .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))?;
+        Ok(graph)
     }
 }
 
@@ -404,8 +740,8 @@ fn view<'a>(
 
 /// Warmup and capture of every callable of `s`; see the module comment.
 /// Returns the captured state and its lease table (for capture `epoch`).
-pub(crate) fn capture(s: &Session, epoch: u16) -> Result<(Captured, Leases)> {
-    let backend = &s.backend;
+pub(crate) fn capture(s: &Inputs, epoch: u16) -> Result<(Captured, Leases)> {
+    let backend = s.backend;
     let has_wgrad: Vec<bool> = s
         .callables
         .iter()
@@ -438,6 +774,7 @@ pub(crate) fn capture(s: &Session, epoch: u16) -> Result<(Captured, Leases)> {
         tapes: Box::new([]),
         graph_count: 0,
         plan: PlanRecord::default(),
+        steps: Vec::new(),
         stage: Stage::default(),
         arena: None,
         side,
@@ -519,7 +856,7 @@ pub(crate) fn capture(s: &Session, epoch: u16) -> Result<(Captured, Leases)> {
     Ok((cap, leases))
 }
 
-fn warmup_and_capture(s: &Session, cap: &mut Captured, scratch: &Arc<Scratch>) -> Result<()> {
+fn warmup_and_capture(s: &Inputs, cap: &mut Captured, scratch: &Arc<Scratch>) -> Result<()> {
     let hook = |point| -> Result<()> {
         match &s.opts.warmup_hook {
             Some(h) => h(point).map_err(|code| Error::CallbackFailed {
@@ -567,12 +904,15 @@ fn warmup_and_capture(s: &Session, cap: &mut Captured, scratch: &Arc<Scratch>) -
     for &p in &order {
         runner.run(p, Phase::Capture, iterations)?;
     }
+    for si in 0..s.steps.len() {
+        runner.capture_step(si, iterations)?;
+    }
     Ok(())
 }
 
 /// After the first warmup iteration: the real scratch allocations go, and
 /// an arena of the measured size from the pool takes over.
-fn use_measured_arena(s: &Session, cap: &mut Captured, scratch: &Scratch) -> Result<()> {
+fn use_measured_arena(s: &Inputs, cap: &mut Captured, scratch: &Scratch) -> Result<()> {
     s.backend.synchronize(cap.side.raw())?;
     let arena = s.pool.acquire(scratch.high_water())?;
     let (base, size) = arena.as_ref().map_or((0, 0), |a| (a.base, a.bytes));

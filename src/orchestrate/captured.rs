@@ -6,7 +6,7 @@
 //! the graphs, then frees the memory, so a failed capture leaves nothing.
 
 use super::pool::Arena;
-use super::returned::{CloneRing, Returned};
+use super::returned::{CloneBlock, CloneRing, Returned};
 use super::spec::MemCounters;
 use crate::backend::{AccItem, Backend, DevPtr, DeviceMemory, Event, Graph, Stream};
 use crate::core::layout::{BufferDesc, Role};
@@ -70,10 +70,20 @@ pub(crate) struct Instance {
     pub callable: usize,
     pub microbatch: u32,
     pub buffers: Buffers,
+    /// Inputs read in place from another instance's output, and
+    /// grad-outputs written in place by another instance's backward: they
+    /// take no replay data but their own buffer.
+    pub chained_inputs: Vec<bool>,
+    pub chained_grad_outputs: Vec<bool>,
     /// What backward / weight-grad replays return, frozen at capture.
     pub returns: ReturnPlan,
     /// Recycled clone blocks (CLONE grads without a caller allocator).
     pub ring: Option<Arc<CloneRing>>,
+    /// The pass that writes the parameter grads, captured once per clone
+    /// slot: graph k writes the CLONE grads into slot block k.
+    pub rotating: Vec<Box<dyn Graph>>,
+    /// The address of slot block k.
+    pub slot_blocks: Vec<DevPtr>,
     /// Per pass kind: the external buffers its callback provides.
     pub external: [Vec<(Role, usize)>; 3],
     /// Per pass kind: the graph (None: that pass does not exist).
@@ -103,6 +113,25 @@ pub(crate) struct PassRef {
     pub kind: PassKind,
 }
 
+/// A step captured as one graph: its callables' passes back to back, with
+/// their parameter grads returned inside the graph.
+pub(crate) struct CapturedStep {
+    /// Instances of the step's callables, in order.
+    pub instances: Vec<usize>,
+    /// Every pass, in step (capture) order.
+    pub passes: Vec<PassRef>,
+    /// The destination of each parameter, the callables' parameters in
+    /// order (0 where its policy needs none).
+    pub dsts: Vec<DevPtr>,
+    /// The graph, when no parameter grad is CLONE.
+    pub graph: Option<Box<dyn Graph>>,
+    /// With CLONE grads: graph k writes them into each instance's slot
+    /// block k. None of either: the step replays pass by pass.
+    pub slots: Vec<Box<dyn Graph>>,
+    /// Lease slots the step's replay overwrites (strict leases).
+    pub overwritten: Vec<usize>,
+}
+
 /// The static-buffer plan and what it placed, for stats and the plan dump.
 #[derive(Default)]
 pub(crate) struct PlanRecord {
@@ -117,6 +146,7 @@ pub(crate) struct Stage {
     pub a: Vec<Returned>,
     pub b: Vec<Returned>,
     pub acc: Vec<AccItem>,
+    pub blocks: Vec<Arc<CloneBlock>>,
 }
 
 /// The strict-lease table, reachable without the session's lock so that a
@@ -151,6 +181,7 @@ pub(crate) struct Captured {
     pub tapes: Box<[Cell<usize>]>,
     pub graph_count: u32,
     pub plan: PlanRecord,
+    pub steps: Vec<CapturedStep>,
     pub stage: Stage,
     pub statics: Option<DeviceMemory>,
     pub arena: Option<Arena>,
@@ -189,7 +220,12 @@ impl Drop for Captured {
         let _ctx = self.backend.bind();
         // Replays may still be running on the caller's streams.
         let _ = self.backend.synchronize_all();
+        // Blocks of the last replay no caller took go back first.
+        for b in self.stage.blocks.drain(..) {
+            let _ = b.release();
+        }
         // Graphs first, then the memory they use.
+        self.steps.clear();
         self.instances.clear();
         MemCounters::sub(&self.counters.static_bytes, self.statics_bytes());
         MemCounters::sub(&self.counters.scratch_bytes, self.arena_bytes());

@@ -8,11 +8,11 @@
 //! reuses, so the steady-state path does no host allocation beyond one
 //! clone block.
 
-use super::captured::{Captured, Instance, Stage};
+use super::captured::{Captured, Instance, LeaseBook, Stage};
+use super::pool::Pool;
 use super::returned::{CloneBlock, RefKind, Returned};
-use super::session::{Session, State};
-use super::spec::{CallableSpec, ReplayArgs};
-use crate::backend::{AccItem, DevPtr};
+use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
+use crate::backend::{AccItem, Backend, DevPtr, StreamRef};
 use crate::core::lease::Leases;
 use crate::core::returns::ParamReturn;
 use crate::core::PassKind;
@@ -21,52 +21,62 @@ use std::sync::Arc;
 
 /// What one replay hands back. `first` holds the outputs (forward) or the
 /// input grads (backward); `second` the parameter grads (backward,
-/// weight-grad); `block` the clone block the CLONE grads live in.
+/// weight-grad, step); `blocks` the clone blocks the CLONE grads live in
+/// (`Returned::block` indexes it). The caller takes the blocks (drains the
+/// vector); any left there are given back at the next replay.
 pub struct Replayed<'a> {
     pub first: &'a [Returned],
     pub second: &'a [Returned],
-    pub block: Option<Arc<CloneBlock>>,
+    pub blocks: &'a mut Vec<Arc<CloneBlock>>,
 }
 
-impl Session {
-    /// Replays the forward graph of (callable, microbatch) and returns the
-    /// static outputs: aliases, valid until the next forward replay of the
-    /// same instance.
-    pub fn forward(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
-        self.replay(a, PassKind::Forward)
-    }
+/// What a replay uses of a captured session.
+pub(crate) struct Parts<'a> {
+    /// Identifies the session to its pool.
+    pub key: u64,
+    pub backend: &'a Arc<dyn Backend>,
+    pub opts: &'a SessionOptions,
+    pub callables: &'a [CallableSpec],
+    pub cap: &'a mut Captured,
+    pub counters: &'a Arc<MemCounters>,
+    pub pool: &'a Pool,
+    pub leases: &'a LeaseBook,
+}
 
-    /// Replays the backward graph; returns the input grads (aliases, valid
-    /// until the next backward replay of the same instance) and the
-    /// parameter grads per the return plan (all NONE when the callable has
-    /// a weight-grad graph: `wgrad` returns them).
-    pub fn backward(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
-        self.replay(a, PassKind::Backward)
-    }
+/// Replays one pass of (callable, microbatch): forward returns the static
+/// outputs (aliases, valid until the next forward replay of the instance);
+/// backward the input grads (aliases, valid until its next backward) and
+/// the parameter grads per the return plan (all NONE when the callable has
+/// a weight-grad graph, whose replay returns them).
+pub(crate) fn pass<'a>(mut p: Parts<'a>, a: &ReplayArgs, kind: PassKind) -> Result<Replayed<'a>> {
+    run_pass(&mut p, a, kind)?;
+    let Stage {
+        a: first,
+        b: second,
+        blocks,
+        ..
+    } = &mut p.cap.stage;
+    Ok(Replayed {
+        first,
+        second,
+        blocks,
+    })
+}
 
-    /// Replays the weight-grad graph of a callable registered with a
-    /// weight-grad callback; returns its parameter grads per the return plan.
-    pub fn wgrad(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
-        self.replay(a, PassKind::Wgrad)
-    }
-
-    fn replay(&mut self, a: &ReplayArgs, kind: PassKind) -> Result<Replayed<'_>> {
-        self.captured()?;
-        let key = self.key;
-        let Session {
-            backend,
-            opts,
-            callables,
-            state,
-            counters,
-            pool,
-            leases,
-            ..
-        } = self;
-        let State::Captured(cap) = state else {
-            return Err(Error::Internal("state changed".into()));
-        };
-        let cap: &mut Captured = cap;
+/// Enqueues one pass and leaves its results in the stage.
+fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
+    let Parts {
+        key,
+        backend,
+        opts,
+        callables,
+        counters,
+        pool,
+        leases,
+        ..
+    } = *p;
+    {
+        let cap: &mut Captured = p.cap;
         let idx = cap.instance_index(a.callable, a.microbatch)?;
         let inst = &cap.instances[idx];
         let spec = &callables[inst.callable];
@@ -84,12 +94,24 @@ impl Session {
             PassKind::Wgrad => true,
         };
         match kind {
-            PassKind::Forward => {
-                check_data(a.data, inst.buffers.inputs.len(), |_| true, "inputs", spec)?
-            }
+            PassKind::Forward => check_data(
+                a.data,
+                &inst.buffers.inputs,
+                |_| true,
+                &inst.chained_inputs,
+                "inputs",
+                spec,
+            )?,
             PassKind::Backward => {
                 let gout = &inst.buffers.grad_outputs;
-                check_data(a.data, gout.len(), |i| gout[i] != 0, "grad_outputs", spec)?
+                check_data(
+                    a.data,
+                    gout,
+                    |i| gout[i] != 0,
+                    &inst.chained_grad_outputs,
+                    "grad_outputs",
+                    spec,
+                )?
             }
             PassKind::Wgrad => {
                 if !inst.has_wgrad() {
@@ -108,19 +130,7 @@ impl Session {
         if returns_params {
             check_dsts(a.param_dsts, inst, spec)?;
         }
-        for (s, what) in [(Some(a.stream), "stream"), (a.side_stream, "side_stream")] {
-            match s {
-                Some(s) if backend.is_capturing(s)? => {
-                    return Err(Error::StreamCapturing(format!(
-                        "{}: args.{what} is capturing a graph. graphed replays cannot be recorded into another \
-                         capture (their clones and copies would outlive what the outer graph can own); replay \
-                         outside the capture, or capture the work directly. Nothing was enqueued",
-                        who()
-                    )))
-                }
-                _ => {}
-            }
-        }
+        check_streams(backend.as_ref(), a.stream, a.side_stream, who)?;
         let strict = opts.strict_leases;
         let mut book = strict.then(|| leases.lock());
         if let Some(l) = &book {
@@ -169,10 +179,20 @@ impl Session {
                 }
             }
         }
-        inst.graph(kind)?.launch(s)?;
+        // A slot block has its own capture of this pass, which writes the
+        // CLONE grads into it: no copy.
+        let slot_graph = match (&block, returns_params) {
+            (Some(b), true) => b.slot.and_then(|k| inst.rotating.get(k)),
+            _ => None,
+        };
+        match slot_graph {
+            Some(g) => g.launch(s)?,
+            None => inst.graph(kind)?.launch(s)?,
+        }
         if returns_params {
             let b = &inst.buffers;
-            if let Some(blk) = &block {
+            if let (Some(blk), None) = (&block, slot_graph) {
+                // The grads went to the slab: copy the CLONE ones out.
                 // The slab's CLONE span in one copy, then any external CLONE slot.
                 if let Some((start, end)) = clone.span {
                     backend.copy(blk.ptr, b.slab + start as DevPtr, end - start, s)?;
@@ -187,20 +207,13 @@ impl Session {
                 }
             }
             // check_dsts made sure these have destinations.
-            let dst = |i: usize| a.param_dsts.map_or(0, |d| d[i]);
-            for &i in &inst.returns.copy_into {
-                backend.copy(dst(i), b.param_grads[i], b.param_bytes[i], s)?;
-            }
-            // ACCUMULATE_INTO slots: one batched launch per dtype.
-            for (dtype, params) in &inst.returns.accumulate {
-                cap.stage.acc.clear();
-                cap.stage.acc.extend(params.iter().map(|&i| AccItem {
-                    dst: dst(i),
-                    src: b.param_grads[i],
-                    count: b.param_bytes[i] / dtype.size(),
-                }));
-                backend.accumulate(&cap.stage.acc, *dtype, s)?;
-            }
+            enqueue_destinations(
+                backend.as_ref(),
+                inst,
+                |i| a.param_dsts.map_or(0, |d| d[i]),
+                &mut cap.stage.acc,
+                s,
+            )?;
         }
         if let Some(side) = a.side_stream {
             backend.join(side, a.stream, cap.ev_out.raw())?;
@@ -214,10 +227,15 @@ impl Session {
         let Stage {
             a: first,
             b: second,
+            blocks,
             ..
         } = &mut cap.stage;
         first.clear();
         second.clear();
+        give_back(blocks);
+        if let Some(b) = block {
+            blocks.push(b);
+        }
         let leases = book.as_deref_mut();
         match kind {
             PassKind::Forward => stage_aliases(
@@ -236,18 +254,260 @@ impl Session {
                     leases,
                 );
                 if returns_params {
-                    stage_params(inst, a.param_dsts, block_ptr, book.as_deref_mut(), second);
+                    stage_params(
+                        inst,
+                        a.param_dsts,
+                        (block_ptr, 0),
+                        book.as_deref_mut(),
+                        second,
+                    );
                 } else {
                     second.resize(inst.returns.params.len(), Returned::default());
                 }
             }
-            PassKind::Wgrad => stage_params(inst, a.param_dsts, block_ptr, leases, second),
+            PassKind::Wgrad => stage_params(inst, a.param_dsts, (block_ptr, 0), leases, second),
         }
-        Ok(Replayed {
-            first,
-            second,
+    }
+    Ok(())
+}
+
+/// Replays a step: one launch of its graph, or, with CLONE grads, of the
+/// graph of a clone slot that is free in every callable that returns
+/// clones; when there is none (every slot held by the caller, or no slots
+/// at all), pass by pass. Returns the parameter grads of the step's
+/// callables, in order, in `second`.
+pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Replayed<'a>> {
+    let n = p.cap.steps.len();
+    let st = p.cap.steps.get(step as usize).ok_or_else(|| {
+        Error::invalid(format!("step {step} does not exist (the session has {n})"))
+    })?;
+    let who = || format!("the replay of step {step}");
+    check_streams(p.backend.as_ref(), stream, None, who)?;
+    if p.opts.strict_leases {
+        p.leases.lock().check_free(&st.overwritten, who)?;
+    }
+    let _ctx = p.backend.bind()?;
+    let cloned: Vec<usize> = st
+        .instances
+        .iter()
+        .copied()
+        .filter(|&i| p.cap.instances[i].returns.clone.count > 0)
+        .collect();
+    // A slot free in every callable that returns clones, with its blocks.
+    let mut chosen = None;
+    if st.graph.is_none() {
+        'slots: for k in 0..st.slots.len() {
+            let mut taken: Vec<Arc<CloneBlock>> = Vec::with_capacity(cloned.len());
+            for &i in &cloned {
+                let ring = p.cap.instances[i].ring.as_ref();
+                match ring.map(|r| r.take_slot(k, stream)).transpose()?.flatten() {
+                    Some(b) => taken.push(b),
+                    None => {
+                        for (b, &j) in taken.into_iter().zip(&cloned) {
+                            if let Some(r) = &p.cap.instances[j].ring {
+                                r.put_back(b);
+                            }
+                        }
+                        continue 'slots;
+                    }
+                }
+            }
+            chosen = Some((k, taken));
+            break;
+        }
+        if chosen.is_none() {
+            return step_by_pass(p, step as usize, stream);
+        }
+    }
+    for pp in &st.passes {
+        let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
+        let (cap, callables, key) = (&*p.cap, p.callables, p.key);
+        p.pool
+            .replaying(key, pos, |k, q| describe_pass(cap, callables, k, key, q))?;
+    }
+    let graph = match (&st.graph, &chosen) {
+        (Some(g), _) => g,
+        (None, Some((k, _))) => &st.slots[*k],
+        (None, None) => return Err(Error::Internal("a step without a graph".into())),
+    };
+    if let Err(e) = graph.launch(stream) {
+        if let Some((_, taken)) = chosen {
+            for (b, &j) in taken.into_iter().zip(&cloned) {
+                if let Some(r) = &p.cap.instances[j].ring {
+                    r.put_back(b);
+                }
+            }
+        }
+        return Err(e);
+    }
+    // Results: every parameter of the step's callables, in order.
+    let taken = chosen.map(|(_, t)| t).unwrap_or_default();
+    let mut book = p.opts.strict_leases.then(|| p.leases.lock());
+    let Captured {
+        instances,
+        stage,
+        steps,
+        ..
+    } = &mut *p.cap;
+    let st = &steps[step as usize];
+    let Stage {
+        a: first,
+        b: second,
+        blocks,
+        ..
+    } = stage;
+    first.clear();
+    second.clear();
+    give_back(blocks);
+    let mut at = 0;
+    for &i in &st.instances {
+        let inst = &instances[i];
+        let np = inst.returns.params.len();
+        let block = match cloned.iter().position(|&c| c == i) {
+            Some(k) => (taken[k].ptr, k as u32),
+            None => (0, 0),
+        };
+        stage_params(
+            inst,
+            Some(&st.dsts[at..at + np]),
             block,
-        })
+            book.as_deref_mut(),
+            second,
+        );
+        at += np;
+    }
+    blocks.extend(taken);
+    Ok(Replayed {
+        first,
+        second,
+        blocks,
+    })
+}
+
+/// A step replayed pass by pass (its graphs need a clone slot that is not
+/// free): the same passes, each its own replay, the grads gathered.
+fn step_by_pass<'a>(mut p: Parts<'a>, step: usize, stream: StreamRef) -> Result<Replayed<'a>> {
+    let (passes, dsts, instances) = {
+        let st = &p.cap.steps[step];
+        (st.passes.clone(), st.dsts.clone(), st.instances.clone())
+    };
+    let mut first_param = Vec::with_capacity(instances.len());
+    let mut at = 0;
+    for &i in &instances {
+        first_param.push(at);
+        at += p.cap.instances[i].returns.params.len();
+    }
+    let mut grads: Vec<Vec<Returned>> = vec![Vec::new(); instances.len()];
+    let mut blocks: Vec<Arc<CloneBlock>> = Vec::new();
+    for pp in passes {
+        let k = instances
+            .iter()
+            .position(|&i| i == pp.instance)
+            .unwrap_or(0);
+        let inst = &p.cap.instances[pp.instance];
+        let grad_pass =
+            pp.kind == PassKind::Wgrad || (pp.kind == PassKind::Backward && !inst.has_wgrad());
+        let np = inst.returns.params.len();
+        let a = ReplayArgs {
+            callable: inst.callable as u32,
+            microbatch: inst.microbatch,
+            stream,
+            side_stream: None,
+            data: None,
+            param_dsts: grad_pass.then(|| &dsts[first_param[k]..first_param[k] + np]),
+        };
+        run_pass(&mut p, &a, pp.kind)?;
+        let stage = &mut p.cap.stage;
+        // The step hands out no aliases of outputs or input grads.
+        if p.opts.strict_leases {
+            let mut l = p.leases.lock();
+            for r in stage.a.iter().filter(|r| r.lease != 0) {
+                let _ = l.release(r.lease);
+            }
+        }
+        if grad_pass {
+            let base = blocks.len() as u32;
+            grads[k] = stage
+                .b
+                .iter()
+                .map(|r| Returned {
+                    block: r.block + base,
+                    ..*r
+                })
+                .collect();
+            blocks.append(&mut stage.blocks);
+        }
+    }
+    let Stage {
+        a: first,
+        b: second,
+        blocks: staged,
+        ..
+    } = &mut p.cap.stage;
+    first.clear();
+    second.clear();
+    give_back(staged);
+    second.extend(grads.into_iter().flatten());
+    staged.extend(blocks);
+    Ok(Replayed {
+        first,
+        second,
+        blocks: staged,
+    })
+}
+
+/// Refuses a replay on a stream that is capturing a graph.
+fn check_streams(
+    backend: &dyn Backend,
+    stream: StreamRef,
+    side: Option<StreamRef>,
+    who: impl Fn() -> String,
+) -> Result<()> {
+    for (s, what) in [(Some(stream), "stream"), (side, "side_stream")] {
+        match s {
+            Some(s) if backend.is_capturing(s)? => {
+                return Err(Error::StreamCapturing(format!(
+                    "{}: the {what} is capturing a graph. graphed replays cannot be recorded into another \
+                     capture (their clones and copies would outlive what the outer graph can own); replay \
+                     outside the capture, or capture the callables together as a step. Nothing was enqueued",
+                    who()
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Enqueues the COPY_INTO copies and the ACCUMULATE_INTO launches (one per
+/// dtype) of an instance's parameter grads, into `dst(i)` for parameter i.
+pub(crate) fn enqueue_destinations(
+    backend: &dyn Backend,
+    inst: &Instance,
+    dst: impl Fn(usize) -> DevPtr,
+    acc: &mut Vec<AccItem>,
+    s: StreamRef,
+) -> Result<()> {
+    let b = &inst.buffers;
+    for &i in &inst.returns.copy_into {
+        backend.copy(dst(i), b.param_grads[i], b.param_bytes[i], s)?;
+    }
+    for (dtype, params) in &inst.returns.accumulate {
+        acc.clear();
+        acc.extend(params.iter().map(|&i| AccItem {
+            dst: dst(i),
+            src: b.param_grads[i],
+            count: b.param_bytes[i] / dtype.size(),
+        }));
+        backend.accumulate(acc, *dtype, s)?;
+    }
+    Ok(())
+}
+
+/// Gives back blocks a caller did not take from an earlier replay.
+fn give_back(blocks: &mut Vec<Arc<CloneBlock>>) {
+    for b in blocks.drain(..) {
+        let _ = b.release();
     }
 }
 
@@ -299,16 +559,18 @@ fn stage_aliases(
                 bytes,
                 kind: RefKind::Alias,
                 lease,
+                block: 0,
             }
         });
     }
 }
 
-/// Stages the parameter grads of a backward or weight-grad replay.
+/// Stages the parameter grads of a backward or weight-grad replay; CLONE
+/// grads live in `block` = (its address, its index in the replay's blocks).
 fn stage_params(
     inst: &Instance,
     dsts: Option<&[DevPtr]>,
-    block_ptr: DevPtr,
+    (block_ptr, block): (DevPtr, u32),
     mut leases: Option<&mut Leases>,
     out: &mut Vec<Returned>,
 ) {
@@ -337,21 +599,35 @@ fn stage_params(
                 bytes,
                 kind,
                 lease,
+                block,
             }
         });
     }
 }
 
-/// Checks a copy-in array: the right length, and no NULL where a buffer
-/// needs data (`needed`).
+/// Checks a copy-in array against the static buffers `statics`: the right
+/// length, no NULL where a buffer needs data (`needed`), and nothing but
+/// NULL or the buffer itself for a chained one (it is another callable's
+/// buffer, read or written in place).
 fn check_data(
     data: Option<&[DevPtr]>,
-    expected: usize,
+    statics: &[DevPtr],
     needed: impl Fn(usize) -> bool,
+    chained: &[bool],
     what: &str,
     spec: &CallableSpec,
 ) -> Result<()> {
     let Some(d) = data else { return Ok(()) };
+    let expected = statics.len();
+    if let Some(i) = (0..d.len().min(expected))
+        .find(|&i| chained.get(i).copied().unwrap_or(false) && d[i] != 0 && d[i] != statics[i])
+    {
+        return Err(Error::invalid(format!(
+            "{what}[{i}] of callable '{}' is chained to another callable's buffer (0x{:x}); it takes no other \
+             data: pass that buffer, NULL, or a NULL data array",
+            spec.name, statics[i]
+        )));
+    }
     if d.len() != expected {
         return Err(Error::invalid(format!(
             "{} {what} were passed; callable '{}' has {expected}",
@@ -359,7 +635,7 @@ fn check_data(
             spec.name
         )));
     }
-    if let Some(i) = (0..d.len()).find(|&i| d[i] == 0 && needed(i)) {
+    if let Some(i) = (0..d.len()).find(|&i| d[i] == 0 && needed(i) && !chained[i]) {
         return Err(Error::invalid(format!(
             "{what}[{i}] of callable '{}' is NULL (pass the whole {what} array as NULL to replay on what the \
              static buffers hold)",

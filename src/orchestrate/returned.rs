@@ -37,6 +37,8 @@ pub struct Returned {
     pub kind: RefKind,
     /// Strict-lease token, 0 for none.
     pub lease: u64,
+    /// CLONE: which of the replay's blocks holds it.
+    pub block: u32,
 }
 
 /// Where a clone block comes from and goes back to.
@@ -61,6 +63,8 @@ pub struct CloneBlock {
     /// reuses the block waits for it before writing.
     event: Option<Event>,
     recorded: AtomicBool,
+    /// Ring blocks made at capture: the slot whose graph writes this block.
+    pub slot: Option<usize>,
 }
 
 impl CloneBlock {
@@ -91,6 +95,7 @@ impl CloneBlock {
             stream: AtomicUsize::new(stream.0),
             event: None,
             recorded: AtomicBool::new(false),
+            slot: None,
         });
         block.handed_out();
         Ok(block)
@@ -147,6 +152,10 @@ impl Drop for CloneBlock {
 /// is free, allocates one; the caller's release puts it back. In steady
 /// state (each step's grads released before the next step's) no memory is
 /// allocated and nothing is allocated on the host.
+///
+/// The first blocks are the clone slots, made at capture: the grad pass is
+/// captured once per slot, writing into its block directly, so a replay
+/// that takes a slot block copies nothing. Slot blocks are taken first.
 pub struct CloneRing {
     backend: Arc<dyn Backend>,
     counters: Arc<MemCounters>,
@@ -173,10 +182,56 @@ impl CloneRing {
         self.free.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A block for a replay on `stream`: later work on `stream` is ordered
-    /// after the block's previous release.
+    fn block(
+        self: &Arc<CloneRing>,
+        ptr: DevPtr,
+        stream: StreamRef,
+        slot: Option<usize>,
+    ) -> Result<CloneBlock> {
+        Ok(CloneBlock {
+            ptr,
+            bytes: self.bytes,
+            backend: self.backend.clone(),
+            counters: self.counters.clone(),
+            origin: Origin::Ring(Arc::downgrade(self)),
+            stream: AtomicUsize::new(stream.0),
+            event: Some(Event::new(&self.backend)?),
+            recorded: AtomicBool::new(false),
+            slot,
+        })
+    }
+
+    /// Makes the `n` slot blocks (at capture, on `stream`) and returns their
+    /// addresses; they wait in the ring until a replay takes them.
+    pub fn add_slots(self: &Arc<CloneRing>, n: usize, stream: StreamRef) -> Result<Vec<DevPtr>> {
+        let mut ptrs = Vec::with_capacity(n);
+        for k in 0..n {
+            let ptr = self.backend.alloc_async(self.bytes, stream)?;
+            let b = match self.block(ptr, stream, Some(k)) {
+                Ok(b) => b,
+                Err(e) => {
+                    self.backend.free_async(ptr, stream);
+                    return Err(e);
+                }
+            };
+            MemCounters::add(&self.counters.clone_cached_bytes, self.bytes);
+            ptrs.push(ptr);
+            self.lock().push(Arc::new(b));
+        }
+        Ok(ptrs)
+    }
+
+    /// A block for a replay on `stream`: a free slot block if there is one,
+    /// else any free block, else a new one. Later work on `stream` is
+    /// ordered after the block's previous release.
     pub fn take(self: &Arc<CloneRing>, stream: StreamRef) -> Result<Arc<CloneBlock>> {
-        let reused = self.lock().pop();
+        let reused = {
+            let mut free = self.lock();
+            match free.iter().rposition(|b| b.slot.is_some()) {
+                Some(i) => Some(free.swap_remove(i)),
+                None => free.pop(),
+            }
+        };
         let block = match reused {
             Some(b) => {
                 MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
@@ -192,23 +247,56 @@ impl CloneRing {
                 b
             }
             None => {
-                let event = Event::new(&self.backend)?;
                 let ptr = self.backend.alloc_async(self.bytes, stream)?;
-                Arc::new(CloneBlock {
-                    ptr,
-                    bytes: self.bytes,
-                    backend: self.backend.clone(),
-                    counters: self.counters.clone(),
-                    origin: Origin::Ring(Arc::downgrade(self)),
-                    stream: AtomicUsize::new(stream.0),
-                    event: Some(event),
-                    recorded: AtomicBool::new(false),
-                })
+                match self.block(ptr, stream, None) {
+                    Ok(b) => Arc::new(b),
+                    Err(e) => {
+                        self.backend.free_async(ptr, stream);
+                        return Err(e);
+                    }
+                }
             }
         };
         block.set_stream(stream);
         block.handed_out();
         Ok(block)
+    }
+
+    /// Slot block `k` if it is free (later work on `stream` is ordered
+    /// after its previous release).
+    pub fn take_slot(
+        self: &Arc<CloneRing>,
+        k: usize,
+        stream: StreamRef,
+    ) -> Result<Option<Arc<CloneBlock>>> {
+        let b = {
+            let mut free = self.lock();
+            match free.iter().position(|b| b.slot == Some(k)) {
+                Some(i) => free.swap_remove(i),
+                None => return Ok(None),
+            }
+        };
+        if b.recorded.load(Ordering::Relaxed) {
+            if let Some(e) = &b.event {
+                if let Err(err) = self.backend.wait(stream, e.raw()) {
+                    self.lock().push(b);
+                    return Err(err);
+                }
+            }
+        }
+        MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
+        b.set_stream(stream);
+        b.handed_out();
+        Ok(Some(b))
+    }
+
+    /// Returns a block from `take` or `take_slot` that was not handed to
+    /// the caller after all (it was written by nothing).
+    pub fn put_back(&self, b: Arc<CloneBlock>) {
+        MemCounters::sub(&self.counters.clone_bytes, b.bytes);
+        MemCounters::sub(&self.counters.clone_blocks, 1);
+        MemCounters::add(&self.counters.clone_cached_bytes, b.bytes);
+        self.lock().push(b);
     }
 
     /// Blocks held for reuse, and their bytes.

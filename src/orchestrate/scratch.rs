@@ -154,6 +154,16 @@ impl Scratch {
         st.arena = Arena::bounded(capacity);
     }
 
+    /// The arena's state, to capture a pass again from the same point.
+    pub fn snapshot(&self) -> Arena {
+        self.lock().arena.clone()
+    }
+
+    /// Puts the arena back to a snapshot taken in arena mode.
+    pub fn restore(&self, arena: Arena) {
+        self.lock().arena = arena;
+    }
+
     /// Starts an iteration: in arena mode every offset is free again, so
     /// each iteration (and the capture) lays out the same sequence.
     pub fn restart(&self) {

@@ -9,14 +9,18 @@
 use super::capture;
 use super::captured::{Captured, LeaseBook};
 use super::pool::Pool;
-use super::spec::{CallableSpec, LogLevel, MemCounters, SessionOptions, TensorSpec};
-use crate::backend::{Backend, BackendKind, DevPtr};
+use super::replay::{self, Replayed};
+use super::spec::{
+    CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
+};
+use crate::backend::{Backend, BackendKind, DevPtr, StreamRef};
 use crate::core::layout::Role;
 use crate::core::lease::Leases;
 use crate::core::plan::Lifetime;
 use crate::core::policy::{GradPolicy, ParamFlags};
 use crate::core::schedule::check_steps;
 use crate::core::size;
+use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -53,6 +57,7 @@ pub struct Session {
     pub(crate) pool: Arc<Pool>,
     pub(crate) opts: SessionOptions,
     pub(crate) callables: Vec<CallableSpec>,
+    pub(crate) steps: Vec<StepSpec>,
     pub(crate) state: State,
     pub(crate) counters: Arc<MemCounters>,
     pub(crate) leases: Arc<LeaseBook>,
@@ -134,6 +139,7 @@ impl Session {
             pool,
             opts,
             callables: Vec::new(),
+            steps: Vec::new(),
             state: State::Open,
             counters: Arc::new(MemCounters::default()),
             leases: Arc::new(LeaseBook::default()),
@@ -161,11 +167,7 @@ impl Session {
     }
 
     pub(crate) fn log(&self, level: LogLevel, msg: impl FnOnce() -> String) {
-        if let Some(log) = &self.opts.log {
-            if level <= self.opts.log_level {
-                log(level, &msg());
-            }
-        }
+        self.opts.log(level, msg)
     }
 
     fn open(&self, what: &str) -> Result<()> {
@@ -202,6 +204,11 @@ impl Session {
         for (i, t) in spec.outputs.iter().enumerate() {
             check_tensor(t, &format!("{who}: outputs[{i}]"))?;
         }
+        for (i, t) in spec.inputs.iter().enumerate() {
+            if let Some(src) = t.chained {
+                self.check_chain(&spec, i, src, &who)?;
+            }
+        }
         for (i, p) in spec.params.iter().enumerate() {
             p.validate(&format!("{who}: params[{i}]"))?;
             if p.data == 0 {
@@ -220,6 +227,131 @@ impl Session {
         }
         self.callables.push(spec);
         Ok(n as u32)
+    }
+
+    /// Checks that input `i` of a callable being registered may be chained
+    /// to output `j` of callable `p`.
+    fn check_chain(
+        &self,
+        spec: &CallableSpec,
+        i: usize,
+        (p, j): (u32, u32),
+        who: &str,
+    ) -> Result<()> {
+        let t = &spec.inputs[i];
+        let what = format!("{who}: inputs[{i}] (chained to output {j} of callable {p})");
+        let producer = self.callables.get(p as usize).ok_or_else(|| {
+            Error::invalid(format!(
+                "{what}: callable {p} is not registered yet (the session has {}); chain to an earlier callable",
+                self.callables.len()
+            ))
+        })?;
+        let out = producer.outputs.get(j as usize).ok_or_else(|| {
+            Error::invalid(format!(
+                "{what}: callable '{}' has {} outputs",
+                producer.name,
+                producer.outputs.len()
+            ))
+        })?;
+        if out.external || t.external {
+            return Err(Error::invalid(format!(
+                "{what}: external buffers cannot be chained (the output and the input's grad must be the \
+                 library's static buffers)"
+            )));
+        }
+        if (out.bytes, out.dtype, out.requires_grad) != (t.bytes, t.dtype, t.requires_grad) {
+            return Err(Error::invalid(format!(
+                "{what}: the output is {} bytes of {} (requires_grad {}), the input {} bytes of {} \
+                 (requires_grad {}); they must match",
+                out.bytes,
+                out.dtype.name(),
+                out.requires_grad,
+                t.bytes,
+                t.dtype.name(),
+                t.requires_grad
+            )));
+        }
+        if t.requires_grad {
+            let taken = self
+                .callables
+                .iter()
+                .flat_map(|c| c.inputs.iter())
+                .chain(spec.inputs[..i].iter())
+                .any(|other| other.requires_grad && other.chained == Some((p, j)));
+            if taken {
+                return Err(Error::invalid(format!(
+                    "{what}: another input already chains that output with a gradient; two would write \
+                     its grad-output. Chain it once and pass it as data to the others"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Declares a step (see `StepSpec`); returns its index. Checked here as
+    /// far as registration allows, and against the frozen policies at
+    /// capture.
+    pub fn add_step(&mut self, step: StepSpec) -> Result<u32> {
+        self.open("declaring a step")?;
+        if self.opts.schedule.is_some() {
+            return Err(Error::Unsupported(
+                "steps are for sessions without a pipeline schedule (one microbatch per callable)"
+                    .into(),
+            ));
+        }
+        if step.callables.is_empty() {
+            return Err(Error::invalid("a step needs at least one callable"));
+        }
+        let mut params = 0usize;
+        for (k, &c) in step.callables.iter().enumerate() {
+            let spec = self.callables.get(c as usize).ok_or_else(|| {
+                Error::invalid(format!(
+                    "callables[{k}] is {c}; the session has {} callables",
+                    self.callables.len()
+                ))
+            })?;
+            if k > 0 && c <= step.callables[k - 1] {
+                return Err(Error::invalid(format!(
+                    "callables[{k}] is {c}, after {}: a step lists its callables once each, in registration order",
+                    step.callables[k - 1]
+                )));
+            }
+            let external = spec.inputs.iter().chain(&spec.outputs).any(|t| t.external)
+                || spec.params.iter().any(|p| p.external_grad());
+            if external {
+                return Err(Error::Unsupported(format!(
+                    "callable '{}' has external buffers; a step captures its callables back to back and \
+                     cannot take buffers provided by callbacks",
+                    spec.name
+                )));
+            }
+            params += spec.params.len();
+        }
+        if step.param_dsts.len() != params {
+            return Err(Error::invalid(format!(
+                "{} param destinations were given; the step's callables have {params} parameters",
+                step.param_dsts.len()
+            )));
+        }
+        if self.steps.len() >= u32::MAX as usize {
+            return Err(Error::invalid("a session holds at most 2^32 - 1 steps"));
+        }
+        self.steps.push(step);
+        Ok(self.steps.len() as u32 - 1)
+    }
+
+    /// The number of parameters of a step's callables.
+    pub fn step_params(&self, step: u32) -> Result<usize> {
+        let s = self.steps.get(step as usize).ok_or_else(|| {
+            Error::invalid(format!(
+                "step {step} does not exist (the session has {})",
+                self.steps.len()
+            ))
+        })?;
+        Ok(s.callables
+            .iter()
+            .map(|&c| self.callables[c as usize].params.len())
+            .sum())
     }
 
     pub fn callable_count(&self) -> usize {
@@ -267,7 +399,15 @@ impl Session {
         }
         let _ctx = self.backend.bind()?;
         self.epoch = self.epoch.wrapping_add(1);
-        let (captured, leases) = capture::capture(self, self.epoch)?;
+        let inputs = capture::Inputs {
+            backend: &self.backend,
+            pool: &self.pool,
+            opts: &self.opts,
+            callables: &self.callables,
+            steps: &self.steps,
+            counters: &self.counters,
+        };
+        let (captured, leases) = capture::capture(&inputs, self.epoch)?;
         let (n, st, sc) = (
             captured.graph_count,
             captured.statics_bytes(),
@@ -294,6 +434,51 @@ impl Session {
         self.state = State::Reset;
         *self.leases.lock() = Leases::new(self.epoch.wrapping_add(1));
         Ok(())
+    }
+
+    /// What a replay uses of the session, once it is captured.
+    fn parts(&mut self) -> Result<replay::Parts<'_>> {
+        self.captured()?;
+        let State::Captured(cap) = &mut self.state else {
+            return Err(Error::Internal("state changed".into()));
+        };
+        Ok(replay::Parts {
+            key: self.key,
+            backend: &self.backend,
+            opts: &self.opts,
+            callables: &self.callables,
+            cap,
+            counters: &self.counters,
+            pool: &self.pool,
+            leases: &self.leases,
+        })
+    }
+
+    /// Replays the forward graph of (callable, microbatch) and returns the
+    /// static outputs: aliases, valid until the next forward replay of the
+    /// same instance.
+    pub fn forward(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
+        replay::pass(self.parts()?, a, PassKind::Forward)
+    }
+
+    /// Replays the backward graph; returns the input grads (aliases, valid
+    /// until the next backward replay of the same instance) and the
+    /// parameter grads per the return plan (all NONE when the callable has
+    /// a weight-grad graph: `wgrad` returns them).
+    pub fn backward(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
+        replay::pass(self.parts()?, a, PassKind::Backward)
+    }
+
+    /// Replays the weight-grad graph of a callable registered with a
+    /// weight-grad callback; returns its parameter grads per the return plan.
+    pub fn wgrad(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
+        replay::pass(self.parts()?, a, PassKind::Wgrad)
+    }
+
+    /// Replays a step on `stream`; returns the parameter grads of its
+    /// callables, in order, per their return plans.
+    pub fn step(&mut self, step: u32, stream: StreamRef) -> Result<Replayed<'_>> {
+        replay::step(self.parts()?, step, stream)
     }
 
     /// The static buffers of one role of an instance (0 where absent).

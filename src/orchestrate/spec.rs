@@ -28,6 +28,10 @@ pub struct TensorSpec {
     /// The buffer the callable writes for this tensor (an output, or an
     /// input's grad) is provided by its callback at capture.
     pub external: bool,
+    /// Inputs only: this input is output `.1` of the earlier callable `.0`
+    /// (same microbatch), read in place; its grad is that output's
+    /// grad-output, written in place.
+    pub chained: Option<(u32, u32)>,
 }
 
 /// Whether a callback runs eagerly in warmup or under stream capture.
@@ -121,6 +125,17 @@ pub struct ScheduleSpec {
     pub layers_per_chunk: Option<Vec<u32>>,
 }
 
+/// A step declared before capture: callables (in registration order)
+/// replayed as one graph, every forward then every backward, with the
+/// COPY_INTO and ACCUMULATE_INTO grads of their parameters going to fixed
+/// destinations (one entry per parameter of the step's callables, in
+/// order; 0 where the policy needs none).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepSpec {
+    pub callables: Vec<u32>,
+    pub param_dsts: Vec<DevPtr>,
+}
+
 /// Session options, fixed at creation.
 pub struct SessionOptions {
     /// Names the session in messages (for example, about shared pools).
@@ -139,6 +154,22 @@ pub struct SessionOptions {
     /// Share memory between static buffers whose lifetimes do not overlap
     /// (needs a schedule).
     pub reuse_buffers: bool,
+    /// Clone slots per instance: the pass that writes parameter grads is
+    /// also captured once per slot, writing its CLONE grads straight into
+    /// that slot's block, so a replay hands a block out without copying.
+    pub clone_slots: u32,
+}
+
+impl SessionOptions {
+    /// Sends a message to the log callback, if there is one and `level` is
+    /// within the configured verbosity.
+    pub fn log(&self, level: LogLevel, msg: impl FnOnce() -> String) {
+        if let Some(log) = &self.log {
+            if level <= self.log_level {
+                log(level, &msg());
+            }
+        }
+    }
 }
 
 impl Default for SessionOptions {
@@ -155,6 +186,7 @@ impl Default for SessionOptions {
             warmup_hook: None,
             schedule: None,
             reuse_buffers: false,
+            clone_slots: 2,
         }
     }
 }

@@ -1,0 +1,189 @@
+//! Steps: callables declared before capture to be captured once more as
+//! one graph (every forward, then every backward, with the parameter grads
+//! returned inside the graph), replayed with one launch.
+
+use super::args::{arg_out, arg_slice, assert_header, read_struct, CStruct};
+use super::boundary::boundary;
+use super::callback::graphed_stream;
+use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
+use super::session::{graphed_session, session};
+use super::status::graphed_status;
+use crate::backend::StreamRef;
+use crate::orchestrate::StepSpec;
+use std::ffi::c_void;
+use std::mem::size_of;
+
+/// The magics the _default() functions set.
+pub const GRAPHED_STEP_DESC_MAGIC: u32 = 0x6772_0007;
+pub const GRAPHED_STEP_ARGS_MAGIC: u32 = 0x6772_0008;
+
+/// A step to declare. Initialise with graphed_step_desc_default().
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_step_desc {
+    /// sizeof(graphed_step_desc); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_STEP_DESC_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// The callables of the step, each once, in registration order (none
+    /// with external buffers; the session has no pipeline schedule).
+    pub callables: *const u32,
+    pub num_callables: usize,
+    /// One destination per parameter of the step's callables, in order:
+    /// where COPY_INTO and ACCUMULATE_INTO grads go at every replay (fixed
+    /// at capture; NULL entries for other policies). NULL array when no
+    /// parameter needs one.
+    pub param_dsts: *const *mut c_void,
+    pub num_param_dsts: usize,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_step_desc {
+    const NAME: &'static str = "graphed_step_desc";
+    const MAGIC: u32 = GRAPHED_STEP_DESC_MAGIC;
+    const MIN_SIZE: usize = 48;
+    fn defaults() -> Self {
+        graphed_step_desc_default()
+    }
+}
+assert_header!(graphed_step_desc);
+
+/// An empty step descriptor with its size and magic set.
+#[no_mangle]
+pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
+    graphed_step_desc {
+        struct_size: size_of::<graphed_step_desc>(),
+        magic: GRAPHED_STEP_DESC_MAGIC,
+        callables: std::ptr::null(),
+        num_callables: 0,
+        param_dsts: std::ptr::null(),
+        num_param_dsts: 0,
+    }
+}
+
+/// Declares a step before capture; writes its index to `*step_out`. At
+/// capture the step's callables are captured once more, back to back, as
+/// one graph: every forward in order, then every backward in reverse (each
+/// weight-grad right after its backward), each grad pass followed by its
+/// COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
+/// around these captures. Per-callable replays keep working.
+///
+/// # Safety
+/// `desc` must point to a graphed_step_desc initialised by its _default()
+/// function whose arrays hold the counts it states.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_add_step(
+    session: *mut graphed_session,
+    desc: *const graphed_step_desc,
+    step_out: *mut u32,
+) -> graphed_status {
+    boundary("graphed_session_add_step", || {
+        let s = self::session(session)?;
+        let out = arg_out(step_out, "step_out")?;
+        // SAFETY: per this function's contract.
+        let d = unsafe { read_struct(desc, "desc") }?;
+        // SAFETY: per this function's contract.
+        let callables =
+            unsafe { arg_slice(d.callables, d.num_callables, "desc.callables") }?.to_vec();
+        let dsts = ptrs(d.param_dsts.cast(), d.num_param_dsts, "desc.param_dsts")?;
+        let mut guard = s.lock()?;
+        let n = callables
+            .iter()
+            .try_fold(0usize, |acc, &c| guard.arity(c).map(|(_, p, _)| acc + p))?;
+        let param_dsts = match dsts {
+            Some(d) => d.to_vec(),
+            None => vec![0; n],
+        };
+        let index = guard.add_step(StepSpec {
+            callables,
+            param_dsts,
+        })?;
+        // SAFETY: checked non-NULL; written only on success.
+        unsafe { out.write(index) };
+        Ok(())
+    })
+}
+
+/// Arguments of a step replay. Initialise with graphed_step_args_default().
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_step_args {
+    /// sizeof(graphed_step_args); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_STEP_ARGS_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// The step, as graphed_session_add_step returned it.
+    pub step: u32,
+    /// The caller's stream; the step is ordered on it (not capturing).
+    pub stream: graphed_stream,
+    /// sizeof(graphed_ref); set by the _default() function.
+    pub ref_size: usize,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_step_args {
+    const NAME: &'static str = "graphed_step_args";
+    const MAGIC: u32 = GRAPHED_STEP_ARGS_MAGIC;
+    const MIN_SIZE: usize = 32;
+    fn defaults() -> Self {
+        graphed_step_args_default()
+    }
+}
+assert_header!(graphed_step_args);
+
+/// Step replay arguments for step 0 on the default stream.
+#[no_mangle]
+pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
+    graphed_step_args {
+        struct_size: size_of::<graphed_step_args>(),
+        magic: GRAPHED_STEP_ARGS_MAGIC,
+        step: 0,
+        stream: std::ptr::null_mut(),
+        ref_size: size_of::<graphed_ref>(),
+    }
+}
+
+/// Replays a step with one graph launch on args->stream. The step's
+/// callables read what their static buffers hold: fill the first inputs
+/// (graphed_session_buffers) or chain them; there is no copy-in. Writes
+/// one ref per parameter of the step's callables, in order, to
+/// `param_grads` (`num_param_grads` must be their total): per policy, as
+/// graphed_backward does. CLONE grads come from a clone slot free in every
+/// callable; when none is, the step replays pass by pass (same results,
+/// one launch per pass).
+///
+/// # Safety
+/// `args` must point to a graphed_step_args initialised by its _default()
+/// function; `param_grads` must have room for `num_param_grads` refs of
+/// args->ref_size bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_step_replay(
+    session: *mut graphed_session,
+    args: *const graphed_step_args,
+    param_grads: *mut graphed_ref,
+    num_param_grads: usize,
+) -> graphed_status {
+    boundary("graphed_step_replay", || {
+        let cell = self::session(session)?;
+        // SAFETY: per this function's contract.
+        let a = unsafe { read_struct(args, "args") }?;
+        let mut s = cell.lock()?;
+        let n = s.step_params(a.step)?;
+        let out = check_out(param_grads, num_param_grads, n, a.ref_size, "param_grads")?;
+        let mut r = s.step(a.step, StreamRef(a.stream as usize))?;
+        let owners = publish(&mut r);
+        write_refs(&out, a.ref_size, r.second, &owners);
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_released_layouts_are_todays() {
+        assert_eq!(size_of::<graphed_step_desc>(), graphed_step_desc::MIN_SIZE);
+        assert_eq!(size_of::<graphed_step_args>(), graphed_step_args::MIN_SIZE);
+    }
+}

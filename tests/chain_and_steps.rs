@@ -1,0 +1,497 @@
+//! Chained inputs, clone slots and steps through the C ABI on the host
+//! backend: each must give bit-for-bit the results of the plain path
+//! (copies into static inputs, clones copied out of the slab, one replay
+//! per pass), with fewer static bytes or fewer launches.
+//!
+//! The layers are elementwise `y = w * x` over f32: backward
+//! `gx = w * gy`, `gw = x * gy`, enqueued as host tasks.
+
+use graphed::ffi::*;
+use std::ffi::{c_void, CStr};
+use std::ptr::null_mut;
+
+const N: usize = 64;
+
+fn ok(s: graphed_status) {
+    assert_eq!(s, graphed_status::Ok, "{:?}", unsafe {
+        // SAFETY: a NUL-terminated thread-local string.
+        CStr::from_ptr(graphed_last_error_message())
+    });
+}
+
+fn last_error() -> String {
+    // SAFETY: a NUL-terminated thread-local string.
+    unsafe { CStr::from_ptr(graphed_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// One elementwise operation on `N` floats: `out[i] (+)= a[i] * b[i]`.
+struct Mul {
+    a: *const f32,
+    b: *const f32,
+    out: *mut f32,
+}
+
+unsafe extern "C" fn run_mul(data: *mut c_void) {
+    // SAFETY: `data` is a leaked Mul whose buffers hold N floats while the
+    // session's graphs exist (the test keeps them alive).
+    unsafe {
+        let m = &*(data as *const Mul);
+        for i in 0..N {
+            *m.out.add(i) = *m.a.add(i) * *m.b.add(i);
+        }
+    }
+}
+
+fn enqueue(stream: graphed_stream, a: *const f32, b: *const f32, out: *mut f32) -> i32 {
+    let m = Box::into_raw(Box::new(Mul { a, b, out }));
+    // SAFETY: the task and its data stay valid for the test's lifetime.
+    unsafe { graphed_host_enqueue(stream, Some(run_mul), m.cast()) as i32 }
+}
+
+unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    // SAFETY: the context and its arrays are valid during the call.
+    unsafe {
+        let c = &*ctx;
+        enqueue(
+            c.stream,
+            *c.inputs as *const f32,
+            *c.params as *const f32,
+            *c.outputs as *mut f32,
+        )
+    }
+}
+
+unsafe extern "C" fn backward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    // SAFETY: as above.
+    unsafe {
+        let c = &*ctx;
+        let gy = *c.grad_outputs as *const f32;
+        let gx = *c.grad_inputs as *mut f32;
+        if !gx.is_null() {
+            let r = enqueue(c.stream, *c.params as *const f32, gy, gx);
+            if r != 0 {
+                return r;
+            }
+        }
+        enqueue(
+            c.stream,
+            *c.inputs as *const f32,
+            gy,
+            *c.param_grads as *mut f32,
+        )
+    }
+}
+
+/// A chain of `layers` elementwise layers with their own weights.
+struct Model {
+    weights: Vec<Vec<f32>>,
+    input: Vec<f32>,
+    grad: Vec<f32>,
+}
+
+impl Model {
+    fn new(layers: usize) -> Model {
+        let v = |seed: usize| {
+            (0..N)
+                .map(|i| ((i * 7 + seed * 13) % 11) as f32 * 0.25 - 1.0)
+                .collect()
+        };
+        Model {
+            weights: (0..layers).map(|l| v(l + 1)).collect(),
+            input: v(100),
+            grad: v(200),
+        }
+    }
+}
+
+struct Built {
+    s: *mut graphed_session,
+}
+
+impl Drop for Built {
+    fn drop(&mut self) {
+        ok(graphed_session_destroy(self.s));
+    }
+}
+
+fn tensor(requires_grad: bool) -> graphed_tensor_desc {
+    graphed_tensor_desc {
+        bytes: N * 4,
+        requires_grad: requires_grad as u32,
+        ..graphed_tensor_desc_default()
+    }
+}
+
+/// Registers the model's layers, chained or not, with grad `policy`, and
+/// the step `step` (None: no step); captures.
+fn build(
+    m: &mut Model,
+    chained: bool,
+    slots: u32,
+    policy: u32,
+    step: Option<&[*mut c_void]>,
+) -> Built {
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    cfg.warmup_iterations = 1;
+    cfg.clone_slots = slots;
+    let mut s = null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let built = Built { s };
+    let layers = m.weights.len();
+    for l in 0..layers {
+        let mut input = tensor(l > 0);
+        if l == 0 {
+            input.sample = m.input.as_ptr().cast();
+        } else if chained {
+            input.flags = graphed_tensor_flags::Chained as u32;
+            input.chain_callable = l as u32 - 1;
+            input.chain_output = 0;
+        }
+        let output = tensor(true);
+        let param = graphed_param_desc {
+            data: m.weights[l].as_mut_ptr().cast(),
+            bytes: N * 4,
+            policy,
+            ..graphed_param_desc_default()
+        };
+        let mut d = graphed_callable_desc_default();
+        d.num_inputs = 1;
+        d.inputs = &input;
+        d.num_outputs = 1;
+        d.outputs = &output;
+        d.num_params = 1;
+        d.params = &param;
+        d.forward = Some(forward);
+        d.backward = Some(backward);
+        let mut idx = 0;
+        // SAFETY: the descriptor and its arrays are valid locals.
+        ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+    }
+    if let Some(dsts) = step {
+        let callables: Vec<u32> = (0..layers as u32).collect();
+        let mut d = graphed_step_desc_default();
+        d.callables = callables.as_ptr();
+        d.num_callables = callables.len();
+        if !dsts.is_empty() {
+            d.param_dsts = dsts.as_ptr();
+            d.num_param_dsts = dsts.len();
+        }
+        let mut idx = 7;
+        // SAFETY: as above.
+        ok(unsafe { graphed_session_add_step(s, &d, &mut idx) });
+        assert_eq!(idx, 0);
+    }
+    ok(graphed_session_capture(s));
+    built
+}
+
+fn empty_ref() -> graphed_ref {
+    graphed_ref {
+        ptr: null_mut(),
+        bytes: 0,
+        kind: 0,
+        owner: null_mut(),
+        lease: 0,
+    }
+}
+
+fn read(p: *mut c_void) -> Vec<f32> {
+    // SAFETY: `p` is a static buffer or clone of N floats.
+    unsafe { std::slice::from_raw_parts(p as *const f32, N) }.to_vec()
+}
+
+fn buffer(s: *mut graphed_session, callable: u32, role: graphed_buffer_role) -> *mut c_void {
+    let mut p = null_mut();
+    // SAFETY: room for one pointer.
+    ok(unsafe { graphed_session_buffers(s, callable, 0, role as u32, &mut p, 1) });
+    p
+}
+
+/// One training step pass by pass: forwards with copies of the input
+/// (`chained`: later layers read their producers in place), backwards with
+/// the grad. Returns (last output, every parameter grad) and releases.
+fn per_pass(m: &Model, b: &Built, chained: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let s = b.s;
+    let layers = m.weights.len();
+    let mut x: *const c_void = m.input.as_ptr().cast();
+    let mut out = empty_ref();
+    for l in 0..layers {
+        let mut a = graphed_replay_args_default();
+        a.callable = l as u32;
+        let data = [x];
+        if !(chained && l > 0) {
+            a.data = data.as_ptr();
+            a.num_data = 1;
+        }
+        // SAFETY: valid args and room for one ref.
+        ok(unsafe { graphed_forward(s, &a, &mut out, 1) });
+        x = out.ptr;
+    }
+    let y = read(out.ptr);
+    let mut g: *const c_void = m.grad.as_ptr().cast();
+    let mut grads = vec![Vec::new(); layers];
+    for l in (0..layers).rev() {
+        let mut a = graphed_replay_args_default();
+        a.callable = l as u32;
+        let data = [g];
+        if !(chained && l + 1 < layers) {
+            a.data = data.as_ptr();
+            a.num_data = 1;
+        }
+        let (mut gi, mut gp) = (empty_ref(), empty_ref());
+        // SAFETY: as above.
+        ok(unsafe { graphed_backward(s, &a, &mut gi, 1, &mut gp, 1) });
+        grads[l] = read(gp.ptr);
+        ok(graphed_buffer_release(gp.owner));
+        g = gi.ptr;
+    }
+    (y, grads)
+}
+
+fn eager(m: &Model) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut acts = vec![m.input.clone()];
+    for w in &m.weights {
+        let x = acts.last().unwrap();
+        acts.push(x.iter().zip(w).map(|(a, b)| a * b).collect());
+    }
+    let mut g = m.grad.clone();
+    let mut grads = vec![Vec::new(); m.weights.len()];
+    for l in (0..m.weights.len()).rev() {
+        grads[l] = acts[l].iter().zip(&g).map(|(a, b)| a * b).collect();
+        g = m.weights[l].iter().zip(&g).map(|(a, b)| a * b).collect();
+    }
+    (acts.pop().unwrap(), grads)
+}
+
+fn stats(s: *mut graphed_session) -> graphed_session_stats {
+    let mut st = graphed_session_stats_default();
+    // SAFETY: an initialised stats struct.
+    ok(unsafe { graphed_session_stats_get(s, &mut st) });
+    st
+}
+
+#[test]
+fn chained_inputs_match_copies_with_fewer_static_bytes() {
+    let mut m = Model::new(4);
+    let want = eager(&m);
+    let copied = build(&mut m, false, 0, 0, None);
+    let chained = build(&mut m, true, 0, 0, None);
+    for _ in 0..3 {
+        assert_eq!(per_pass(&m, &copied, false), want);
+        assert_eq!(per_pass(&m, &chained, true), want);
+    }
+    let (a, b) = (stats(copied.s), stats(chained.s));
+    // Each chained layer saves its input and that input's grad.
+    assert_eq!(
+        a.static_bytes - b.static_bytes,
+        3 * 2 * (N as u64 * 4).next_multiple_of(256)
+    );
+    // A chained input is read in place: its producer's output buffer.
+    assert_eq!(
+        buffer(chained.s, 1, graphed_buffer_role::Input),
+        buffer(chained.s, 0, graphed_buffer_role::Output)
+    );
+}
+
+#[test]
+fn a_chained_input_takes_no_other_data() {
+    let mut m = Model::new(2);
+    let b = build(&mut m, true, 0, 0, None);
+    let mut a = graphed_replay_args_default();
+    a.callable = 1;
+    let data = [m.input.as_ptr() as *const c_void];
+    a.data = data.as_ptr();
+    a.num_data = 1;
+    let mut out = empty_ref();
+    // SAFETY: valid args and room for one ref.
+    let st = unsafe { graphed_forward(b.s, &a, &mut out, 1) };
+    assert_eq!(st, graphed_status::InvalidArgument);
+    assert!(
+        last_error().contains("is chained to another callable's buffer"),
+        "{}",
+        last_error()
+    );
+    assert!(out.ptr.is_null(), "outputs are written only on success");
+}
+
+#[test]
+fn chaining_is_checked_at_registration() {
+    let mut m = Model::new(1);
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    let mut s = null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let mut input = tensor(true);
+    input.flags = graphed_tensor_flags::Chained as u32;
+    input.chain_callable = 0; // itself: not registered yet
+    let output = tensor(true);
+    let param = graphed_param_desc {
+        data: m.weights[0].as_mut_ptr().cast(),
+        bytes: N * 4,
+        ..graphed_param_desc_default()
+    };
+    let mut d = graphed_callable_desc_default();
+    d.num_inputs = 1;
+    d.inputs = &input;
+    d.num_outputs = 1;
+    d.outputs = &output;
+    d.num_params = 1;
+    d.params = &param;
+    d.forward = Some(forward);
+    d.backward = Some(backward);
+    let mut idx = 0;
+    // SAFETY: valid descriptor.
+    let st = unsafe { graphed_session_add_callable(s, &d, &mut idx) };
+    assert_eq!(st, graphed_status::InvalidArgument);
+    assert!(
+        last_error().contains("not registered yet"),
+        "{}",
+        last_error()
+    );
+    ok(graphed_session_destroy(s));
+}
+
+#[test]
+fn clone_slots_return_owned_grads_without_a_copy_and_fall_back_when_held() {
+    let mut m = Model::new(2);
+    let want = eager(&m);
+    let b = build(&mut m, false, 2, 0, None);
+    // Two slot graphs per callable on top of its forward and backward.
+    assert_eq!(stats(b.s).graph_count, 2 * (2 + 2));
+    for _ in 0..3 {
+        assert_eq!(per_pass(&m, &b, false), want);
+    }
+    // Hold the grads of three backwards of callable 1: two slots, then a
+    // copy into a block of its own; each stays intact.
+    let mut held = Vec::new();
+    for round in 0..3 {
+        let mut a = graphed_replay_args_default();
+        a.callable = 1;
+        let data = [m.grad.as_ptr() as *const c_void];
+        a.data = data.as_ptr();
+        a.num_data = 1;
+        let (mut gi, mut gp) = (empty_ref(), empty_ref());
+        // SAFETY: valid args, room for one ref each.
+        ok(unsafe { graphed_backward(b.s, &a, &mut gi, 1, &mut gp, 1) });
+        assert_eq!(gp.kind, graphed_ref_kind::Clone as u32);
+        assert!(
+            held.iter().all(|r: &graphed_ref| r.ptr != gp.ptr),
+            "round {round}: a held block was reused"
+        );
+        held.push(gp);
+    }
+    let st = stats(b.s);
+    assert_eq!(st.clone_blocks_outstanding, 3);
+    for r in &held {
+        // The held grads equal a fresh backward's (input unchanged).
+        assert_eq!(read(r.ptr), per_pass(&m, &b, false).1[1]);
+    }
+    for r in held {
+        ok(graphed_buffer_release(r.owner));
+    }
+    assert_eq!(stats(b.s).clone_blocks_outstanding, 0);
+}
+
+fn step(b: &Built, grads: &mut [graphed_ref]) {
+    let a = graphed_step_args_default();
+    // SAFETY: valid args and room for the refs.
+    ok(unsafe { graphed_step_replay(b.s, &a, grads.as_mut_ptr(), grads.len()) });
+}
+
+#[test]
+fn a_step_replays_every_pass_in_one_launch_and_matches_per_pass() {
+    let mut m = Model::new(3);
+    let want = eager(&m);
+    let b = build(&mut m, true, 2, 0, Some(&[]));
+    // The step reads the static input and grad-output: fill them.
+    let x = buffer(b.s, 0, graphed_buffer_role::Input);
+    let g = buffer(b.s, 2, graphed_buffer_role::GradOutput);
+    // SAFETY: static buffers of N floats.
+    unsafe {
+        std::ptr::copy_nonoverlapping(m.input.as_ptr(), x as *mut f32, N);
+        std::ptr::copy_nonoverlapping(m.grad.as_ptr(), g as *mut f32, N);
+    }
+    // One launch: a slot is free in every callable.
+    let mut grads = vec![empty_ref(); 3];
+    step(&b, &mut grads);
+    let got: Vec<Vec<f32>> = grads.iter().map(|r| read(r.ptr)).collect();
+    assert_eq!(got, want.1);
+    assert_eq!(read(buffer(b.s, 2, graphed_buffer_role::Output)), want.0);
+    // Held: the second step takes the other slot, the third replays pass
+    // by pass; all equal, none overwrites another.
+    let mut grads2 = vec![empty_ref(); 3];
+    step(&b, &mut grads2);
+    let mut grads3 = vec![empty_ref(); 3];
+    step(&b, &mut grads3);
+    for set in [&grads, &grads2, &grads3] {
+        let got: Vec<Vec<f32>> = set.iter().map(|r| read(r.ptr)).collect();
+        assert_eq!(got, want.1);
+    }
+    for r in grads.iter().chain(&grads2).chain(&grads3) {
+        ok(graphed_buffer_release(r.owner));
+    }
+    assert_eq!(stats(b.s).clone_blocks_outstanding, 0);
+    // The step's graphs: one per slot.
+    assert_eq!(stats(b.s).graph_count, 3 * (2 + 2) + 2);
+}
+
+#[test]
+fn a_step_accumulates_into_fixed_destinations() {
+    let mut m = Model::new(3);
+    let want = eager(&m);
+    let mut dst: Vec<Vec<f32>> = vec![vec![0.0; N]; 3];
+    let ptrs: Vec<*mut c_void> = dst.iter_mut().map(|d| d.as_mut_ptr().cast()).collect();
+    let b = build(
+        &mut m,
+        true,
+        0,
+        graphed_grad_policy::AccumulateInto as u32,
+        Some(&ptrs),
+    );
+    let x = buffer(b.s, 0, graphed_buffer_role::Input);
+    let g = buffer(b.s, 2, graphed_buffer_role::GradOutput);
+    // SAFETY: static buffers of N floats.
+    unsafe {
+        std::ptr::copy_nonoverlapping(m.input.as_ptr(), x as *mut f32, N);
+        std::ptr::copy_nonoverlapping(m.grad.as_ptr(), g as *mut f32, N);
+    }
+    let mut grads = vec![empty_ref(); 3];
+    step(&b, &mut grads);
+    step(&b, &mut grads);
+    for (l, r) in grads.iter().enumerate() {
+        assert_eq!(r.kind, graphed_ref_kind::AccumulateInto as u32);
+        assert_eq!(r.ptr, ptrs[l]);
+        let twice: Vec<f32> = want.1[l].iter().map(|v| v + v).collect();
+        assert_eq!(dst[l], twice, "layer {l}");
+    }
+}
+
+#[test]
+fn steps_are_checked() {
+    let mut m = Model::new(2);
+    let b = build(&mut m, false, 2, 0, None);
+    let callables = [1u32, 0];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 2;
+    let mut idx = 0;
+    // SAFETY: valid descriptor.
+    let st = unsafe { graphed_session_add_step(b.s, &d, &mut idx) };
+    assert_eq!(st, graphed_status::WrongState, "{}", last_error());
+    let mut a = graphed_step_args_default();
+    a.step = 3;
+    let mut grads = vec![empty_ref(); 2];
+    // SAFETY: valid args.
+    let st = unsafe { graphed_step_replay(b.s, &a, grads.as_mut_ptr(), 2) };
+    assert_eq!(st, graphed_status::InvalidArgument);
+    assert!(
+        last_error().contains("step 3 does not exist"),
+        "{}",
+        last_error()
+    );
+}
