@@ -74,6 +74,13 @@
 #define GRAPHED_STEP_ARGS_MAGIC 1735524360
 
 /**
+ * Addresses a rebound input may take: the static buffers' alignment, which
+ * kernels (vector loads, tensor-memory descriptors) may rely on. Other
+ * addresses are copied.
+ */
+#define REBIND_ALIGN 256
+
+/**
  * The result of every graphed call. Dense, starting at 0 = OK; codes are
  * never renumbered (a retired code stays reserved). The message of the last
  * failing call on a thread is in `graphed_last_error_message()`.
@@ -458,6 +465,15 @@ enum graphed_tensor_flags
    * (chain_callable, chain_output), read in place; no copy at replay.
    */
   GRAPHED_TENSOR_FLAGS_CHAINED = 2,
+  /**
+   * Inputs: a replay with other data points the captured graphs at it
+   * instead of copying it into the static input (floating-point inputs
+   * whose graphs take the address as a kernel argument; capture verifies
+   * it and otherwise copies, saying why in the plan dump). The data must
+   * be 256-byte aligned (others are copied) and stay unchanged until the
+   * callable's backward has run.
+   */
+  GRAPHED_TENSOR_FLAGS_REBIND = 4,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -970,6 +986,17 @@ typedef struct graphed_session_stats {
    * Microbatches per callable (1 without a schedule).
    */
   uint32_t microbatches;
+  /**
+   * Inputs rebound at replay (GRAPHED_TENSOR_FLAGS_REBIND), and those
+   * copied instead because capture could not verify a rebind (the plan
+   * dump says why).
+   */
+  uint32_t inputs_rebound;
+  uint32_t inputs_rebind_refused;
+  /**
+   * Graph node updates that rebinding every rebound input once costs.
+   */
+  uint32_t rebind_nodes;
 } graphed_session_stats;
 
 /**

@@ -472,6 +472,59 @@ fn a_step_accumulates_into_fixed_destinations() {
 }
 
 #[test]
+fn rebinding_opaque_host_tasks_is_refused_with_the_reason_and_copies() {
+    let mut m = Model::new(2);
+    let want = eager(&m);
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    cfg.warmup_iterations = 1;
+    let mut s = null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let b = Built { s };
+    for l in 0..2 {
+        let mut input = tensor(l > 0);
+        input.flags = graphed_tensor_flags::Rebind as u32;
+        let output = tensor(true);
+        let param = graphed_param_desc {
+            data: m.weights[l].as_mut_ptr().cast(),
+            bytes: N * 4,
+            ..graphed_param_desc_default()
+        };
+        let mut d = graphed_callable_desc_default();
+        d.num_inputs = 1;
+        d.inputs = &input;
+        d.num_outputs = 1;
+        d.outputs = &output;
+        d.num_params = 1;
+        d.params = &param;
+        d.forward = Some(forward);
+        d.backward = Some(backward);
+        let mut idx = 0;
+        // SAFETY: valid descriptor.
+        ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+    }
+    ok(graphed_session_capture(s));
+    let st = stats(s);
+    assert_eq!((st.inputs_rebound, st.inputs_rebind_refused), (0, 2));
+    let mut len = 0;
+    // SAFETY: NULL buffer asks for the length.
+    ok(unsafe { graphed_session_plan_dump(s, null_mut(), 0, &mut len) });
+    let mut text = vec![0u8; len + 1];
+    // SAFETY: room for len + 1 bytes.
+    ok(unsafe { graphed_session_plan_dump(s, text.as_mut_ptr().cast(), len + 1, &mut len) });
+    let text = String::from_utf8_lossy(&text[..len]).into_owned();
+    assert!(
+        text.contains("input 0 of callable 0 (microbatch 0): copied at replay"),
+        "{text}"
+    );
+    assert!(text.contains("opaque"), "{text}");
+    for _ in 0..2 {
+        assert_eq!(per_pass(&m, &b, false), want);
+    }
+}
+
+#[test]
 fn steps_are_checked() {
     let mut m = Model::new(2);
     let b = build(&mut m, false, 2, 0, None);

@@ -12,7 +12,7 @@
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
-    StreamRef,
+    Rebinder, StreamRef,
 };
 use crate::core::dtype::{accumulate_host, DType};
 use crate::core::handle::{self, Kind};
@@ -154,13 +154,90 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
 }
 
 struct HostGraph {
-    tasks: Vec<Task>,
+    tasks: Arc<Mutex<Vec<Task>>>,
+}
+
+impl HostGraph {
+    fn tasks(&self) -> MutexGuard<'_, Vec<Task>> {
+        // Rebinds replace whole addresses; a task list is never half written.
+        self.tasks.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl Graph for HostGraph {
     fn launch(&self, stream: StreamRef) -> Result<()> {
-        for t in &self.tasks {
-            submit(stream, t.clone())?;
+        // One task at a time, outside the lock: a user task may launch work.
+        let n = self.tasks().len();
+        for i in 0..n {
+            let t = self.tasks()[i].clone();
+            submit(stream, t)?;
+        }
+        Ok(())
+    }
+
+    fn rebinder(
+        &self,
+        base: DevPtr,
+        bytes: usize,
+    ) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
+        let (lo, hi) = (base as usize, base as usize + bytes);
+        let inside = |a: usize| a >= lo && a < hi;
+        let mut refs = Vec::new();
+        for (i, t) in self.tasks().iter().enumerate() {
+            match *t {
+                Task::User(_) => {
+                    return Ok(Err(
+                        "the graph runs host tasks (graphed_host_enqueue) whose data is opaque: where they \
+                         read the input cannot be seen"
+                            .into(),
+                    ))
+                }
+                Task::Copy { dst, src, .. } | Task::Accumulate { dst, src, .. } => {
+                    for (field, a) in [(0, dst), (1, src)] {
+                        if inside(a) {
+                            refs.push((i, field, a - lo));
+                        }
+                    }
+                }
+                Task::Zero { dst, .. } => {
+                    if inside(dst) {
+                        refs.push((i, 0, dst - lo));
+                    }
+                }
+            }
+        }
+        if refs.is_empty() {
+            return Ok(Err("no task of the graph takes the input's address".into()));
+        }
+        Ok(Ok(Box::new(HostRebinder {
+            tasks: self.tasks.clone(),
+            refs,
+        })))
+    }
+}
+
+/// (task, which address: 0 dst / 1 src, offset from the base).
+struct HostRebinder {
+    tasks: Arc<Mutex<Vec<Task>>>,
+    refs: Vec<(usize, u8, usize)>,
+}
+
+impl Rebinder for HostRebinder {
+    fn nodes(&self) -> usize {
+        self.refs.len()
+    }
+
+    fn rebind(&mut self, base: DevPtr) -> Result<()> {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        for &(i, field, off) in &self.refs {
+            let a = base as usize + off;
+            match (&mut tasks[i], field) {
+                (Task::Copy { dst, .. }, 0)
+                | (Task::Accumulate { dst, .. }, 0)
+                | (Task::Zero { dst, .. }, _) => *dst = a,
+                (Task::Copy { src, .. }, _) | (Task::Accumulate { src, .. }, _) => *src = a,
+                (Task::User(_), _) => {}
+            }
         }
         Ok(())
     }
@@ -334,7 +411,9 @@ impl Backend for HostBackend {
         };
         Ok(match st.invalidated.take() {
             Some(why) => CaptureEnd::Invalidated(why),
-            None => CaptureEnd::Graph(Box::new(HostGraph { tasks })),
+            None => CaptureEnd::Graph(Box::new(HostGraph {
+                tasks: Arc::new(Mutex::new(tasks)),
+            })),
         })
     }
 
@@ -349,6 +428,19 @@ impl Backend for HostBackend {
         Err(Error::Unsupported(
             "the host backend has no device memory figure".into(),
         ))
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        // SAFETY: `dst` is host memory of at least src.len() bytes (a buffer
+        // of this backend, per the caller).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()> {
+        // SAFETY: as above, for `src`.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
     }
 }
 
@@ -392,6 +484,43 @@ mod tests {
         assert_eq!(counter.load(Ordering::Relaxed), 2);
         // SAFETY: dst is a live 16-byte allocation.
         assert_eq!(unsafe { *(dst as *const u32) }, 42);
+        b.destroy_stream(s);
+    }
+
+    #[test]
+    fn copies_are_rebound_and_opaque_tasks_are_refused() {
+        let b = HostBackend::new();
+        let s = b.create_stream().unwrap();
+        let (x, y, z) = (
+            b.alloc(16).unwrap(),
+            b.alloc(16).unwrap(),
+            b.alloc(16).unwrap(),
+        );
+        b.upload(x, &[1; 16]).unwrap();
+        b.upload(y, &[2; 16]).unwrap();
+        b.begin_capture(s, CaptureMode::Global).unwrap();
+        b.copy(z, x + 8, 8, s).unwrap();
+        let CaptureEnd::Graph(g) = b.end_capture(s).unwrap() else {
+            panic!("invalidated")
+        };
+        let mut r = g.rebinder(x, 16).unwrap().unwrap();
+        assert_eq!(r.nodes(), 1);
+        r.rebind(y).unwrap();
+        g.launch(s).unwrap();
+        let mut out = [0u8; 16];
+        b.download(&mut out, z).unwrap();
+        assert_eq!(&out[..8], &[2; 8], "the copy reads y + 8 now");
+        assert!(
+            g.rebinder(z + 64, 16).unwrap().is_err(),
+            "nothing references that range"
+        );
+        b.begin_capture(s, CaptureMode::Global).unwrap();
+        enqueue(s, Arc::new(|| {})).unwrap();
+        let CaptureEnd::Graph(g) = b.end_capture(s).unwrap() else {
+            panic!("invalidated")
+        };
+        let why = g.rebinder(x, 16).unwrap().err().unwrap();
+        assert!(why.contains("opaque"), "{why}");
         b.destroy_stream(s);
     }
 

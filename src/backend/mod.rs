@@ -67,6 +67,26 @@ pub struct AccItem {
 /// An instantiated, uploaded graph. Dropping it destroys it.
 pub trait Graph: Send {
     fn launch(&self, stream: StreamRef) -> Result<()>;
+
+    /// A plan to move the graph's references to `[base, base + bytes)`
+    /// elsewhere: every place the graph takes such an address as a kernel
+    /// argument or a copy or set operand. `Ok(Err(reason))` when it cannot
+    /// tell or cannot update them (opaque work, no parameter information),
+    /// or when nothing references the range directly.
+    fn rebinder(
+        &self,
+        base: DevPtr,
+        bytes: usize,
+    ) -> Result<std::result::Result<Box<dyn Rebinder>, String>>;
+}
+
+/// Moves a graph's references to one range (see [`Graph::rebinder`]).
+pub trait Rebinder: Send {
+    /// How many nodes (or tasks) a rebind updates.
+    fn nodes(&self) -> usize;
+    /// Points every reference at the same offset from `base` instead. Not
+    /// while the graph is being launched on another thread.
+    fn rebind(&mut self, base: DevPtr) -> Result<()>;
 }
 
 /// How a stream capture ended.
@@ -155,6 +175,11 @@ pub trait Backend: Send + Sync {
 
     /// (free, total) device memory as the driver reports it.
     fn mem_info(&self) -> Result<(usize, usize)>;
+
+    /// Synchronous copies between host memory and device memory (outside
+    /// capture; they wait for the device).
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()>;
+    fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()>;
 }
 
 /// The backend of `kind` on device `device` (ignored on the host). CUDA

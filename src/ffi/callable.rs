@@ -230,6 +230,7 @@ fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
         sample: t.sample as DevPtr,
         external: flags.external,
         chained: flags.chained.then_some((t.chain_callable, t.chain_output)),
+        rebind: flags.rebind,
     })
 }
 
@@ -269,10 +270,9 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
             .collect()
     };
     let outputs = convert(&outputs, "desc.outputs")?;
-    if let Some(i) = outputs.iter().position(|t| t.chained.is_some()) {
+    if let Some(i) = outputs.iter().position(|t| t.chained.is_some() || t.rebind) {
         return Err(Error::invalid(format!(
-            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED: only inputs are chained (to an earlier \
-             callable's output)"
+            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED or _REBIND: those are for inputs"
         )));
     }
     let callbacks = CCallbacks {

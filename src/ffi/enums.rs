@@ -243,30 +243,46 @@ pub enum graphed_tensor_flags {
     /// Inputs: the input is another callable's static output
     /// (chain_callable, chain_output), read in place; no copy at replay.
     Chained = 2,
+    /// Inputs: a replay with other data points the captured graphs at it
+    /// instead of copying it into the static input (floating-point inputs
+    /// whose graphs take the address as a kernel argument; capture verifies
+    /// it and otherwise copies, saying why in the plan dump). The data must
+    /// be 256-byte aligned (others are copied) and stay unchanged until the
+    /// callable's backward has run.
+    Rebind = 4,
 }
 
 /// What a tensor's flags say.
 pub(crate) struct TensorFlags {
     pub external: bool,
     pub chained: bool,
+    pub rebind: bool,
 }
 
 impl graphed_tensor_flags {
     /// The flags of a bit set; unknown bits are refused.
     pub(crate) fn decode(bits: u32, what: &str) -> Result<TensorFlags> {
-        let (external, chained) = (
+        let (external, chained, rebind) = (
             graphed_tensor_flags::External as u32,
             graphed_tensor_flags::Chained as u32,
+            graphed_tensor_flags::Rebind as u32,
         );
-        if bits & !(external | chained) != 0 {
+        let known = external | chained | rebind;
+        if bits & !known != 0 {
             return Err(Error::invalid(format!(
                 "{what} has unknown bits 0x{:x}",
-                bits & !(external | chained)
+                bits & !known
+            )));
+        }
+        if bits & chained != 0 && bits & rebind != 0 {
+            return Err(Error::invalid(format!(
+                "{what}: a chained input is read in place; it cannot also be rebound"
             )));
         }
         Ok(TensorFlags {
             external: bits & external != 0,
             chained: bits & chained != 0,
+            rebind: bits & rebind != 0,
         })
     }
 }
@@ -342,7 +358,11 @@ mod tests {
     fn flags_and_bools_refuse_unknown_bits() {
         assert!(graphed_param_flags::decode(4, "f").is_err());
         assert!(graphed_param_flags::decode(3, "f").unwrap().external_grad);
-        assert!(graphed_tensor_flags::decode(4, "f").is_err());
+        assert!(graphed_tensor_flags::decode(8, "f").is_err());
+        assert!(
+            graphed_tensor_flags::decode(6, "f").is_err(),
+            "chained and rebound"
+        );
         assert!(graphed_tensor_flags::decode(2, "f").unwrap().chained);
         assert!(decode_bool(2, "b").is_err());
         assert!(decode_bool(1, "b").unwrap());

@@ -50,13 +50,20 @@ pub struct graphed_session_stats {
     pub leases_held: u32,
     /// Microbatches per callable (1 without a schedule).
     pub microbatches: u32,
+    /// Inputs rebound at replay (GRAPHED_TENSOR_FLAGS_REBIND), and those
+    /// copied instead because capture could not verify a rebind (the plan
+    /// dump says why).
+    pub inputs_rebound: u32,
+    pub inputs_rebind_refused: u32,
+    /// Graph node updates that rebinding every rebound input once costs.
+    pub rebind_nodes: u32,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
 unsafe impl CStruct for graphed_session_stats {
     const NAME: &'static str = "graphed_session_stats";
     const MAGIC: u32 = GRAPHED_SESSION_STATS_MAGIC;
-    const MIN_SIZE: usize = 104;
+    const MIN_SIZE: usize = 112;
     fn defaults() -> Self {
         graphed_session_stats_default()
     }
@@ -83,6 +90,9 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         instances: 0,
         leases_held: 0,
         microbatches: 0,
+        inputs_rebound: 0,
+        inputs_rebind_refused: 0,
+        rebind_nodes: 0,
     }
 }
 
@@ -114,6 +124,9 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             instances: st.instances,
             leases_held: st.leases_held,
             microbatches: st.microbatches,
+            inputs_rebound: st.inputs_rebound,
+            inputs_rebind_refused: st.inputs_rebind_refused,
+            rebind_nodes: st.rebind_nodes,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.

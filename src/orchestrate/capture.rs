@@ -15,6 +15,7 @@ use super::captured::{
 };
 use super::external::Provided;
 use super::pool::Pool;
+use super::rebind::{self, Rebind};
 use super::replay::enqueue_destinations;
 use super::returned::CloneRing;
 use super::scratch::Scratch;
@@ -165,6 +166,7 @@ fn place(s: &Inputs, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<V
             ring,
             rotating: Vec::new(),
             slot_blocks: Vec::new(),
+            rebind: spec.inputs.iter().map(|_| Rebind::Off).collect(),
             external: external_buffers(shape, has_wgrad),
             graphs: [None, None, None],
             position: [None, None, None],
@@ -825,6 +827,7 @@ pub(crate) fn capture(s: &Inputs, epoch: u16) -> Result<(Captured, Leases)> {
     drop(scratch);
     result?;
     synced?;
+    prepare_rebinds(s, &mut cap)?;
 
     if !s.opts.clone_param_grads_on_return {
         let aliased: usize = cap
@@ -854,6 +857,40 @@ pub(crate) fn capture(s: &Inputs, epoch: u16) -> Result<(Captured, Leases)> {
         }
     }
     Ok((cap, leases))
+}
+
+/// Plans and verifies the inputs asked to be rebound (see `rebind`).
+fn prepare_rebinds(s: &Inputs, cap: &mut Captured) -> Result<()> {
+    let stream = cap.side.raw();
+    for n in 0..cap.instances.len() {
+        let spec = &s.callables[cap.instances[n].callable];
+        for (i, t) in spec.inputs.iter().enumerate() {
+            if !t.rebind {
+                continue;
+            }
+            let in_bytes: Vec<usize> = spec.inputs.iter().map(|t| t.bytes).collect();
+            let out_bytes: Vec<usize> = spec.outputs.iter().map(|t| t.bytes).collect();
+            let inst = &cap.instances[n];
+            let r = rebind::prepare(
+                s.backend, inst, i, t.dtype, t.bytes, &in_bytes, &out_bytes, stream,
+            )?;
+            let (name, mb) = (&spec.name, inst.microbatch);
+            match &r {
+                Rebind::On { .. } => s.log(LogLevel::Info, || {
+                    format!(
+                        "input {i} of callable '{name}' (microbatch {mb}) is rebound at replay: {} node(s)",
+                        r.nodes()
+                    )
+                }),
+                Rebind::Refused(why) => s.log(LogLevel::Warn, || {
+                    format!("input {i} of callable '{name}' (microbatch {mb}) is copied at replay: {why}")
+                }),
+                Rebind::Off => {}
+            }
+            cap.instances[n].rebind[i] = r;
+        }
+    }
+    Ok(())
 }
 
 fn warmup_and_capture(s: &Inputs, cap: &mut Captured, scratch: &Arc<Scratch>) -> Result<()> {

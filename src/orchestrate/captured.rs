@@ -6,6 +6,7 @@
 //! the graphs, then frees the memory, so a failed capture leaves nothing.
 
 use super::pool::Arena;
+use super::rebind::Rebind;
 use super::returned::{CloneBlock, CloneRing, Returned};
 use super::spec::MemCounters;
 use crate::backend::{AccItem, Backend, DevPtr, DeviceMemory, Event, Graph, Stream};
@@ -70,6 +71,8 @@ pub(crate) struct Instance {
     pub callable: usize,
     pub microbatch: u32,
     pub buffers: Buffers,
+    /// Per input: rebound at replay, or copied.
+    pub rebind: Vec<Rebind>,
     /// Inputs read in place from another instance's output, and
     /// grad-outputs written in place by another instance's backward: they
     /// take no replay data but their own buffer.

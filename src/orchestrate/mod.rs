@@ -6,6 +6,7 @@ pub mod capture;
 pub mod captured;
 pub mod external;
 pub mod pool;
+pub mod rebind;
 pub mod replay;
 pub mod returned;
 pub mod scratch;

@@ -10,6 +10,7 @@
 
 use super::captured::{Captured, Instance, LeaseBook, Stage};
 use super::pool::Pool;
+use super::rebind::{Rebind, REBIND_ALIGN};
 use super::returned::{CloneBlock, RefKind, Returned};
 use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
 use crate::backend::{AccItem, Backend, DevPtr, StreamRef};
@@ -142,6 +143,22 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
 
         // ---- enqueue ----------------------------------------------------------
         let _ctx = backend.bind()?;
+        if kind == PassKind::Forward {
+            // Rebound inputs: the graphs read the caller's data in place.
+            let inst = &mut cap.instances[idx];
+            for (i, rb) in inst.rebind.iter_mut().enumerate() {
+                if let Rebind::On { .. } = rb {
+                    let stat = inst.buffers.inputs[i];
+                    let want = a.data.map_or(0, |d| d[i]);
+                    rb.bind(if want != 0 && want % REBIND_ALIGN == 0 {
+                        want
+                    } else {
+                        stat
+                    })?;
+                }
+            }
+        }
+        let inst = &cap.instances[idx];
         let s = match a.side_stream {
             Some(side) => {
                 backend.join(a.stream, side, cap.ev_in.raw())?;
@@ -172,9 +189,12 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
                 _ => (&inst.buffers.grad_outputs, &spec.outputs),
             };
             let sizes = tensors.iter().map(|t| t.bytes);
-            // Entries with no static buffer (dst 0) take no data.
-            for ((&dst, bytes), &src) in dsts.iter().zip(sizes).zip(data) {
-                if dst != 0 && src != 0 {
+            // Entries with no static buffer (dst 0) take no data; rebound
+            // inputs are read where they are.
+            for (i, ((&dst, bytes), &src)) in dsts.iter().zip(sizes).zip(data).enumerate() {
+                let rebound = kind == PassKind::Forward
+                    && matches!(inst.rebind[i], Rebind::On { bound, .. } if bound == src);
+                if dst != 0 && src != 0 && !rebound {
                     backend.copy(dst, src, bytes, s)?;
                 }
             }

@@ -9,6 +9,7 @@
 use super::capture;
 use super::captured::{Captured, LeaseBook};
 use super::pool::Pool;
+use super::rebind::Rebind;
 use super::replay::{self, Replayed};
 use super::spec::{
     CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
@@ -50,6 +51,12 @@ pub struct Stats {
     pub instances: u32,
     pub leases_held: u32,
     pub captured: bool,
+    /// Inputs rebound at replay, and inputs asked to be rebound that are
+    /// copied instead (the plan dump says why), over all instances.
+    pub inputs_rebound: u32,
+    pub inputs_rebind_refused: u32,
+    /// Node updates one rebind of every rebound input costs.
+    pub rebind_nodes: u32,
 }
 
 pub struct Session {
@@ -516,6 +523,16 @@ impl Session {
             st.graph_count = c.graph_count;
             st.instances = c.instances.len() as u32;
             st.captured = true;
+            for r in c.instances.iter().flat_map(|i| &i.rebind) {
+                match r {
+                    Rebind::On { .. } => {
+                        st.inputs_rebound += 1;
+                        st.rebind_nodes += r.nodes() as u32;
+                    }
+                    Rebind::Refused(_) => st.inputs_rebind_refused += 1,
+                    Rebind::Off => {}
+                }
+            }
         }
         st
     }
@@ -562,6 +579,21 @@ impl Session {
                 lt.start,
                 lt.end
             );
+        }
+        for inst in &cap.instances {
+            for (i, r) in inst.rebind.iter().enumerate() {
+                let name = &self.callables[inst.callable].name;
+                let what = match r {
+                    Rebind::Off => continue,
+                    Rebind::On { .. } => format!("rebound at replay ({} node updates)", r.nodes()),
+                    Rebind::Refused(why) => format!("copied at replay: {why}"),
+                };
+                let _ = writeln!(
+                    out,
+                    "input {i} of {name} (microbatch {}): {what}",
+                    inst.microbatch
+                );
+            }
         }
         Ok(out)
     }

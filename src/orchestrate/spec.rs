@@ -32,6 +32,9 @@ pub struct TensorSpec {
     /// (same microbatch), read in place; its grad is that output's
     /// grad-output, written in place.
     pub chained: Option<(u32, u32)>,
+    /// Inputs only: a replay with other data points the graphs at it
+    /// instead of copying it (when capture could verify that).
+    pub rebind: bool,
 }
 
 /// Whether a callback runs eagerly in warmup or under stream capture.

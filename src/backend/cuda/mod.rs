@@ -6,10 +6,11 @@
 //! kernels, loaded once from embedded PTX.
 
 pub mod driver;
+mod rebind;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
-    StreamRef,
+    Rebinder, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -342,6 +343,8 @@ fn create_pool(ordinal: i32) -> Result<sys::CUmemoryPool> {
 
 struct CudaGraph {
     exec: sys::CUgraphExec,
+    /// The captured template, kept for rebinding plans.
+    graph: sys::CUgraph,
     inner: Arc<Inner>,
 }
 
@@ -355,13 +358,27 @@ impl Graph for CudaGraph {
             sys::cuGraphLaunch(self.exec, stream.0 as sys::CUstream)
         })
     }
+
+    fn rebinder(
+        &self,
+        base: DevPtr,
+        bytes: usize,
+    ) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
+        if self.graph.is_null() {
+            return Err(rebind::no_template());
+        }
+        rebind::plan(self.graph, self.exec, &self.inner, base, bytes)
+    }
 }
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
         let _g = self.inner.bind();
         // SAFETY: destroyed exactly once; callers synchronize before dropping.
-        unsafe { sys::cuGraphExecDestroy(self.exec) };
+        unsafe {
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
+        }
     }
 }
 
@@ -577,11 +594,15 @@ impl Backend for CudaBackend {
         let mut exec: sys::CUgraphExec = null_mut();
         // SAFETY: graph is a valid captured graph; exec a valid out pointer.
         let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
-        // SAFETY: the executable graph does not depend on the template.
-        unsafe { sys::cuGraphDestroy(graph) };
-        check("cuGraphInstantiateWithFlags", r)?;
+        if let Err(e) = check("cuGraphInstantiateWithFlags", r) {
+            // SAFETY: the template is ours and nothing refers to it.
+            unsafe { sys::cuGraphDestroy(graph) };
+            return Err(e);
+        }
+        // The template stays with the executable: rebinding plans read it.
         let g = CudaGraph {
             exec,
+            graph,
             inner: self.inner.clone(),
         };
         // SAFETY: exec is live; uploading prepares its first launch.
@@ -608,5 +629,21 @@ impl Backend for CudaBackend {
             sys::cuMemGetInfo_v2(&mut free, &mut total)
         })?;
         Ok((free, total))
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        // SAFETY: `dst` is device memory of at least src.len() bytes.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
+        })
+    }
+
+    fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        // SAFETY: `src` is device memory of at least dst.len() bytes.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
+        })
     }
 }

@@ -1,0 +1,299 @@
+//! Rebinding a captured graph's references to one device range: find every
+//! kernel argument word, copy operand and set destination that holds an
+//! address in the range (kernel argument layouts come from
+//! `cuFuncGetParamInfo`, CUDA 12.4 drivers and newer), and update those
+//! nodes of the executable graph in place when the range moves. Graphs with
+//! nodes whose addresses cannot be seen (host nodes, child graphs, kernels
+//! launched with a packed argument buffer) are refused with the reason.
+
+use super::driver::check;
+use super::Inner;
+use crate::backend::{DevPtr, Rebinder};
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::ptr::null_mut;
+use std::sync::{Arc, OnceLock};
+
+type ParamInfoFn =
+    unsafe extern "C" fn(sys::CUfunction, usize, *mut usize, *mut usize) -> sys::CUresult;
+
+/// `cuFuncGetParamInfo`, when the driver has it.
+fn param_info_fn() -> Option<ParamInfoFn> {
+    static F: OnceLock<Option<ParamInfoFn>> = OnceLock::new();
+    *F.get_or_init(|| {
+        // SAFETY: the driver library is loaded (a graph exists); looking a
+        // symbol up does not call it, and the type is the documented one.
+        unsafe {
+            sys::culib()
+                .get::<ParamInfoFn>(b"cuFuncGetParamInfo\0")
+                .ok()
+                .map(|s| *s)
+        }
+    })
+}
+
+/// One kernel node's arguments, copied, with the words to patch.
+struct KernelPatch {
+    node: sys::CUgraphNode,
+    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    /// One owned buffer per argument; `pointers[i]` points into `values[i]`.
+    values: Vec<Vec<u64>>,
+    pointers: Vec<*mut c_void>,
+    /// (argument, word, offset from the base).
+    words: Vec<(usize, usize, u64)>,
+}
+
+enum Patch {
+    Kernel(KernelPatch),
+    /// A copy node: its parameters, and the offsets of its source and
+    /// destination from the base (None: outside the range).
+    Memcpy {
+        node: sys::CUgraphNode,
+        params: sys::CUDA_MEMCPY3D,
+        src: Option<u64>,
+        dst: Option<u64>,
+    },
+    Memset {
+        node: sys::CUgraphNode,
+        params: sys::CUDA_MEMSET_NODE_PARAMS,
+        dst: u64,
+    },
+}
+
+pub(super) struct CudaRebinder {
+    exec: sys::CUgraphExec,
+    inner: Arc<Inner>,
+    patches: Vec<Patch>,
+}
+
+// SAFETY: the handles are driver objects usable from any thread; the raw
+// argument pointers point into buffers this value owns.
+unsafe impl Send for CudaRebinder {}
+
+fn kernel_patch(
+    node: sys::CUgraphNode,
+    lo: u64,
+    hi: u64,
+) -> Result<std::result::Result<Option<KernelPatch>, String>> {
+    // SAFETY: all-zero is a valid starting value for this plain struct.
+    let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: a kernel node of a live graph and a valid out pointer.
+    check("cuGraphKernelNodeGetParams", unsafe {
+        sys::cuGraphKernelNodeGetParams_v2(node, &mut params)
+    })?;
+    if params.kernelParams.is_null() {
+        return Ok(Err(
+            "a kernel was captured with a packed argument buffer, whose layout cannot be read"
+                .into(),
+        ));
+    }
+    let Some(info) = param_info_fn() else {
+        return Ok(Err(
+            "the CUDA driver has no cuFuncGetParamInfo (CUDA 12.4 drivers and newer): kernel arguments \
+             cannot be read"
+                .into(),
+        ));
+    };
+    let mut func = params.func;
+    if func.is_null() && !params.kern.is_null() {
+        // SAFETY: a live kernel handle and a valid out pointer; the context
+        // is current.
+        check("cuKernelGetFunction", unsafe {
+            sys::cuKernelGetFunction(&mut func, params.kern)
+        })?;
+    }
+    let mut values = Vec::new();
+    let mut words = Vec::new();
+    for i in 0.. {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: a live function and valid out pointers; past the last
+        // argument the driver returns an error.
+        let r = unsafe { info(func, i, &mut offset, &mut size) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            break;
+        }
+        // SAFETY: kernelParams holds one pointer per argument, each to
+        // `size` bytes of its value.
+        let src = unsafe { *params.kernelParams.add(i) } as *const u8;
+        let mut v = vec![0u64; size.div_ceil(8)];
+        // SAFETY: `size` readable bytes at `src`; `v` holds at least as many.
+        unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr() as *mut u8, size) };
+        for (w, &word) in v.iter().enumerate().take(size / 8) {
+            if word >= lo && word < hi {
+                words.push((i, w, word - lo));
+            }
+        }
+        values.push(v);
+    }
+    if words.is_empty() {
+        return Ok(Ok(None));
+    }
+    let pointers = values
+        .iter_mut()
+        .map(|v| v.as_mut_ptr() as *mut c_void)
+        .collect();
+    Ok(Ok(Some(KernelPatch {
+        node,
+        params,
+        values,
+        pointers,
+        words,
+    })))
+}
+
+/// The rebinding plan of executable `exec` (instantiated from `graph`) for
+/// the range `[base, base + bytes)`.
+pub(super) fn plan(
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    inner: &Arc<Inner>,
+    base: DevPtr,
+    bytes: usize,
+) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
+    let _ctx = inner.bind()?;
+    let (lo, hi) = (base, base + bytes as u64);
+    let inside = |a: u64| a >= lo && a < hi;
+    let mut n = 0usize;
+    // SAFETY: a live graph; NULL nodes asks for the count.
+    check("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, null_mut(), &mut n)
+    })?;
+    let mut nodes = vec![null_mut(); n];
+    // SAFETY: room for `n` nodes.
+    check("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n)
+    })?;
+    nodes.truncate(n);
+    let mut patches = Vec::new();
+    for node in nodes {
+        let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of the live graph and a valid out pointer.
+        check("cuGraphNodeGetType", unsafe {
+            sys::cuGraphNodeGetType(node, &mut ty)
+        })?;
+        use sys::CUgraphNodeType::*;
+        match ty {
+            CU_GRAPH_NODE_TYPE_KERNEL => match kernel_patch(node, lo, hi)? {
+                Ok(Some(p)) => patches.push(Patch::Kernel(p)),
+                Ok(None) => {}
+                Err(why) => return Ok(Err(why)),
+            },
+            CU_GRAPH_NODE_TYPE_MEMCPY => {
+                // SAFETY: all-zero is valid for this plain struct.
+                let mut params: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+                // SAFETY: a copy node and a valid out pointer.
+                check("cuGraphMemcpyNodeGetParams", unsafe {
+                    sys::cuGraphMemcpyNodeGetParams(node, &mut params)
+                })?;
+                let dev = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                let src = (params.srcMemoryType == dev && inside(params.srcDevice))
+                    .then(|| params.srcDevice - lo);
+                let dst = (params.dstMemoryType == dev && inside(params.dstDevice))
+                    .then(|| params.dstDevice - lo);
+                if src.is_some() || dst.is_some() {
+                    patches.push(Patch::Memcpy {
+                        node,
+                        params,
+                        src,
+                        dst,
+                    });
+                }
+            }
+            CU_GRAPH_NODE_TYPE_MEMSET => {
+                // SAFETY: all-zero is valid for this plain struct.
+                let mut params: sys::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                // SAFETY: a set node and a valid out pointer.
+                check("cuGraphMemsetNodeGetParams", unsafe {
+                    sys::cuGraphMemsetNodeGetParams(node, &mut params)
+                })?;
+                if inside(params.dst) {
+                    let dst = params.dst - lo;
+                    patches.push(Patch::Memset { node, params, dst });
+                }
+            }
+            CU_GRAPH_NODE_TYPE_HOST => {
+                return Ok(Err("the graph has a host node, whose data is opaque".into()))
+            }
+            CU_GRAPH_NODE_TYPE_GRAPH => {
+                return Ok(Err(
+                    "the graph has a child graph node, which is not looked into".into(),
+                ))
+            }
+            // Events, waits, empty nodes and graph allocations take no
+            // address of the range.
+            _ => {}
+        }
+    }
+    if patches.is_empty() {
+        return Ok(Err(
+            "no captured node takes the input's address as an argument (it is read through memory, \
+             or not at all)"
+                .into(),
+        ));
+    }
+    Ok(Ok(Box::new(CudaRebinder {
+        exec,
+        inner: inner.clone(),
+        patches,
+    })))
+}
+
+impl Rebinder for CudaRebinder {
+    fn nodes(&self) -> usize {
+        self.patches.len()
+    }
+
+    fn rebind(&mut self, base: DevPtr) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        let ctx = self.inner.ctx;
+        for p in &mut self.patches {
+            match p {
+                Patch::Kernel(k) => {
+                    for &(arg, word, off) in &k.words {
+                        k.values[arg][word] = base + off;
+                    }
+                    let mut params = k.params;
+                    params.kernelParams = k.pointers.as_mut_ptr();
+                    // SAFETY: a node of the graph `exec` was instantiated
+                    // from, with the same function and one pointer per
+                    // argument to a buffer of its size.
+                    check("cuGraphExecKernelNodeSetParams", unsafe {
+                        sys::cuGraphExecKernelNodeSetParams_v2(self.exec, k.node, &params)
+                    })?;
+                }
+                Patch::Memcpy {
+                    node,
+                    params,
+                    src,
+                    dst,
+                } => {
+                    if let Some(o) = src {
+                        params.srcDevice = base + *o;
+                    }
+                    if let Some(o) = dst {
+                        params.dstDevice = base + *o;
+                    }
+                    // SAFETY: a copy node of the graph, same shape of copy.
+                    check("cuGraphExecMemcpyNodeSetParams", unsafe {
+                        sys::cuGraphExecMemcpyNodeSetParams(self.exec, *node, params, ctx)
+                    })?;
+                }
+                Patch::Memset { node, params, dst } => {
+                    params.dst = base + *dst;
+                    // SAFETY: a set node of the graph, same shape of set.
+                    check("cuGraphExecMemsetNodeSetParams", unsafe {
+                        sys::cuGraphExecMemsetNodeSetParams(self.exec, *node, params, ctx)
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rebinding needs the template the executable came from; a graph without
+/// one cannot be planned.
+pub(super) fn no_template() -> Error {
+    Error::Internal("a captured graph lost its template".into())
+}

@@ -1,0 +1,182 @@
+//! Rebinding inputs instead of copying them (opt-in per input): at capture
+//! the backend plans where an instance's graphs take the static input's
+//! address, and a verification replays the instance once copying and once
+//! rebound to another buffer (the static input then holding other data);
+//! only when both give the same bits is the input rebound at replay. A
+//! replay then points the graphs at the caller's buffer (one node update
+//! per reference) instead of copying it; the caller keeps that buffer
+//! unchanged until the instance's backward has run, as autograd would.
+
+use super::captured::Instance;
+use crate::backend::{Backend, DevPtr, DeviceMemory, Rebinder, StreamRef};
+use crate::core::dtype::DType;
+use crate::error::Result;
+use std::sync::Arc;
+
+/// Addresses a rebound input may take: the static buffers' alignment, which
+/// kernels (vector loads, tensor-memory descriptors) may rely on. Other
+/// addresses are copied.
+pub const REBIND_ALIGN: u64 = 256;
+
+/// Whether and how an input is rebound.
+pub(crate) enum Rebind {
+    /// Copied at replay (the default).
+    Off,
+    /// Rebound: the plans of every graph of the instance that reads it, and
+    /// the address they point at now.
+    On {
+        plans: Vec<Box<dyn Rebinder>>,
+        bound: DevPtr,
+    },
+    /// Asked for, refused at capture: copied, for this reason.
+    Refused(String),
+}
+
+impl Rebind {
+    /// Nodes a rebind updates.
+    pub fn nodes(&self) -> usize {
+        match self {
+            Rebind::On { plans, .. } => plans.iter().map(|p| p.nodes()).sum(),
+            _ => 0,
+        }
+    }
+
+    /// Points the graphs at `target` if they are not already.
+    pub fn bind(&mut self, target: DevPtr) -> Result<()> {
+        if let Rebind::On { plans, bound } = self {
+            if *bound != target {
+                for p in plans.iter_mut() {
+                    p.rebind(target)?;
+                }
+                *bound = target;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A float pattern that differs from real data: values in [-1, 1) from a
+/// fixed sequence, as `dtype` elements.
+fn pattern(dtype: DType, bytes: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+    };
+    let mut out = Vec::with_capacity(bytes);
+    while out.len() < bytes {
+        match dtype {
+            DType::F64 => out.extend_from_slice(&(next() as f64).to_ne_bytes()),
+            DType::F16 => {
+                out.extend_from_slice(&crate::core::dtype::f32_to_f16(next()).to_ne_bytes())
+            }
+            DType::Bf16 => {
+                out.extend_from_slice(&crate::core::dtype::f32_to_bf16(next()).to_ne_bytes())
+            }
+            _ => out.extend_from_slice(&next().to_ne_bytes()),
+        }
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// What one verification replay of an instance leaves in its buffers.
+fn results(
+    backend: &dyn Backend,
+    inst: &Instance,
+    in_bytes: &[usize],
+    out_bytes: &[usize],
+) -> Result<Vec<Vec<u8>>> {
+    let b = &inst.buffers;
+    let mut all = Vec::new();
+    let sized = b
+        .outputs
+        .iter()
+        .zip(out_bytes)
+        .chain(b.grad_inputs.iter().zip(in_bytes))
+        .chain(b.param_grads.iter().zip(&b.param_bytes))
+        .map(|(&p, &n)| (p, n));
+    for (p, n) in sized {
+        if p != 0 && n > 0 {
+            let mut v = vec![0u8; n];
+            backend.download(&mut v, p)?;
+            all.push(v);
+        }
+    }
+    Ok(all)
+}
+
+/// Plans and verifies the rebinding of input `i` of `inst` (of `dtype`,
+/// `bytes`), whose graphs are `graphs`. The instance's grad-outputs are
+/// filled with a pattern for the verification; `stream` is idle.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prepare(
+    backend: &Arc<dyn Backend>,
+    inst: &Instance,
+    i: usize,
+    dtype: DType,
+    bytes: usize,
+    input_bytes: &[usize],
+    out_bytes: &[usize],
+    stream: StreamRef,
+) -> Result<Rebind> {
+    let refused = |why: String| Ok(Rebind::Refused(why));
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::Bf16 | DType::F64) {
+        return refused(format!(
+            "rebinding is verified with floating-point data; {} inputs are copied",
+            dtype.name()
+        ));
+    }
+    let stat = inst.buffers.inputs[i];
+    let graphs = inst.graphs.iter().flatten().chain(inst.rotating.iter());
+    let mut plans = Vec::new();
+    for (k, g) in graphs.enumerate() {
+        match g.rebinder(stat, bytes)? {
+            Ok(p) => plans.push(p),
+            // A backward that does not read the input needs no plan.
+            Err(why) if k > 0 && why.starts_with("no captured node") => {}
+            Err(why) if k > 0 && why.starts_with("no task") => {}
+            Err(why) => return refused(why),
+        }
+    }
+    if plans.is_empty() {
+        return refused("no graph of the callable takes the input's address".into());
+    }
+    // Verification: the same replays, copying and rebound, must agree.
+    let real = {
+        let mut v = vec![0u8; bytes];
+        backend.download(&mut v, stat)?;
+        v
+    };
+    for (k, (&g, &n)) in inst.buffers.grad_outputs.iter().zip(out_bytes).enumerate() {
+        if g != 0 {
+            backend.upload(g, &pattern(dtype, n, 7 + k as u32))?;
+        }
+    }
+    let run = || -> Result<()> {
+        for g in inst.graphs.iter().flatten() {
+            g.launch(stream)?;
+        }
+        backend.synchronize(stream)
+    };
+    run()?;
+    let copied = results(backend.as_ref(), inst, input_bytes, out_bytes)?;
+    let other = DeviceMemory::new(backend, bytes)?;
+    backend.upload(other.ptr(), &real)?;
+    backend.upload(stat, &pattern(dtype, bytes, 99))?;
+    let mut on = Rebind::On { plans, bound: stat };
+    on.bind(other.ptr())?;
+    let rebound = run().and_then(|_| results(backend.as_ref(), inst, input_bytes, out_bytes));
+    on.bind(stat)?;
+    backend.upload(stat, &real)?;
+    if rebound? != copied {
+        return refused(
+            "a rebound replay at capture gave other results than a copying one: some kernel reads the \
+             input through memory (or is not deterministic)"
+                .into(),
+        );
+    }
+    Ok(on)
+}
