@@ -49,88 +49,69 @@ std::string bytes_str(size_t b) {
 class GradSource {
   public:
     GradSource(kit::Device& dev, size_t n, size_t bytes, uint32_t policy, bool clones)
-        : dev_(dev), n_(n), bytes_(bytes), src_(dev, bytes), param_(dev, bytes), in_(dev, 256), dsts_() {
+        : dev_(dev), n_(n), bytes_(bytes), src_(dev, bytes), param_(dev, bytes), session_(config(dev, clones)) {
         auto v = kit::random_floats(bytes / 4, 7);
         dev.upload(src_.get(), v.data(), bytes);
-        graphed_session_config c = graphed_session_config_default();
-        c.backend = dev.graphed_kind();
-        c.clone_param_grads_on_return = clones;
-        c.warmup_iterations = 1;
-        kit::check(graphed_session_create(&c, &s_), "graphed_session_create");
-        graphed_tensor_desc t{256, GRAPHED_DTYPE_F32, 0, nullptr, false, nullptr};
-        graphed_tensor_desc o{256, GRAPHED_DTYPE_F32, 0, nullptr, true, nullptr};
-        for (size_t i = 0; i < n; ++i)
-            p_.push_back({param_.get(), bytes, GRAPHED_DTYPE_F32, 0, policy, true});
-        graphed_callable_desc d = graphed_callable_desc_default();
-        d.name = "grads";
-        d.num_inputs = 1;
-        d.inputs = &t;
-        d.num_outputs = 1;
-        d.outputs = &o;
-        d.num_params = n;
-        d.params = p_.data();
-        d.forward = [](const graphed_pass_ctx* c, void* self) -> int32_t {
+        graphed::Callable c;
+        c.name = "grads";
+        c.inputs = {graphed::tensor_desc(256)};
+        c.outputs = {graphed::tensor_desc(256, GRAPHED_DTYPE_F32, true)};
+        c.params.assign(n, graphed::param_desc(param_.get(), bytes, GRAPHED_DTYPE_F32, policy));
+        c.forward = [](const graphed_pass_ctx* ctx, void* self) -> int32_t {
             auto* g = static_cast<GradSource*>(self);
-            return g->dev_.copy(c->stream, c->outputs[0], c->inputs[0], 256);
+            return g->dev_.copy(ctx->stream, ctx->outputs[0], ctx->inputs[0], 256);
         };
-        d.backward = [](const graphed_pass_ctx* c, void* self) -> int32_t {
+        c.backward = [](const graphed_pass_ctx* ctx, void* self) -> int32_t {
             auto* g = static_cast<GradSource*>(self);
             for (size_t i = 0; i < g->n_; ++i)
-                if (int e = g->dev_.copy(c->stream, c->param_grads[i], g->src_.get(), g->bytes_)) return e;
+                if (int e = g->dev_.copy(ctx->stream, ctx->param_grads[i], g->src_.get(), g->bytes_)) return e;
             return 0;
         };
-        d.user_data = this;
-        uint32_t idx;
-        kit::check(graphed_session_add_callable(s_, &d, &idx), "add_callable");
-        kit::check(graphed_session_capture(s_), "capture");
+        c.user_data = this;
+        session_.add_callable(c);
+        session_.capture();
         if (policy == GRAPHED_GRAD_POLICY_ACCUMULATE_INTO || policy == GRAPHED_GRAD_POLICY_COPY_INTO) {
             for (size_t i = 0; i < n; ++i) {
                 dsts_.emplace_back(dev, bytes);
                 dst_ptrs_.push_back(dsts_.back().get());
             }
         }
-        refs_.resize(n);
+        replay_.stream(dev.stream());
+        if (!dst_ptrs_.empty()) replay_.param_dsts(dst_ptrs_);
     }
-    ~GradSource() { graphed_session_destroy(s_); }
 
-    // One backward replay; the returned refs are in refs().
-    void backward() {
-        graphed_replay_args a = graphed_replay_args_default();
-        a.stream = dev_.stream();
-        if (!dst_ptrs_.empty()) {
-            a.param_dsts = dst_ptrs_.data();
-            a.num_param_dsts = n_;
-        }
-        graphed_ref gin;
-        kit::check(graphed_backward(s_, &a, &gin, 1, refs_.data(), n_), "graphed_backward");
-    }
+    // One backward replay; the returned grads are in refs().
+    void backward() { session_.backward(replay_, grads_); }
+    // Gives the CLONE grads back.
     void release() {
-        for (auto& r : refs_) kit::check(graphed_buffer_release(r.owner), "graphed_buffer_release");
+        for (auto& r : grads_.params) r.release();
     }
     std::vector<void*> ptrs() const {
         std::vector<void*> v;
-        for (auto& r : refs_) v.push_back(r.ptr);
+        for (auto& r : grads_.params) v.push_back(r.ptr());
         return v;
     }
-    std::vector<void*> slots() {
-        std::vector<void*> v(n_);
-        kit::check(graphed_session_buffers(s_, 0, 0, GRAPHED_BUFFER_ROLE_PARAM_GRADS, v.data(), n_), "buffers");
-        return v;
-    }
-    const std::vector<graphed_ref>& refs() const { return refs_; }
+    std::vector<void*> slots() { return session_.buffers(0, 0, GRAPHED_BUFFER_ROLE_PARAM_GRADS); }
+    const std::vector<graphed::Ref>& refs() const { return grads_.params; }
     const std::vector<void*>& dsts() const { return dst_ptrs_; }
     const void* source() const { return src_.get(); }
-    graphed_session* session() const { return s_; }
 
   private:
+    static graphed_session_config config(kit::Device& dev, bool clones) {
+        graphed_session_config c = graphed::session_config(dev.graphed_kind());
+        c.clone_param_grads_on_return = clones;
+        c.warmup_iterations = 1;
+        return c;
+    }
+
     kit::Device& dev_;
     size_t n_, bytes_;
-    Buffer src_, param_, in_;
-    std::vector<graphed_param_desc> p_;
+    Buffer src_, param_;
     std::vector<Buffer> dsts_;
     std::vector<void*> dst_ptrs_;
-    std::vector<graphed_ref> refs_;
-    graphed_session* s_ = nullptr;
+    graphed::Session session_;
+    graphed::Replay replay_;
+    graphed::Grads grads_;
 };
 
 // Compares the first and last `window` bytes (all of it when small).
@@ -165,8 +146,8 @@ void clone_table(kit::Device& dev, bench::Tools& tools, const std::vector<Size>&
         clone.backward();
         bool ok = true;
         for (size_t i = 0; i < sz.n; i += std::max<size_t>(1, sz.n / 8))
-            ok = ok && same_bytes(dev, clone.refs()[i].ptr, clone.source(), sz.bytes);
-        check(ok && clone.refs()[0].kind == GRAPHED_REF_KIND_CLONE, "clones hold the grads");
+            ok = ok && same_bytes(dev, clone.refs()[i].ptr(), clone.source(), sz.bytes);
+        check(ok && clone.refs()[0].kind() == GRAPHED_REF_KIND_CLONE, "clones hold the grads");
         clone.release();
         const int launches = int(sz.n) + 4;
         double t_clone = tools.median_ms([&] { clone.backward(); }, [&] { clone.release(); }, 3, samples, launches);
@@ -205,7 +186,7 @@ void accumulate_table(kit::Device& dev, bench::Tools& tools, const std::vector<S
             acc.backward();
             std::vector<float> got(count);
             dev.download(got.data(), acc.dsts().back(), sz.bytes);
-            bool ok = acc.refs()[0].kind == GRAPHED_REF_KIND_ACCUMULATE_INTO;
+            bool ok = acc.refs()[0].kind() == GRAPHED_REF_KIND_ACCUMULATE_INTO;
             for (size_t i = 0; i < count; ++i) ok = ok && got[i] == d0[i] + g[i];
             check(ok, "ACCUMULATE_INTO adds the grads");
         }
@@ -261,15 +242,13 @@ void host_cost_table(kit::Device& dev, bench::Tools& tools, int per_batch) {
     L.b = b.get();
     L.name = "tiny";
     for (bool clones : {false, true}) {
-        graphed_session_config c = graphed_session_config_default();
-        c.backend = dev.graphed_kind();
+        graphed_session_config c = graphed::session_config(dev.graphed_kind());
         c.clone_param_grads_on_return = clones;
-        graphed_session* s = nullptr;
-        kit::check(graphed_session_create(&c, &s), "create");
-        graphed_callable_desc d = L.describe(x.get(), true);
-        uint32_t idx;
-        kit::check(graphed_session_add_callable(s, &d, &idx), "add");
-        kit::check(graphed_session_capture(s), "capture");
+        graphed::Session session(c);
+        session.add_callable(L.callable(x.get(), true));
+        session.capture();
+        // The C calls themselves: this table measures the C ABI.
+        graphed_session* s = session.get();
         graphed_replay_args a = graphed_replay_args_default();
         a.stream = dev.stream();
         graphed_ref out, gin, gp[2];
@@ -284,7 +263,7 @@ void host_cost_table(kit::Device& dev, bench::Tools& tools, int per_batch) {
                 }
             },
             per_batch, 21);
-        graphed_session_destroy(s);
+        session.destroy();
         std::string ref = "n/a (host backend)", ratio = "n/a";
         void* fg = tools.capture([&](graphed_stream st) { L.eager_forward(st, x.get(), z.get(), y.get()); });
         void* bg = tools.capture([&](graphed_stream st) {
@@ -330,21 +309,19 @@ void mlp_table(kit::Device& dev, bench::Tools& tools, const std::vector<MlpConfi
         Buffer x = eager.tensor(kit::random_floats(size_t(m.batch) * m.width, 5));
         Buffer t = eager.tensor(kit::random_floats(size_t(m.batch) * m.width, 6, 0.1f));
         auto session = [&](kit::Mlp& mlp, bool clones, size_t* driver_used) {
-            graphed_session_config c = graphed_session_config_default();
-            c.backend = dev.graphed_kind();
+            graphed_session_config c = graphed::session_config(dev.graphed_kind());
             c.clone_param_grads_on_return = clones;
-            graphed_session* s = nullptr;
             size_t before = tools.driver_free();
-            kit::check(graphed_session_create(&c, &s), "create");
+            graphed::Session s(c);
             mlp.register_layers(s, x.get());
-            kit::check(graphed_session_capture(s), "capture");
+            s.capture();
             dev.sync();
             if (driver_used) *driver_used = before - tools.driver_free();
             return s;
         };
         size_t driver_used = 0;
-        graphed_session* sc = session(g_clone, true, &driver_used);
-        graphed_session* sa = session(g_alias, false, nullptr);
+        graphed::Session sc = session(g_clone, true, &driver_used);
+        graphed::Session sa = session(g_alias, false, nullptr);
         // Correct first: one step each, grads compared with eager.
         kit::StepGrads e = eager.eager_step(x.get(), t.get(), 0.01f);
         kit::StepGrads gc = g_clone.graphed_step(sc, x.get(), t.get(), 0.01f);
@@ -367,10 +344,9 @@ void mlp_table(kit::Device& dev, bench::Tools& tools, const std::vector<MlpConfi
         double te = per_step([&] { eager.eager_step(x.get(), t.get(), 0.01f, false); });
         double tc = per_step([&] { g_clone.graphed_step(sc, x.get(), t.get(), 0.01f, false, false); });
         double ta = per_step([&] { g_alias.graphed_step(sa, x.get(), t.get(), 0.01f, false, false); });
-        graphed_session_stats st = graphed_session_stats_default();
-        kit::check(graphed_session_stats_get(sc, &st), "stats");
-        graphed_session_destroy(sc);
-        graphed_session_destroy(sa);
+        graphed_session_stats st = sc.stats();
+        sc.destroy();
+        sa.destroy();
         std::string cfg = "H=" + std::to_string(m.width) + " B=" + std::to_string(m.batch) + " " + dt;
         std::string driver = tools.device_timing() ? bytes_str(driver_used) : "n/a";
         report << "| " << cfg << " | " << fmt("%.3f", te) << " | " << fmt("%.3f", tc) << " | " << fmt("%.3f", ta)

@@ -18,11 +18,10 @@ TEST_P(GraphedMlp, MatchesEagerBitExact) {
     kit::Buffer x(*dev, batch * width * 4), target(*dev, batch * width * 4);
     auto hx = kit::random_floats(batch * width, 1000);
     dev->upload(x.get(), hx.data(), x.bytes());
-    SessionPtr s = create(config());
-    ASSERT_TRUE(s);
-    graphed.register_layers(s.get(), x.f32());
-    GRAPHED_ASSERT_OK(graphed_session_capture(s.get()));
-    EXPECT_EQ(2u * layers, stats(s.get()).graph_count);
+    graphed::Session s(config());
+    graphed.register_layers(s, x.f32());
+    s.capture();
+    EXPECT_EQ(2u * layers, s.stats().graph_count);
 
     for (int step = 0; step < steps; ++step) {
         SCOPED_TRACE(testing::Message() << "step " << step);
@@ -32,7 +31,7 @@ TEST_P(GraphedMlp, MatchesEagerBitExact) {
         dev->upload(target.get(), ts.data(), target.bytes());
         kit::StepGrads e = eager.eager_step(x.f32(), target.f32(), lr);
         // Odd steps replay on a side stream, synced back by events.
-        kit::StepGrads g = graphed.graphed_step(s.get(), x.f32(), target.f32(), lr, step % 2 == 1);
+        kit::StepGrads g = graphed.graphed_step(s, x.f32(), target.f32(), lr, step % 2 == 1);
         for (int i = 0; i < layers; ++i) {
             ASSERT_EQ(e.w[i], g.w[i]) << "weight grad of layer " << i;
             ASSERT_EQ(e.b[i], g.b[i]) << "bias grad of layer " << i;
@@ -42,9 +41,9 @@ TEST_P(GraphedMlp, MatchesEagerBitExact) {
         EXPECT_EQ(eager.weights(i), graphed.weights(i)) << "final weights of layer " << i;
         EXPECT_EQ(eager.biases(i), graphed.biases(i)) << "final biases of layer " << i;
     }
-    EXPECT_EQ(0u, stats(s.get()).clone_bytes_outstanding);
+    EXPECT_EQ(0u, s.stats().clone_bytes_outstanding);
 }
 
-GRAPHED_BACKENDS(GraphedMlp);
+INSTANTIATE_TEST_SUITE_P(Backends, GraphedMlp, backends(), BackendName());
 
 }  // namespace

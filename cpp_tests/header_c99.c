@@ -1,5 +1,6 @@
 /* The public header alone, compiled as strict C99 with warnings as errors,
- * and a call of each convention function to prove it links. */
+ * a call of each convention function to prove it links, and the refusal of
+ * a struct that its _default() function did not set up. */
 #include "graphed.h"
 
 #include <stdio.h>
@@ -22,6 +23,17 @@ int main(void) {
     if (s != GRAPHED_STATUS_NULL_POINTER) {
         fprintf(stderr, "graphed_device_count(NULL) returned %s\n", graphed_status_name(s));
         return 1;
+    }
+    {
+        /* A struct not set up by its _default() function is refused, not read. */
+        graphed_session_config zeroed;
+        graphed_session *session = NULL;
+        memset(&zeroed, 0, sizeof zeroed);
+        s = graphed_session_create(&zeroed, &session);
+        if (s != GRAPHED_STATUS_BAD_STRUCT || session != NULL) {
+            fprintf(stderr, "a zeroed config gave %s\n", graphed_status_name(s));
+            return 1;
+        }
     }
     printf("graphed %s (C99): %s\n", v, graphed_last_error_message());
     return 0;

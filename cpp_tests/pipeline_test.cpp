@@ -16,19 +16,11 @@
 namespace {
 
 using kit::Buffer;
+using graphed::schedule_from_te_order;
 
-std::vector<graphed_schedule_step> te_order(std::initializer_list<int> order) {
-    std::vector<graphed_schedule_step> steps;
-    for (int c : order)
-        steps.push_back({c > 0 ? uint32_t(GRAPHED_PASS_FORWARD) : uint32_t(GRAPHED_PASS_BACKWARD),
-                         uint32_t(c > 0 ? c - 1 : -c - 1)});
-    return steps;
-}
-
-graphed_schedule_step wgrad(int chunk_from_1) { return {GRAPHED_PASS_WGRAD, uint32_t(chunk_from_1 - 1)}; }
-
-// The Transformer Engine scenario: 2 chunks of 1 layer, 3 microbatches.
-const std::initializer_list<int> kTeOrder = {1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1};
+// The Transformer Engine scenario, in its `_order` notation: 2 chunks of 1
+// layer, 3 microbatches.
+const std::vector<double> kTeOrder = {1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1};
 
 struct Options {
     uint32_t dtype = GRAPHED_DTYPE_F32;
@@ -43,13 +35,17 @@ struct Options {
 class Rig {
   public:
     Rig(kit::Device& dev, Options o) : dev_(dev), o_(std::move(o)) {
-        for (auto& s : o_.steps) chunks_ = std::max<int>(chunks_, int(s.chunk) + 1);
-        if (o_.layers_per_chunk.empty()) o_.layers_per_chunk.assign(chunks_, 1);
-        int fb = 0;
-        for (auto& s : o_.steps) fb += s.pass != GRAPHED_PASS_WGRAD;
-        mb_ = fb / (2 * chunks_);
-        for (int c = 0, first = 0; c < chunks_; first += o_.layers_per_chunk[c], ++c) first_.push_back(first);
+        if (o_.layers_per_chunk.empty()) {
+            uint32_t chunks = 0;
+            for (auto& s : o_.steps) chunks = std::max(chunks, s.chunk + 1);
+            o_.layers_per_chunk.assign(chunks, 1);
+        }
         for (uint32_t n : o_.layers_per_chunk) layers_ += int(n);
+        // Microbatches and the layers of each chunk, as the library derives them.
+        graphed::ScheduleShape shape = graphed::schedule_shape(o_.steps, uint32_t(layers_), o_.layers_per_chunk);
+        chunks_ = int(shape.chunks);
+        mb_ = int(shape.microbatches);
+        first_.assign(shape.chunk_first.begin(), shape.chunk_first.end());
         es_ = kit::dtype_size(o_.dtype);
         act_ = size_t(o_.batch) * o_.width * es_;
         for (Model* m : {&eager_, &graphed_}) build(*m);
@@ -77,25 +73,21 @@ class Rig {
     }
 
     // Registers the graphed model's layers into a session and captures it.
-    graphed_status capture(graphed_session* s) {
+    void capture(graphed::Session& s) {
         upload_data(0);
-        for (int l = 0; l < layers_; ++l) {
-            graphed_callable_desc d = graphed_.layers[l].describe(x_[0].get(), l > 0);
-            uint32_t idx = 0;
-            if (graphed_status st = graphed_session_add_callable(s, &d, &idx)) return st;
-        }
-        return graphed_session_capture(s);
+        for (int l = 0; l < layers_; ++l) s.add_callable(graphed_.layers[l].callable(x_[0].get(), l > 0));
+        s.capture();
     }
 
     // Runs every iteration both ways; compares outputs and final weights.
-    void run_and_compare(graphed_session* s) {
+    void run_and_compare(graphed::Session& s) {
         for (int it = 0; it < o_.iterations; ++it) {
             SCOPED_TRACE(testing::Message() << "iteration " << it);
             upload_data(it + 1);
             outputs_eager_.clear();
             outputs_graphed_.clear();
             iterate(eager_, nullptr);
-            iterate(graphed_, s);
+            iterate(graphed_, &s);
             if (HasFatalFailure()) return;
             ASSERT_EQ(outputs_eager_.size(), size_t(layers_ * mb_));
             for (auto& [key, v] : outputs_eager_)
@@ -176,21 +168,21 @@ class Rig {
         }
     }
 
-    void take(Model& m, int l, const graphed_ref* gp) {
-        ASSERT_NE(GRAPHED_REF_KIND_NONE, gp[0].kind);
-        accumulate(m, l, gp[0].ptr, gp[1].ptr);
-        for (int p = 0; p < 2; ++p) ASSERT_EQ(GRAPHED_STATUS_OK, graphed_buffer_release(gp[p].owner));
+    void take(Model& m, int l, std::vector<graphed::Ref>& gp) {
+        ASSERT_NE(GRAPHED_REF_KIND_NONE, gp[0].kind());
+        accumulate(m, l, gp[0].ptr(), gp[1].ptr());
+        for (auto& g : gp) g.release();
     }
 
     // One iteration following the schedule: eagerly when `s` is NULL.
-    void iterate(Model& m, graphed_session* s) {
+    void iterate(Model& m, graphed::Session* s) {
         graphed_stream st = dev_.stream();
         const int n = int(o_.width) * o_.batch;
         std::vector<int> fwd(chunks_), bwd(chunks_), wg(chunks_);
         std::map<std::pair<int, int>, const void*> out, gin;  // graphed: what replays returned
         Buffer wtmp(dev_, size_t(o_.width) * o_.width * es_), btmp(dev_, size_t(o_.width) * es_);
-        graphed_replay_args a = graphed_replay_args_default();
-        a.stream = st;
+        graphed::Replay a;
+        a.stream(st);
         auto& lg = s ? lg_graphed_ : lg_eager_;
         auto& outputs = s ? outputs_graphed_ : outputs_eager_;
         for (const graphed_schedule_step& step : o_.steps) {
@@ -201,13 +193,7 @@ class Rig {
                     const void* in = l == 0 ? x_[mb].get() : (s ? out[{l - 1, mb}] : y_[{l - 1, mb}].get());
                     const void* y;
                     if (s) {
-                        graphed_ref r{};
-                        a.callable = uint32_t(l);
-                        a.microbatch = uint32_t(mb);
-                        a.data = &in;
-                        a.num_data = 1;
-                        ASSERT_EQ(GRAPHED_STATUS_OK, graphed_forward(s, &a, &r, 1)) << last_error();
-                        out[{l, mb}] = y = r.ptr;
+                        out[{l, mb}] = y = s->forward(a.callable(uint32_t(l)).microbatch(uint32_t(mb)).data(in))[0].ptr();
                     } else {
                         ASSERT_EQ(0, m.layers[l].eager_forward(st, in, z_[{l, mb}].get(), y_[{l, mb}].get()));
                         y = y_[{l, mb}].get();
@@ -227,14 +213,9 @@ class Rig {
                     }
                     const void* xin = l == 0 ? x_[mb].get() : y_[{l - 1, mb}].get();
                     if (s) {
-                        graphed_ref g{}, gp[2]{};
-                        a.callable = uint32_t(l);
-                        a.microbatch = uint32_t(mb);
-                        a.data = &gy;
-                        a.num_data = 1;
-                        ASSERT_EQ(GRAPHED_STATUS_OK, graphed_backward(s, &a, &g, 1, gp, 2)) << last_error();
-                        gin[{l, mb}] = g.ptr;
-                        if (!o_.split_wgrad) take(m, l, gp);
+                        graphed::Grads g = s->backward(a.callable(uint32_t(l)).microbatch(uint32_t(mb)).data(gy));
+                        gin[{l, mb}] = g.inputs[0].ptr();
+                        if (!o_.split_wgrad) take(m, l, g.params);
                     } else if (o_.split_wgrad) {
                         // Input grad now; the weight grad at the weight-grad step.
                         if (l > 0)
@@ -252,12 +233,7 @@ class Rig {
                 const int mb = wg[c]++;
                 for (int l = first + count - 1; l >= first; --l) {
                     if (s) {
-                        graphed_ref gp[2]{};
-                        a.callable = uint32_t(l);
-                        a.microbatch = uint32_t(mb);
-                        a.data = nullptr;
-                        a.num_data = 0;
-                        ASSERT_EQ(GRAPHED_STATUS_OK, graphed_backward_wgrad(s, &a, gp, 2)) << last_error();
+                        std::vector<graphed::Ref> gp = s->wgrad(a.callable(uint32_t(l)).microbatch(uint32_t(mb)).no_data());
                         take(m, l, gp);
                     } else {
                         const void* xin = l == 0 ? x_[mb].get() : y_[{l - 1, mb}].get();
@@ -292,31 +268,14 @@ class Rig {
 
 class Pipeline : public BackendTest {
   protected:
-    // The session's plan, as graphed_session_plan_dump writes it.
-    std::string plan_of(graphed_session* s) {
-        size_t len = 0;
-        EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_plan_dump(s, nullptr, 0, &len)) << last_error();
-        std::string text(len + 1, '\0');
-        size_t len2 = 0;
-        EXPECT_EQ(GRAPHED_STATUS_OK, graphed_session_plan_dump(s, &text[0], text.size(), &len2));
-        EXPECT_EQ(len, len2);
-        text.resize(len);
-        return text;
-    }
-
     // Builds, captures and runs a rig; returns the session's stats.
     graphed_session_stats run(const Options& o, std::string* plan = nullptr) {
         Rig rig(*dev, o);
-        graphed_session_config c = rig.config();
-        SessionPtr s = create(c);
-        EXPECT_TRUE(s);
-        if (!s) return {};
-        graphed_status st = rig.capture(s.get());
-        EXPECT_EQ(GRAPHED_STATUS_OK, st) << last_error();
-        if (st != GRAPHED_STATUS_OK) return {};
-        rig.run_and_compare(s.get());
-        if (plan) *plan = plan_of(s.get());
-        graphed_session_stats stats = this->stats(s.get());
+        graphed::Session s(rig.config());
+        rig.capture(s);
+        rig.run_and_compare(s);
+        if (plan) *plan = s.plan_dump();
+        graphed_session_stats stats = s.stats();
         EXPECT_EQ(uint32_t(rig.microbatches()), stats.microbatches);
         EXPECT_EQ(0u, stats.clone_bytes_outstanding);
         return stats;
@@ -325,7 +284,7 @@ class Pipeline : public BackendTest {
 
 TEST_P(Pipeline, InterleavedMatchesEager) {
     Options o;
-    o.steps = te_order(kTeOrder);
+    o.steps = schedule_from_te_order(kTeOrder);
     graphed_session_stats st = run(o);
     EXPECT_EQ(12u, st.graph_count) << "2 layers x 3 microbatches x (forward, backward)";
     EXPECT_EQ(st.static_bytes, st.static_bytes_without_reuse);
@@ -333,7 +292,7 @@ TEST_P(Pipeline, InterleavedMatchesEager) {
 
 TEST_P(Pipeline, ReusedBuffersMatchEager) {
     Options o;
-    o.steps = te_order(kTeOrder);
+    o.steps = schedule_from_te_order(kTeOrder);
     o.reuse = true;
     graphed_session_stats st = run(o);
     EXPECT_LT(st.static_bytes, st.static_bytes_without_reuse);
@@ -343,7 +302,7 @@ TEST_P(Pipeline, ReusedBuffersNoCloneMatchEager) {
     for (uint32_t dtype : {GRAPHED_DTYPE_F32, GRAPHED_DTYPE_F16}) {
         SCOPED_TRACE(dtype == GRAPHED_DTYPE_F32 ? "fp32" : "fp16");
         Options o;
-        o.steps = te_order(kTeOrder);
+        o.steps = schedule_from_te_order(kTeOrder);
         o.reuse = true;
         o.clones = false;
         o.dtype = dtype;
@@ -354,10 +313,7 @@ TEST_P(Pipeline, ReusedBuffersNoCloneMatchEager) {
 TEST_P(Pipeline, DelayedWgradMatchesEager) {
     // Weight-grad steps right after each backward (TE's -c - 0.5).
     Options o;
-    for (int c : {1, 2, 1, 2, -2, -1, -2, -1}) {
-        o.steps.push_back(te_order({c})[0]);
-        if (c < 0) o.steps.push_back(wgrad(-c));
-    }
+    o.steps = schedule_from_te_order({1, 2, 1, 2, -2, -2.5, -1, -1.5, -2, -2.5, -1, -1.5});
     o.split_wgrad = true;
     o.reuse = true;
     graphed_session_stats st = run(o);
@@ -366,7 +322,7 @@ TEST_P(Pipeline, DelayedWgradMatchesEager) {
 
 TEST_P(Pipeline, ThreeChunkScheduleMatchesEager) {
     Options o;
-    o.steps = te_order({1, 2, 3, 1, 2, 3, -3, -2, -1, -3, -2, -1});
+    o.steps = schedule_from_te_order({1, 2, 3, 1, 2, 3, -3, -2, -1, -3, -2, -1});
     o.layers_per_chunk = {1, 2, 1};
     o.reuse = true;
     graphed_session_stats st = run(o);
@@ -376,7 +332,7 @@ TEST_P(Pipeline, ThreeChunkScheduleMatchesEager) {
 
 TEST_P(Pipeline, ReuseUsesLessStaticMemory) {
     Options o;
-    o.steps = te_order(kTeOrder);
+    o.steps = schedule_from_te_order(kTeOrder);
     o.width = 64;
     o.batch = 32;
     o.iterations = 1;
@@ -401,53 +357,38 @@ TEST_P(Pipeline, ReuseUsesLessStaticMemory) {
 
 TEST_P(Pipeline, StrictLeaseCatchesAHeldOutputAboutToBeReused) {
     Options o;
-    o.steps = te_order(kTeOrder);
+    o.steps = schedule_from_te_order(kTeOrder);
     o.reuse = true;
     Rig rig(*dev, o);
     graphed_session_config c = rig.config();
-    c.strict_leases = true;
-    SessionPtr s = create(c);
-    ASSERT_TRUE(s);
-    GRAPHED_ASSERT_OK(rig.capture(s.get()));
-    // Follow the TE order, keeping the outputs of microbatch 0; release
-    // every other lease as soon as it is handed out.
-    graphed_replay_args a = graphed_replay_args_default();
-    a.stream = dev->stream();
+    c.strict_leases = 1;
+    graphed::Session s(c);
+    rig.capture(s);
+    // Follow the TE order, keeping the outputs of microbatch 0 (and their
+    // leases); every other lease goes as soon as it is handed out.
+    graphed::Replay a;
+    a.stream(dev->stream());
     std::vector<int> fwd(2), bwd(2);
-    std::map<std::pair<int, int>, graphed_ref> out;
+    std::map<std::pair<int, int>, graphed::Ref> kept;
+    std::map<std::pair<int, int>, const void*> out;
     graphed_status failed = GRAPHED_STATUS_OK;
     std::string message;
-    for (int step : kTeOrder) {
-        const int l = std::abs(step) - 1;
-        const int mb = step > 0 ? fwd[l]++ : bwd[l]++;
-        a.callable = uint32_t(l);
-        a.microbatch = uint32_t(mb);
-        graphed_status st;
-        if (step > 0) {
-            const void* in = l == 0 ? rig.x(mb) : out[{0, mb}].ptr;
-            a.data = &in;
-            a.num_data = 1;
-            graphed_ref r{};
-            st = graphed_forward(s.get(), &a, &r, 1);
-            if (st == GRAPHED_STATUS_OK) {
-                out[{l, mb}] = r;
-                if (mb != 0) GRAPHED_ASSERT_OK(graphed_lease_release(s.get(), r.lease));
-            }
-        } else {
-            a.data = nullptr;
-            a.num_data = 0;
-            graphed_ref g{}, gp[2]{};
-            st = graphed_backward(s.get(), &a, &g, 1, gp, 2);
-            if (st == GRAPHED_STATUS_OK) {
-                if (g.lease) GRAPHED_ASSERT_OK(graphed_lease_release(s.get(), g.lease));
-                for (auto& p : gp) GRAPHED_ASSERT_OK(graphed_buffer_release(p.owner));
+    try {
+        for (double step : kTeOrder) {
+            const int l = int(std::abs(step)) - 1;
+            const int mb = step > 0 ? fwd[l]++ : bwd[l]++;
+            a.callable(uint32_t(l)).microbatch(uint32_t(mb));
+            if (step > 0) {
+                std::vector<graphed::Ref> r = s.forward(a.data(l == 0 ? rig.x(mb) : out[{0, mb}]));
+                out[{l, mb}] = r[0].ptr();
+                if (mb == 0) kept[{l, mb}] = std::move(r[0]);
+            } else {
+                s.backward(a.no_data());  // its input grad and clone grads go at once
             }
         }
-        if (st != GRAPHED_STATUS_OK) {
-            failed = st;
-            message = last_error();
-            break;
-        }
+    } catch (const graphed::Error& e) {
+        failed = e.status();
+        message = e.message();
     }
     EXPECT_EQ(GRAPHED_STATUS_ALIAS_HELD, failed) << message;
     EXPECT_NE(std::string::npos, message.find("(microbatch 0), an alias handed out")) << message;
@@ -456,47 +397,43 @@ TEST_P(Pipeline, StrictLeaseCatchesAHeldOutputAboutToBeReused) {
 
 TEST_P(Pipeline, InvalidScheduleRejected) {
     struct Case {
-        std::vector<graphed_schedule_step> steps;
+        std::vector<double> order;
         std::vector<uint32_t> layers;
         int callables;
         bool split_wgrad;
         bool reuse;
         const char* message;
     };
-    std::vector<graphed_schedule_step> with_w = te_order({1, -1});
-    with_w.push_back(wgrad(1));
-    std::vector<graphed_schedule_step> early_w = {te_order({1})[0], wgrad(1), te_order({-1})[0]};
-    std::vector<graphed_schedule_step> two_w = with_w;
-    two_w.push_back(wgrad(1));
     const std::vector<Case> cases = {
-        {te_order({1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2}), {}, 2, false, false, "chunks x microbatches x 2"},
-        {te_order({1, 1, -2, -2}), {}, 2, false, false, "chunk 0 has 2 forward and 0 backward"},
-        {te_order({-1, 1}), {}, 1, false, false, "comes before its forward"},
-        {te_order({2, 1, -2, -1}), {}, 2, false, false, "whose output it takes"},
-        {te_order({1, 2, -1, -2}), {}, 2, false, false, "whose input grad it takes"},
-        {te_order(kTeOrder), {}, 3, false, false, "cannot be split evenly"},
-        {te_order(kTeOrder), {1, 2}, 2, false, false, "hold 3 layers in all"},
-        {te_order(kTeOrder), {1}, 2, false, false, "layers_per_chunk has 1 entries"},
-        {with_w, {}, 1, false, false, "no weight-grad callback"},
-        {with_w, {}, 2, true, false, "one layer per chunk"},
-        {two_w, {}, 1, true, false, "2 weight-grad steps and 1 backward"},
-        {early_w, {}, 1, true, false, "comes before its backward"},
-        {te_order({1, -1}), {}, 1, true, false, "no weight-grad steps to capture it"},
+        {{1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2}, {}, 2, false, false, "chunks x microbatches x 2"},
+        {{1, 1, -2, -2}, {}, 2, false, false, "chunk 0 has 2 forward and 0 backward"},
+        {{-1, 1}, {}, 1, false, false, "comes before its forward"},
+        {{2, 1, -2, -1}, {}, 2, false, false, "whose output it takes"},
+        {{1, 2, -1, -2}, {}, 2, false, false, "whose input grad it takes"},
+        {kTeOrder, {}, 3, false, false, "cannot be split evenly"},
+        {kTeOrder, {1, 2}, 2, false, false, "hold 3 layers in all"},
+        {kTeOrder, {1}, 2, false, false, "layers_per_chunk has 1 entries"},
+        {{1, -1, -1.5}, {}, 1, false, false, "no weight-grad callback"},
+        {{1, -1, -1.5}, {}, 2, true, false, "one layer per chunk"},
+        {{1, -1, -1.5, -1.5}, {}, 1, true, false, "2 weight-grad steps and 1 backward"},
+        {{1, -1.5, -1}, {}, 1, true, false, "comes before its backward"},
+        {{1, -1}, {}, 1, true, false, "no weight-grad steps to capture it"},
         {{}, {}, 1, false, true, "reuse_buffers needs a pipeline schedule"},
     };
     Buffer w(*dev, 16 * 16 * 4), b(*dev, 16 * 4), x(*dev, 4 * 16 * 4);
     for (const Case& k : cases) {
         SCOPED_TRACE(k.message);
+        const std::vector<graphed_schedule_step> steps = schedule_from_te_order(k.order);
         graphed_session_config c = config();
-        c.schedule = k.steps.empty() ? nullptr : k.steps.data();
-        c.num_schedule_steps = k.steps.size();
+        c.schedule = steps.empty() ? nullptr : steps.data();
+        c.num_schedule_steps = steps.size();
         c.layers_per_chunk = k.layers.empty() ? nullptr : k.layers.data();
         c.num_layers_per_chunk = k.layers.size();
         c.reuse_buffers = k.reuse;
-        graphed_session* raw = nullptr;
-        graphed_status st = graphed_session_create(&c, &raw);
-        SessionPtr s(raw);
-        if (st == GRAPHED_STATUS_OK) {
+        graphed_status st = GRAPHED_STATUS_OK;
+        std::string message;
+        try {
+            graphed::Session s(c);
             // Rules that need the callables are checked at capture.
             std::vector<kit::LinearLayer> layers(k.callables);
             for (int i = 0; i < k.callables; ++i) {
@@ -508,21 +445,23 @@ TEST_P(Pipeline, InvalidScheduleRejected) {
                 L.b = b.get();
                 L.split_wgrad = k.split_wgrad;
                 L.name = "fc" + std::to_string(i);
-                graphed_callable_desc d = L.describe(x.get(), false);
-                uint32_t idx;
-                GRAPHED_ASSERT_OK(graphed_session_add_callable(s.get(), &d, &idx));
+                s.add_callable(L.callable(x.get(), false));
             }
-            st = graphed_session_capture(s.get());
-            if (st != GRAPHED_STATUS_OK) {
-                graphed_session_stats stt = stats(s.get());
-                EXPECT_EQ(0u, stt.static_bytes) << "a refused schedule allocates nothing";
+            try {
+                s.capture();
+            } catch (const graphed::Error&) {
+                EXPECT_EQ(0u, s.stats().static_bytes) << "a refused schedule allocates nothing";
+                throw;
             }
+        } catch (const graphed::Error& e) {
+            st = e.status();
+            message = e.message();
         }
-        EXPECT_EQ(GRAPHED_STATUS_INVALID_SCHEDULE, st) << graphed_status_name(st) << ": " << last_error();
-        EXPECT_NE(std::string::npos, last_error().find(k.message)) << last_error();
+        EXPECT_EQ(GRAPHED_STATUS_INVALID_SCHEDULE, st) << graphed::status_name(st) << ": " << message;
+        EXPECT_NE(std::string::npos, message.find(k.message)) << message;
     }
 }
 
-GRAPHED_BACKENDS(Pipeline);
+INSTANTIATE_TEST_SUITE_P(Backends, Pipeline, backends(), BackendName());
 
 }  // namespace

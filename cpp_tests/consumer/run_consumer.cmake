@@ -1,6 +1,7 @@
 # Installs the graphed build into a scratch prefix, configures and builds the
-# consumer project against it with find_package(graphed), runs it and checks
-# that it reports the expected version. Run by ctest (Package.FindPackageConsumer).
+# consumer project against it with find_package(graphed), runs its programs
+# (one in C, one through graphed.hpp) and checks that both report the
+# expected version. Run by ctest (Package.FindPackageConsumer).
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(prefix "${WORK_DIR}/prefix")
 set(build "${WORK_DIR}/build")
@@ -16,9 +17,11 @@ endfunction()
 run("${CMAKE_COMMAND}" --install "${GRAPHED_BUILD_DIR}" --prefix "${prefix}")
 run("${CMAKE_COMMAND}" -S "${CONSUMER_SOURCE_DIR}" -B "${build}" -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${prefix}")
 run("${CMAKE_COMMAND}" --build "${build}")
-run("${build}/consumer")
-string(STRIP "${last_output}" got)
-if(NOT got STREQUAL "graphed ${EXPECTED_VERSION}")
-  message(FATAL_ERROR "consumer printed '${got}', expected 'graphed ${EXPECTED_VERSION}'")
-endif()
-message(STATUS "consumer linked the installed graphed: ${got}")
+foreach(program consumer consumer_cxx)
+  run("${build}/${program}")
+  string(STRIP "${last_output}" got)
+  if(NOT got STREQUAL "graphed ${EXPECTED_VERSION}")
+    message(FATAL_ERROR "${program} printed '${got}', expected 'graphed ${EXPECTED_VERSION}'")
+  endif()
+  message(STATUS "${program} linked the installed graphed: ${got}")
+endforeach()

@@ -5,7 +5,7 @@
 // graphed and eager runs can be compared exactly).
 #pragma once
 
-#include <graphed.h>
+#include <graphed.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -23,14 +23,6 @@ inline const char* backend_name(Backend b) { return b == Backend::Host ? "host" 
 
 // For GoogleTest's messages.
 inline void PrintTo(Backend b, std::ostream* os) { *os << backend_name(b); }
-
-// Throws with graphed's last error message when `s` is not OK.
-inline void check(graphed_status s, const char* what) {
-    if (s != GRAPHED_STATUS_OK) {
-        throw std::runtime_error(std::string(what) + ": " + graphed_status_name(s) + ": " +
-                                 graphed_last_error_message());
-    }
-}
 
 size_t dtype_size(uint32_t dtype);
 

@@ -5,29 +5,26 @@
 
 namespace kit {
 
-graphed_callable_desc LinearLayer::describe(const void* sample_input, bool input_requires_grad) {
+graphed::Callable LinearLayer::callable(const void* sample_input, bool input_requires_grad) {
     const size_t es = dtype_size(dtype);
-    in_shape[0] = batch;
+    in_shape[0] = out_shape[0] = batch;
     in_shape[1] = in;
-    out_shape[0] = batch;
     out_shape[1] = out;
-    input = {act_bytes(in), dtype, 2, in_shape, input_requires_grad, sample_input};
-    output = {act_bytes(out), dtype, 2, out_shape, true, nullptr};
-    params[0] = {w, size_t(out) * in * es, dtype, param_flags, param_policy, true};
-    params[1] = {b, size_t(out) * es, dtype, param_flags, param_policy, true};
-    graphed_callable_desc d = graphed_callable_desc_default();
-    d.name = name.c_str();
-    d.num_inputs = 1;
-    d.inputs = &input;
-    d.num_params = 2;
-    d.params = params;
-    d.num_outputs = 1;
-    d.outputs = &output;
-    d.forward = &LinearLayer::forward;
-    d.backward = &LinearLayer::backward;
-    d.wgrad = split_wgrad ? &LinearLayer::wgrad : nullptr;
-    d.user_data = this;
-    return d;
+    graphed::Callable c;
+    c.name = name;
+    c.inputs = {graphed::tensor_desc(act_bytes(in), dtype, input_requires_grad, sample_input)};
+    c.inputs[0].ndim = 2;
+    c.inputs[0].shape = in_shape;
+    c.outputs = {graphed::tensor_desc(act_bytes(out), dtype, true)};
+    c.outputs[0].ndim = 2;
+    c.outputs[0].shape = out_shape;
+    c.params = {graphed::param_desc(w, size_t(out) * in * es, dtype, param_policy, param_flags),
+                graphed::param_desc(b, size_t(out) * es, dtype, param_policy, param_flags)};
+    c.forward = &LinearLayer::forward;
+    c.backward = &LinearLayer::backward;
+    c.wgrad = split_wgrad ? &LinearLayer::wgrad : nullptr;
+    c.user_data = this;
+    return c;
 }
 
 int LinearLayer::eager_forward(graphed_stream s, const void* x, void* z, void* y) const {
@@ -49,51 +46,58 @@ int LinearLayer::eager_backward(graphed_stream s, const void* x, const void* z, 
 }
 
 int32_t LinearLayer::forward(const graphed_pass_ctx* ctx, void* self) {
-    auto* L = static_cast<LinearLayer*>(self);
-    void* z = nullptr;
-    if (L->relu) {
-        if (graphed_scratch_alloc(ctx->scratch, L->act_bytes(L->out), &z) != GRAPHED_STATUS_OK) return 100;
-        *ctx->tape = z;
-    }
-    return L->eager_forward(ctx->stream, ctx->inputs[0], z, ctx->outputs[0]);
+    return graphed::guard([&] {
+        auto* L = static_cast<LinearLayer*>(self);
+        void* z = nullptr;
+        if (L->relu) {
+            z = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
+            *ctx->tape = z;
+        }
+        return L->eager_forward(ctx->stream, ctx->inputs[0], z, ctx->outputs[0]);
+    });
 }
 
 int32_t LinearLayer::backward(const graphed_pass_ctx* ctx, void* self) {
-    auto* L = static_cast<LinearLayer*>(self);
-    const void* x = ctx->inputs[0];
-    void* gx = ctx->grad_inputs[0];
-    const size_t n = size_t(L->batch) * L->out;
-    const void* g = ctx->grad_outputs[0];
-    void* gz = nullptr;
-    if (L->relu) {
-        void* z = *ctx->tape;
-        if (graphed_scratch_alloc(ctx->scratch, L->act_bytes(L->out), &gz) != GRAPHED_STATUS_OK) return 101;
-        if (int e = L->dev->relu_bwd(ctx->stream, L->dtype, g, z, gz, n)) return e;
-        if (graphed_scratch_free(ctx->scratch, z) != GRAPHED_STATUS_OK) return 102;
-        g = gz;
-    }
-    if (gx)
-        if (int e = L->dev->linear_bwd_input(ctx->stream, L->dtype, g, L->w, gx, L->batch, L->in, L->out)) return e;
-    if (L->split_wgrad) {
-        *ctx->tape = gz;  // kept for the weight-grad pass (NULL without ReLU: it reads the grad-output)
+    return graphed::guard([&] {
+        auto* L = static_cast<LinearLayer*>(self);
+        const void* x = ctx->inputs[0];
+        void* gx = ctx->grad_inputs[0];
+        const size_t n = size_t(L->batch) * L->out;
+        const void* g = ctx->grad_outputs[0];
+        void* gz = nullptr;
+        if (L->relu) {
+            void* z = *ctx->tape;
+            gz = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
+            if (int e = L->dev->relu_bwd(ctx->stream, L->dtype, g, z, gz, n)) return e;
+            graphed::scratch_free(*ctx, z);
+            g = gz;
+        }
+        if (gx)
+            if (int e = L->dev->linear_bwd_input(ctx->stream, L->dtype, g, L->w, gx, L->batch, L->in, L->out))
+                return e;
+        if (L->split_wgrad) {
+            *ctx->tape = gz;  // kept for the weight-grad pass (NULL without ReLU: it reads the grad-output)
+            return 0;
+        }
+        if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, x, ctx->param_grads[0], ctx->param_grads[1],
+                                              L->batch, L->in, L->out))
+            return e;
+        if (gz) graphed::scratch_free(*ctx, gz);
         return 0;
-    }
-    if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, x, ctx->param_grads[0], ctx->param_grads[1],
-                                          L->batch, L->in, L->out))
-        return e;
-    if (gz && graphed_scratch_free(ctx->scratch, gz) != GRAPHED_STATUS_OK) return 103;
-    return 0;
+    });
 }
 
 int32_t LinearLayer::wgrad(const graphed_pass_ctx* ctx, void* self) {
-    auto* L = static_cast<LinearLayer*>(self);
-    void* gz = *ctx->tape;
-    const void* g = gz ? gz : ctx->grad_outputs[0];
-    if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, ctx->inputs[0], ctx->param_grads[0],
-                                          ctx->param_grads[1], L->batch, L->in, L->out))
-        return e;
-    if (gz && graphed_scratch_free(ctx->scratch, gz) != GRAPHED_STATUS_OK) return 104;
-    return 0;
+    return graphed::guard([&] {
+        auto* L = static_cast<LinearLayer*>(self);
+        void* gz = *ctx->tape;
+        const void* g = gz ? gz : ctx->grad_outputs[0];
+        if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, ctx->inputs[0], ctx->param_grads[0],
+                                              ctx->param_grads[1], L->batch, L->in, L->out))
+            return e;
+        if (gz) graphed::scratch_free(*ctx, gz);
+        return 0;
+    });
 }
 
 Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed, uint32_t dtype)
@@ -174,54 +178,45 @@ double Mlp::last_loss() {
     return sum;
 }
 
-void Mlp::register_layers(graphed_session* session, const void* sample_x) {
+void Mlp::register_layers(graphed::Session& session, const void* sample_x) {
     for (int i = 0; i < layers(); ++i) {
-        graphed_callable_desc d = layer_[i].describe(sample_x, i > 0);
-        uint32_t index = 0;
-        check(graphed_session_add_callable(session, &d, &index), "graphed_session_add_callable");
-        if (index != static_cast<uint32_t>(i)) throw std::runtime_error("unexpected callable index");
+        if (session.add_callable(layer_[i].callable(sample_x, i > 0)) != static_cast<uint32_t>(i))
+            throw std::runtime_error("unexpected callable index");
     }
 }
 
-StepGrads Mlp::graphed_step(graphed_session* session, const void* x, const void* target, float lr, bool side,
+StepGrads Mlp::graphed_step(graphed::Session& session, const void* x, const void* target, float lr, bool side,
                             bool keep) {
     graphed_stream s = dev_.stream();
     size_t act = size_t(batch_) * width_;
-    graphed_replay_args args = graphed_replay_args_default();
-    args.stream = s;
-    args.side_stream = side ? dev_.side_stream() : nullptr;
+    graphed::Replay r;
+    r.stream(s).side_stream(side ? dev_.side_stream() : nullptr);
     const void* in = x;
     for (int i = 0; i < layers(); ++i) {
-        graphed_ref out{};
-        args.callable = static_cast<uint32_t>(i);
-        args.data = &in;
-        args.num_data = 1;
-        check(graphed_forward(session, &args, &out, 1), "graphed_forward");
-        in = out.ptr;
+        session.forward(r.callable(static_cast<uint32_t>(i)).data(in), outs_);
+        in = outs_[0].ptr();
     }
     dev_.sub(s, dtype_, in, target, gy_.get(), act);
     const void* g = gy_.get();
-    grads_.resize(2 * layers());
+    grads_.resize(layers());
     for (int i = layers() - 1; i >= 0; --i) {
-        graphed_ref gin{};
-        args.callable = static_cast<uint32_t>(i);
-        args.data = &g;
-        args.num_data = 1;
-        check(graphed_backward(session, &args, &gin, 1, &grads_[2 * i], 2), "graphed_backward");
-        g = gin.ptr;
+        session.backward(r.callable(static_cast<uint32_t>(i)).data(g), grads_[i]);
+        g = grads_[i].inputs[0].ptr();
     }
     StepGrads out;
     for (int i = 0; i < layers(); ++i) {
-        const graphed_ref& gw = grads_[2 * i];
-        const graphed_ref& gb = grads_[2 * i + 1];
+        const graphed::Ref& gw = grads_[i].params[0];
+        const graphed::Ref& gb = grads_[i].params[1];
         if (keep) {
-            out.w.push_back(values(gw.ptr, gw.bytes));
-            out.b.push_back(values(gb.ptr, gb.bytes));
+            out.w.push_back(values(gw.ptr(), gw.bytes()));
+            out.b.push_back(values(gb.ptr(), gb.bytes()));
         }
-        dev_.sgd(s, dtype_, w_[i].get(), gw.ptr, lr, gw.bytes / es_);
-        dev_.sgd(s, dtype_, b_[i].get(), gb.ptr, lr, gb.bytes / es_);
+        dev_.sgd(s, dtype_, w_[i].get(), gw.ptr(), lr, gw.bytes() / es_);
+        dev_.sgd(s, dtype_, b_[i].get(), gb.ptr(), lr, gb.bytes() / es_);
     }
-    for (auto& r : grads_) check(graphed_buffer_release(r.owner), "graphed_buffer_release");
+    // Clones go back once the SGD steps that read them are enqueued.
+    for (auto& gr : grads_)
+        for (auto& p : gr.params) p.release();
     if (keep) dev_.sync();
     return out;
 }

@@ -26,13 +26,12 @@ struct LinearLayer {
     void* b = nullptr;
     std::string name;
 
-    // Filled by describe(); the descriptor points into them.
+    // Filled by callable(); its tensor descriptors point at them.
     int64_t in_shape[2] = {0, 0}, out_shape[2] = {0, 0};
-    graphed_tensor_desc input{}, output{};
-    graphed_param_desc params[2] = {};
 
-    // A descriptor for graphed_session_add_callable.
-    graphed_callable_desc describe(const void* sample_input, bool input_requires_grad);
+    // The layer as a callable to register (x [batch x in] -> y [batch x out],
+    // params w and b): valid while this layer lives.
+    graphed::Callable callable(const void* sample_input, bool input_requires_grad);
 
     static int32_t forward(const graphed_pass_ctx* ctx, void* self);
     static int32_t backward(const graphed_pass_ctx* ctx, void* self);
@@ -76,11 +75,11 @@ class Mlp {
     double last_loss();
 
     // Registers every layer as a callable of `session` (before capture).
-    void register_layers(graphed_session* session, const void* sample_x);
+    void register_layers(graphed::Session& session, const void* sample_x);
     // One graphed step through a captured session: replays, SGD with the
     // returned grads (whatever their policy), release of clones. With
     // `side` the replays run on the device's side stream.
-    StepGrads graphed_step(graphed_session* session, const void* x, const void* target, float lr, bool side = false,
+    StepGrads graphed_step(graphed::Session& session, const void* x, const void* target, float lr, bool side = false,
                            bool keep = true);
 
   private:
@@ -95,7 +94,9 @@ class Mlp {
     // Eager activations and grads.
     std::vector<Buffer> z_, y_, gz_, gx_, gw_, gb_;
     Buffer gy_;
-    std::vector<graphed_ref> grads_;
+    // What graphed_step's replays return, reused from step to step.
+    std::vector<graphed::Ref> outs_;
+    std::vector<graphed::Grads> grads_;
 };
 
 }  // namespace kit

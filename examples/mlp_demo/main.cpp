@@ -30,17 +30,12 @@ double rel_error(const std::vector<float>& got, const std::vector<float>& want) 
     return std::sqrt(num / den);
 }
 
-struct Session {
-    graphed_session* s = nullptr;
-    Session(kit::Device& dev, bool clones, bool strict) {
-        graphed_session_config c = graphed_session_config_default();
-        c.backend = dev.graphed_kind();
-        c.clone_param_grads_on_return = clones;
-        c.strict_leases = strict;
-        kit::check(graphed_session_create(&c, &s), "graphed_session_create");
-    }
-    ~Session() { graphed_session_destroy(s); }
-};
+graphed::Session session(kit::Device& dev, bool clones, bool strict) {
+    graphed_session_config c = graphed::session_config(dev.graphed_kind());
+    c.clone_param_grads_on_return = clones;
+    c.strict_leases = strict;
+    return graphed::Session(c);
+}
 
 void train(kit::Device& dev) {
     const int layers = 8, batch = 32, width = dev.backend() == kit::Backend::Cuda ? 512 : 64, steps = 5;
@@ -48,9 +43,9 @@ void train(kit::Device& dev) {
                 width, batch, steps);
     kit::Mlp eager(dev, layers, batch, width, 11), graphed(dev, layers, batch, width, 11);
     kit::Buffer x(dev, batch * width * 4), t(dev, batch * width * 4);
-    Session s(dev, true, false);
-    graphed.register_layers(s.s, x.f32());
-    kit::check(graphed_session_capture(s.s), "graphed_session_capture");
+    graphed::Session s = session(dev, true, false);
+    graphed.register_layers(s, x.f32());
+    s.capture();
     bool grads_equal = true;
     for (int step = 0; step < steps; ++step) {
         auto xs = kit::random_floats(batch * width, 50 + step), ts = kit::random_floats(batch * width, 90 + step);
@@ -58,7 +53,7 @@ void train(kit::Device& dev) {
         dev.upload(t.get(), ts.data(), t.bytes());
         kit::StepGrads e = eager.eager_step(x.f32(), t.f32(), 0.05f);
         double eloss = eager.last_loss();
-        kit::StepGrads g = graphed.graphed_step(s.s, x.f32(), t.f32(), 0.05f);
+        kit::StepGrads g = graphed.graphed_step(s, x.f32(), t.f32(), 0.05f);
         double gloss = graphed.last_loss();
         bool same = e.w == g.w && e.b == g.b;
         grads_equal = grads_equal && same;
@@ -70,8 +65,7 @@ void train(kit::Device& dev) {
         weights_equal = weights_equal && eager.weights(i) == graphed.weights(i) && eager.biases(i) == graphed.biases(i);
     verdict(grads_equal, "every grad of every step identical to eager:");
     verdict(weights_equal, "final weights identical to eager:");
-    graphed_session_stats st = graphed_session_stats_default();
-    kit::check(graphed_session_stats_get(s.s, &st), "graphed_session_stats_get");
+    graphed_session_stats st = s.stats();
     std::printf("   %u graphs; static buffers %.2f MiB, scratch %.2f MiB, clones outstanding %llu bytes\n",
                 st.graph_count, st.static_bytes / 1048576.0, st.scratch_bytes / 1048576.0,
                 static_cast<unsigned long long>(st.clone_bytes_outstanding));
@@ -106,20 +100,19 @@ struct Hazard {
         layer.b = b.f32();
         layer.name = "fc";
     }
-    graphed_status step(graphed_session* s, int i, graphed_ref* gp) {
-        graphed_replay_args a = graphed_replay_args_default();
-        a.stream = dev.stream();
-        const void* in = x[i].get();
-        a.data = &in;
-        a.num_data = 1;
-        graphed_ref out, gin;
-        if (graphed_status r = graphed_forward(s, &a, &out, 1)) return r;
-        if (out.lease) graphed_lease_release(s, out.lease);
-        const void* g = gy[i].get();
-        a.data = &g;
-        graphed_status r = graphed_backward(s, &a, &gin, 1, gp, 2);
-        if (r == GRAPHED_STATUS_OK && gin.lease) graphed_lease_release(s, gin.lease);
-        return r;
+    // One forward and backward replay with x[i] and gy[i]; returns the
+    // parameter grads (the output and input grad, and their leases, go).
+    std::vector<graphed::Ref> step(graphed::Session& s, int i) {
+        graphed::Replay r;
+        r.stream(dev.stream());
+        s.forward(r.data(x[i].get()));
+        return s.backward(r.data(gy[i].get())).params;
+    }
+    graphed::Session captured(bool clones, bool strict) {
+        graphed::Session s = session(dev, clones, strict);
+        s.add_callable(layer.callable(x[0].get(), true));
+        s.capture();
+        return s;
     }
     std::vector<float> eager_wgrad(int i) {
         kit::Buffer z(dev, 8 * 64 * 4), y(dev, 8 * 64 * 4), gz(dev, 8 * 64 * 4), gx(dev, 8 * 32 * 4),
@@ -130,22 +123,15 @@ struct Hazard {
     }
     // Returns (kept grad intact?, relative error of the accumulated grad).
     std::pair<bool, double> accumulate(bool clones) {
-        Session s(dev, clones, false);
-        graphed_callable_desc d = layer.describe(x[0].get(), true);
-        uint32_t idx;
-        kit::check(graphed_session_add_callable(s.s, &d, &idx), "add_callable");
-        kit::check(graphed_session_capture(s.s), "capture");
-        graphed_ref g1[2], g2[2];
-        kit::check(step(s.s, 0, g1), "backward 1");
-        auto kept = kit::fetch<float>(dev, g1[0].ptr, 64 * 32);
-        kit::check(step(s.s, 1, g2), "backward 2");
-        bool intact = kit::fetch<float>(dev, g1[0].ptr, 64 * 32) == kept;
-        dev.add(dev.stream(), static_cast<float*>(g1[0].ptr), static_cast<const float*>(g2[0].ptr), 64 * 32);
-        auto acc = kit::fetch<float>(dev, g1[0].ptr, 64 * 32);
+        graphed::Session s = captured(clones, false);
+        std::vector<graphed::Ref> g1 = step(s, 0);
+        auto kept = kit::fetch<float>(dev, g1[0].ptr(), 64 * 32);
+        std::vector<graphed::Ref> g2 = step(s, 1);
+        bool intact = kit::fetch<float>(dev, g1[0].ptr(), 64 * 32) == kept;
+        dev.add(dev.stream(), g1[0].as<float>(), g2[0].as<const float>(), 64 * 32);
+        auto acc = kit::fetch<float>(dev, g1[0].ptr(), 64 * 32);
         auto e1 = eager_wgrad(0), e2 = eager_wgrad(1);
         for (size_t i = 0; i < e1.size(); ++i) e1[i] += e2[i];
-        for (auto* gs : {g1, g2})
-            for (int p = 0; p < 2; ++p) graphed_buffer_release(gs[p].owner);
         return {intact, rel_error(acc, e1)};
     }
 };
@@ -166,18 +152,25 @@ void hazard(kit::Device& dev) {
     verdict(clone_intact && clone_err == 0.0, "default keeps them exact:");
 
     std::printf("\n3. Strict leases: keep an aliased grad and replay backward again\n");
-    Session s(dev, false, true);
-    graphed_callable_desc d = h.layer.describe(h.x[0].get(), true);
-    uint32_t idx;
-    kit::check(graphed_session_add_callable(s.s, &d, &idx), "add_callable");
-    kit::check(graphed_session_capture(s.s), "capture");
-    graphed_ref g1[2], g2[2];
-    kit::check(h.step(s.s, 0, g1), "backward 1");
-    graphed_status st = h.step(s.s, 1, g2);
-    std::printf("   second backward -> %s:\n   \"%s\"\n", graphed_status_name(st), graphed_last_error_message());
+    graphed::Session s = h.captured(false, true);
+    std::vector<graphed::Ref> g1 = h.step(s, 0);
+    graphed_status st = GRAPHED_STATUS_OK;
+    try {
+        h.step(s, 1);
+    } catch (const graphed::Error& e) {
+        st = e.status();
+        std::printf("   second backward -> %s:\n   \"%s\"\n", graphed::status_name(st), e.message().c_str());
+    }
     verdict(st == GRAPHED_STATUS_ALIAS_HELD, "the held alias is reported instead of overwritten:");
-    for (auto& g : g1) graphed_lease_release(s.s, g.lease);
-    verdict(h.step(s.s, 1, g2) == GRAPHED_STATUS_OK, "after releasing the leases the replay runs:");
+    g1.clear();  // releases the leases
+    bool ran = true;
+    try {
+        h.step(s, 1);
+    } catch (const graphed::Error& e) {
+        std::printf("   %s\n", e.what());
+        ran = false;
+    }
+    verdict(ran, "after releasing the leases the replay runs:");
 }
 
 }  // namespace
