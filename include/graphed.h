@@ -25,24 +25,6 @@
 
 
 /**
- * Alignment of every buffer the library places (static buffers, slab
- * slots, scratch): enough for any vector load and for the driver's own
- * allocation granularity of small buffers.
- */
-#define ALIGN 256
-
-/**
- * The most lease slots one capture can have.
- */
-#define MAX_SLOTS ((1 << SLOT_BITS) - 2)
-
-/**
- * The largest buffer graphed places or accepts: 2^48 bytes (256 TiB, more
- * than any device holds). Below it, rounding up to [`ALIGN`] cannot wrap.
- */
-#define MAX_BYTES (1 << 48)
-
-/**
  * The magics the _default() functions set.
  */
 #define GRAPHED_TENSOR_DESC_MAGIC 1735524355
@@ -72,13 +54,6 @@
 #define GRAPHED_STEP_DESC_MAGIC 1735524359
 
 #define GRAPHED_STEP_ARGS_MAGIC 1735524360
-
-/**
- * Addresses a rebound input may take: the static buffers' alignment, which
- * kernels (vector loads, tensor-memory descriptors) may rely on. Other
- * addresses are copied.
- */
-#define REBIND_ALIGN 256
 
 /**
  * The result of every graphed call. Dense, starting at 0 = OK; codes are
@@ -535,6 +510,13 @@ typedef struct graphed_scratch graphed_scratch;
 typedef struct graphed_session graphed_session;
 
 /**
+ * A stream: a `CUstream` (`cudaStream_t`) on the CUDA backend, a host
+ * stream on the host backend. NULL is the default stream (the legacy
+ * default stream on CUDA; immediate execution on the host).
+ */
+typedef void *graphed_stream;
+
+/**
  * A static input or output of a callable. Initialise each with
  * graphed_tensor_desc_default().
  */
@@ -636,13 +618,6 @@ typedef struct graphed_param_desc {
 } graphed_param_desc;
 
 /**
- * A stream: a `CUstream` (`cudaStream_t`) on the CUDA backend, a host
- * stream on the host backend. NULL is the default stream (the legacy
- * default stream on CUDA; immediate execution on the host).
- */
-typedef void *graphed_stream;
-
-/**
  * What a forward, backward or weight-grad callback (and a per-callable
  * hook) receives. Every array and pointer is valid during the call only;
  * the buffers they point to are the static buffers, valid while the
@@ -720,6 +695,11 @@ typedef struct graphed_pass_ctx {
    * otherwise (warmup, hooks).
    */
   struct graphed_capture *capture;
+  /**
+   * [num_params] the frozen graphed_grad_policy of each parameter
+   * (GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).
+   */
+  const uint32_t *param_policies;
 } graphed_pass_ctx;
 
 /**
@@ -922,6 +902,14 @@ typedef struct graphed_session_config {
    * CLONE bytes per slot.
    */
   uint32_t clone_slots;
+  /**
+   * Optional: run warmup and capture on this stream of yours (a
+   * CUstream, not the legacy default stream; CUDA only) instead of one
+   * the session makes, so that work your callbacks enqueue elsewhere on
+   * it (a framework's current stream) needs no join. NULL: the session's
+   * own.
+   */
+  graphed_stream capture_stream;
 } graphed_session_config;
 
 /**
@@ -997,6 +985,12 @@ typedef struct graphed_session_stats {
    * Graph node updates that rebinding every rebound input once costs.
    */
   uint32_t rebind_nodes;
+  /**
+   * Graphs captured for clone slots and for steps (graph_count counts
+   * the graphs of single passes).
+   */
+  uint32_t slot_graphs;
+  uint32_t step_graphs;
 } graphed_session_stats;
 
 /**
@@ -1074,6 +1068,18 @@ typedef struct graphed_ref {
 } graphed_ref;
 
 /**
+ * One pass of a schedule, in capture order (graphed_schedule_passes).
+ */
+typedef struct graphed_pass_ref {
+  uint32_t callable;
+  uint32_t microbatch;
+  /**
+   * A graphed_pass value.
+   */
+  uint32_t pass;
+} graphed_pass_ref;
+
+/**
  * A step to declare. Initialise with graphed_step_desc_default().
  */
 typedef struct graphed_step_desc {
@@ -1142,6 +1148,14 @@ extern "C" {
 graphed_status graphed_buffer_release(struct graphed_buffer *buffer);
 
 /**
+ * graphed_buffer_release, ordered on `stream` instead: the block's memory
+ * is given back after the work enqueued there so far (and not after that
+ * of the stream it was returned on). For a clone used and released on
+ * another stream, or whose return stream is gone.
+ */
+graphed_status graphed_buffer_release_on(struct graphed_buffer *buffer, graphed_stream stream);
+
+/**
  * Adds one reference to a block of returned clones.
  */
 graphed_status graphed_buffer_retain(struct graphed_buffer *buffer);
@@ -1185,6 +1199,18 @@ graphed_status graphed_session_set_param_flags(struct graphed_session *session,
                                                uint32_t callable,
                                                uint32_t param,
                                                uint32_t flags);
+
+/**
+ * Attaches a message to the failure of the running callback (or hook) on
+ * this thread: call it just before returning non-zero, and the capture
+ * error carries the message after the code (C++: an exception's what()).
+ * The text is copied. Outside a callback it is kept until the next
+ * callback on this thread starts, and then dropped.
+ *
+ * # Safety
+ * `message` must be NULL (clears it) or a NUL-terminated string.
+ */
+graphed_status graphed_callback_fail_message(const char *message);
 
 /**
  * Allocates `bytes` of scratch device memory from the session pool for
@@ -1286,6 +1312,19 @@ struct graphed_session_stats graphed_session_stats_default(void);
  */
 graphed_status graphed_session_stats_get(struct graphed_session *session,
                                          struct graphed_session_stats *stats);
+
+/**
+ * Writes the number of inputs, parameters and outputs of a registered
+ * callable (the sizes of its replay arrays).
+ *
+ * # Safety
+ * The outputs must be NULL or writable.
+ */
+graphed_status graphed_session_callable_arity(struct graphed_session *session,
+                                              uint32_t callable,
+                                              size_t *num_inputs_out,
+                                              size_t *num_params_out,
+                                              size_t *num_outputs_out);
 
 /**
  * Writes the static buffers of one role (a graphed_buffer_role value) of
@@ -1427,6 +1466,31 @@ graphed_status graphed_schedule_from_te_order(const double *order,
                                               size_t step_size);
 
 /**
+ * The passes a session runs, in warmup and capture order, for
+ * `num_callables` callables of which `has_wgrad` (NULL: none; else one 0/1
+ * per callable) have a weight-grad callback: with `steps` (NULL and 0: no
+ * schedule) the schedule's expansion, else every forward in registration
+ * order, then every backward in reverse, each weight-grad after its
+ * backward. Writes min(count, capacity) passes to `passes` (NULL: none)
+ * and the count to `*count_out`.
+ *
+ * # Safety
+ * The arrays must hold the counts stated; `passes` must have room for
+ * `capacity` elements of `pass_size` bytes.
+ */
+graphed_status graphed_schedule_passes(const struct graphed_schedule_step *steps,
+                                       size_t num_steps,
+                                       size_t step_size,
+                                       const uint32_t *layers_per_chunk,
+                                       size_t num_layers_per_chunk,
+                                       const uint32_t *has_wgrad,
+                                       uint32_t num_callables,
+                                       struct graphed_pass_ref *passes,
+                                       size_t capacity,
+                                       size_t pass_size,
+                                       size_t *count_out);
+
+/**
  * The shape of a schedule for `num_callables` callables: its chunks and
  * microbatches, and, when `chunk_layers` and `chunk_first` are given
  * (room for `chunk_capacity` entries each, at least the chunk count), the
@@ -1472,6 +1536,14 @@ graphed_status graphed_session_create(const struct graphed_session_config *confi
  * destroyed session gives GRAPHED_STATUS_USE_AFTER_DESTROY.
  */
 graphed_status graphed_session_destroy(struct graphed_session *session);
+
+/**
+ * Destroys a session once no call is using it: the handle is gone at once
+ * (a later use reports GRAPHED_STATUS_USE_AFTER_DESTROY), and the session
+ * is destroyed when the last call in progress on it returns, or now when
+ * there is none (what a C++ destructor wants). NULL is a no-op.
+ */
+graphed_status graphed_session_destroy_when_idle(struct graphed_session *session);
 
 /**
  * Warms up and captures every registered callable (see docs/design.md):

@@ -41,13 +41,15 @@ pub enum Error {
     #[error("the session was reset: {0}")]
     SessionReset(String),
 
-    #[error("the {pass} callback of callable '{callable}' (microbatch {microbatch}) returned {code} during {phase}")]
+    #[error("the {pass} callback of callable '{callable}' (microbatch {microbatch}) returned {code} during {phase}{said}")]
     CallbackFailed {
         callable: String,
         pass: PassKind,
         microbatch: u32,
         phase: &'static str,
         code: i32,
+        /// What the callback said about it ("": nothing).
+        said: String,
     },
 
     #[error("capture of the {pass} pass of callable '{callable}' (microbatch {microbatch}) was invalidated: {detail}")]

@@ -138,7 +138,7 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
         if st.capture.is_some() {
             hit = true;
             st.invalidated.get_or_insert_with(|| {
-                "a host synchronize was called while the stream was capturing \
+                "graphed_host_synchronize was called while the stream was capturing \
                  (the host counterpart of a device synchronize under stream capture)"
                     .to_string()
             });
@@ -146,7 +146,7 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
     }
     if hit {
         Err(Error::IllegalUnderCapture(
-            "a host synchronize is not allowed while a stream is capturing; the capture is invalidated".into(),
+            "graphed_host_synchronize is not allowed while a stream is capturing; the capture is invalidated".into(),
         ))
     } else {
         Ok(())

@@ -244,10 +244,12 @@ impl Drop for DeviceMemory {
     }
 }
 
-/// A stream made by a backend, destroyed when dropped.
+/// A stream made by a backend, destroyed when dropped; or a caller's
+/// stream, borrowed and left alone.
 pub struct Stream {
     backend: Arc<dyn Backend>,
     raw: StreamRef,
+    owned: bool,
 }
 
 impl Stream {
@@ -255,7 +257,17 @@ impl Stream {
         Ok(Stream {
             raw: backend.create_stream()?,
             backend: backend.clone(),
+            owned: true,
         })
+    }
+
+    /// The caller's stream, used but never destroyed.
+    pub fn borrowed(backend: &Arc<dyn Backend>, raw: StreamRef) -> Stream {
+        Stream {
+            raw,
+            backend: backend.clone(),
+            owned: false,
+        }
     }
 
     pub fn raw(&self) -> StreamRef {
@@ -265,6 +277,9 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let _ctx = self.backend.bind();
         let _ = self.backend.synchronize(self.raw);
         self.backend.destroy_stream(self.raw);

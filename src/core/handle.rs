@@ -184,6 +184,19 @@ pub fn remove_unpinned(
         .ok_or_else(|| Error::Internal("entry vanished under the lock".into()))
 }
 
+/// Removes a handle of `kind` whatever pins exist: calls in progress keep
+/// the object alive until they return, later ones find it destroyed.
+pub fn take(kind: Kind, id: u64) -> Result<Arc<dyn Any + Send + Sync>> {
+    let mut t = table();
+    match t.get(&id) {
+        Some(_) if (id >> SERIAL_BITS) & 0xFF == kind as u64 => t
+            .remove(&id)
+            .map(|e| e.obj)
+            .ok_or_else(|| Error::Internal("entry vanished under the lock".into())),
+        _ => Err(not_found(kind, id)),
+    }
+}
+
 /// Removes `id` whatever pins exist (they keep the object alive until they
 /// drop). For per-call handles, when their call returns.
 pub fn remove(id: u64) -> Option<Arc<dyn Any + Send + Sync>> {

@@ -78,7 +78,7 @@ impl Leases {
             if s.held {
                 return Err(Error::AliasHeld(format!(
                     "{} would overwrite {}, an alias handed out by replay {} that is still held \
-                     (lease 0x{:x}); nothing was replayed. Release the lease once \
+                     (lease 0x{:x}); nothing was replayed. Release it with graphed_lease_release once \
                      you are done with it, or take that grad as CLONE or COPY_INTO",
                     what(),
                     s.name,

@@ -4,8 +4,10 @@
 //! stream it was returned on.
 
 use super::boundary::boundary;
+use super::callback::graphed_stream;
 use super::handles::id;
 use super::status::graphed_status;
+use crate::backend::StreamRef;
 use crate::core::handle::{self, Kind};
 use crate::error::Error;
 use crate::orchestrate::CloneBlock;
@@ -27,6 +29,30 @@ pub extern "C" fn graphed_buffer_release(buffer: *mut graphed_buffer) -> graphed
         if buffer.is_null() {
             return Ok(());
         }
+        match handle::release(Kind::Buffer, id(buffer))? {
+            Some(last) => last
+                .downcast::<CloneBlock>()
+                .map_err(|_| Error::Internal("a buffer handle holds another type".into()))?
+                .release(),
+            None => Ok(()),
+        }
+    })
+}
+
+/// graphed_buffer_release, ordered on `stream` instead: the block's memory
+/// is given back after the work enqueued there so far (and not after that
+/// of the stream it was returned on). For a clone used and released on
+/// another stream, or whose return stream is gone.
+#[no_mangle]
+pub extern "C" fn graphed_buffer_release_on(
+    buffer: *mut graphed_buffer,
+    stream: graphed_stream,
+) -> graphed_status {
+    boundary("graphed_buffer_release_on", || {
+        if buffer.is_null() {
+            return Ok(());
+        }
+        handle::get::<CloneBlock>(Kind::Buffer, id(buffer))?.set_stream(StreamRef(stream as usize));
         match handle::release(Kind::Buffer, id(buffer))? {
             Some(last) => last
                 .downcast::<CloneBlock>()

@@ -6,11 +6,12 @@
 
 use super::args::arg_out;
 use super::boundary::boundary;
-use super::enums::{graphed_buffer_role, graphed_pass, graphed_phase};
+use super::enums::{graphed_buffer_role, graphed_grad_policy, graphed_pass, graphed_phase};
 use super::handles::{get, ptr};
 use super::status::graphed_status;
 use crate::backend::DevPtr;
 use crate::core::handle::{Kind, Scoped};
+use crate::core::policy::GradPolicy;
 use crate::error::Error;
 use crate::orchestrate::external::Provided;
 use crate::orchestrate::scratch::Scratch;
@@ -82,6 +83,9 @@ pub struct graphed_pass_ctx {
     /// For graphed_pass_set_buffer: set for callbacks under capture, NULL
     /// otherwise (warmup, hooks).
     pub capture: *mut graphed_capture,
+    /// [num_params] the frozen graphed_grad_policy of each parameter
+    /// (GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).
+    pub param_policies: *const u32,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.
@@ -107,9 +111,48 @@ pub(crate) struct CCallbacks {
 // callbacks may run on whichever thread calls graphed_session_capture.
 unsafe impl Send for CCallbacks {}
 
+thread_local! {
+    /// What the running callback said about its failure.
+    static FAILURE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Attaches a message to the failure of the running callback (or hook) on
+/// this thread: call it just before returning non-zero, and the capture
+/// error carries the message after the code (C++: an exception's what()).
+/// The text is copied. Outside a callback it is kept until the next
+/// callback on this thread starts, and then dropped.
+///
+/// # Safety
+/// `message` must be NULL (clears it) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_callback_fail_message(
+    message: *const std::ffi::c_char,
+) -> graphed_status {
+    boundary("graphed_callback_fail_message", || {
+        let text = if message.is_null() {
+            None
+        } else {
+            // SAFETY: NUL-terminated per the contract.
+            Some(
+                unsafe { std::ffi::CStr::from_ptr(message) }
+                    .to_string_lossy()
+                    .into_owned(),
+            )
+        };
+        FAILURE.with(|f| *f.borrow_mut() = text);
+        Ok(())
+    })
+}
+
 /// Calls `f` with the context of `v`; the in-callback handles live for the
 /// call only.
 fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<(), i32> {
+    FAILURE.with(|m| m.borrow_mut().take());
+    let policies: Vec<u32> = v
+        .param_policies
+        .iter()
+        .map(|p| graphed_grad_policy::encode(p.unwrap_or(GradPolicy::Default)))
+        .collect();
     let scratch = v.scratch.map(|s| Scoped::new(Kind::Scratch, s.clone()));
     let capture = v.provided.map(|p| Scoped::new(Kind::Capture, p.clone()));
     let ctx = graphed_pass_ctx {
@@ -136,6 +179,7 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
         capture: capture
             .as_ref()
             .map_or(std::ptr::null_mut(), |h| ptr(h.id())),
+        param_policies: policies.as_ptr(),
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.
@@ -159,6 +203,10 @@ impl PassCallbacks for CCallbacks {
 
     fn has_wgrad(&self) -> bool {
         self.wgrad.is_some()
+    }
+
+    fn failure_message(&self) -> Option<String> {
+        FAILURE.with(|m| m.borrow_mut().take())
     }
 
     fn hook(&self, point: HookPoint, v: &PassView) -> std::result::Result<(), i32> {

@@ -109,13 +109,19 @@ pub struct graphed_session_config {
     /// external buffers in that pass; costs one block of the callable's
     /// CLONE bytes per slot.
     pub clone_slots: u32,
+    /// Optional: run warmup and capture on this stream of yours (a
+    /// CUstream, not the legacy default stream; CUDA only) instead of one
+    /// the session makes, so that work your callbacks enqueue elsewhere on
+    /// it (a framework's current stream) needs no join. NULL: the session's
+    /// own.
+    pub capture_stream: graphed_stream,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
 unsafe impl CStruct for graphed_session_config {
     const NAME: &'static str = "graphed_session_config";
     const MAGIC: u32 = GRAPHED_SESSION_CONFIG_MAGIC;
-    const MIN_SIZE: usize = 168;
+    const MIN_SIZE: usize = 176;
     fn defaults() -> Self {
         graphed_session_config_default()
     }
@@ -152,6 +158,7 @@ pub extern "C" fn graphed_session_config_default() -> graphed_session_config {
         layers_per_chunk: std::ptr::null(),
         num_layers_per_chunk: 0,
         clone_slots: 2,
+        capture_stream: std::ptr::null_mut(),
     }
 }
 
@@ -321,6 +328,8 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             log,
             log_level: graphed_log_level::decode(cfg.log_level, "config.log_level")?,
             warmup_hook,
+            capture_stream: (!cfg.capture_stream.is_null())
+                .then_some(StreamRef(cfg.capture_stream as usize)),
             clone_slots: match cfg.clone_slots {
                 n @ 0..=16 => n,
                 n => {

@@ -57,13 +57,17 @@ pub struct graphed_session_stats {
     pub inputs_rebind_refused: u32,
     /// Graph node updates that rebinding every rebound input once costs.
     pub rebind_nodes: u32,
+    /// Graphs captured for clone slots and for steps (graph_count counts
+    /// the graphs of single passes).
+    pub slot_graphs: u32,
+    pub step_graphs: u32,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
 unsafe impl CStruct for graphed_session_stats {
     const NAME: &'static str = "graphed_session_stats";
     const MAGIC: u32 = GRAPHED_SESSION_STATS_MAGIC;
-    const MIN_SIZE: usize = 112;
+    const MIN_SIZE: usize = 120;
     fn defaults() -> Self {
         graphed_session_stats_default()
     }
@@ -93,6 +97,8 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         inputs_rebound: 0,
         inputs_rebind_refused: 0,
         rebind_nodes: 0,
+        slot_graphs: 0,
+        step_graphs: 0,
     }
 }
 
@@ -127,10 +133,43 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             inputs_rebound: st.inputs_rebound,
             inputs_rebind_refused: st.inputs_rebind_refused,
             rebind_nodes: st.rebind_nodes,
+            slot_graphs: st.slot_graphs,
+            step_graphs: st.step_graphs,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.
         unsafe { write_struct(stats, &full, "stats") }
+    })
+}
+
+/// Writes the number of inputs, parameters and outputs of a registered
+/// callable (the sizes of its replay arrays).
+///
+/// # Safety
+/// The outputs must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_callable_arity(
+    session: *mut graphed_session,
+    callable: u32,
+    num_inputs_out: *mut usize,
+    num_params_out: *mut usize,
+    num_outputs_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_callable_arity", || {
+        let cell = self::session(session)?;
+        let (i, p, o) = (
+            arg_out(num_inputs_out, "num_inputs_out")?,
+            arg_out(num_params_out, "num_params_out")?,
+            arg_out(num_outputs_out, "num_outputs_out")?,
+        );
+        let (ni, np, no) = cell.lock()?.arity(callable)?;
+        // SAFETY: all three checked non-NULL and aligned.
+        unsafe {
+            i.write(ni);
+            p.write(np);
+            o.write(no);
+        }
+        Ok(())
     })
 }
 

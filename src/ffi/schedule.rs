@@ -4,9 +4,9 @@
 
 use super::args::{arg_out, arg_slice, check_out_array, write_element};
 use super::boundary::boundary;
-use super::enums::graphed_pass;
+use super::enums::{decode_bool, graphed_pass};
 use super::status::graphed_status;
-use crate::core::schedule::{chunk_layers, from_te_order, ScheduleStep, Shape};
+use crate::core::schedule::{chunk_layers, from_te_order, Schedule, ScheduleStep, Shape};
 use crate::error::{Error, Result};
 use std::mem::size_of;
 
@@ -87,6 +87,95 @@ pub unsafe extern "C" fn graphed_schedule_from_te_order(
             // SAFETY: checked above, i < num_order.
             unsafe { write_element(steps, step_size, i, &step) };
         }
+        Ok(())
+    })
+}
+
+/// One pass of a schedule, in capture order (graphed_schedule_passes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct graphed_pass_ref {
+    pub callable: u32,
+    pub microbatch: u32,
+    /// A graphed_pass value.
+    pub pass: u32,
+}
+
+/// The passes a session runs, in warmup and capture order, for
+/// `num_callables` callables of which `has_wgrad` (NULL: none; else one 0/1
+/// per callable) have a weight-grad callback: with `steps` (NULL and 0: no
+/// schedule) the schedule's expansion, else every forward in registration
+/// order, then every backward in reverse, each weight-grad after its
+/// backward. Writes min(count, capacity) passes to `passes` (NULL: none)
+/// and the count to `*count_out`.
+///
+/// # Safety
+/// The arrays must hold the counts stated; `passes` must have room for
+/// `capacity` elements of `pass_size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_schedule_passes(
+    steps: *const graphed_schedule_step,
+    num_steps: usize,
+    step_size: usize,
+    layers_per_chunk: *const u32,
+    num_layers_per_chunk: usize,
+    has_wgrad: *const u32,
+    num_callables: u32,
+    passes: *mut graphed_pass_ref,
+    capacity: usize,
+    pass_size: usize,
+    count_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_schedule_passes", || {
+        let count_out = arg_out(count_out, "count_out")?;
+        let n = num_callables as usize;
+        let wgrad: Vec<bool> = if has_wgrad.is_null() {
+            vec![false; n]
+        } else {
+            // SAFETY: per this function's contract.
+            unsafe { arg_slice(has_wgrad, n, "has_wgrad") }?
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| decode_bool(v, &format!("has_wgrad[{i}]")))
+                .collect::<Result<_>>()?
+        };
+        let schedule = if steps.is_null() && num_steps == 0 {
+            Schedule::sequential(&wgrad)
+        } else {
+            // SAFETY: per this function's contract.
+            let steps = unsafe { read_steps(steps, num_steps, step_size, "steps") }?;
+            let lpc = if layers_per_chunk.is_null() {
+                None
+            } else {
+                // SAFETY: per this function's contract.
+                Some(unsafe {
+                    arg_slice(layers_per_chunk, num_layers_per_chunk, "layers_per_chunk")
+                }?)
+            };
+            Schedule::derive(&steps, lpc, &wgrad)?
+        };
+        let count = schedule.passes.len();
+        if !passes.is_null() {
+            let k = count.min(capacity);
+            check_out_array(
+                passes,
+                k,
+                pass_size,
+                size_of::<graphed_pass_ref>(),
+                "passes",
+            )?;
+            for (i, p) in schedule.passes.iter().take(k).enumerate() {
+                let r = graphed_pass_ref {
+                    callable: p.callable as u32,
+                    microbatch: p.microbatch as u32,
+                    pass: graphed_pass::encode(p.kind),
+                };
+                // SAFETY: checked: room for k elements of pass_size bytes.
+                unsafe { write_element(passes, pass_size, i, &r) };
+            }
+        }
+        // SAFETY: checked non-NULL; written only on success.
+        unsafe { count_out.write(count) };
         Ok(())
     })
 }

@@ -77,6 +77,24 @@ pub extern "C" fn graphed_session_destroy(session: *mut graphed_session) -> grap
     })
 }
 
+/// Destroys a session once no call is using it: the handle is gone at once
+/// (a later use reports GRAPHED_STATUS_USE_AFTER_DESTROY), and the session
+/// is destroyed when the last call in progress on it returns, or now when
+/// there is none (what a C++ destructor wants). NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn graphed_session_destroy_when_idle(
+    session: *mut graphed_session,
+) -> graphed_status {
+    boundary("graphed_session_destroy_when_idle", || {
+        if session.is_null() {
+            return Ok(());
+        }
+        // Dropped outside the table's lock; calls in progress hold pins.
+        drop(handle::take(Kind::Session, id(session))?);
+        Ok(())
+    })
+}
+
 /// Warms up and captures every registered callable (see docs/design.md):
 /// warmup iterations eagerly on a side stream, then one graph per pass,
 /// instantiated and uploaded. On failure (a callback's non-zero return, an

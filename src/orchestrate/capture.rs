@@ -328,12 +328,17 @@ struct Runner<'a> {
 impl Runner<'_> {
     fn failed(&self, p: PassRef, phase: Phase, hook: Option<HookPoint>, code: i32) -> Error {
         let inst = &self.cap.instances[p.instance];
+        let spec = &self.s.callables[inst.callable];
         Error::CallbackFailed {
-            callable: self.s.callables[inst.callable].name.clone(),
+            callable: spec.name.clone(),
             pass: p.kind,
             microbatch: inst.microbatch,
             phase: phase_label(phase, hook),
             code,
+            said: spec
+                .callbacks
+                .failure_message()
+                .map_or(String::new(), |m| format!(": {m}")),
         }
     }
 
@@ -347,7 +352,7 @@ impl Runner<'_> {
             0
         };
         let before = (slots > 0).then(|| self.scratch.snapshot());
-        let graph = self.call(p, phase, iteration, true)?;
+        let graph = self.call(p, phase, iteration, true, true)?;
         if let Some(g) = graph {
             let inst = &mut self.cap.instances[p.instance];
             inst.graphs[p.kind.index()] = Some(g);
@@ -398,12 +403,13 @@ impl Runner<'_> {
                 }
             }
             self.scratch.restore(before.clone());
-            let graph = self.call(p, Phase::Capture, iteration, false);
+            // The slot captures repeat one capture: no hooks around them.
+            let graph = self.call(p, Phase::Capture, iteration, false, false);
             let inst = &mut self.cap.instances[p.instance];
             inst.buffers.param_grads.clone_from(&slab);
             if let Some(g) = graph? {
                 inst.rotating.push(g);
-                self.cap.graph_count += 1;
+                self.cap.slot_graphs += 1;
             }
         }
         self.scratch.restore(after);
@@ -533,7 +539,7 @@ impl Runner<'_> {
                 slot_graphs.push(g);
             }
         }
-        self.cap.graph_count += graph.is_some() as u32 + slot_graphs.len() as u32;
+        self.cap.step_graphs += graph.is_some() as u32 + slot_graphs.len() as u32;
         self.cap.steps.push(CapturedStep {
             instances,
             passes,
@@ -643,13 +649,15 @@ impl Runner<'_> {
 
     /// Runs the hooks and the callback of one pass once (under capture,
     /// into a graph it returns). `provide`: record the external buffers
-    /// the callback provides (the first capture of a pass).
+    /// the callback provides (the first capture of a pass); `hooks`: run
+    /// the per-callable hooks around it.
     fn call(
         &mut self,
         p: PassRef,
         phase: Phase,
         iteration: u32,
         provide: bool,
+        hooks: bool,
     ) -> Result<Option<Box<dyn Graph>>> {
         let spec = &self.s.callables[self.cap.instances[p.instance].callable];
         let context = format!(
@@ -664,7 +672,7 @@ impl Runner<'_> {
             let expected = self.cap.instances[p.instance].external[p.kind.index()].clone();
             Provided::new(expected, context.clone())
         });
-        {
+        if hooks {
             let hook_view = view(self.cap, None, None, p, phase, iteration);
             spec.callbacks
                 .hook(HookPoint::Pre, &hook_view)
@@ -701,10 +709,12 @@ impl Runner<'_> {
                 inst.buffers.provide(role, i, ptr);
             }
         }
-        let hook_view = view(self.cap, None, None, p, phase, iteration);
-        spec.callbacks
-            .hook(HookPoint::Post, &hook_view)
-            .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))?;
+        if hooks {
+            let hook_view = view(self.cap, None, None, p, phase, iteration);
+            spec.callbacks
+                .hook(HookPoint::Post, &hook_view)
+                .map_err(|c| self.failed(p, phase, Some(HookPoint::Post), c))?;
+        }
         Ok(graph)
     }
 }
@@ -734,6 +744,7 @@ fn view<'a>(
         grad_outputs: &b.grad_outputs,
         grad_inputs: &b.grad_inputs,
         param_grads: &b.param_grads,
+        param_policies: &inst.returns.policies,
         tape: cap.tapes[p.instance].as_ptr().cast(),
         scratch,
         provided,
@@ -754,7 +765,10 @@ pub(crate) fn capture(s: &Inputs, epoch: u16) -> Result<(Captured, Leases)> {
         None => Schedule::sequential(&has_wgrad),
     };
     let planned = plan_buffers(s, &schedule)?;
-    let side = Stream::new(backend)?;
+    let side = match s.opts.capture_stream {
+        Some(raw) => Stream::borrowed(backend, raw),
+        None => Stream::new(backend)?,
+    };
     let (ev_in, ev_out) = (Event::new(backend)?, Event::new(backend)?);
     let statics = DeviceMemory::new(backend, planned.plan.total_bytes)?;
     MemCounters::add(&s.counters.static_bytes, statics.bytes());
@@ -775,6 +789,8 @@ pub(crate) fn capture(s: &Inputs, epoch: u16) -> Result<(Captured, Leases)> {
             .collect(),
         tapes: Box::new([]),
         graph_count: 0,
+        slot_graphs: 0,
+        step_graphs: 0,
         plan: PlanRecord::default(),
         steps: Vec::new(),
         stage: Stage::default(),
@@ -897,6 +913,7 @@ fn warmup_and_capture(s: &Inputs, cap: &mut Captured, scratch: &Arc<Scratch>) ->
     let hook = |point| -> Result<()> {
         match &s.opts.warmup_hook {
             Some(h) => h(point).map_err(|code| Error::CallbackFailed {
+                said: String::new(),
                 callable: "(session)".into(),
                 pass: PassKind::Forward,
                 microbatch: 0,

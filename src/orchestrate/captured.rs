@@ -182,7 +182,10 @@ pub(crate) struct Captured {
     /// Every pass, in capture order.
     pub order: Vec<PassRef>,
     pub tapes: Box<[Cell<usize>]>,
+    /// Graphs of single passes, of clone slots, of steps.
     pub graph_count: u32,
+    pub slot_graphs: u32,
+    pub step_graphs: u32,
     pub plan: PlanRecord,
     pub steps: Vec<CapturedStep>,
     pub stage: Stage,

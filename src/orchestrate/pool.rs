@@ -22,15 +22,19 @@ struct Chunk {
 struct Member {
     key: u64,
     name: String,
-    /// Passes in one iteration (capture order).
-    passes: usize,
+    /// Its passes in capture order, as messages name them.
+    passes: Vec<String>,
     /// Capture-order position of its last replay, if any.
     last: Option<usize>,
 }
 
 impl Member {
     fn mid_iteration(&self) -> bool {
-        self.last.is_some_and(|p| p + 1 < self.passes)
+        self.last.is_some_and(|p| p + 1 < self.passes.len())
+    }
+
+    fn pass(&self, pos: usize) -> &str {
+        self.passes.get(pos).map_or("?", |s| s.as_str())
     }
 }
 
@@ -132,7 +136,7 @@ impl Pool {
 
     /// A session captured into this pool: from now on its replays are
     /// ordered against the other members'.
-    pub fn join(&self, key: u64, name: &str, passes: usize) {
+    pub fn join(&self, key: u64, name: &str, passes: Vec<String>) {
         let mut o = lock(&self.order);
         o.members.retain(|m| m.key != key);
         o.members.push(Member {
@@ -157,34 +161,31 @@ impl Pool {
     /// checked (a session alone may replay its graphs as it likes). With
     /// several, a session may take over from another only when that one
     /// finished its iteration, and must start with its first pass.
-    /// `pass` describes the pass at a position, for messages.
-    pub fn replaying(
-        &self,
-        key: u64,
-        pos: usize,
-        pass: impl Fn(u64, usize) -> String,
-    ) -> Result<()> {
+    pub fn replaying(&self, key: u64, pos: usize) -> Result<()> {
         let mut o = lock(&self.order);
         if o.members.len() > 1 && o.current != Some(key) {
-            let me = o
-                .members
-                .iter()
-                .find(|m| m.key == key)
-                .map(|m| m.name.clone())
-                .unwrap_or_default();
+            let Some(me) = o.members.iter().find(|m| m.key == key) else {
+                return Err(Error::Internal(
+                    "a session replays from a pool it did not join".into(),
+                ));
+            };
+            let (name, this, first) = (
+                me.name.clone(),
+                me.pass(pos).to_string(),
+                me.pass(0).to_string(),
+            );
             if let Some(other) = o.members.iter().find(|m| m.key != key && m.mid_iteration()) {
                 let last = other.last.unwrap_or(0);
                 return Err(Error::state(format!(
-                    "session '{me}' cannot replay {} now: it shares its scratch pool with session '{}', \
+                    "session '{name}' cannot replay {this} now: it shares its scratch pool with session '{}', \
                      which is in the middle of its iteration (its last replay was {}, pass {} of {} in \
                      capture order; next is {}). Sessions sharing a pool must be replayed one whole \
                      iteration at a time, in capture order; nothing was replayed",
-                    pass(key, pos),
                     other.name,
-                    pass(other.key, last),
+                    other.pass(last),
                     last + 1,
-                    other.passes,
-                    pass(other.key, last + 1),
+                    other.passes.len(),
+                    other.pass(last + 1),
                 )));
             }
             if pos != 0 && o.current.is_some() {
@@ -195,12 +196,10 @@ impl Pool {
                         format!("session '{}'", m.name)
                     });
                 return Err(Error::state(format!(
-                    "session '{me}' cannot replay {} now: {other}, which shares its scratch pool, replayed \
-                     last, so '{me}' must start its iteration with its first pass in capture order ({}). \
-                     Sessions sharing a pool must be replayed one whole iteration at a time, in capture \
-                     order; nothing was replayed",
-                    pass(key, pos),
-                    pass(key, 0),
+                    "session '{name}' cannot replay {this} now: {other}, which shares its scratch pool, \
+                     replayed last, so '{name}' must start its iteration with its first pass in capture \
+                     order ({first}). Sessions sharing a pool must be replayed one whole iteration at a \
+                     time, in capture order; nothing was replayed",
                 )));
             }
         }
@@ -217,45 +216,45 @@ mod tests {
     use super::*;
     use crate::backend::host::HostBackend;
 
-    fn pass(key: u64, pos: usize) -> String {
-        format!("s{key}p{pos}")
+    fn names(key: u64, n: usize) -> Vec<String> {
+        (0..n).map(|pos| format!("s{key}p{pos}")).collect()
     }
 
     #[test]
     fn a_lone_session_replays_as_it_likes() {
         let p = Pool::new(HostBackend::new());
-        p.join(1, "a", 4);
+        p.join(1, "a", names(1, 4));
         for pos in [2, 0, 0, 3, 1] {
-            p.replaying(1, pos, pass).unwrap();
+            p.replaying(1, pos).unwrap();
         }
     }
 
     #[test]
     fn sharing_sessions_take_whole_iterations_in_turn() {
         let p = Pool::new(HostBackend::new());
-        p.join(1, "a", 3);
-        p.join(2, "b", 2);
-        p.replaying(1, 0, pass).unwrap();
-        p.replaying(1, 1, pass).unwrap();
-        let e = p.replaying(2, 0, pass).unwrap_err();
+        p.join(1, "a", names(1, 3));
+        p.join(2, "b", names(2, 2));
+        p.replaying(1, 0).unwrap();
+        p.replaying(1, 1).unwrap();
+        let e = p.replaying(2, 0).unwrap_err();
         let m = e.to_string();
         assert!(
             m.contains("session 'b'") && m.contains("session 'a'"),
             "{m}"
         );
         assert!(m.contains("s1p1") && m.contains("next is s1p2"), "{m}");
-        p.replaying(1, 2, pass).unwrap();
-        let e = p.replaying(2, 1, pass).unwrap_err();
+        p.replaying(1, 2).unwrap();
+        let e = p.replaying(2, 1).unwrap_err();
         assert!(
             e.to_string().contains("first pass in capture order (s2p0)"),
             "{e}"
         );
-        p.replaying(2, 0, pass).unwrap();
-        p.replaying(2, 1, pass).unwrap();
-        p.replaying(1, 0, pass).unwrap();
+        p.replaying(2, 0).unwrap();
+        p.replaying(2, 1).unwrap();
+        p.replaying(1, 0).unwrap();
         // A member that leaves no longer blocks anyone.
         p.leave(1);
-        p.replaying(2, 1, pass).unwrap();
+        p.replaying(2, 1).unwrap();
     }
 
     #[test]

@@ -131,6 +131,8 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         if returns_params {
             check_dsts(a.param_dsts, inst, spec)?;
         }
+        // The context first: asking about a stream needs it current.
+        let _ctx = backend.bind()?;
         check_streams(backend.as_ref(), a.stream, a.side_stream, who)?;
         let strict = opts.strict_leases;
         let mut book = strict.then(|| leases.lock());
@@ -139,10 +141,9 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         }
         let pos = inst.position[kind.index()]
             .ok_or_else(|| Error::Internal(format!("{} was not captured", who())))?;
-        pool.replaying(key, pos, |k, p| describe_pass(cap, callables, k, key, p))?;
+        pool.replaying(key, pos)?;
 
         // ---- enqueue ----------------------------------------------------------
-        let _ctx = backend.bind()?;
         if kind == PassKind::Forward {
             // Rebound inputs: the graphs read the caller's data in place.
             let inst = &mut cap.instances[idx];
@@ -302,11 +303,11 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
         Error::invalid(format!("step {step} does not exist (the session has {n})"))
     })?;
     let who = || format!("the replay of step {step}");
+    let _ctx = p.backend.bind()?;
     check_streams(p.backend.as_ref(), stream, None, who)?;
     if p.opts.strict_leases {
         p.leases.lock().check_free(&st.overwritten, who)?;
     }
-    let _ctx = p.backend.bind()?;
     let cloned: Vec<usize> = st
         .instances
         .iter()
@@ -341,9 +342,7 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     }
     for pp in &st.passes {
         let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
-        let (cap, callables, key) = (&*p.cap, p.callables, p.key);
-        p.pool
-            .replaying(key, pos, |k, q| describe_pass(cap, callables, k, key, q))?;
+        p.pool.replaying(p.key, pos)?;
     }
     let graph = match (&st.graph, &chosen) {
         (Some(g), _) => g,
@@ -487,7 +486,7 @@ fn check_streams(
         match s {
             Some(s) if backend.is_capturing(s)? => {
                 return Err(Error::StreamCapturing(format!(
-                    "{}: the {what} is capturing a graph. graphed replays cannot be recorded into another \
+                    "{}: args.{what} is capturing a graph. graphed replays cannot be recorded into another \
                      capture (their clones and copies would outlive what the outer graph can own); replay \
                      outside the capture, or capture the callables together as a step. Nothing was enqueued",
                     who()
@@ -528,30 +527,6 @@ pub(crate) fn enqueue_destinations(
 fn give_back(blocks: &mut Vec<Arc<CloneBlock>>) {
     for b in blocks.drain(..) {
         let _ = b.release();
-    }
-}
-
-/// "the backward of callable 'x' (microbatch 1)" for position `pos` of the
-/// capture order of session `key` (this one) or another session's.
-fn describe_pass(
-    cap: &Captured,
-    callables: &[CallableSpec],
-    key: u64,
-    me: u64,
-    pos: usize,
-) -> String {
-    if key != me {
-        return format!("its pass {pos}");
-    }
-    match cap.order.get(pos) {
-        Some(p) => {
-            let inst = &cap.instances[p.instance];
-            format!(
-                "the {} of callable '{}' (microbatch {})",
-                p.kind, callables[inst.callable].name, inst.microbatch
-            )
-        }
-        None => format!("pass {pos}"),
     }
 }
 

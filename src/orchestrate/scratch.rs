@@ -129,7 +129,7 @@ impl Scratch {
         match offset {
             Some(o) if st.arena.free(o) => Ok(()),
             _ => Err(Error::invalid(format!(
-                "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from this scratch allocator)",
+                "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from graphed_scratch_alloc)",
                 st.context
             ))),
         }

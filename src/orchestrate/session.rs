@@ -46,7 +46,10 @@ pub struct Stats {
     pub clone_blocks_outstanding: u64,
     /// Released clone blocks kept for reuse by later replays.
     pub clone_bytes_cached: u64,
+    /// Graphs of single passes; of clone slots; of steps.
     pub graph_count: u32,
+    pub slot_graphs: u32,
+    pub step_graphs: u32,
     pub callables: u32,
     pub instances: u32,
     pub leases_held: u32,
@@ -132,6 +135,11 @@ impl Session {
             }
             None => Pool::new(backend.clone()),
         };
+        if opts.capture_stream.is_some() && backend.kind() == BackendKind::Host {
+            return Err(Error::invalid(
+                "capture_stream: the host backend captures on streams of its own; leave it NULL",
+            ));
+        }
         match &opts.schedule {
             Some(spec) => check_steps(&spec.steps)?,
             None if opts.reuse_buffers => {
@@ -192,10 +200,11 @@ impl Session {
         match &self.state {
             State::Captured(c) => Ok(c),
             State::Open => Err(Error::state(
-                "the session is not captured yet: capture it first",
+                "the session is not captured yet: call graphed_session_capture first",
             )),
             State::Reset => Err(Error::SessionReset(
-                "its graphs and static buffers were released by a reset; destroy it".into(),
+                "its graphs and static buffers were released by graphed_session_reset; destroy it"
+                    .into(),
             )),
         }
     }
@@ -421,8 +430,18 @@ impl Session {
             captured.arena_bytes(),
         );
         *self.leases.lock() = leases;
-        self.pool
-            .join(self.key, &self.opts.name, captured.order.len());
+        let passes = captured
+            .order
+            .iter()
+            .map(|p| {
+                let inst = &captured.instances[p.instance];
+                format!(
+                    "the {} of callable '{}' (microbatch {})",
+                    p.kind, self.callables[inst.callable].name, inst.microbatch
+                )
+            })
+            .collect();
+        self.pool.join(self.key, &self.opts.name, passes);
         self.state = State::Captured(Box::new(captured));
         self.log(LogLevel::Info, || {
             format!(
@@ -521,6 +540,8 @@ impl Session {
             st.peak_live_bytes = c.plan.plan.peak_live_bytes as u64;
             st.microbatches = c.by_callable.first().map_or(0, |v| v.len() as u32);
             st.graph_count = c.graph_count;
+            st.slot_graphs = c.slot_graphs;
+            st.step_graphs = c.step_graphs;
             st.instances = c.instances.len() as u32;
             st.captured = true;
             for r in c.instances.iter().flat_map(|i| &i.rebind) {

@@ -4,7 +4,7 @@
 
 use crate::backend::{CaptureMode, DevPtr, StreamRef};
 use crate::core::dtype::DType;
-use crate::core::policy::ParamSpec;
+use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::core::schedule::ScheduleStep;
 use crate::core::PassKind;
 use std::ffi::c_void;
@@ -75,6 +75,8 @@ pub struct PassView<'a> {
     pub grad_outputs: &'a [DevPtr],
     pub grad_inputs: &'a [DevPtr],
     pub param_grads: &'a [DevPtr],
+    /// The frozen grad policy of each parameter (None: no gradient).
+    pub param_policies: &'a [Option<GradPolicy>],
     /// One pointer-sized slot per instance, shared by its passes: forward
     /// may leave a pointer there for backward.
     pub tape: *mut *mut c_void,
@@ -90,6 +92,11 @@ pub trait PassCallbacks: Send {
     fn run(&self, view: &PassView) -> std::result::Result<(), i32>;
     fn has_wgrad(&self) -> bool;
     fn hook(&self, point: HookPoint, view: &PassView) -> std::result::Result<(), i32>;
+    /// What the last failing callback (or hook) on this thread said about
+    /// its failure, if it said anything.
+    fn failure_message(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A registered callable.
@@ -157,6 +164,9 @@ pub struct SessionOptions {
     /// Share memory between static buffers whose lifetimes do not overlap
     /// (needs a schedule).
     pub reuse_buffers: bool,
+    /// Warmup and capture run on this stream of the caller's (None: one the
+    /// session makes).
+    pub capture_stream: Option<StreamRef>,
     /// Clone slots per instance: the pass that writes parameter grads is
     /// also captured once per slot, writing its CLONE grads straight into
     /// that slot's block, so a replay hands a block out without copying.
@@ -190,6 +200,7 @@ impl Default for SessionOptions {
             schedule: None,
             reuse_buffers: false,
             clone_slots: 2,
+            capture_stream: None,
         }
     }
 }
