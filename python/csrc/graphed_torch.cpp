@@ -555,8 +555,8 @@ std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& 
     std::vector<at::Tensor> v;
     v.reserve(metas.size());
     for (size_t i = 0; i < metas.size(); ++i) {
-        if (!ptrs || !ptrs[i]) {
-            v.emplace_back(at::zeros(metas[i].sizes, options_of(metas[i].dtype, device)));
+        if (!ptrs || !ptrs[i]) {  // no such buffer (the grad of an output without grad)
+            v.emplace_back();
             continue;
         }
         at::Tensor t = at::from_blob(ptrs[i], metas[i].sizes, options_of(metas[i].dtype, device));
@@ -583,10 +583,7 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
             c->pass_inputs = wrap_static(ctx->inputs, c->in, s.device, s.opts.training);
             e.inputs = &c->pass_inputs;
         } else {
-            std::vector<Meta> gmeta = c->out;
-            c->pass_gouts = wrap_static(ctx->grad_outputs, gmeta, s.device, false);
-            for (size_t i = 0; i < c->out.size(); ++i)
-                if (!c->out[i].requires_grad) c->pass_gouts[i] = at::Tensor();
+            c->pass_gouts = wrap_static(ctx->grad_outputs, c->out, s.device, false);
             e.grad_outputs = &c->pass_gouts;
         }
         if (c->hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
@@ -1167,6 +1164,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->in.size()) +
                                     " tensor inputs, got " + std::to_string(inputs.size()));
     const std::string dev = "cuda:" + std::to_string(s.device);
+    // requires_grad matters when a backward may follow.
+    const bool grad_mode = s.opts.training && at::GradMode::is_enabled();
     c10::SmallVector<at::Tensor, 8> contiguous;
     std::vector<const void*> data(inputs.size());
     bool needs_grad = false;
@@ -1176,10 +1175,10 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         if (!x.defined()) throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is None");
         const bool rg = x.requires_grad();
         if (x.sizes() != at::IntArrayRef(m.sizes) || x.scalar_type() != m.dtype || !x.is_cuda() ||
-            x.device().index() != s.device || (s.opts.training && rg != m.requires_grad))
+            x.device().index() != s.device || (grad_mode && rg != m.requires_grad))
             throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is " + describe(x) +
                                         "; it was captured with " +
-                                        describe(m.sizes, m.dtype, dev, s.opts.training ? m.requires_grad : rg));
+                                        describe(m.sizes, m.dtype, dev, grad_mode ? m.requires_grad : rg));
         needs_grad = needs_grad || rg;
         if (x.is_contiguous()) {
             data[i] = x.data_ptr();
@@ -1216,7 +1215,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     // Autograd: the outputs' grad_fn is a GraphedBackward node whose next
     // edges are the inputs and the parameters, as a custom Function's would.
     for (const at::Tensor& p : c->params) needs_grad = needs_grad || p.requires_grad();
-    if (s.opts.training && at::GradMode::is_enabled() && needs_grad) {
+    if (grad_mode && needs_grad) {
         auto node = std::shared_ptr<GraphedBackward>(new GraphedBackward(), torch::autograd::deleteNode);
         node->shared = shared_;
         node->index = index_;

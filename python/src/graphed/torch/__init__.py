@@ -13,9 +13,25 @@ never overwritten by the next replay (PyTorch issue 181723).
 `python -m graphed.torch.check` prints versions, the library in use, the
 driver, and runs a one-layer self-test.
 """
+import importlib
+
 from ._errors import AliasHeldError
-from ._make import graph_pool_handle, make_graphed_callables
-from ._rng import register_generator, registered_generators
+
+# Imported on first use, so that the pure-Python parts (the schedule, hook
+# and option checks) import without torch.
+_LAZY = {
+    "make_graphed_callables": "_make",
+    "graph_pool_handle": "_make",
+    "register_generator": "_rng",
+    "registered_generators": "_rng",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AliasHeldError",

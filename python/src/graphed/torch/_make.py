@@ -149,8 +149,6 @@ def make_graphed_callables(
         )
     if int(num_warmup_iters) < 0:
         raise ValueError(f"num_warmup_iters must be >= 0, got {num_warmup_iters}")
-    if not torch.cuda.is_available():
-        raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
 
     modes = [fn.training for fn in callables if isinstance(fn, torch.nn.Module)]
     training = all(modes)
@@ -192,6 +190,8 @@ def make_graphed_callables(
     for idx, (k, m) in enumerate(entries):
         if m > 0:
             bindings[k].check_same(sample_args[idx], sample_kwargs[idx], f"sample_args[{idx}]")
+    if not torch.cuda.is_available():
+        raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
     device = _device_of(bindings, callables)
 
     names, outputs, specs = [], [], []
