@@ -1121,8 +1121,16 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     }
 
     auto fail = [&](std::string msg) {
+        bool rng = false;
         for (auto& c : s.callables)
-            if (!c->error.empty()) msg += "\n  callable '" + c->name + "': " + c->error;
+            if (!c->error.empty()) {
+                msg += "\n  callable '" + c->name + "': " + c->error;
+                rng = rng || c->error.find("not in capture mode") != std::string::npos;
+            }
+        if (rng)
+            msg += "\n  (a callable draws random numbers from a CUDA generator graphed was not told about: pass it "
+                   "in generators=, or register it with graphed.torch.register_generator, so that its numbers are "
+                   "drawn afresh at every replay)";
         if (!s.hook_error.empty()) msg += "\n  post_warmup_hook: " + s.hook_error;
         s.reset();
         throw std::runtime_error(msg);

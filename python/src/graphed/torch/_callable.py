@@ -4,7 +4,6 @@ forward is one. A call checks the module's training flag (a different one
 runs the module eagerly, as in torch and Transformer Engine), takes
 Transformer Engine's per-call keywords, matches the arguments against the
 capture sample and replays; the extension checks each tensor."""
-import torch
 
 _PER_CALL = ("cuda_graph_stream", "cuda_graph_event", "is_first_microbatch")
 

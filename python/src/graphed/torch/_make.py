@@ -202,9 +202,12 @@ def make_graphed_callables(
         binding, out = bindings[k], Outputs(f"graphed callable '{name}'")
         outputs.append(out)
 
-        def forward(flat, fn=fn, binding=binding, out=out):
+        # A module's own forward, taken now: its forward attribute is replaced below.
+        call = fn.forward if isinstance(fn, torch.nn.Module) else fn
+
+        def forward(flat, call=call, binding=binding, out=out):
             args, kwargs = binding.unflatten(flat)
-            return out.flatten(fn(*args, **kwargs))
+            return out.flatten(call(*args, **kwargs))
 
         named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
         hook = None
