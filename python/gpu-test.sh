@@ -27,9 +27,17 @@ python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", 
 echo "commit: ${GRAPHED_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 echo "== install (library: $GRAPHED_PREBUILT_LIBRARY)"
-python3 -m pip install --no-build-isolation --no-deps --no-index "$root/python" > "$out/install.log" 2>&1 \
-  || { tail -60 "$out/install.log"; exit 1; }
-tail -1 "$out/install.log"
+if python3 -m pip install --no-build-isolation --no-deps --no-index "$root/python" > "$out/install.log" 2>&1; then
+  tail -1 "$out/install.log"
+else
+  # pip could not make a wheel (an old setuptools without the wheel package,
+  # say): build the extension in place and use the sources instead.
+  tail -20 "$out/install.log"
+  echo "pip install failed; building in place and using python/src instead"
+  (cd "$root/python" && python3 setup.py build_ext --inplace) > "$out/build-inplace.log" 2>&1 \
+    || { tail -60 "$out/build-inplace.log"; exit 1; }
+  export PYTHONPATH="$root/python/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 echo "== check"
 (cd /tmp && python3 -m graphed.torch.check) 2>&1 | tee "$out/check.log"

@@ -27,7 +27,7 @@ std::shared_ptr<py::object> hold(py::object o) {
 
 at::Tensor tensor_of(py::handle h, const std::string& what) {
     if (!THPVariable_Check(h.ptr()))
-        throw py::type_error(what + " must be a tensor, not " + std::string(py::str(h.get_type().attr("__name__"))));
+        throw py::type_error(what + " must be a tensor, not " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
     return THPVariable_Unpack(h.ptr());
 }
 
@@ -150,7 +150,7 @@ py::list replay(const graphed_torch::GraphedCallable& g, py::sequence inputs, py
     for (py::handle h : inputs) {
         if (!THPVariable_Check(h.ptr()))
             throw py::type_error("graphed callable: " + g.input_name(i) + " must be a tensor, not " +
-                                 std::string(py::str(h.get_type().attr("__name__"))));
+                                 std::string(py::str(py::type::handle_of(h).attr("__name__"))));
         ins.push_back(THPVariable_Unpack(h.ptr()));
         ++i;
     }

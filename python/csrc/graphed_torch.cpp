@@ -301,6 +301,8 @@ struct Callable {
     std::string input_name(size_t i) const {
         return i < input_names.size() ? input_names[i] : "input " + std::to_string(i);
     }
+    // "name (microbatch m): ", the start of every lease's description.
+    std::string who(uint32_t mb) const { return name + " (microbatch " + std::to_string(mb) + "): "; }
     std::string param_name(size_t j) const {
         return j < param_names.size() ? param_names[j] : "parameter " + std::to_string(j);
     }
@@ -385,7 +387,7 @@ struct Shared {
     [[noreturn]] void alias_held(graphed_status s, const char* what, size_t callable, uint32_t mb) {
         std::string msg = "graphed: " + status_text(s, what);
         std::lock_guard<std::mutex> lock(lease_mu);
-        std::string prefix = callables[callable]->name + " (microbatch " + std::to_string(mb) + ")";
+        const std::string prefix = callables[callable]->who(mb);
         std::vector<std::string> alive;
         for (auto& [lease, name] : held)
             if (name.rfind(prefix, 0) == 0) alive.push_back(name);
@@ -782,19 +784,22 @@ struct GraphedBackward : public torch::autograd::Node {
         check(st, "graphed_backward");
         torch::autograd::variable_list result;
         result.reserve(gin.size() + gp.size());
-        const std::string who = c->name + " (microbatch " + std::to_string(microbatch) + ")";
         for (size_t i = 0; i < gin.size(); ++i)
             result.push_back(gin[i].kind == GRAPHED_REF_KIND_NONE
                                  ? at::Tensor()
                                  : s.wrap_alias(gin[i].ptr, c->in[i], gin[i].lease,
-                                                who + ": the grad of " + c->input_name(i), shared));
+                                                gin[i].lease ? c->who(microbatch) + "the grad of " + c->input_name(i)
+                                                             : std::string(),
+                                                shared));
         for (size_t j = 0; j < gp.size(); ++j) {
             switch (gp[j].kind) {
                 case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(gp[j], c->params[j], s.device)); break;
                 case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
                 default:
                     result.push_back(s.wrap_alias(gp[j].ptr, meta_of(c->params[j]), gp[j].lease,
-                                                  who + ": " + c->param_name(j) + ".grad", shared));
+                                                  gp[j].lease ? c->who(microbatch) + c->param_name(j) + ".grad"
+                                                              : std::string(),
+                                                  shared));
             }
         }
         return result;
@@ -1171,7 +1176,6 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     if (inputs.size() != c->in.size())
         throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->in.size()) +
                                     " tensor inputs, got " + std::to_string(inputs.size()));
-    const std::string dev = "cuda:" + std::to_string(s.device);
     // requires_grad matters when a backward may follow.
     const bool grad_mode = s.opts.training && at::GradMode::is_enabled();
     c10::SmallVector<at::Tensor, 8> contiguous;
@@ -1186,7 +1190,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
             x.device().index() != s.device || (grad_mode && rg != m.requires_grad))
             throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is " + describe(x) +
                                         "; it was captured with " +
-                                        describe(m.sizes, m.dtype, dev, grad_mode ? m.requires_grad : rg));
+                                        describe(m.sizes, m.dtype, "cuda:" + std::to_string(s.device),
+                                                 grad_mode ? m.requires_grad : rg));
         needs_grad = needs_grad || rg;
         if (x.is_contiguous()) {
             data[i] = x.data_ptr();
@@ -1215,9 +1220,9 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
-    const std::string who = c->name + " (microbatch " + std::to_string(microbatch_) + "): output ";
     for (size_t i = 0; i < refs.size(); ++i)
-        result.push_back(s.wrap_alias(refs[i].ptr, c->out[i], refs[i].lease, refs[i].lease ? who + std::to_string(i) : "",
+        result.push_back(s.wrap_alias(refs[i].ptr, c->out[i], refs[i].lease,
+                                      refs[i].lease ? c->who(microbatch_) + "output " + std::to_string(i) : std::string(),
                                       shared_));
 
     // Autograd: the outputs' grad_fn is a GraphedBackward node whose next
@@ -1251,12 +1256,12 @@ void GraphedCallable::backward_dw() const {
     check(st, "graphed_backward_wgrad");
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
-    const std::string who = c->name + " (microbatch " + std::to_string(microbatch_) + "): ";
     for (size_t j = 0; j < gp.size(); ++j) {
         if (gp[j].kind == GRAPHED_REF_KIND_NONE) continue;
         at::Tensor g = gp[j].kind == GRAPHED_REF_KIND_CLONE
                            ? wrap_clone(gp[j], c->params[j], s.device)
-                           : s.wrap_alias(gp[j].ptr, meta_of(c->params[j]), gp[j].lease, who + c->param_name(j) + ".grad",
+                           : s.wrap_alias(gp[j].ptr, meta_of(c->params[j]), gp[j].lease,
+                                          gp[j].lease ? c->who(microbatch_) + c->param_name(j) + ".grad" : std::string(),
                                           shared_);
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())
