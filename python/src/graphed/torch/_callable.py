@@ -5,9 +5,6 @@ runs the module eagerly, as in torch and Transformer Engine), takes
 Transformer Engine's per-call keywords, matches the arguments against the
 capture sample and replays; the extension checks each tensor."""
 
-_PER_CALL = ("cuda_graph_stream", "cuda_graph_event", "is_first_microbatch")
-
-
 class Session:
     """The graphs of one make_graphed_callables call (one graphed session)."""
 
@@ -47,14 +44,14 @@ class GraphedCallable:
         self._session = session
 
     def __call__(self, *args, **kwargs):
-        module = self._module
-        if self._session.is_reset or (module is not None and module.training != self._training):
-            return self._eager(*args, **kwargs)
         stream = event = None
         if kwargs:
             stream = kwargs.pop("cuda_graph_stream", None)
             event = kwargs.pop("cuda_graph_event", None)
             kwargs.pop("is_first_microbatch", None)  # FP8 weight caching only
+        module = self._module
+        if self._session.is_reset or (module is not None and module.training != self._training):
+            return self._eager(*args, **kwargs)
         flat = args if self._binding.simple and not kwargs else self._binding.match(args, kwargs)
         if stream is not None:
             stream = (stream.cuda_stream, stream.device_index)
