@@ -5,6 +5,7 @@ runs the module eagerly, as in torch and Transformer Engine), takes
 Transformer Engine's per-call keywords, matches the arguments against the
 capture sample and replays; the extension checks each tensor."""
 
+
 class Session:
     """The graphs of one make_graphed_callables call (one graphed session)."""
 
