@@ -2,7 +2,7 @@
 # For a GPU machine without Rust or network: installs the graphed package
 # into the current Python from a prebuilt libgraphed.so (no build isolation,
 # no dependencies, no index), then runs `python -m graphed.torch.check`, the
-# pytest suite and the comparison with torch. Logs, pytest's JUnit XML and
+# example, the pytest suite and the comparison with torch. Logs, pytest's JUnit XML and
 # the report (pytorch.md) go to $OUT when set, else python/build-gpu/.
 #   GRAPHED_PREBUILT_LIBRARY=target/release/libgraphed.so bash python/gpu-test.sh
 # Options: --no-compare (skip the comparison), --compare-only.
@@ -44,6 +44,9 @@ echo "== check"
 status=${PIPESTATUS[0]}
 
 if [ "$tests" = 1 ]; then
+  echo "== example"
+  python3 "$root/examples/torch_extension/train.py" 2>&1 | tee "$out/train.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   echo "== pytest"
   (cd "$root" && python3 -m pytest python/tests -q -rs --junitxml="$out/pytest.xml") > "$out/pytest.log" 2>&1
   pytest_status=$?
