@@ -10,7 +10,6 @@ from torch.utils.checkpoint import checkpoint
 
 SEQ, BATCH, HEADS, HEAD_DIM = 32, 2, 2, 32
 HIDDEN = HEADS * HEAD_DIM
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 class Attention(nn.Module):

@@ -70,10 +70,11 @@ def samples(chunks, microbatches, dtype):
                  for c in range(chunks) for _ in range(microbatches))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if torch else [], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("clones", [True, False], ids=["clones", "aliases"])
 @pytest.mark.parametrize("reuse", [False, True], ids=["no-reuse", "reuse"])
 def test_interleaved_schedule_matches_eager(dtype, clones, reuse):
+    dtype = getattr(torch, dtype)
     torch.manual_seed(5)
     base = [torch.nn.Linear(H, H, device="cuda", dtype=dtype) for _ in range(2)]
     data = dataset(dtype)
