@@ -66,19 +66,20 @@ def test_releases_from_other_threads_while_a_backward_runs():
 
     def drop():
         for _ in range(100):
-            ready.wait()
+            if not ready.wait(timeout=30):
+                return
             ready.clear()
             box.clear()  # the last reference: the deleter releases the lease here
             dropped.set()
 
-    t = threading.Thread(target=drop)
+    t = threading.Thread(target=drop, daemon=True)
     t.start()
     for _ in range(100):
         box.append(a(x()))
         ready.set()
         b(x()).sum().backward()
-        dropped.wait()
+        assert dropped.wait(timeout=30), "the other thread did not drop the output"
         dropped.clear()
-    t.join()
+    t.join(timeout=30)
     a(x())  # every lease of `a` was released
     a.reset()
