@@ -93,20 +93,16 @@ def test_module_forward_is_replaced_and_restored(fake):
     assert fake.resets == 1 and "forward" not in m.__dict__ and "reset" not in m.__dict__
 
 
-def test_options_reach_the_extension(fake):
+def test_options_reach_the_extension(fake, monkeypatch):
     gen = object()
-    monkey = [gen]
-    _make._rng.generators_for = lambda device, extra: list(extra or [])
-    try:
-        layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-        samples = tuple((torch.zeros(2, 4),) for _ in range(6))
-        g = gt.make_graphed_callables(
-            layers, samples, 3, True, None, _order=[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], pool=(1, 2),
-            retain_graph_in_backward=True, _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False,
-            strict_leases=True, generators=monkey,
-        )
-    finally:
-        _make._rng.generators_for = _rng.__dict__["generators_for"]
+    monkeypatch.setattr(_rng, "generators_for", lambda device, extra: list(extra or []))
+    layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    samples = tuple((torch.zeros(2, 4),) for _ in range(6))
+    g = gt.make_graphed_callables(
+        layers, samples, 3, True, None, _order=[1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1], pool=(1, 2),
+        retain_graph_in_backward=True, _reuse_graph_input_output_buffers=True, clone_param_grads_on_return=False,
+        strict_leases=True, generators=[gen],
+    )
     o = fake.options
     assert o["steps"][:3] == [(0, 0), (0, 1), (0, 0)] and o["layers_per_chunk"] == [1, 1]
     assert o["pool"] == (1, 2) and o["reuse_buffers"] and o["retain_graph_in_backward"] and o["allow_unused_input"]
