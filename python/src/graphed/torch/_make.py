@@ -265,17 +265,17 @@ def make_graphed_callables(
     restore = [(fn, fn.__dict__.get("forward")) for fn in callables if isinstance(fn, torch.nn.Module) and _order is None]
     session = Session(impls, restore)
 
-    def wrap(k, m, replace_forward):
+    def wrap(k, m):
         fn = callables[k]
         module = fn if isinstance(fn, torch.nn.Module) else None
         eager = fn.forward if module is not None else fn
         return GraphedCallable(graphs[k][m], bindings[k], outputs[k], module, training, eager, session)
 
     if schedule is not None:
-        return tuple(wrap(k, m, False) for k, m in entries)
+        return tuple(wrap(k, m) for k, m in entries)
     results = []
     for k, fn in enumerate(callables):
-        g = wrap(k, 0, True)
+        g = wrap(k, 0)
         if isinstance(fn, torch.nn.Module):
             fn.forward = g
             fn.reset = session.reset
