@@ -1,21 +1,23 @@
-"""graphed against torch.cuda.make_graphed_callables, on a GPU: the PyTorch
-issue 181723 reproduction, training equality, and step times. Writes a
-markdown report (docs/pytorch.md is this report, committed).
+"""graphed.torch against torch.cuda.make_graphed_callables, on a GPU, every
+variant in this process: the PyTorch issue 181723 reproduction, training
+equality, step times, the host time of one graphed layer call, and
+Transformer Engine's interleaved pipeline scenario. Writes the markdown
+report that docs/pytorch.md is made from. Needs the graphed package
+installed (python/README.md).
 
     python3 examples/torch_extension/compare.py --out report.md [--commit SHA]
 """
 import argparse
 import copy
 import datetime
-import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import graphed_torch  # noqa: E402  (builds the extension on first import)
+import graphed.torch as gt
 
 DEV = torch.device("cuda")
 lines = []
@@ -39,7 +41,7 @@ def torch_graph(mods, args):
 
 def ours(clones):
     def graph(mods, args):
-        return graphed_torch.make_graphed_callables(mods, args, clone_param_grads_on_return=clones)
+        return gt.make_graphed_callables(mods, args, clone_param_grads_on_return=clones)
 
     return graph
 
@@ -49,6 +51,12 @@ VARIANTS = [
     ("graphed (default: owned clones)", ours(True)),
     ("graphed (opt-out: aliases)", ours(False)),
 ]
+
+
+def reset(graphed):
+    for g in graphed if isinstance(graphed, (list, tuple)) else [graphed]:
+        if "reset" in getattr(g, "__dict__", {}):  # graphed.torch's modules; torch's have none
+            g.reset()
 
 
 def rel(a, b):
@@ -81,7 +89,6 @@ def issue_181723(h=1024, b=64):
     for name, graph in VARIANTS:
         lin = copy.deepcopy(base)
         g = graph(lin, (torch.randn(b, h, device=DEV),))
-        # (a) retained grad
         g(x1).sum().backward()
         kept = lin.weight.grad
         kept_then = kept.clone()
@@ -90,13 +97,13 @@ def issue_181723(h=1024, b=64):
         torch.cuda.synchronize()
         intact = torch.equal(kept, kept_then)
         shares = kept.data_ptr() == lin.weight.grad.data_ptr()
-        # (b) accumulation without zeroing
         lin.weight.grad = None
         g(x1).sum().backward()
         g(x2).sum().backward()
         err = rel(lin.weight.grad, g1 + g2)
         results[name] = (intact, err)
         say(f"| {name} | {'yes' if intact else '**no**'} | {'**yes**' if shares else 'no'} | {err:.3g} |")
+        reset(g)
     say()
     t_intact, t_err = results[VARIANTS[0][0]]
     o_intact, o_err = results[VARIANTS[1][0]]
@@ -122,16 +129,14 @@ def make_mlp(h, depth, dtype, seed):
 
 
 def sample_args(h, b, depth, dtype):
-    return tuple(
-        (torch.randn(b, h, device=DEV, dtype=dtype, requires_grad=i > 0),) for i in range(depth)
-    )
+    return tuple((torch.randn(b, h, device=DEV, dtype=dtype, requires_grad=i > 0),) for i in range(depth))
 
 
 def step(layers, opt, x, t):
     opt.zero_grad(set_to_none=True)
     y = x
-    for l in layers:
-        y = l(y)
+    for layer in layers:
+        y = layer(y)
     loss = nn.functional.mse_loss(y, t)
     loss.backward()
     opt.step()
@@ -139,7 +144,7 @@ def step(layers, opt, x, t):
 
 
 def params(layers):
-    return [p for l in layers for p in l.parameters()]
+    return [p for layer in layers for p in layer.parameters()]
 
 
 def training(h=512, b=64, depth=4, steps=5):
@@ -158,8 +163,7 @@ def training(h=512, b=64, depth=4, steps=5):
         step(eager, opt, x, t)
     want = params(eager)
     for name, graph in VARIANTS:
-        mods = copy.deepcopy(base)
-        mods = list(graph(tuple(mods), sample_args(h, b, depth, torch.float32)))
+        mods = list(graph(tuple(copy.deepcopy(base)), sample_args(h, b, depth, torch.float32)))
         opt = torch.optim.SGD(params(mods), lr=0.1)
         for x, t in data:
             step(mods, opt, x, t)
@@ -169,33 +173,39 @@ def training(h=512, b=64, depth=4, steps=5):
         say(f"| {name} | {'yes' if exact else 'no'} | {diff:.3g} |")
         if name.startswith("graphed"):
             check(exact, f"{name}: training is bit-identical to eager")
+        reset(mods)
     say()
 
 
 # ---- 3. step time ---------------------------------------------------------------------
 
 
-def timed(fn, steps=50, runs=5):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(runs):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps):
+def interleaved(fns, steps, runs, warmup=10):
+    """Device time per call of each fn (CUDA events), runs interleaved across
+    the variants (A B C D, A B C D, ...) so drift hits all alike; medians."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        z.record()
-        z.synchronize()
-        per.append(a.elapsed_time(z) / steps)
-    return statistics.median(per)
+    torch.cuda.synchronize()
+    per = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(steps):
+                fn()
+            z.record()
+            z.synchronize()
+            per[name].append(a.elapsed_time(z) / steps)
+    return {name: statistics.median(v) for name, v in per.items()}
 
 
-def step_times():
+def step_times(runs=9, steps=50):
     say("## 3. Step time\n")
     say(
-        "Time per training step (zero_grad, forward, MSE loss, backward, SGD step) of a 4-layer MLP, CUDA "
-        "events over 50 steps after 10 warm-up steps, median of 5 runs, every variant in this process.\n"
+        f"Time per training step (zero_grad, forward, MSE loss, backward, SGD step) of a 4-layer MLP, CUDA events "
+        f"over {steps} steps after 10 warm-up steps, median of {runs} runs interleaved across the variants, all in "
+        "this process.\n"
     )
     say("| config | eager (ms) | torch graphed (ms) | graphed CLONE (ms) | graphed ALIAS (ms) | CLONE / torch graphed | CLONE / eager |")
     say("|---|---|---|---|---|---|---|")
@@ -203,36 +213,90 @@ def step_times():
         base = make_mlp(h, 4, dtype, 3)
         x = torch.randn(b, h, device=DEV, dtype=dtype)
         t = torch.randn(b, h, device=DEV, dtype=dtype)
-        res = {}
+        fns, keep = {}, []
         eager = copy.deepcopy(base)
         opt = torch.optim.SGD(params(eager), lr=1e-3)
-        res["eager"] = timed(lambda: step(eager, opt, x, t))
+        fns["eager"] = lambda eager=eager, opt=opt: step(eager, opt, x, t)
         for name, graph in VARIANTS:
             mods = list(graph(tuple(copy.deepcopy(base)), sample_args(h, b, 4, dtype)))
             o = torch.optim.SGD(params(mods), lr=1e-3)
-            res[name] = timed(lambda: step(mods, o, x, t))
-            del mods, o
-            torch.cuda.empty_cache()
+            keep.append(mods)
+            fns[name] = lambda mods=mods, o=o: step(mods, o, x, t)
+        res = interleaved(fns, steps, runs)
         tg, oc, oa = res[VARIANTS[0][0]], res[VARIANTS[1][0]], res[VARIANTS[2][0]]
         cfg = f"H={h} B={b} {'fp32' if dtype == torch.float32 else 'bf16'}"
         say(f"| {cfg} | {res['eager']:.3f} | {tg:.3f} | {oc:.3f} | {oa:.3f} | {oc / tg:.2f}x | {oc / res['eager']:.2f}x |")
         print(f"step times {cfg}: {res}", flush=True)
+        for mods in keep:
+            reset(mods)
+        del keep, fns
+        torch.cuda.empty_cache()
     say()
 
 
-# ---- 4. interleaved pipeline schedule ---------------------------------------------------
+# ---- 4. host time of one graphed layer call ------------------------------------------
+
+
+def host_time(runs=9, calls=2000, h=64, b=16):
+    say("## 4. Host time of one layer call\n")
+    say(
+        f"Host time per forward and backward of one `nn.Linear({h}, {h})` (batch {b}, fp32) through autograd: "
+        f"`y = layer(x); y.backward(g)`, {calls} calls per run, median of {runs} runs interleaved across the "
+        "variants (wall-clock; the device work is a few microseconds, so the host is the bottleneck).\n"
+    )
+    say("| variant | host time per call, forward + backward (µs) | against torch graphed |")
+    say("|---|---|---|")
+    torch.manual_seed(0)
+    base = nn.Linear(h, h).to(DEV)
+    x = torch.randn(b, h, device=DEV, requires_grad=True)
+    g = torch.randn(b, h, device=DEV)
+    layers = {"eager": copy.deepcopy(base)}
+    for name, graph in VARIANTS:
+        layers[name] = graph(copy.deepcopy(base), (torch.randn(b, h, device=DEV, requires_grad=True),))
+
+    def call(layer):
+        layer(x).backward(g)
+
+    for layer in layers.values():
+        for _ in range(50):
+            call(layer)
+    torch.cuda.synchronize()
+    per = {name: [] for name in layers}
+    for _ in range(runs):
+        for name, layer in layers.items():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call(layer)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            per[name].append((t1 - t0) / calls * 1e6)
+    res = {name: statistics.median(v) for name, v in per.items()}
+    tg = res[VARIANTS[0][0]]
+    for name, us in res.items():
+        say(f"| {name} | {us:.1f} | {us / tg:.2f}x |")
+    say()
+    for name, layer in layers.items():
+        if name != "eager":
+            reset(layer)
+    return res
+
+
+# ---- 5. interleaved pipeline schedule ---------------------------------------------------
 
 TE_ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 
 
-def run_schedule(fwd, params, data, lr=0.1):
+def run_schedule(fwd, params_, data, lr=0.1):
     """Training iterations following TE_ORDER, as Megatron drives them: chunk
     1's input is chunk 0's output, detached (it arrives from another pipeline
     stage); chunk 0's backward takes the grad of that input. fwd[c][m] runs
     chunk c for microbatch m. Returns every forward output and the final
     parameters."""
     outputs = []
-    opt = torch.optim.SGD(params, lr=lr)
+    opt = torch.optim.SGD(params_, lr=lr)
     for xs, dys in data:
         opt.zero_grad(set_to_none=True)
         nf, nb, link, out = [0, 0], [0, 0], {}, {}
@@ -251,19 +315,20 @@ def run_schedule(fwd, params, data, lr=0.1):
                 nb[c] += 1
                 out[(c, m)].backward(dys[m] if c == 1 else link[m].grad)
         opt.step()
-    return outputs, [p.detach().clone() for p in params]
+    return outputs, [p.detach().clone() for p in params_]
 
 
 def pipeline(h=64, b=16, iters=3):
-    say("## 4. Interleaved pipeline schedule (Transformer Engine's scenario)\n")
+    say("## 5. Interleaved pipeline schedule (Transformer Engine's scenario)\n")
     say(
         f"2 chunks of one `nn.Linear({h}, {h})`, 3 microbatches, order `{', '.join(map(str, TE_ORDER))}`, batch {b}, "
         f"{iters} SGD steps, driven as Megatron does (chunk 1's input is chunk 0's output, detached); graphed with "
         "`_order` and, or not, `_reuse_graph_input_output_buffers`, with and without clones. Every forward output "
-        "and the final weights against eager.\n"
+        "and the final weights against eager; memory held by the graphs: graphed's static buffers, and PyTorch "
+        "memory (outputs, grads, saved tensors in the graphs' pool) after capture.\n"
     )
-    say("| dtype | clones | reuse | outputs bit-identical | final weights bit-identical | graphed static bytes (without reuse) |")
-    say("|---|---|---|---|---|---|")
+    say("| dtype | clones | reuse | outputs bit-identical | final weights bit-identical | graphed static bytes (without reuse) | PyTorch bytes held |")
+    say("|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.float16):
         torch.manual_seed(5)
         base = [nn.Linear(h, h).to(DEV, dtype) for _ in range(2)]
@@ -277,11 +342,16 @@ def pipeline(h=64, b=16, iters=3):
         for clones in (True, False):
             for reuse in (False, True):
                 mods = copy.deepcopy(base)
-                samples = [(torch.randn(b, h, device=DEV, dtype=dtype, requires_grad=c == 1),) for c in (0, 1) for _ in range(3)]
-                g = graphed_torch.make_graphed_callables(
-                    tuple(mods), tuple(samples), _order=TE_ORDER, _reuse_graph_input_output_buffers=reuse,
+                samples = tuple((torch.randn(b, h, device=DEV, dtype=dtype, requires_grad=c == 1),)
+                                for c in (0, 1) for _ in range(3))
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                g = gt.make_graphed_callables(
+                    tuple(mods), samples, _order=TE_ORDER, _reuse_graph_input_output_buffers=reuse,
                     clone_param_grads_on_return=clones,
                 )
+                torch.cuda.synchronize()
+                held = torch.cuda.memory_allocated() - before
                 got_out, got_w = run_schedule([list(g[0:3]), list(g[3:6])], params(mods), data)
                 same_out = all(torch.equal(a, c) for a, c in zip(got_out, want_out))
                 same_w = all(torch.equal(a, c) for a, c in zip(got_w, want_w))
@@ -289,32 +359,32 @@ def pipeline(h=64, b=16, iters=3):
                 name = "fp32" if dtype == torch.float32 else "fp16"
                 say(
                     f"| {name} | {'yes' if clones else 'no'} | {'yes' if reuse else 'no'} | {'yes' if same_out else 'no'} | "
-                    f"{'yes' if same_w else 'no'} | {st['static_bytes']} ({st['static_bytes_without_reuse']}) |"
+                    f"{'yes' if same_w else 'no'} | {st['static_bytes']} ({st['static_bytes_without_reuse']}) | {held} |"
                 )
                 check(len(got_out) == len(want_out) and same_w and same_out, f"pipeline {name} clones={clones} reuse={reuse}")
+                g[0].reset()
                 del g, mods
     say()
-    say(
-        "graphed's static bytes count its own buffers (the static inputs and grad-outputs); outputs and grads are "
-        "PyTorch tensors in the session's private pool (external buffers).\n"
-    )
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="pytorch-report.md")
-    ap.add_argument("--commit", default=os.environ.get("GRAPHED_COMMIT", "unknown"))
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--only", default="", help="comma-separated sections (181723,training,steps,host,pipeline)")
     a = ap.parse_args()
+    sections = {
+        "181723": issue_181723, "training": training, "steps": step_times, "host": host_time, "pipeline": pipeline,
+    }
+    chosen = [s for s in a.only.split(",") if s] or list(sections)
     say("# graphed and PyTorch, side by side\n")
     say(
         f"Commit {a.commit}, {datetime.date.today().isoformat()}, {torch.cuda.get_device_name()} with PyTorch "
-        f"{torch.__version__} (CUDA {torch.version.cuda}). Produced by `examples/torch_extension/compare.py`; "
-        "every variant runs in the same process.\n"
+        f"{torch.__version__} (CUDA {torch.version.cuda}). Produced by `examples/torch_extension/compare.py` with the "
+        "graphed package (`python/`); every variant runs in the same process.\n"
     )
-    issue_181723()
-    training()
-    step_times()
-    pipeline()
+    for name in chosen:
+        sections[name]()
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     if failures:

@@ -1,0 +1,255 @@
+// The Python extension graphed._torch_ext: the C++ adapter (graphed_torch.h)
+// for Python callables. graphed/torch/_make.py prepares the callables
+// (argument flattening, hooks, Transformer Engine's options) and calls
+// make(); replays go through GraphedCallable.replay. Python callables are
+// called from graphed's callbacks with the GIL taken, on whichever thread
+// runs them.
+#include <torch/csrc/Generator.h>
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include <dlfcn.h>
+
+#include "graphed_torch.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// A Python object that may be released on any thread: the GIL is taken then.
+std::shared_ptr<py::object> hold(py::object o) {
+    return std::shared_ptr<py::object>(new py::object(std::move(o)), [](py::object* p) {
+        py::gil_scoped_acquire gil;
+        delete p;
+    });
+}
+
+at::Tensor tensor_of(py::handle h, const std::string& what) {
+    if (!THPVariable_Check(h.ptr()))
+        throw py::type_error(what + " must be a tensor, not " + std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    return THPVariable_Unpack(h.ptr());
+}
+
+std::vector<at::Tensor> tensors_of(py::handle seq, const std::string& what) {
+    std::vector<at::Tensor> v;
+    size_t i = 0;
+    for (py::handle h : seq) v.push_back(tensor_of(h, what + "[" + std::to_string(i++) + "]"));
+    return v;
+}
+
+py::object list_or_none(const std::vector<at::Tensor>* v) {
+    if (!v) return py::none();
+    py::list l;
+    for (const at::Tensor& t : *v) l.append(t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::none());
+    return std::move(l);
+}
+
+template <class T>
+T get(const py::dict& d, const char* key, T fallback) {
+    return d.contains(key) && !d[key].is_none() ? d[key].cast<T>() : fallback;
+}
+
+graphed_torch::CallableSpec spec_of(const py::dict& d) {
+    graphed_torch::CallableSpec s;
+    s.name = d["name"].cast<std::string>();
+    auto fwd = hold(d["forward"]);
+    s.forward = [fwd](const std::vector<at::Tensor>& ins) {
+        py::gil_scoped_acquire gil;
+        py::list args;
+        for (const at::Tensor& t : ins) args.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+        return tensors_of((*fwd)(args), "output");
+    };
+    s.sample_inputs = tensors_of(d["samples"], "sample");
+    s.input_names = get<std::vector<std::string>>(d, "input_names", {});
+    s.params = tensors_of(d["params"], "parameter");
+    s.param_names = get<std::vector<std::string>>(d, "param_names", {});
+    s.param_flags = get<std::vector<uint32_t>>(d, "param_flags", {});
+    if (d.contains("hook") && !d["hook"].is_none()) {
+        auto hook = hold(d["hook"]);
+        s.hook = [hook](const graphed_torch::HookEvent& e) {
+            py::gil_scoped_acquire gil;
+            (*hook)(e.before, uint32_t(e.pass), e.capture, e.microbatch, list_or_none(e.inputs), list_or_none(e.outputs),
+                    list_or_none(e.grad_outputs), list_or_none(e.grads));
+        };
+    }
+    return s;
+}
+
+std::function<void()> callback_of(const py::dict& d, const char* key) {
+    if (!d.contains(key) || d[key].is_none()) return {};
+    auto fn = hold(d[key]);
+    return [fn] {
+        py::gil_scoped_acquire gil;
+        (*fn)();
+    };
+}
+
+std::vector<graphed_schedule_step> steps_of(const std::vector<std::pair<uint32_t, uint32_t>>& steps) {
+    std::vector<graphed_schedule_step> v;
+    for (auto [pass, chunk] : steps) v.push_back({pass, chunk});
+    return v;
+}
+
+graphed_torch::Options options_of(const py::dict& d) {
+    graphed_torch::Options o;
+    o.num_warmup_iters = get<int>(d, "num_warmup_iters", 3);
+    o.training = get<bool>(d, "training", true);
+    o.allow_unused_input = get<bool>(d, "allow_unused_input", false);
+    o.retain_graph_in_backward = get<bool>(d, "retain_graph_in_backward", false);
+    o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", true);
+    o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
+    o.strict_leases = get<bool>(d, "strict_leases", false);
+    o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
+    o.layers_per_chunk = get<std::vector<uint32_t>>(d, "layers_per_chunk", {});
+    o.reuse_buffers = get<bool>(d, "reuse_buffers", false);
+    if (d.contains("pool") && !d["pool"].is_none()) {
+        auto p = d["pool"].cast<std::pair<unsigned long long, unsigned long long>>();
+        o.pool = c10::MempoolId_t{p.first, p.second};
+    }
+    if (d.contains("capture_stream") && !d["capture_stream"].is_none()) {
+        auto [ptr, device] = d["capture_stream"].cast<std::pair<uintptr_t, int>>();
+        o.capture_stream = c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(ptr), c10::DeviceIndex(device));
+    }
+    if (d.contains("generators"))
+        for (py::handle g : d["generators"]) {
+            if (!THPGenerator_Check(g.ptr())) throw py::type_error("generators must be torch.Generator objects");
+            o.generators.push_back(reinterpret_cast<THPGenerator*>(g.ptr())->cdata);
+        }
+    o.pre_warmup_hook = callback_of(d, "pre_warmup_hook");
+    o.post_warmup_hook = callback_of(d, "post_warmup_hook");
+    return o;
+}
+
+// One tuple of sample inputs per callable. Returns, per callable, its graphs
+// for every microbatch: result[callable][microbatch].
+py::list make(py::list specs, py::dict options) {
+    std::vector<graphed_torch::CallableSpec> v;
+    for (py::handle h : specs) v.push_back(spec_of(h.cast<py::dict>()));
+    graphed_torch::Options o = options_of(options);
+    std::vector<graphed_torch::GraphedCallable> out;
+    {
+        // Warmup and capture call back into Python, which takes the GIL
+        // itself; the autograd engine's threads may need it too.
+        py::gil_scoped_release nogil;
+        out = graphed_torch::make_graphed_callables(std::move(v), o);
+    }
+    py::list result;
+    for (auto& g : out) {
+        py::list per_microbatch;
+        for (uint32_t m = 0; m < g.microbatches(); ++m) per_microbatch.append(py::cast(g.for_microbatch(m)));
+        result.append(per_microbatch);
+    }
+    return result;
+}
+
+py::list replay(const graphed_torch::GraphedCallable& g, py::sequence inputs, py::object stream, py::object event) {
+    std::vector<at::Tensor> ins;
+    ins.reserve(py::len(inputs));
+    size_t i = 0;
+    for (py::handle h : inputs) {
+        if (!THPVariable_Check(h.ptr()))
+            throw py::type_error("graphed callable: " + g.input_name(i) + " must be a tensor, not " +
+                                 std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+        ins.push_back(THPVariable_Unpack(h.ptr()));
+        ++i;
+    }
+    graphed_torch::ReplayOn on;
+    if (!stream.is_none()) {
+        auto [ptr, device] = stream.cast<std::pair<uintptr_t, int>>();
+        on.stream = c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(ptr), c10::DeviceIndex(device));
+    }
+    if (!event.is_none()) on.join_event = reinterpret_cast<cudaEvent_t>(event.cast<uintptr_t>());
+    std::vector<at::Tensor> outs = g(ins, on);
+    py::list l;
+    for (at::Tensor& t : outs) l.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))));
+    return l;
+}
+
+py::dict stats_of(const graphed_torch::GraphedCallable& g) {
+    graphed_session_stats st = g.stats();
+    py::dict d;
+    d["static_bytes"] = st.static_bytes;
+    d["static_bytes_without_reuse"] = st.static_bytes_without_reuse;
+    d["peak_live_bytes"] = st.peak_live_bytes;
+    d["scratch_bytes"] = st.scratch_bytes;
+    d["clone_bytes_outstanding"] = st.clone_bytes_outstanding;
+    d["clone_blocks_outstanding"] = st.clone_blocks_outstanding;
+    d["leases_held"] = st.leases_held;
+    d["graph_count"] = st.graph_count;
+    d["microbatches"] = st.microbatches;
+    d["captured"] = bool(st.captured);
+    return d;
+}
+
+std::string library_path() {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void*>(&graphed_version), &info) && info.dli_fname) return info.dli_fname;
+    return "";
+}
+
+py::dict driver() {
+    py::dict d;
+    int32_t version = 0;
+    graphed_status s = graphed_driver_version(&version);
+    d["driver_cuda_version"] = s == GRAPHED_STATUS_OK ? py::cast(version) : py::none();
+    uint32_t count = 0;
+    graphed_status c = graphed_device_count(&count);
+    d["device_count"] = c == GRAPHED_STATUS_OK ? count : 0u;
+    d["status"] = graphed_status_name(c == GRAPHED_STATUS_OK ? s : c);
+    d["message"] = c == GRAPHED_STATUS_OK && s == GRAPHED_STATUS_OK ? "" : graphed_last_error_message();
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_torch_ext, m) {
+    m.doc() = "graphed for PyTorch: the C++ adapter over graphed's C API (use graphed.torch)";
+    if (graphed_torch::library_version() != graphed_torch::header_version())
+        throw py::import_error("graphed: the loaded libgraphed.so is version " + graphed_torch::library_version() +
+                               " (" + library_path() + ") but this extension was built against the header of " +
+                               graphed_torch::header_version() + "; reinstall the package");
+
+    static py::object alias_held = py::module_::import("graphed.torch._errors").attr("AliasHeldError");
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const graphed_torch::AliasHeld& e) {
+            PyErr_SetString(alias_held.ptr(), e.what());
+        }
+    });
+
+    py::class_<graphed_torch::GraphedCallable>(m, "GraphedCallable")
+        .def("replay", &replay, py::arg("inputs"), py::arg("stream") = py::none(), py::arg("event") = py::none())
+        .def("backward_dw", &graphed_torch::GraphedCallable::backward_dw, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("has_backward_dw", &graphed_torch::GraphedCallable::has_backward_dw)
+        .def("reset", &graphed_torch::GraphedCallable::reset, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("is_reset", &graphed_torch::GraphedCallable::is_reset)
+        .def_property_readonly("microbatches", &graphed_torch::GraphedCallable::microbatches)
+        .def("session_stats", &stats_of);
+    m.def("make", &make, py::arg("specs"), py::arg("options"));
+    m.def(
+        "pass_order",
+        [](size_t n, const std::vector<std::pair<uint32_t, uint32_t>>& steps, const std::vector<uint32_t>& layers) {
+            std::vector<std::tuple<uint32_t, uint32_t, uint32_t>> v;
+            for (auto& p : graphed_torch::pass_order(n, steps_of(steps), layers))
+                v.emplace_back(p.callable, p.microbatch, uint32_t(p.pass));
+            return v;
+        },
+        "The passes of one iteration in capture order: (callable, microbatch, pass).");
+    m.def(
+        "reuse_releases",
+        [](size_t n, const std::vector<std::pair<uint32_t, uint32_t>>& steps, const std::vector<uint32_t>& layers) {
+            std::vector<std::vector<std::tuple<uint32_t, uint32_t, uint32_t>>> v;
+            for (auto& rs : graphed_torch::reuse_releases(n, steps_of(steps), layers)) {
+                v.emplace_back();
+                for (auto& r : rs) v.back().emplace_back(r.callable, r.microbatch, r.role);
+            }
+            return v;
+        },
+        "With buffer reuse: what each captured pass lets go of: (callable, microbatch, graphed_buffer_role).");
+    m.def("library_version", &graphed_torch::library_version);
+    m.def("header_version", &graphed_torch::header_version);
+    m.def("library_path", &library_path);
+    m.def("driver", &driver);
+}

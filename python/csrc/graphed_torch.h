@@ -1,0 +1,209 @@
+// graphed for libtorch: make_graphed_callables for functions of tensors (a
+// module's forward), shared by the Python package (graphed.torch) and by
+// libtorch programs. This file and graphed_torch.cpp are the only places
+// that call graphed's C API (include/graphed.h).
+//
+// Forward and backward run as libtorch ops inside graphed's callbacks, on one
+// long-lived work stream joined to graphed's capture stream, with PyTorch's
+// caching allocator routed into a private pool during each capture (as
+// at::cuda::CUDAGraph does) and PyTorch's CUDA generators made graph-safe
+// around each capture and replay. Outputs and grads stay PyTorch tensors
+// (graphed's external buffers); replays plug into autograd through a custom
+// node, so `loss.backward()` and `param.grad` accumulation behave as in eager
+// PyTorch. Parameter grads are owned clones unless the caller opts out.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <graphed.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace graphed_torch {
+
+// A function of tensors to graph: a module's forward, flattened.
+using ForwardFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+enum class Pass : uint32_t { Forward = GRAPHED_PASS_FORWARD, Backward = GRAPHED_PASS_BACKWARD, Wgrad = GRAPHED_PASS_WGRAD };
+
+// What a hook sees. Hooks run outside capture, before (`before`) and after
+// every pass of warmup and capture, never during replay. Pointers are valid
+// during the call only; NULL where the pass has no such tensors.
+struct HookEvent {
+    bool before = true;
+    Pass pass = Pass::Forward;
+    bool capture = false;  // false: an eager warmup pass
+    uint32_t microbatch = 0;
+    // Forward: the inputs the forward receives (before and after).
+    const std::vector<at::Tensor>* inputs = nullptr;
+    // Forward, after: what it returned.
+    const std::vector<at::Tensor>* outputs = nullptr;
+    // Backward (before and after): the grads of the outputs (undefined for
+    // outputs without grad).
+    const std::vector<at::Tensor>* grad_outputs = nullptr;
+    // Backward, after: the grads of the inputs, then of the parameters
+    // (undefined where none).
+    const std::vector<at::Tensor>* grads = nullptr;
+};
+using Hook = std::function<void(const HookEvent&)>;
+
+struct CallableSpec {
+    std::string name;
+    ForwardFn forward;
+    // Sample inputs (shape, dtype, device, requires_grad, and the data warmup uses).
+    std::vector<at::Tensor> sample_inputs;
+    // Names used in messages ("input 0" when empty).
+    std::vector<std::string> input_names;
+    // The parameters the forward uses; those with requires_grad that get a
+    // grad in the first warmup iteration get grads.
+    std::vector<at::Tensor> params;
+    std::vector<std::string> param_names;
+    // graphed_param_flags per parameter (DELAYED_WGRAD for Transformer
+    // Engine's skip_backward_post_hook); empty: none. Read once, here.
+    std::vector<uint32_t> param_flags;
+    // Optional hook around every pass of this callable (Transformer
+    // Engine's capture_time_hooks).
+    Hook hook;
+};
+
+struct Options {
+    // Eager iterations before capture. The first one is run by the adapter
+    // itself, to learn the outputs and which inputs and parameters get
+    // grads; one runs even when this is 0.
+    int num_warmup_iters = 3;
+    // False: graph forwards only (modules in eval mode): no grads.
+    bool training = true;
+    // False: an input that requires grad but gets none is an error.
+    bool allow_unused_input = false;
+    // Keep the autograd graph of each capture's forward after its backward.
+    bool retain_graph_in_backward = false;
+    // Parameter grads as owned clones (the default) or aliases of static
+    // buffers that the next backward replay overwrites (opt-out).
+    bool clone_param_grads_on_return = true;
+    // Clones from PyTorch's caching allocator (counted by
+    // torch.cuda.memory_allocated) instead of graphed's own pool.
+    bool clones_from_torch_allocator = true;
+    // A replay that would overwrite an alias still held (an output, an input
+    // grad, an aliased parameter grad) throws AliasHeld instead.
+    bool strict_leases = false;
+    // Optional interleaved pipeline schedule (docs/pipeline.md), and the
+    // layers of each chunk (empty: split evenly). The callables are the
+    // layers, in chunk order. Chunks with weight-grad steps get delayed
+    // weight-gradient graphs (backward_dw).
+    std::vector<graphed_schedule_step> schedule;
+    std::vector<uint32_t> layers_per_chunk;
+    // Share memory between buffers whose lifetimes do not overlap (needs a
+    // schedule): graphed's own static buffers by its planner, and outputs,
+    // input grads and cloned parameter grads released once consumed, with
+    // Transformer Engine's rules.
+    bool reuse_buffers = false;
+    // PyTorch graph memory pool to capture into (shared with other captures
+    // that name it); default: a new one.
+    std::optional<c10::MempoolId_t> pool;
+    // Stream the passes run on during warmup and capture (default: one per
+    // device for the process, so cuBLAS keeps one workspace for it).
+    std::optional<c10::cuda::CUDAStream> capture_stream;
+    // CUDA generators, besides the device's default one, whose random
+    // numbers are drawn graph-safely (fresh at every replay).
+    std::vector<at::Generator> generators;
+    // Called once before the first warmup iteration and once after the last.
+    std::function<void()> pre_warmup_hook;
+    std::function<void()> post_warmup_hook;
+};
+
+// A replay would overwrite an alias still held (strict leases). The message
+// names the callable, the slot and the tensors of it still alive.
+class AliasHeld : public std::runtime_error {
+  public:
+    using std::runtime_error::runtime_error;
+};
+
+// Where a replay runs. Default: the current stream. With `stream` (another
+// stream), the replay runs there after it waited for the current stream; the
+// current stream then waits for the whole replay, or, for a forward given
+// `join_event`, only for that event (Transformer Engine's cuda_graph_stream
+// and cuda_graph_event).
+struct ReplayOn {
+    std::optional<c10::cuda::CUDAStream> stream;
+    cudaEvent_t join_event = nullptr;
+};
+
+struct Shared;
+
+// One graphed callable (one microbatch of it, with a schedule): call it like
+// the function it replaces.
+class GraphedCallable {
+  public:
+    GraphedCallable(std::shared_ptr<Shared> shared, size_t index, uint32_t microbatch = 0)
+        : shared_(std::move(shared)), index_(index), microbatch_(microbatch) {}
+    // Checks `inputs` against the samples (count, shape, dtype, device,
+    // requires_grad: std::invalid_argument naming the input and both values),
+    // replays the forward graph and returns the outputs (aliases of static
+    // buffers), wired into autograd.
+    std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& inputs, const ReplayOn& on = {}) const;
+    // Replays the delayed weight-gradient graph of this microbatch and
+    // accumulates the parameter grads into `param.grad`; a no-op for
+    // callables without one.
+    void backward_dw() const;
+    bool has_backward_dw() const;
+    // Frees the session's graphs and buffers (every callable of the same
+    // make_graphed_callables call). Idempotent; replays then throw.
+    void reset() const;
+    bool is_reset() const;
+    const std::vector<at::Tensor>& params() const;
+    // The name of input i in messages.
+    std::string input_name(size_t i) const;
+    // The same callable's graphs for another microbatch of the schedule.
+    GraphedCallable for_microbatch(uint32_t microbatch) const;
+    uint32_t microbatches() const;
+    // The session's memory and graph figures (graphed's accounting).
+    graphed_session_stats stats() const;
+
+  private:
+    std::shared_ptr<Shared> shared_;
+    size_t index_;
+    uint32_t microbatch_;
+};
+
+// Warms up and captures every callable into one graphed session sharing one
+// private memory pool; throws std::runtime_error with graphed's message (and
+// the callbacks' errors). Returns the callables' graphs for microbatch 0
+// (for_microbatch gives the others).
+std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& options = {});
+
+// The passes of one iteration in warmup and capture order: (callable,
+// microbatch, pass). The same order graphed derives from the schedule.
+struct PassRef {
+    uint32_t callable;
+    uint32_t microbatch;
+    Pass pass;
+};
+std::vector<PassRef> pass_order(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
+                                const std::vector<uint32_t>& layers_per_chunk);
+
+// With buffer reuse: what each captured pass lets go of (Transformer
+// Engine's rules): after a backward, its outputs, its cloned parameter
+// grads (unless a weight-grad pass follows) and the input grads of the
+// backward before it in the same step; at the first layer of a step, the
+// first layer's input grads of the previous step; after a weight-grad
+// pass, its cloned parameter grads.
+struct Release {
+    uint32_t callable;
+    uint32_t microbatch;
+    uint32_t role;  // GRAPHED_BUFFER_ROLE_OUTPUT, _GRAD_INPUT or _PARAM_GRADS (cloned ones)
+};
+// One list per entry of pass_order(num_callables, schedule, layers_per_chunk).
+std::vector<std::vector<Release>> reuse_releases(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
+                                                 const std::vector<uint32_t>& layers_per_chunk);
+
+// The loaded graphed library's version, and the header's.
+std::string library_version();
+std::string header_version();
+
+}  // namespace graphed_torch

@@ -1,0 +1,42 @@
+"""graphed for PyTorch: make_graphed_callables with safe gradient lifetimes,
+signature-compatible with Transformer Engine's (and torch's).
+
+    import graphed.torch
+    layers = graphed.torch.make_graphed_callables(tuple(layers), sample_args)
+
+Modules come back with their forward replaced by graph replays (plain
+callables come back as graphed callables; with `_order`, one graphed callable
+per sample_args entry), and autograd works as in eager PyTorch. Parameter
+grads are owned clones by default, so a retained or accumulated grad is
+never overwritten by the next replay (PyTorch issue 181723).
+
+`python -m graphed.torch.check` prints versions, the library in use, the
+driver, and runs a one-layer self-test.
+"""
+import importlib
+
+from ._errors import AliasHeldError
+
+# Imported on first use, so that the pure-Python parts (the schedule, hook
+# and option checks) import without torch.
+_LAZY = {
+    "make_graphed_callables": "_make",
+    "graph_pool_handle": "_make",
+    "register_generator": "_rng",
+    "registered_generators": "_rng",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "AliasHeldError",
+    "graph_pool_handle",
+    "make_graphed_callables",
+    "register_generator",
+    "registered_generators",
+]

@@ -1,0 +1,80 @@
+"""What make_graphed_callables returns: graphed callables (for plain
+callables, and one per sample_args entry with `_order`), and modules whose
+forward is one. A call checks the module's training flag (a different one
+runs the module eagerly, as in torch and Transformer Engine), takes
+Transformer Engine's per-call keywords, matches the arguments against the
+capture sample and replays; the extension checks each tensor."""
+
+
+class Session:
+    """The graphs of one make_graphed_callables call (one graphed session)."""
+
+    def __init__(self, impls, restore_modules):
+        self._impls = impls  # any one resets them all
+        self._restore_modules = restore_modules  # (module, previous instance forward or None)
+        self.is_reset = False
+
+    def reset(self):
+        """Frees the graphs and their buffers (every callable of this call).
+        Callables and modules then run eagerly. Outputs, input grads and
+        aliased parameter grads returned before must no longer be used; owned
+        (cloned) grads stay valid."""
+        if self.is_reset:
+            return
+        self._impls[0].reset()
+        self.is_reset = True
+        for module, previous in self._restore_modules:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+            for name in ("reset", "backward_dw", "session_stats"):
+                module.__dict__.pop(name, None)
+
+
+class GraphedCallable:
+    __slots__ = ("_impl", "_binding", "_outputs", "_module", "_training", "_eager", "_session", "__weakref__")
+
+    def __init__(self, impl, binding, outputs, module, training, eager, session):
+        self._impl = impl
+        self._binding = binding
+        self._outputs = outputs
+        self._module = module
+        self._training = training
+        self._eager = eager
+        self._session = session
+
+    def __call__(self, *args, **kwargs):
+        stream = event = None
+        if kwargs:
+            stream = kwargs.pop("cuda_graph_stream", None)
+            event = kwargs.pop("cuda_graph_event", None)
+            kwargs.pop("is_first_microbatch", None)  # FP8 weight caching only
+        module = self._module
+        if self._session.is_reset or (module is not None and module.training != self._training):
+            return self._eager(*args, **kwargs)
+        flat = args if self._binding.simple and not kwargs else self._binding.match(args, kwargs)
+        if stream is not None:
+            stream = (stream.cuda_stream, stream.device_index)
+            event = None if event is None else event.cuda_event
+        return self._outputs.unflatten(self._impl.replay(flat, stream, event))
+
+    def backward_dw(self):
+        """Replays the delayed weight-gradient graph of this callable (and
+        microbatch) and accumulates its parameter grads into `param.grad`; a
+        no-op for callables without weight-grad steps in `_order`."""
+        self._impl.backward_dw()
+
+    def reset(self):
+        self._session.reset()
+
+    def session_stats(self):
+        """graphed's memory and graph figures for the session."""
+        return self._impl.session_stats()
+
+    @property
+    def training(self):
+        return self._training
+
+    def __repr__(self):
+        return f"<graphed callable {self._outputs.name}{' (reset)' if self._session.is_reset else ''}>"

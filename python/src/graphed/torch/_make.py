@@ -1,0 +1,287 @@
+"""make_graphed_callables: Transformer Engine's signature (and torch's),
+graphed underneath. Checks the arguments as Transformer Engine does,
+flattens each callable's arguments, prepares hooks and generators, and hands
+everything to the extension, which warms up and captures through graphed."""
+import gc
+
+import torch
+
+from . import _hooks, _options, _rng
+from ._binding import Binding, Outputs
+from ._callable import GraphedCallable, Session
+from ._schedule import from_order
+
+DELAYED_WGRAD = 1  # GRAPHED_PARAM_FLAGS_DELAYED_WGRAD
+
+
+def extension():
+    """The compiled extension, or an ImportError that says how to build it."""
+    try:
+        from graphed import _torch_ext
+    except ImportError as e:
+        raise ImportError(
+            "graphed.torch needs its compiled extension (graphed._torch_ext), which failed to import: "
+            f"{e}. Install the package with `pip install --no-build-isolation <graphed>/python` "
+            "(set GRAPHED_PREBUILT_LIBRARY on machines without Rust); see python/README.md"
+        ) from e
+    return _torch_ext
+
+
+def graph_pool_handle():
+    """A new graph memory pool id, to share between make_graphed_callables
+    calls (and torch.cuda.graph captures) through `pool`."""
+    return torch.cuda.graph_pool_handle()
+
+
+def _pool_id(pool):
+    if pool is None:
+        return None
+    pool = getattr(pool, "id", pool)  # torch.cuda.MemPool
+    if not (isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)):
+        raise TypeError(f"pool must come from graph_pool_handle() (a pair of ints), not {pool!r}")
+    return pool
+
+
+def _looks_like_pool(value):
+    return isinstance(value, tuple) and len(value) == 2 and all(isinstance(x, int) for x in value)
+
+
+def _module_checks(fn):
+    if not isinstance(fn, torch.nn.Module):
+        return
+    if fn._backward_hooks or fn._backward_pre_hooks or fn._forward_hooks or fn._forward_pre_hooks:
+        raise RuntimeError(
+            "Modules must not have hooks registered at the time they are passed. However, registering hooks on "
+            "modules after passing them through make_graphed_callables is allowed. If you need hooks during "
+            "capture, pass them with capture_time_hooks so they run outside CUDA graph capture and are not replayed."
+        )
+    if any(b.requires_grad for b in fn.buffers()):
+        raise RuntimeError(
+            "In any torch.nn.Module passed to make_graphed_callables, only parameters may be trainable. "
+            "All buffers must have requires_grad=False."
+        )
+
+
+def _device_of(bindings, callables):
+    for b in bindings:
+        for t in b.samples:
+            if t.is_cuda:
+                return t.device
+    for fn in callables:
+        if isinstance(fn, torch.nn.Module):
+            for p in fn.parameters():
+                if p.is_cuda:
+                    return p.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def make_graphed_callables(
+    modules,
+    sample_args,
+    num_warmup_iters=3,
+    allow_unused_input=False,
+    sample_kwargs=None,
+    fp8_enabled=None,
+    fp8_calibrating=None,
+    fp8_recipe=None,
+    fp8_group=None,
+    fp8_weight_caching=None,
+    enabled=None,
+    calibrating=None,
+    recipe=None,
+    amax_reduction_group=None,
+    cache_quantized_params=None,
+    _order=None,
+    _num_layers_per_chunk=None,
+    pool=None,
+    retain_graph_in_backward=False,
+    _reuse_graph_input_output_buffers=False,
+    clone_param_grads_on_return=True,
+    pre_warmup_hook=None,
+    post_warmup_hook=None,
+    capture_time_hooks=None,
+    capture_stream=None,
+    *,
+    _clone_param_grads_on_return=None,
+    strict_leases=False,
+    clones_from_torch_allocator=True,
+    generators=None,
+):
+    """Graphs `modules` (a module or callable, or a tuple of them), each
+    with its sample positional args and keyword args; returns what it was
+    given, graphed (Transformer Engine's and torch's make_graphed_callables;
+    docs/migration.md lists every argument).
+
+    Differences that matter: parameter grads are owned clones by default
+    (`clone_param_grads_on_return=False` returns aliases of the graph's
+    buffers, as torch does); random numbers are drawn afresh at every replay
+    (the default CUDA generator, those given in `generators` and those
+    registered with register_generator); a call whose tensors differ from
+    the sample in shape, dtype, device or requires_grad raises ValueError
+    naming the argument. graphed's own options: `strict_leases` (a replay
+    that would overwrite an alias still held raises AliasHeldError),
+    `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
+    the default, or graphed's pool), `generators`.
+    """
+    # torch's positional order has `pool` fifth, where Transformer Engine
+    # has sample_kwargs: a pool handle there is taken as the pool.
+    if _looks_like_pool(sample_kwargs) and pool is None:
+        pool, sample_kwargs = sample_kwargs, None
+    if _clone_param_grads_on_return is not None:
+        clone_param_grads_on_return = _clone_param_grads_on_return
+    single = not isinstance(modules, (tuple, list))
+    callables = (modules,) if single else tuple(modules)
+    if single:
+        sample_args = (sample_args,)
+        sample_kwargs = ({} if sample_kwargs is None else sample_kwargs,)
+    else:
+        sample_args = tuple(sample_args)
+        sample_kwargs = tuple({} for _ in sample_args) if sample_kwargs is None else tuple(sample_kwargs)
+    _options.check_fp8(
+        len(callables),
+        fp8_enabled=fp8_enabled, fp8_calibrating=fp8_calibrating, fp8_recipe=fp8_recipe, fp8_group=fp8_group,
+        fp8_weight_caching=fp8_weight_caching, enabled=enabled, calibrating=calibrating, recipe=recipe,
+        amax_reduction_group=amax_reduction_group, cache_quantized_params=cache_quantized_params,
+    )
+    if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
+        raise RuntimeError(
+            "make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`."
+        )
+    if int(num_warmup_iters) < 0:
+        raise ValueError(f"num_warmup_iters must be >= 0, got {num_warmup_iters}")
+
+    modes = [fn.training for fn in callables if isinstance(fn, torch.nn.Module)]
+    training = all(modes)
+    if not training and any(modes):
+        raise RuntimeError(
+            "make_graphed_callables only supports when modules are all in training or all in inference mode."
+        )
+    if _order is None:
+        if len(sample_args) != len(callables):
+            raise ValueError(
+                f"Expected sample_args to have the same length as callables, but got {len(sample_args)} "
+                f"sample_args for {len(callables)} callables"
+            )
+        schedule = None
+        entries = [(k, 0) for k in range(len(callables))]
+    else:
+        schedule = from_order(_order, _num_layers_per_chunk, len(callables), len(sample_args))
+        entries = schedule.entries()
+    if len(sample_kwargs) != len(sample_args):
+        raise ValueError(
+            f"sample_kwargs and sample_args must have the same length, but got {len(sample_kwargs)} sample_kwargs "
+            f"for {len(sample_args)} sample_args"
+        )
+    if _reuse_graph_input_output_buffers:
+        if _order is None:
+            raise ValueError("`_order` must be provided when `_reuse_graph_input_output_buffers` is True.")
+        if not training:
+            raise RuntimeError("`_reuse_graph_input_output_buffers` is only available in training mode.")
+    for fn in callables:
+        _module_checks(fn)
+    hooks = _hooks.canonicalize(len(callables), capture_time_hooks)
+
+    # graphed captures one signature per callable: its first microbatch's.
+    first = {}
+    for idx, (k, m) in enumerate(entries):
+        if m == 0:
+            first[k] = idx
+    bindings = [Binding(sample_args[first[k]], sample_kwargs[first[k]]) for k in range(len(callables))]
+    for idx, (k, m) in enumerate(entries):
+        if m > 0:
+            bindings[k].check_same(sample_args[idx], sample_kwargs[idx], f"sample_args[{idx}]")
+    if not torch.cuda.is_available():
+        raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
+    device = _device_of(bindings, callables)
+
+    names, outputs, specs = [], [], []
+    for k, fn in enumerate(callables):
+        base = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "callable")
+        name = f"{base}_{k}"
+        names.append(name)
+        binding, out = bindings[k], Outputs(f"graphed callable '{name}'")
+        outputs.append(out)
+
+        # A module's own forward, taken now: its forward attribute is replaced below.
+        call = fn.forward if isinstance(fn, torch.nn.Module) else fn
+
+        def forward(flat, call=call, binding=binding, out=out):
+            args, kwargs = binding.unflatten(flat)
+            return out.flatten(call(*args, **kwargs))
+
+        named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
+        hook = None
+        if not _hooks.is_empty(hooks[k]):
+            hook = _hooks.Dispatcher(fn, hooks[k], binding.unflatten, out.unflatten)
+        specs.append(
+            dict(
+                name=name,
+                forward=forward,
+                samples=binding.samples,
+                input_names=binding.names,
+                params=[p for _, p in named],
+                param_names=[n for n, _ in named],
+                # Frozen here: a later change does not move a grad between clone and alias.
+                param_flags=[DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0 for _, p in named],
+                hook=hook,
+            )
+        )
+    if capture_stream is not None:
+        capture_stream = (capture_stream.cuda_stream, capture_stream.device_index)
+    gens = _rng.generators_for(device, generators)
+    options = dict(
+        num_warmup_iters=int(num_warmup_iters),
+        training=training,
+        allow_unused_input=bool(allow_unused_input),
+        retain_graph_in_backward=bool(retain_graph_in_backward),
+        clone_param_grads_on_return=bool(clone_param_grads_on_return),
+        clones_from_torch_allocator=bool(clones_from_torch_allocator),
+        strict_leases=bool(strict_leases),
+        steps=schedule.steps if schedule else [],
+        layers_per_chunk=schedule.layers_per_chunk if schedule else [],
+        reuse_buffers=bool(_reuse_graph_input_output_buffers),
+        pool=_pool_id(pool),
+        capture_stream=capture_stream,
+        generators=gens,
+        pre_warmup_hook=pre_warmup_hook,
+        post_warmup_hook=post_warmup_hook,
+    )
+    ext = extension()
+    # Warmup draws random numbers; the states go back afterwards, so that
+    # graphing does not change what follows. The garbage collector stays off
+    # during capture, where it could free objects that own CUDA work.
+    saved = _rng.save(device, gens)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.device(device):
+            graphs = ext.make(specs, options)
+    finally:
+        if collecting:
+            gc.enable()
+        _rng.restore(saved)
+
+    impls = [g for per_callable in graphs for g in per_callable]
+    restore = [(fn, fn.__dict__.get("forward")) for fn in callables if isinstance(fn, torch.nn.Module) and _order is None]
+    session = Session(impls, restore)
+
+    def wrap(k, m):
+        fn = callables[k]
+        module = fn if isinstance(fn, torch.nn.Module) else None
+        eager = fn.forward if module is not None else fn
+        return GraphedCallable(graphs[k][m], bindings[k], outputs[k], module, training, eager, session)
+
+    if schedule is not None:
+        return tuple(wrap(k, m) for k, m in entries)
+    results = []
+    for k, fn in enumerate(callables):
+        g = wrap(k, 0)
+        if isinstance(fn, torch.nn.Module):
+            fn.forward = g
+            fn.reset = session.reset
+            fn.backward_dw = g.backward_dw
+            fn.session_stats = g.session_stats
+            results.append(fn)
+        else:
+            results.append(g)
+    return results[0] if single else tuple(results)

@@ -1,0 +1,132 @@
+"""Transformer Engine's interleaved pipeline schedule (`_order`,
+`_num_layers_per_chunk`) as graphed's schedule steps, with Transformer
+Engine's checks and messages, and the mapping between its sample_args
+entries and graphed's (callable, microbatch) instances. Pure Python: no torch.
+
+In `_order`, chunks count from 1: `c` is a forward of chunk c, `-c` a
+backward, `-c - 0.5` a delayed weight-gradient step. graphed numbers chunks
+from 0 and writes each step as (pass, chunk).
+"""
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
+FORWARD, BACKWARD, WGRAD = 0, 1, 2
+
+
+class Schedule(NamedTuple):
+    steps: List[Tuple[int, int]]  # (pass, chunk from 0), in order
+    layers_per_chunk: List[int]
+    microbatches: int
+    prefix: List[int]  # first callable of each chunk
+    wgrad_chunks: List[int]  # chunks (from 0) with weight-grad steps
+
+    @property
+    def chunks(self) -> int:
+        return len(self.layers_per_chunk)
+
+    def sample_index(self, chunk: int, microbatch: int, layer: int) -> int:
+        """Index in Transformer Engine's sample_args (and in the tuple it
+        returns) of a layer's forward for one microbatch: chunk by chunk,
+        microbatch by microbatch, layer by layer."""
+        return self.prefix[chunk] * self.microbatches + microbatch * self.layers_per_chunk[chunk] + layer
+
+    def entries(self) -> List[Tuple[int, int]]:
+        """(callable, microbatch) of every sample_args entry, in order."""
+        out = []
+        for c, n in enumerate(self.layers_per_chunk):
+            for m in range(self.microbatches):
+                for l in range(n):
+                    out.append((self.prefix[c] + l, m))
+        return out
+
+
+def _is_wgrad(value) -> bool:
+    return math.ceil(value) != value
+
+
+def from_order(
+    order: Sequence[Union[int, float]],
+    num_layers_per_chunk: Optional[Union[int, Sequence[int]]],
+    num_callables: int,
+    num_sample_args: int,
+) -> Schedule:
+    """Validates Transformer Engine's `_order` and converts it."""
+    order = list(order)
+    if not order:
+        raise ValueError("_order is empty")
+    without_wgrad = []
+    wgrad = False
+    for value in order:
+        if value == 0:
+            raise ValueError("_order: 0 is not a chunk (chunks count from 1)")
+        if value > 0:
+            if not float(value).is_integer():
+                raise TypeError(f"Forward order value must be an integer, but got {value!r}.")
+            without_wgrad.append(int(value))
+        elif _is_wgrad(value):
+            if math.ceil(value) - value != 0.5:
+                raise ValueError(f"The order diff of wgrad and dgrad must be 0.5, get {math.ceil(value) - value}.")
+            wgrad = True
+        else:
+            without_wgrad.append(int(value))
+    chunks = max(without_wgrad)
+    microbatches = len(without_wgrad) // chunks // 2
+    if chunks * microbatches * 2 != len(without_wgrad):
+        raise ValueError(
+            f"Pipeline-parallel order dimension mismatch: num_model_chunks ({chunks}) * num_microbatches "
+            f"({microbatches}) * 2 = {chunks * microbatches * 2}, but the order has {len(without_wgrad)} "
+            "forward and backward steps"
+        )
+    if wgrad:
+        if num_layers_per_chunk is None:
+            raise ValueError("'_num_layers_per_chunk' must be provided when _order has weight-grad steps (-c - 0.5).")
+        layers = [num_layers_per_chunk] * chunks if isinstance(num_layers_per_chunk, int) else list(num_layers_per_chunk)
+        for n in layers:
+            if n != 1:
+                raise ValueError(
+                    f"Each model chunk must have only one layer when _order has weight-grad steps, but got {n} layers."
+                )
+    if num_layers_per_chunk is None:
+        if num_sample_args % (chunks * microbatches) != 0:
+            raise ValueError(
+                f"{num_sample_args} sample_args cannot be split into {chunks} chunks x {microbatches} microbatches; "
+                "give _num_layers_per_chunk"
+            )
+        layers = [num_sample_args // chunks // microbatches] * chunks
+    elif isinstance(num_layers_per_chunk, int):
+        layers = [num_layers_per_chunk] * chunks
+    else:
+        layers = [int(n) for n in num_layers_per_chunk]
+        if len(layers) != chunks:
+            raise ValueError(
+                "If _num_layers_per_chunk is provided, it must be an integer or a list of "
+                f"{chunks} integers, but got {list(num_layers_per_chunk)}."
+            )
+    if any(n < 1 for n in layers):
+        raise ValueError(f"_num_layers_per_chunk: every chunk needs at least one layer, got {layers}")
+    total = sum(layers)
+    if num_callables != total:
+        raise ValueError(
+            f"Callables should have ({total}) entries when order input is provided but got {num_callables}."
+        )
+    if num_sample_args != total * microbatches:
+        raise ValueError(f"Expected {total * microbatches} args tuple, but got {num_sample_args}.")
+
+    steps = []
+    for value in order:
+        if value > 0:
+            steps.append((FORWARD, int(value) - 1))
+        elif _is_wgrad(value):
+            steps.append((WGRAD, -math.ceil(value) - 1))
+        else:
+            steps.append((BACKWARD, -int(value) - 1))
+    for c in range(chunks):
+        dgrad = sum(1 for p, k in steps if p == BACKWARD and k == c)
+        wg = sum(1 for p, k in steps if p == WGRAD and k == c)
+        if wg and wg != dgrad:
+            raise RuntimeError(
+                f"Number of wgrad graph({wg}) doesn't match number of dgrad graphs ({dgrad}) for chunk {c + 1}."
+            )
+    prefix = [sum(layers[:c]) for c in range(chunks)]
+    wgrad_chunks = sorted({k for p, k in steps if p == WGRAD})
+    return Schedule(steps, layers, microbatches, prefix, wgrad_chunks)

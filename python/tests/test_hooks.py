@@ -1,0 +1,65 @@
+"""capture_time_hooks: Transformer Engine's checks and call signatures (pure Python)."""
+import pytest
+
+from graphed.torch import _hooks
+
+
+def test_canonicalize_fills_every_key():
+    out = _hooks.canonicalize(2, [None, {"forward_pre_hooks": {1: print}}])
+    assert set(out[0]) == set(_hooks.KEYS) and _hooks.is_empty(out[0])
+    assert out[1]["forward_pre_hooks"] == {1: print} and not _hooks.is_empty(out[1])
+
+
+@pytest.mark.parametrize(
+    "hooks, error, match",
+    [
+        ([None, None], ValueError, "2 entries but there are 1"),
+        (["x"], TypeError, "dicts or None"),
+        ([{"forward_hook": {}}], ValueError, "Unknown capture_time_hooks keys"),
+        ([{"forward_hooks": [print]}], TypeError, "must be a dict"),
+    ],
+)
+def test_canonicalize_errors(hooks, error, match):
+    with pytest.raises(error, match=match):
+        _hooks.canonicalize(1, hooks)
+
+
+def test_dispatcher_signatures_and_order():
+    calls = []
+    module = object()
+    hooks = _hooks.canonicalize(
+        1,
+        [
+            {
+                "forward_pre_hooks": {1: lambda m, a: calls.append(("pre", m is module, a)),
+                                      2: lambda m, a, k: calls.append(("pre_kw", a, k))},
+                "forward_pre_hooks_with_kwargs": {2: True},
+                "forward_hooks": {3: lambda m, a, o: calls.append(("fwd", a, o)),
+                                  4: lambda m, a, k, o: calls.append(("fwd_kw", a, k, o))},
+                "forward_hooks_with_kwargs": {4: True},
+                "backward_pre_hooks": {5: lambda m, go: calls.append(("bwd_pre", go))},
+                "backward_hooks": {6: lambda m, gi, go: calls.append(("bwd", gi, go))},
+            }
+        ],
+    )[0]
+    d = _hooks.Dispatcher(module, hooks, lambda flat: (tuple(flat[:1]), {"scale": flat[1]}), lambda flat: flat[0])
+    d(True, _hooks.FORWARD, False, 0, ["x", "s"], None, None, None)
+    d(False, _hooks.FORWARD, False, 0, ["x", "s"], ["y"], None, None)
+    d(True, _hooks.BACKWARD, True, 0, None, None, ["dy"], None)
+    d(False, _hooks.BACKWARD, True, 0, None, None, ["dy"], ["dx", None])
+    d(True, 2, True, 0, None, None, ["dy"], None)  # weight-grad passes run no hooks
+    assert calls == [
+        ("pre", True, ("x",)),
+        ("pre_kw", ("x",), {"scale": "s"}),
+        ("fwd", ("x",), "y"),
+        ("fwd_kw", ("x",), {"scale": "s"}, "y"),
+        ("bwd_pre", ("dy",)),
+        ("bwd", ("dx", None), ("dy",)),
+    ]
+
+
+def test_a_hook_returning_a_value_is_refused():
+    hooks = _hooks.canonicalize(1, [{"forward_pre_hooks": {1: lambda m, a: a}}])[0]
+    d = _hooks.Dispatcher(None, hooks, lambda flat: (tuple(flat), {}), lambda flat: flat)
+    with pytest.raises(RuntimeError, match="forward_pre_hooks must not return a value"):
+        d(True, _hooks.FORWARD, False, 0, ["x"], None, None, None)

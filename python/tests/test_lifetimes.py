@@ -1,0 +1,126 @@
+"""Parameter grads returned by a backward replay are owned by default
+(Transformer Engine PR 2937, PyTorch issue 181723): a retained grad survives
+the next replay, accumulation is exact; delayed-wgrad parameters
+(skip_backward_post_hook) and the opt-out keep aliasing; the policy is
+frozen at capture."""
+import copy
+
+from _support import needs_gpu, torch
+
+pytestmark = needs_gpu
+
+if torch is not None:
+    import graphed.torch as gt
+
+
+def linear(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 4, bias=False, device="cuda"), torch.randn(2, 4, device="cuda")
+
+
+def step(model, x, dy):
+    model(x).backward(dy)
+    torch.cuda.synchronize()
+
+
+def hooked(param):
+    seen = []
+    return seen, param.register_hook(lambda g: seen.append(g) or g)
+
+
+def rand():
+    return torch.randn(2, 4, device="cuda")
+
+
+def test_returned_grads_are_owned():
+    model, sample = linear(501)
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    seen, hook = hooked(model.weight)
+    step(model, rand(), rand())
+    first, ptr = seen[0], seen[0].data_ptr()
+    snapshot = first.clone()
+    model.zero_grad(set_to_none=True)
+    step(model, rand(), rand())
+    assert len(seen) == 2
+    assert first.data_ptr() == ptr and seen[1].data_ptr() != ptr
+    assert torch.equal(first, snapshot)
+    hook.remove()
+    model.reset()
+
+
+def test_accumulation_is_exact():
+    model, sample = linear(502)
+    eager = copy.deepcopy(model)
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    for _ in range(2):
+        x, dy = rand(), rand()
+        step(model, x, dy)
+        step(eager, x, dy)
+    assert torch.equal(model.weight.grad, eager.weight.grad)
+    model.reset()
+
+
+def test_delayed_wgrad_parameters_keep_aliasing():
+    model, sample = linear(503)
+    model.weight.skip_backward_post_hook = True
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    seen, hook = hooked(model.weight)
+    step(model, rand(), rand())
+    ptr = seen[0].data_ptr()
+    model.zero_grad(set_to_none=True)
+    step(model, rand(), rand())
+    assert len(seen) == 2 and seen[1].data_ptr() == ptr
+    hook.remove()
+    model.reset()
+
+
+def test_opt_out_returns_aliases_and_shows_the_hazard():
+    model, sample = linear(504)
+    eager = copy.deepcopy(model)
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True, clone_param_grads_on_return=False)
+    seen, hook = hooked(model.weight)
+    step(model, rand(), rand())
+    ptr = seen[0].data_ptr()
+    model.zero_grad(set_to_none=True)
+    step(model, rand(), rand())
+    assert len(seen) == 2 and seen[1].data_ptr() == ptr
+    hook.remove()
+    # Two accumulated backwards: the alias held as .grad is overwritten (2*g2), as documented.
+    model.zero_grad(set_to_none=True)
+    x1, x2, d1, d2 = rand(), rand(), rand(), rand()
+    step(model, x1, d1)
+    step(model, x2, d2)
+    step(eager, x1, d1)
+    step(eager, x2, d2)
+    assert not torch.allclose(model.weight.grad, eager.weight.grad)
+    model.reset()
+
+
+def test_policy_is_frozen_at_capture():
+    model, sample = linear(505)
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    model.weight.skip_backward_post_hook = True  # too late: the grad stays owned
+    seen, hook = hooked(model.weight)
+    step(model, rand(), rand())
+    first, ptr = seen[0], seen[0].data_ptr()
+    snapshot = first.clone()
+    model.zero_grad(set_to_none=True)
+    step(model, rand(), rand())
+    assert seen[1].data_ptr() != ptr and torch.equal(first, snapshot)
+    hook.remove()
+    model.reset()
+
+
+def test_retain_graph_in_backward_and_no_clone_from_graphed_pool():
+    model, sample = linear(506)
+    eager = copy.deepcopy(model)
+    gt.make_graphed_callables(model, (sample,), retain_graph_in_backward=True, clones_from_torch_allocator=False)
+    for _ in range(3):
+        x, dy = rand(), rand()
+        step(model, x, dy)
+        step(eager, x, dy)
+    assert torch.equal(model.weight.grad, eager.weight.grad)
+    model.weight.grad = None
+    torch.cuda.synchronize()
+    assert model.session_stats()["clone_bytes_outstanding"] == 0
+    model.reset()

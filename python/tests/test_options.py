@@ -1,0 +1,36 @@
+"""Transformer Engine's FP8 arguments: accepted when off, refused when they would need FP8 (pure Python)."""
+import pytest
+
+from graphed.torch._options import check_fp8
+
+
+def test_off_values_are_accepted():
+    check_fp8(2)
+    check_fp8(2, enabled=False, calibrating=False, cache_quantized_params=False)
+    check_fp8(2, fp8_enabled=(False, False), fp8_recipe=None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(enabled=True), "enabled=True"),
+        (dict(fp8_enabled=(False, True)), "enabled=\\(False, True\\)"),
+        (dict(recipe="DelayedScaling"), "recipe"),
+        (dict(fp8_weight_caching=True), "cache_quantized_params=True"),
+        (dict(calibrating=True), "calibrating=True"),
+        (dict(amax_reduction_group=object()), "amax_reduction_group"),
+    ],
+)
+def test_values_that_need_fp8_are_refused(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        check_fp8(2, **kwargs)
+
+
+def test_old_and_new_names_together_are_refused():
+    with pytest.raises(ValueError, match="but both kwargs are set"):
+        check_fp8(1, fp8_enabled=False, enabled=False)
+
+
+def test_enabled_tuple_length():
+    with pytest.raises(ValueError, match="must match modules length"):
+        check_fp8(3, enabled=(False, False))
