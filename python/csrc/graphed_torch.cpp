@@ -1,8 +1,5 @@
 // graphed for libtorch: see graphed_torch.h. Every call into graphed's C API
-// is in this file. Lines marked ABI-PORT change with the reworked C ABI
-// (size/magic-first structs filled by graphed_*_default(), uint32_t flags
-// instead of bool, graphed_pass_set_buffer taking ctx->capture,
-// graphed_lease_release never BUSY).
+// is in this file.
 #include "graphed_torch.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -334,7 +331,6 @@ struct Shared {
     bool is_reset = false;
     // Strict leases: releases that met a busy session, and what is held.
     std::mutex lease_mu;
-    std::vector<uint64_t> pending_leases;
     std::unordered_map<uint64_t, std::string> held;
 
     size_t instance(size_t callable, uint32_t mb) const { return callable * microbatches + mb; }
@@ -369,20 +365,12 @@ struct Shared {
         fn();
     }
 
+    // graphed_lease_release never waits for the session and never gets
+    // BUSY, so a tensor's deleter may call it on any thread.
     void release_lease(uint64_t lease) {
         std::lock_guard<std::mutex> lock(lease_mu);
         held.erase(lease);
-        if (!session) return;
-        // ABI-PORT: the reworked graphed_lease_release never returns BUSY.
-        if (graphed_lease_release(session, lease) == GRAPHED_STATUS_BUSY) pending_leases.push_back(lease);
-    }
-    void drain_leases() {
-        std::lock_guard<std::mutex> lock(lease_mu);
-        if (pending_leases.empty() || !session) return;
-        std::vector<uint64_t> again;
-        for (uint64_t l : pending_leases)
-            if (graphed_lease_release(session, l) == GRAPHED_STATUS_BUSY) again.push_back(l);
-        pending_leases.swap(again);
+        if (session) graphed_lease_release(session, lease);
     }
     [[noreturn]] void alias_held(graphed_status s, const char* what, size_t callable, uint32_t mb) {
         std::string msg = "graphed: " + status_text(s, what);
@@ -452,7 +440,6 @@ void Shared::reset() {
         // used may go, and the private pool with them.
         graphed_session_destroy(session);
         session = nullptr;
-        pending_leases.clear();
     }
     for (auto& c : callables) {
         c->tapes.clear();
@@ -636,8 +623,7 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
 }
 
 void set_buffer(const graphed_pass_ctx* ctx, uint32_t role, size_t index, const at::Tensor& t) {
-    // ABI-PORT: graphed_pass_set_buffer(ctx->capture, ...).
-    check(graphed_pass_set_buffer(ctx, role, index, t.data_ptr()), "graphed_pass_set_buffer");
+    check(graphed_pass_set_buffer(ctx->capture, role, index, t.data_ptr()), "graphed_pass_set_buffer");
 }
 
 int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
@@ -773,7 +759,6 @@ struct GraphedBackward : public torch::autograd::Node {
             contiguous.push_back(g.defined() ? g.contiguous() : at::zeros(c->out[i].sizes, options_of(c->out[i].dtype, s.device)));
             data.push_back(contiguous.back().data_ptr());
         }
-        s.drain_leases();
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
         s.rng.prologue(pass_key(s.instance(index, microbatch), Pass::Backward), cur);
@@ -900,10 +885,15 @@ void register_callable(Shared& s, Callable& c) {
         bool exact = true;
         uint32_t code = dtype_code(meta.dtype, &exact);
         c.shapes.push_back(exact ? meta.sizes : std::vector<int64_t>{});
-        // ABI-PORT: graphed_tensor_desc_default(), then set the fields; uint32_t requires_grad.
-        return graphed_tensor_desc{meta.bytes(), code, uint32_t(c.shapes.back().size()), c.shapes.back().data(),
-                                   requires_grad, sample,
-                                   uint32_t(external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE)};
+        graphed_tensor_desc t = graphed_tensor_desc_default();
+        t.bytes = meta.bytes();
+        t.dtype = code;
+        t.ndim = uint32_t(c.shapes.back().size());
+        t.shape = c.shapes.back().data();
+        t.requires_grad = requires_grad ? 1u : 0u;
+        t.sample = sample;
+        t.flags = uint32_t(external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE);
+        return t;
     };
     for (size_t i = 0; i < c.in.size(); ++i)
         c.tin.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
@@ -914,9 +904,14 @@ void register_callable(Shared& s, Callable& c) {
         uint32_t code = dtype_code(p.scalar_type(), &exact);
         const bool grad = c.param_grad[j];
         uint32_t flags = c.flags[j] | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u);
-        // ABI-PORT: graphed_param_desc_default(), then set the fields; uint32_t requires_grad.
-        c.pdesc.push_back({p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()), code, flags,
-                           GRAPHED_GRAD_POLICY_DEFAULT, grad});
+        graphed_param_desc pd = graphed_param_desc_default();
+        pd.data = p.data_ptr();
+        pd.bytes = size_t(p.numel()) * size_t(p.element_size());
+        pd.dtype = code;
+        pd.flags = flags;
+        pd.policy = GRAPHED_GRAD_POLICY_DEFAULT;
+        pd.requires_grad = grad ? 1u : 0u;
+        c.pdesc.push_back(pd);
     }
     graphed_callable_desc d = graphed_callable_desc_default();
     d.name = c.name.c_str();
@@ -1069,13 +1064,16 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     s.rng.add(at::cuda::detail::getDefaultCUDAGenerator(s.device), s.device);
     for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
 
-    // ABI-PORT: graphed_session_config_default() gains size/magic; bool fields become uint32_t.
     graphed_session_config cfg = graphed_session_config_default();
     cfg.backend = GRAPHED_BACKEND_CUDA;
     cfg.device = s.device;
     cfg.warmup_iterations = uint32_t(std::max(o.num_warmup_iters - 1, 0));
-    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return;
-    cfg.strict_leases = o.strict_leases;
+    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return ? 1u : 0u;
+    cfg.strict_leases = o.strict_leases ? 1u : 0u;
+    // Warmup and capture on the work stream itself, so that the joins around
+    // each callback are no-ops (the legacy default stream cannot capture:
+    // then graphed's own stream, joined as before).
+    if (s.work.stream() != nullptr) cfg.capture_stream = s.work.stream();
     if (o.clones_from_torch_allocator) {
         cfg.clone_alloc = torch_alloc;
         cfg.clone_free = torch_free;
@@ -1091,7 +1089,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
             cfg.num_layers_per_chunk = o.layers_per_chunk.size();
         }
     }
-    cfg.reuse_buffers = o.reuse_buffers;
+    cfg.reuse_buffers = o.reuse_buffers ? 1u : 0u;
     check(graphed_session_create(&cfg, &s.session), "graphed_session_create");
 
     const std::vector<PassRef> order = pass_order(specs.size(), o.schedule, o.layers_per_chunk);
@@ -1200,7 +1198,6 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
             data[i] = contiguous.back().data_ptr();
         }
     }
-    s.drain_leases();
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     cudaStream_t launch = cur, side = nullptr;
     const bool other = on.stream && on.stream->stream() != cur;
@@ -1246,7 +1243,6 @@ void GraphedCallable::backward_dw() const {
     Callable* c = s.callables[index_].get();
     if (!c->wgrad) return;
     if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
-    s.drain_leases();
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Wgrad), cur);
     graphed_replay_args a = replay_args(index_, microbatch_, cur, nullptr, nullptr);
@@ -1295,7 +1291,6 @@ GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
 uint32_t GraphedCallable::microbatches() const { return shared_->microbatches; }
 
 graphed_session_stats GraphedCallable::stats() const {
-    // ABI-PORT: graphed_session_stats_default() gains size/magic; `captured` becomes uint32_t.
     graphed_session_stats st = graphed_session_stats_default();
     if (shared_->is_reset) return st;
     check(graphed_session_stats_get(shared_->session, &st), "graphed_session_stats_get");
