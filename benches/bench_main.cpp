@@ -227,9 +227,11 @@ void host_cost_table(kit::Device& dev, bench::Tools& tools, int per_batch) {
     report << "\n## 3. Host cost of replay\n\n"
               "Host time of `graphed_forward` + `graphed_backward` (no copy-in, ALIAS grads) against raw "
               "`cudaGraphLaunch` of two graphs with the same kernels, captured by the benchmark; medians over "
-              "batches. Goal: within 1.10x. The replay path makes no heap allocation (tests/replay_allocations.rs "
-              "counts them with a counting global allocator: zero over 2000 replays for ALIAS, COPY_INTO, "
-              "ACCUMULATE_INTO and strict leases).\n\n"
+              "batches. Goals: ALIAS within 1.10x, CLONE within 1.15x. The replay path makes no heap allocation "
+              "and no device allocation in steady state (tests/replay_allocations.rs counts them with a counting "
+              "global allocator, the host backend's device memory included: zero over 2000 replays for ALIAS, "
+              "CLONE, COPY_INTO, ACCUMULATE_INTO and strict leases): a CLONE replay takes a released block, and "
+              "with a free clone slot launches the graph that writes the grads into it, with no copy.\n\n"
               "| what | ours (us) | raw graph launches (us) | ratio |\n|---|---|---|---|\n";
     kit::LinearLayer L;
     Buffer w(dev, 16 * 16 * 4), b(dev, 16 * 4), x(dev, 4 * 16 * 4), z(dev, 4 * 16 * 4), y(dev, 4 * 16 * 4),
@@ -241,9 +243,17 @@ void host_cost_table(kit::Device& dev, bench::Tools& tools, int per_batch) {
     L.w = w.get();
     L.b = b.get();
     L.name = "tiny";
-    for (bool clones : {false, true}) {
+    struct Variant {
+        const char* what;
+        bool clones;
+        uint32_t slots;
+    };
+    for (const Variant& v : {Variant{"ALIAS grads", false, 0}, Variant{"CLONE grads, clone slots (+ 2 releases)", true, 2},
+                             Variant{"CLONE grads, copied into a recycled block (+ 2 releases)", true, 0}}) {
+        const bool clones = v.clones;
         graphed_session_config c = graphed::session_config(dev.graphed_kind());
         c.clone_param_grads_on_return = clones;
+        c.clone_slots = v.slots;
         graphed::Session session(c);
         session.add_callable(L.callable(x.get(), true));
         session.capture();
@@ -282,9 +292,9 @@ void host_cost_table(kit::Device& dev, bench::Tools& tools, int per_batch) {
             tools.destroy(fg);
             tools.destroy(bg);
         }
-        report << "| forward + backward, " << (clones ? "CLONE grads (+ 2 releases)" : "ALIAS grads") << " | "
-               << fmt("%.2f", ours) << " | " << ref << " | " << ratio << " |\n";
-        std::printf("host cost (%s): ours %.2f us, raw %s us\n", clones ? "clone" : "alias", ours, ref.c_str());
+        report << "| forward + backward, " << v.what << " | " << fmt("%.2f", ours) << " | " << ref << " | " << ratio
+               << " |\n";
+        std::printf("host cost (%s): ours %.2f us, raw %s us\n", v.what, ours, ref.c_str());
     }
 }
 
@@ -297,36 +307,47 @@ struct MlpConfig {
 void mlp_table(kit::Device& dev, bench::Tools& tools, const std::vector<MlpConfig>& configs, int steps) {
     report << "\n## 4. End to end: an 8-layer MLP, forward + backward + grad return + SGD\n\n"
               "Time per training step (wall clock over " + std::to_string(steps) +
-                  " steps after warm-up, median of 5 runs): eager (the same callbacks run directly on the stream), "
-              "graphed with CLONE grads (the default), graphed with ALIAS grads (opt-out).\n\n"
-              "| config | eager (ms) | graphed CLONE (ms) | graphed ALIAS (ms) | CLONE / eager | CLONE / ALIAS | static + scratch | driver-seen |\n"
-              "|---|---|---|---|---|---|---|---|\n";
+                  " steps after warm-up, median of 5 runs): eager (the same callbacks run directly on the stream); "
+              "graphed with CLONE grads copying as a plain graphed layer does (every layer's input and grad-output "
+              "copied into its static buffer, the grads copied out of the slab: chaining and clone slots off); "
+              "graphed with CLONE grads and nothing copied (layers chained, the first input rebound, clone slots: "
+              "the defaults plus the two input flags); the same with ALIAS grads. Goal: zero-copy CLONE within "
+              "1.00x of eager. Every variant's grads are checked equal to eager's first.\n\n"
+              "| config | eager (ms) | CLONE, copies (ms) | CLONE, zero-copy (ms) | ALIAS, zero-copy (ms) | "
+              "CLONE copies / eager | CLONE zero-copy / eager | static + scratch (copies / zero-copy) | driver-seen |\n"
+              "|---|---|---|---|---|---|---|---|---|\n";
     for (const MlpConfig& m : configs) {
         const char* dt = m.dtype == GRAPHED_DTYPE_F32 ? "fp32" : "bf16";
         kit::Mlp eager(dev, m.layers, m.batch, m.width, 3, m.dtype);
-        kit::Mlp g_clone(dev, m.layers, m.batch, m.width, 3, m.dtype);
+        kit::Mlp g_copy(dev, m.layers, m.batch, m.width, 3, m.dtype);
+        kit::Mlp g_zero(dev, m.layers, m.batch, m.width, 3, m.dtype);
         kit::Mlp g_alias(dev, m.layers, m.batch, m.width, 3, m.dtype);
         Buffer x = eager.tensor(kit::random_floats(size_t(m.batch) * m.width, 5));
         Buffer t = eager.tensor(kit::random_floats(size_t(m.batch) * m.width, 6, 0.1f));
-        auto session = [&](kit::Mlp& mlp, bool clones, size_t* driver_used) {
+        auto session = [&](kit::Mlp& mlp, bool clones, uint32_t slots, kit::Wiring w, size_t* driver_used) {
             graphed_session_config c = graphed::session_config(dev.graphed_kind());
             c.clone_param_grads_on_return = clones;
+            c.clone_slots = slots;
             size_t before = tools.driver_free();
             graphed::Session s(c);
-            mlp.register_layers(s, x.get());
+            mlp.register_layers(s, x.get(), w);
             s.capture();
             dev.sync();
             if (driver_used) *driver_used = before - tools.driver_free();
             return s;
         };
+        const kit::Wiring zero{true, true, false};
         size_t driver_used = 0;
-        graphed::Session sc = session(g_clone, true, &driver_used);
-        graphed::Session sa = session(g_alias, false, nullptr);
+        graphed::Session sc = session(g_copy, true, 0, kit::Wiring{}, nullptr);
+        graphed::Session sz = session(g_zero, true, 2, zero, &driver_used);
+        graphed::Session sa = session(g_alias, false, 0, zero, nullptr);
         // Correct first: one step each, grads compared with eager.
         kit::StepGrads e = eager.eager_step(x.get(), t.get(), 0.01f);
-        kit::StepGrads gc = g_clone.graphed_step(sc, x.get(), t.get(), 0.01f);
+        kit::StepGrads gc = g_copy.graphed_step(sc, x.get(), t.get(), 0.01f);
+        kit::StepGrads gz = g_zero.graphed_step(sz, x.get(), t.get(), 0.01f);
         kit::StepGrads ga = g_alias.graphed_step(sa, x.get(), t.get(), 0.01f);
-        check(e.w == gc.w && e.b == gc.b, std::string("graphed CLONE grads equal eager (") + dt + ")");
+        check(e.w == gc.w && e.b == gc.b, std::string("graphed CLONE (copies) grads equal eager (") + dt + ")");
+        check(e.w == gz.w && e.b == gz.b, std::string("graphed CLONE (zero-copy) grads equal eager (") + dt + ")");
         check(e.w == ga.w && e.b == ga.b, std::string("graphed ALIAS grads equal eager (") + dt + ")");
         auto per_step = [&](const std::function<void()>& step) {
             for (int i = 0; i < 3; ++i) step();
@@ -341,33 +362,238 @@ void mlp_table(kit::Device& dev, bench::Tools& tools, const std::vector<MlpConfi
             }
             return bench::median(runs);
         };
-        double te = per_step([&] { eager.eager_step(x.get(), t.get(), 0.01f, false); });
-        double tc = per_step([&] { g_clone.graphed_step(sc, x.get(), t.get(), 0.01f, false, false); });
-        double ta = per_step([&] { g_alias.graphed_step(sa, x.get(), t.get(), 0.01f, false, false); });
-        graphed_session_stats st = sc.stats();
+        // Interleaved, so that clock and thermal drift hit every variant alike.
+        std::vector<double> te, tc, tz, ta;
+        for (int round = 0; round < 3; ++round) {
+            te.push_back(per_step([&] { eager.eager_step(x.get(), t.get(), 0.01f, false); }));
+            tc.push_back(per_step([&] { g_copy.graphed_step(sc, x.get(), t.get(), 0.01f, false, false); }));
+            tz.push_back(per_step([&] { g_zero.graphed_step(sz, x.get(), t.get(), 0.01f, false, false); }));
+            ta.push_back(per_step([&] { g_alias.graphed_step(sa, x.get(), t.get(), 0.01f, false, false); }));
+        }
+        const double e_ms = bench::median(te), c_ms = bench::median(tc), z_ms = bench::median(tz),
+                     a_ms = bench::median(ta);
+        graphed_session_stats stc = sc.stats(), stz = sz.stats();
+        check(stz.inputs_rebound == 1 || !tools.device_timing(), "the first input is rebound on CUDA");
         sc.destroy();
+        sz.destroy();
         sa.destroy();
         std::string cfg = "H=" + std::to_string(m.width) + " B=" + std::to_string(m.batch) + " " + dt;
         std::string driver = tools.device_timing() ? bytes_str(driver_used) : "n/a";
-        report << "| " << cfg << " | " << fmt("%.3f", te) << " | " << fmt("%.3f", tc) << " | " << fmt("%.3f", ta)
-               << " | " << fmt("%.2fx", tc / te) << " | " << fmt("%.2fx", tc / ta) << " | "
-               << bytes_str(st.static_bytes) << " + " << bytes_str(st.scratch_bytes) << " | " << driver << " |\n";
-        std::printf("mlp %s: eager %.3f ms, graphed clone %.3f ms, graphed alias %.3f ms\n", cfg.c_str(), te, tc, ta);
+        report << "| " << cfg << " | " << fmt("%.3f", e_ms) << " | " << fmt("%.3f", c_ms) << " | " << fmt("%.3f", z_ms)
+               << " | " << fmt("%.3f", a_ms) << " | " << fmt("%.2fx", c_ms / e_ms) << " | " << fmt("%.2fx", z_ms / e_ms)
+               << " | " << bytes_str(stc.static_bytes + stc.scratch_bytes) << " / "
+               << bytes_str(stz.static_bytes + stz.scratch_bytes) << " | " << driver << " |\n";
+        std::printf("mlp %s: eager %.3f ms, clone (copies) %.3f ms, clone (zero-copy) %.3f ms, alias %.3f ms\n",
+                    cfg.c_str(), e_ms, c_ms, z_ms, a_ms);
     }
+}
+
+// A number from the one-line JSON of benches/torch_reference.py (NaN when
+// the key is missing).
+double json_number(const std::string& text, const std::string& key) {
+    const std::string k = "\"" + key + "\":";
+    size_t at = text.find(k);
+    if (at == std::string::npos) return std::nan("");
+    return std::strtod(text.c_str() + at + k.size(), nullptr);
+}
+
+std::string read_file(const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+// Wall-clock ms per call of `step` (after warm-up, median of 5 runs of `n`).
+double per_call_ms(kit::Device& dev, const std::function<void()>& step, int n) {
+    for (int i = 0; i < 5; ++i) step();
+    dev.sync();
+    std::vector<double> runs;
+    for (int r = 0; r < 5; ++r) {
+        auto a = std::chrono::steady_clock::now();
+        for (int i = 0; i < n; ++i) step();
+        dev.sync();
+        auto z = std::chrono::steady_clock::now();
+        runs.push_back(std::chrono::duration<double, std::milli>(z - a).count() / n);
+    }
+    return bench::median(runs);
+}
+
+void step_table(kit::Device& dev, bench::Tools& tools, int layers, int width, int batch, int steps,
+                const std::string& torch_json) {
+    report << "\n## 5. Step graphs: a " << layers << "-layer small MLP in one launch\n\n"
+           << layers << " Linear(" << width << ") + ReLU layers, batch " << batch
+           << ", fp32, one training step's forward, loss grad and backward (the optimizer left out of every "
+              "variant), wall clock per step (median of 5 runs of " << steps
+           << " steps, variants interleaved). Ours: the layers chained and the loss inside, declared as one step "
+              "(graphed_session_add_step), with CLONE grads (clone slots) or ACCUMULATE_INTO fixed buffers; and "
+              "the same layers replayed pass by pass. The reference: one graph hand-captured from the same "
+              "kernels. torch: `torch.cuda.make_graphed_callables` on the same layers (cuBLAS Linear + ReLU), "
+              "one graph per layer, driven from Python through autograd (benches/torch_reference.py, same "
+              "machine). Goals: the step within 1.10x of the hand-captured graph, and at least 4x faster than "
+              "torch's per-layer graphs.\n\n";
+    kit::Mlp hand(dev, layers, batch, width, 21), stepped(dev, layers, batch, width, 21),
+        acc(dev, layers, batch, width, 21), passes(dev, layers, batch, width, 21);
+    Buffer x = hand.tensor(kit::random_floats(size_t(batch) * width, 22));
+    Buffer t = hand.tensor(kit::random_floats(size_t(batch) * width, 23, 0.1f));
+    std::vector<uint32_t> all;
+    for (uint32_t i = 0; i <= uint32_t(layers); ++i) all.push_back(i);
+    graphed_session_config c = graphed::session_config(dev.graphed_kind());
+    graphed::Session s_step(c), s_acc(c), s_pass(c);
+    stepped.register_layers(s_step, x.get(), kit::Wiring{true, false, true});
+    const uint32_t step_clone = s_step.add_step(all);
+    std::vector<Buffer> dst;
+    std::vector<void*> dsts;
+    for (int i = 0; i < layers; ++i) {
+        acc.layer(i).param_policy = GRAPHED_GRAD_POLICY_ACCUMULATE_INTO;
+        dst.emplace_back(dev, size_t(width) * width * 4);
+        dst.emplace_back(dev, size_t(width) * 4);
+    }
+    for (auto& d : dst) dsts.push_back(d.get());
+    acc.register_layers(s_acc, x.get(), kit::Wiring{true, false, true});
+    const uint32_t step_acc = s_acc.add_step(all, dsts);
+    passes.register_layers(s_pass, x.get(), kit::Wiring{true, false, false});
+    s_step.capture();
+    s_acc.capture();
+    s_pass.capture();
+    // Correct first: the step's grads equal eager's.
+    kit::StepGrads e = hand.eager_step(x.get(), t.get(), 0.0f);
+    kit::StepGrads g = stepped.step_graph_step(s_step, step_clone, x.get(), t.get(), 0.0f);
+    check(e.w == g.w && e.b == g.b, "the step graph's grads equal eager");
+    // Inputs in place for the timed loops.
+    const size_t act = size_t(batch) * width * 4;
+    for (graphed::Session* ss : {&s_step, &s_acc}) {
+        dev.copy(dev.stream(), ss->buffers(0, 0, GRAPHED_BUFFER_ROLE_INPUT)[0], x.get(), act);
+        dev.copy(dev.stream(), ss->buffers(uint32_t(layers), 0, GRAPHED_BUFFER_ROLE_INPUT)[1], t.get(), act);
+    }
+    void* graph = tools.capture([&](graphed_stream st) { hand.eager_pass(st, x.get(), t.get()); });
+    std::vector<graphed::Ref> grads;
+    std::vector<double> th, ts, ta, tp;
+    for (int round = 0; round < 3; ++round) {
+        if (graph) th.push_back(per_call_ms(dev, [&] { tools.launch(graph); }, steps));
+        ts.push_back(per_call_ms(
+            dev,
+            [&] {
+                s_step.step(step_clone, dev.stream(), grads);
+                for (auto& r : grads) r.release();
+            },
+            steps));
+        ta.push_back(per_call_ms(dev, [&] { s_acc.step(step_acc, dev.stream(), grads); }, steps));
+        tp.push_back(per_call_ms(
+            dev, [&] { passes.graphed_step(s_pass, x.get(), t.get(), 0.0f, false, false, false); }, steps));
+    }
+    if (graph) tools.destroy(graph);
+    const double h = th.empty() ? std::nan("") : bench::median(th);
+    const double st = bench::median(ts), sa = bench::median(ta), sp = bench::median(tp);
+    const std::string json = torch_json.empty() ? std::string() : read_file(torch_json);
+    const double torch_ms = json_number(json, "per_layer_graphs_ms");
+    report << "| variant | ms per step | vs hand-captured graph | torch per-layer graphs / this |\n|---|---|---|---|\n";
+    auto row = [&](const std::string& what, double ms) {
+        report << "| " << what << " | " << fmt("%.4f", ms) << " | "
+               << (std::isnan(h) ? std::string("n/a") : fmt("%.2fx", ms / h)) << " | "
+               << (std::isnan(torch_ms) ? std::string("n/a") : fmt("%.1fx", torch_ms / ms)) << " |\n";
+    };
+    if (!std::isnan(h)) row("one graph hand-captured from the same kernels", h);
+    row("graphed step, CLONE grads (clone slots)", st);
+    row("graphed step, ACCUMULATE_INTO fixed buffers", sa);
+    row("graphed, pass by pass (chained)", sp);
+    if (!std::isnan(torch_ms)) {
+        report << "| torch make_graphed_callables, per layer, from Python (" << json_number(json, "layers")
+               << " layers; torch eager " << fmt("%.3f", json_number(json, "eager_ms")) << " ms) | "
+               << fmt("%.4f", torch_ms) << " | " << (std::isnan(h) ? "n/a" : fmt("%.2fx", torch_ms / h)) << " | 1.0x |\n";
+    } else {
+        report << "\ntorch's figure: not measured in this run (run benches/torch_reference.py and pass --torch-json).\n";
+    }
+    std::printf("step: hand %.4f ms, step clone %.4f, step acc %.4f, per pass %.4f, torch %.4f\n", h, st, sa, sp,
+                torch_ms);
+}
+
+void memory_table(kit::Device& dev, const std::vector<int>& layer_counts, int width, int batch,
+                  const std::string& torch_json) {
+    report << "\n## 6. Memory: static and scratch bytes of N layers\n\n"
+              "Library accounting (graphed_session_stats) for N Linear(" << width << ") + ReLU layers, batch "
+           << batch << ", fp32, CLONE grads: each layer copying its input (its own static input and input-grad "
+              "buffers), and the layers chained. Scratch holds the activations saved for backward. The clone "
+              "slots' blocks (two per layer by default) are held in addition, as returned grads would be. torch: "
+              "`torch.cuda.memory_allocated` growth across make_graphed_callables of the same layers (its graph "
+              "pool holds every layer's static inputs, outputs and grads).\n\n"
+              "| layers | copying: static + scratch | chained: static + scratch | chained / copying | clone slots | "
+              "torch per-layer graphs |\n|---|---|---|---|---|---|\n";
+    const std::string json = torch_json.empty() ? std::string() : read_file(torch_json);
+    for (int n : layer_counts) {
+        kit::Mlp a(dev, n, batch, width, 31), b(dev, n, batch, width, 31);
+        Buffer x = a.tensor(kit::random_floats(size_t(batch) * width, 32));
+        graphed_session_config c = graphed::session_config(dev.graphed_kind());
+        graphed::Session sa(c), sb(c);
+        a.register_layers(sa, x.get());
+        b.register_layers(sb, x.get(), kit::Wiring{true, false, false});
+        sa.capture();
+        sb.capture();
+        const graphed_session_stats p = sa.stats(), q = sb.stats();
+        const uint64_t pa = p.static_bytes + p.scratch_bytes, qa = q.static_bytes + q.scratch_bytes;
+        std::string torch = "n/a";
+        if (!std::isnan(json_number(json, "layers")) && int(json_number(json, "layers")) == n)
+            torch = bytes_str(size_t(json_number(json, "per_layer_graphs_bytes")));
+        report << "| " << n << " | " << bytes_str(p.static_bytes) << " + " << bytes_str(p.scratch_bytes) << " | "
+               << bytes_str(q.static_bytes) << " + " << bytes_str(q.scratch_bytes) << " | "
+               << fmt("%.2fx", double(qa) / double(pa)) << " | " << bytes_str(q.clone_bytes_cached) << " | " << torch
+               << " |\n";
+    }
+}
+
+void rebind_table(kit::Device& dev, int per_batch) {
+    report << "\n## 7. Rebinding an input: cost per node\n\n"
+              "Host time of a forward replay of a 4-layer MLP's first layer whose input is rebound "
+              "(GRAPHED_TENSOR_FLAGS_REBIND), alternating between two input buffers (every replay rebinds: one "
+              "graph-node update per reference in the layer's forward, backward and clone-slot graphs) against "
+              "the same buffer every time (nothing to update); the difference per node updated.\n\n"
+              "| device | nodes per rebind | replay, same input (us) | replay, alternating (us) | per node (us) |\n"
+              "|---|---|---|---|---|\n";
+    kit::Mlp m(dev, 4, 16, 64, 41);
+    Buffer xa = m.tensor(kit::random_floats(16 * 64, 42)), xb = m.tensor(kit::random_floats(16 * 64, 43));
+    graphed::Session s(graphed::session_config(dev.graphed_kind()));
+    m.register_layers(s, xa.get(), kit::Wiring{true, true, false});
+    s.capture();
+    const graphed_session_stats st = s.stats();
+    if (st.inputs_rebound != 1) {
+        // The plan dump's line for the input says why.
+        const std::string plan = s.plan_dump();
+        const size_t at = plan.find("copied at replay: ");
+        const std::string why = at == std::string::npos ? "see the plan dump"
+                                                        : plan.substr(at + 18, plan.find('\n', at) - at - 18);
+        report << "| " << kit::backend_name(dev.backend()) << " | refused: " << why << " | | | |\n";
+        return;
+    }
+    std::vector<graphed::Ref> outs;
+    graphed::Replay r;
+    r.stream(dev.stream()).callable(0);
+    bool flip = false;
+    double same = host_us(dev, [&] { s.forward(r.data(xa.get()), outs); }, per_batch, 21);
+    double alt = host_us(
+        dev,
+        [&] {
+            flip = !flip;
+            s.forward(r.data(flip ? xb.get() : xa.get()), outs);
+        },
+        per_batch, 21);
+    report << "| " << kit::backend_name(dev.backend()) << " | " << st.rebind_nodes << " | " << fmt("%.2f", same)
+           << " | " << fmt("%.2f", alt) << " | " << fmt("%.2f", (alt - same) / st.rebind_nodes) << " |\n";
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string backend = "cuda", out;
+    std::string backend = "cuda", out, torch_json;
     bool quick = false;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
         if (a == "--backend" && i + 1 < argc) backend = argv[++i];
         else if (a == "--quick") quick = true;
         else if (a == "--out" && i + 1 < argc) out = argv[++i];
+        else if (a == "--torch-json" && i + 1 < argc) torch_json = argv[++i];
         else {
-            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--out FILE]\n", argv[0]);
+            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--out FILE] [--torch-json FILE]\n",
+                         argv[0]);
             return 2;
         }
     }
@@ -395,15 +621,22 @@ int main(int argc, char** argv) {
             host_cost_table(*dev, *tools, 2000);
             if (blas) {
                 mlp_table(*blas, *tools, {{1024, 32, GRAPHED_DTYPE_F32, 8}, {4096, 2048, GRAPHED_DTYPE_BF16, 8}}, 50);
+                step_table(*blas, *tools, 24, 256, 64, 200, torch_json);
+                memory_table(*blas, {8, 24}, 256, 64, torch_json);
             } else {
                 report << "\n## 4. End to end\n\nNot run: " << why << "\n";
             }
+            rebind_table(*dev, 2000);
+            if (blas) rebind_table(*blas, 2000);
         } else {
             const std::vector<Size> sizes = {{64, 16u << 10}, {8, 256u << 10}};
             clone_table(*dev, *tools, sizes, 5);
             accumulate_table(*dev, *tools, sizes, 5);
             host_cost_table(*dev, *tools, 200);
             mlp_table(*dev, *tools, {{64, 8, GRAPHED_DTYPE_F32, 8}}, 5);
+            step_table(*dev, *tools, 6, 32, 8, 5, torch_json);
+            memory_table(*dev, {4}, 32, 8, torch_json);
+            rebind_table(*dev, 200);
         }
     } catch (const std::exception& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

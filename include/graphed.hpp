@@ -25,6 +25,7 @@
 
 #include "graphed.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -76,7 +77,9 @@ constexpr int32_t kCallbackException = -1;
 /// Runs a callback body `f` (returning an integer: 0 for success) and
 /// returns its result; an exception becomes a non-zero code instead of
 /// crossing into the library: a graphed::Error its status code, anything
-/// else kCallbackException. Use it in every callback written in C++:
+/// else kCallbackException, and its what() goes with the failure
+/// (graphed_callback_fail_message), so the capture error says it. Use it in
+/// every callback written in C++:
 ///
 ///     static int32_t forward(const graphed_pass_ctx* ctx, void* self) {
 ///         return graphed::guard([&] { return static_cast<Layer*>(self)->forward(*ctx); });
@@ -86,7 +89,11 @@ int32_t guard(F&& f) noexcept {
     try {
         return static_cast<int32_t>(std::forward<F>(f)());
     } catch (const Error& e) {
+        (void)graphed_callback_fail_message(e.what());
         return static_cast<int32_t>(e.status());
+    } catch (const std::exception& e) {
+        (void)graphed_callback_fail_message(e.what());
+        return kCallbackException;
     } catch (...) {
         return kCallbackException;
     }
@@ -525,17 +532,21 @@ class Session {
 
     Session(const Session&) = delete;
     Session& operator=(const Session&) = delete;
-    Session(Session&& o) noexcept : raw_(std::exchange(o.raw_, nullptr)), arity_(std::move(o.arity_)) {}
+    Session(Session&& o) noexcept
+        : raw_(std::exchange(o.raw_, nullptr)), arity_(std::move(o.arity_)), steps_(std::move(o.steps_)) {}
     Session& operator=(Session&& o) noexcept {
         if (this != &o) {
-            if (raw_) (void)graphed_session_destroy(raw_);
+            if (raw_) (void)graphed_session_destroy_when_idle(raw_);
             raw_ = std::exchange(o.raw_, nullptr);
             arity_ = std::move(o.arity_);
+            steps_ = std::move(o.steps_);
         }
         return *this;
     }
+    /// Destroys the session once no call uses it (a call in progress on
+    /// another thread, or a callback of this session, finishes first).
     ~Session() {
-        if (raw_) (void)graphed_session_destroy(raw_);
+        if (raw_) (void)graphed_session_destroy_when_idle(raw_);
     }
 
     graphed_session* get() const noexcept { return raw_; }
@@ -630,6 +641,39 @@ class Session {
         return out;
     }
 
+    /// Declares a step before capture (graphed_session_add_step): the
+    /// callables, in registration order, and one destination per parameter
+    /// of theirs for COPY_INTO / ACCUMULATE_INTO grads (empty: none needed).
+    uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {}) {
+        graphed_step_desc d = graphed_step_desc_default();
+        d.callables = callables.data();
+        d.num_callables = callables.size();
+        d.param_dsts = param_dsts.empty() ? nullptr : param_dsts.data();
+        d.num_param_dsts = param_dsts.size();
+        uint32_t index = 0;
+        check(graphed_session_add_step(raw_, &d, &index));
+        steps_.resize(std::max<size_t>(steps_.size(), size_t(index) + 1));
+        size_t n = 0;
+        for (uint32_t c : callables) n += arity(c).params;
+        steps_[index] = n;
+        return index;
+    }
+
+    /// Replays a step on `stream`; `params` gets one Ref per parameter of
+    /// its callables, in order (its capacity reused).
+    void step(uint32_t step, graphed_stream stream, std::vector<Ref>& params) {
+        if (step >= steps_.size())
+            throw Error(GRAPHED_STATUS_INVALID_ARGUMENT, "graphed::Session: step " + std::to_string(step) +
+                                                             " was not declared through this Session");
+        graphed_step_args a = graphed_step_args_default();
+        a.step = step;
+        a.stream = stream;
+        const size_t n = steps_[step];
+        detail::RefArray refs(n);
+        check(graphed_step_replay(raw_, &a, refs.data(), n));
+        detail::adopt_refs(raw_, refs.data(), n, params);
+    }
+
     /// The static-buffer plan as text (graphed_session_plan_dump).
     std::string plan_dump() const {
         size_t len = 0;
@@ -663,17 +707,22 @@ class Session {
         bool known = false;
     };
 
+    // The counts of a callable: remembered from add_callable, else asked of
+    // the library once.
     const Arity& arity(uint32_t callable) const {
         if (callable >= arity_.size() || !arity_[callable].known) {
-            throw Error(GRAPHED_STATUS_INVALID_ARGUMENT,
-                        "graphed::Session: callable " + std::to_string(callable) +
-                            " was not registered through this Session's add_callable, so its counts are unknown");
+            Arity k;
+            check(graphed_session_callable_arity(raw_, callable, &k.inputs, &k.params, &k.outputs));
+            k.known = true;
+            if (arity_.size() <= callable) arity_.resize(size_t(callable) + 1);
+            arity_[callable] = k;
         }
         return arity_[callable];
     }
 
     graphed_session* raw_ = nullptr;
-    std::vector<Arity> arity_;
+    mutable std::vector<Arity> arity_;
+    std::vector<size_t> steps_;
 };
 
 static_assert(!std::is_copy_constructible<Session>::value && std::is_nothrow_move_constructible<Session>::value,

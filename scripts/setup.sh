@@ -42,6 +42,12 @@ if [ ! -x "$cuda/bin/nvcc" ]; then
   ln -sf libcudart.so.13 "$cu/lib/libcudart.so"
   ln -sfn "$cu" "$cuda"
 fi
+# pytest for the Python package's tests (they skip, with their reason,
+# where there is no torch or no GPU).
+if ! "$venv/bin/python" -c 'import pytest' 2>/dev/null; then
+  echo "setup: installing pytest into $venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest==8.3.4
+fi
 cat > "$venv/cuda-env.sh" <<ENV
 export CUDACXX="$cuda/bin/nvcc"
 export CUDAToolkit_ROOT="$cuda"

@@ -2,8 +2,9 @@
 # Runs every test of graphed on this machine, after installing what they need
 # (scripts/setup.sh): the Rust unit tests, then the CMake build and the
 # GoogleTest suite under ctest, then the host suite again under ASan, UBSan
-# and LeakSanitizer. Without a GPU, the CUDA tests are compiled and skip at
-# run time with their reason, which this script prints at the end.
+# and LeakSanitizer, then the Python package's tests. Without a GPU, the CUDA
+# tests are compiled and skip at run time with their reason, which this
+# script prints at the end.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -24,5 +25,8 @@ echo "== ctest"
 
 echo "== ctest under ASan + UBSan + LeakSanitizer (host backend)"
 bash scripts/sanitize.sh | grep -E "tests passed|tests failed|sanitize:"
+
+echo "== pytest (the Python package; needs torch and a GPU for most tests)"
+.venv/bin/python -m pytest python/tests -q -rs -p no:cacheprovider | tail -40
 
 bash scripts/skip-report.sh "$build"

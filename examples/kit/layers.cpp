@@ -100,6 +100,40 @@ int32_t LinearLayer::wgrad(const graphed_pass_ctx* ctx, void* self) {
     });
 }
 
+graphed::Callable LossLayer::callable(uint32_t producer) {
+    shape[0] = batch;
+    shape[1] = width;
+    graphed::Callable c;
+    c.name = "loss";
+    graphed_tensor_desc y = graphed::tensor_desc(bytes(), dtype, true);
+    y.flags = GRAPHED_TENSOR_FLAGS_CHAINED;
+    y.chain_callable = producer;
+    y.chain_output = 0;
+    graphed_tensor_desc target = graphed::tensor_desc(bytes(), dtype, false);
+    graphed_tensor_desc d = graphed::tensor_desc(bytes(), dtype, false);
+    for (graphed_tensor_desc* t : {&y, &target, &d}) {
+        t->ndim = 2;
+        t->shape = shape;
+    }
+    c.inputs = {y, target};
+    c.outputs = {d};
+    c.forward = &LossLayer::forward;
+    c.backward = &LossLayer::backward;
+    c.user_data = this;
+    return c;
+}
+
+int32_t LossLayer::forward(const graphed_pass_ctx* ctx, void* self) {
+    auto* L = static_cast<LossLayer*>(self);
+    return L->dev->sub(ctx->stream, L->dtype, ctx->inputs[0], ctx->inputs[1], ctx->outputs[0],
+                       size_t(L->batch) * L->width);
+}
+
+int32_t LossLayer::backward(const graphed_pass_ctx* ctx, void* self) {
+    auto* L = static_cast<LossLayer*>(self);
+    return L->dev->copy(ctx->stream, ctx->grad_inputs[0], ctx->outputs[0], L->bytes());
+}
+
 Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed, uint32_t dtype)
     : dev_(dev), batch_(batch), width_(width), dtype_(dtype), es_(dtype_size(dtype)) {
     layer_.resize(layers);
@@ -142,6 +176,21 @@ std::vector<float> Mlp::values(const void* p, size_t bytes) {
 
 StepGrads Mlp::eager_step(const void* x, const void* target, float lr, bool keep) {
     graphed_stream s = dev_.stream();
+    eager_pass(s, x, target);
+    StepGrads out;
+    for (int i = 0; i < layers(); ++i) {
+        if (keep) {
+            out.w.push_back(values(gw_[i].get(), gw_[i].bytes()));
+            out.b.push_back(values(gb_[i].get(), gb_[i].bytes()));
+        }
+        dev_.sgd(s, dtype_, w_[i].get(), gw_[i].get(), lr, gw_[i].bytes() / es_);
+        dev_.sgd(s, dtype_, b_[i].get(), gb_[i].get(), lr, gb_[i].bytes() / es_);
+    }
+    if (keep) dev_.sync();
+    return out;
+}
+
+void Mlp::eager_pass(graphed_stream s, const void* x, const void* target) {
     size_t act = size_t(batch_) * width_;
     const void* in = x;
     for (int i = 0; i < layers(); ++i) {
@@ -158,17 +207,6 @@ StepGrads Mlp::eager_step(const void* x, const void* target, float lr, bool keep
             throw std::runtime_error("eager backward failed");
         g = gx;
     }
-    StepGrads out;
-    for (int i = 0; i < layers(); ++i) {
-        if (keep) {
-            out.w.push_back(values(gw_[i].get(), gw_[i].bytes()));
-            out.b.push_back(values(gb_[i].get(), gb_[i].bytes()));
-        }
-        dev_.sgd(s, dtype_, w_[i].get(), gw_[i].get(), lr, gw_[i].bytes() / es_);
-        dev_.sgd(s, dtype_, b_[i].get(), gb_[i].get(), lr, gb_[i].bytes() / es_);
-    }
-    if (keep) dev_.sync();
-    return out;
 }
 
 double Mlp::last_loss() {
@@ -178,15 +216,56 @@ double Mlp::last_loss() {
     return sum;
 }
 
-void Mlp::register_layers(graphed::Session& session, const void* sample_x) {
+void Mlp::register_layers(graphed::Session& session, const void* sample_x, const Wiring& wiring) {
     for (int i = 0; i < layers(); ++i) {
-        if (session.add_callable(layer_[i].callable(sample_x, i > 0)) != static_cast<uint32_t>(i))
-            throw std::runtime_error("unexpected callable index");
+        graphed::Callable c = layer_[i].callable(sample_x, i > 0);
+        if (i > 0 && wiring.chain) {
+            c.inputs[0].flags = GRAPHED_TENSOR_FLAGS_CHAINED;
+            c.inputs[0].chain_callable = static_cast<uint32_t>(i - 1);
+            c.inputs[0].chain_output = 0;
+        }
+        if (i == 0 && wiring.rebind_input) c.inputs[0].flags = GRAPHED_TENSOR_FLAGS_REBIND;
+        if (session.add_callable(c) != static_cast<uint32_t>(i)) throw std::runtime_error("unexpected callable index");
+    }
+    if (wiring.loss) {
+        loss_.dev = &dev_;
+        loss_.batch = batch_;
+        loss_.width = width_;
+        loss_.dtype = dtype_;
+        session.add_callable(loss_.callable(static_cast<uint32_t>(layers() - 1)));
     }
 }
 
+StepGrads Mlp::step_graph_step(graphed::Session& session, uint32_t step, const void* x, const void* target, float lr,
+                               bool keep, bool sgd) {
+    graphed_stream s = dev_.stream();
+    const uint32_t loss = static_cast<uint32_t>(layers());
+    const size_t act = size_t(batch_) * width_ * es_;
+    dev_.copy(s, session.buffers(0, 0, GRAPHED_BUFFER_ROLE_INPUT)[0], x, act);
+    dev_.copy(s, session.buffers(loss, 0, GRAPHED_BUFFER_ROLE_INPUT)[1], target, act);
+    session.step(step, s, step_grads_);
+    // The loss of the last step, where eager keeps it.
+    dev_.copy(s, gy_.get(), session.buffers(loss, 0, GRAPHED_BUFFER_ROLE_OUTPUT)[0], act);
+    StepGrads out;
+    for (int i = 0; i < layers(); ++i) {
+        const graphed::Ref& gw = step_grads_[2 * size_t(i)];
+        const graphed::Ref& gb = step_grads_[2 * size_t(i) + 1];
+        if (keep) {
+            out.w.push_back(values(gw.ptr(), gw.bytes()));
+            out.b.push_back(values(gb.ptr(), gb.bytes()));
+        }
+        if (sgd) {
+            dev_.sgd(s, dtype_, w_[i].get(), gw.ptr(), lr, gw.bytes() / es_);
+            dev_.sgd(s, dtype_, b_[i].get(), gb.ptr(), lr, gb.bytes() / es_);
+        }
+    }
+    for (auto& g : step_grads_) g.release();
+    if (keep) dev_.sync();
+    return out;
+}
+
 StepGrads Mlp::graphed_step(graphed::Session& session, const void* x, const void* target, float lr, bool side,
-                            bool keep) {
+                            bool keep, bool sgd) {
     graphed_stream s = dev_.stream();
     size_t act = size_t(batch_) * width_;
     graphed::Replay r;
@@ -211,8 +290,10 @@ StepGrads Mlp::graphed_step(graphed::Session& session, const void* x, const void
             out.w.push_back(values(gw.ptr(), gw.bytes()));
             out.b.push_back(values(gb.ptr(), gb.bytes()));
         }
-        dev_.sgd(s, dtype_, w_[i].get(), gw.ptr(), lr, gw.bytes() / es_);
-        dev_.sgd(s, dtype_, b_[i].get(), gb.ptr(), lr, gb.bytes() / es_);
+        if (sgd) {
+            dev_.sgd(s, dtype_, w_[i].get(), gw.ptr(), lr, gw.bytes() / es_);
+            dev_.sgd(s, dtype_, b_[i].get(), gb.ptr(), lr, gb.bytes() / es_);
+        }
     }
     // Clones go back once the SGD steps that read them are enqueued.
     for (auto& gr : grads_)

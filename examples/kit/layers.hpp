@@ -45,6 +45,35 @@ struct LinearLayer {
                        void* gb) const;
 };
 
+// The squared-error loss as a callable: inputs y (chained to a layer's
+// output) and the target; output d = y - target; backward writes d as the
+// grad of y (the grad of 0.5 * |y - target|^2) and ignores its grad-output.
+// It puts the loss inside a step graph.
+struct LossLayer {
+    Device* dev = nullptr;
+    int batch = 0, width = 0;
+    uint32_t dtype = GRAPHED_DTYPE_F32;
+    int64_t shape[2] = {0, 0};
+
+    graphed::Callable callable(uint32_t producer);
+    static int32_t forward(const graphed_pass_ctx* ctx, void* self);
+    static int32_t backward(const graphed_pass_ctx* ctx, void* self);
+    size_t bytes() const { return size_t(batch) * width * dtype_size(dtype); }
+};
+
+// How an Mlp registers its layers with a session.
+struct Wiring {
+    // Layer i > 0 reads layer i - 1's static output in place (and writes
+    // its input grad into that layer's grad-output): nothing is copied
+    // between layers.
+    bool chain = false;
+    // Layer 0's input is rebound to the data each replay passes.
+    bool rebind_input = false;
+    // A LossLayer after the last layer (chained), so that a step graph can
+    // hold a whole training step; its index is layers().
+    bool loss = false;
+};
+
 // Grads of one training step, copied to the host.
 struct StepGrads {
     std::vector<std::vector<float>> w, b;
@@ -70,17 +99,26 @@ class Mlp {
     // (copied to the host only when `keep` is true; else the step is left
     // running on the device).
     StepGrads eager_step(const void* x, const void* target, float lr, bool keep = true);
+    // The same step's forward, loss grad and backward on stream `s`, without
+    // the SGD and without waiting (what a hand-captured step graph holds).
+    void eager_pass(graphed_stream s, const void* x, const void* target);
 
     // 0.5 * sum((y - target)^2) of the last step.
     double last_loss();
 
     // Registers every layer as a callable of `session` (before capture).
-    void register_layers(graphed::Session& session, const void* sample_x);
+    void register_layers(graphed::Session& session, const void* sample_x, const Wiring& wiring = {});
+
+    // One training step through the step graph `step` of a session wired
+    // with a loss (all its callables): x and the target into their static
+    // inputs, one step replay, SGD with the returned grads, release.
+    StepGrads step_graph_step(graphed::Session& session, uint32_t step, const void* x, const void* target, float lr,
+                              bool keep = true, bool sgd = true);
     // One graphed step through a captured session: replays, SGD with the
     // returned grads (whatever their policy), release of clones. With
     // `side` the replays run on the device's side stream.
     StepGrads graphed_step(graphed::Session& session, const void* x, const void* target, float lr, bool side = false,
-                           bool keep = true);
+                           bool keep = true, bool sgd = true);
 
   private:
     std::vector<float> values(const void* p, size_t bytes);
@@ -97,6 +135,8 @@ class Mlp {
     // What graphed_step's replays return, reused from step to step.
     std::vector<graphed::Ref> outs_;
     std::vector<graphed::Grads> grads_;
+    std::vector<graphed::Ref> step_grads_;
+    LossLayer loss_;
 };
 
 }  // namespace kit
