@@ -3,10 +3,14 @@
 # configures the CMake build against the prebuilt library carried in at
 # target/release/libgraphed.so, builds the CUDA tests with the local nvcc,
 # runs ctest and the demo and prints a summary. Options:
-#   --bench     also run the benchmarks (report in $out/benchmarks.md)
-#   --sanitize  also run the CUDA test instances under compute-sanitizer memcheck
-#   --torch     also build and run the libtorch program and the PyTorch
-#               comparison (report in $out/pytorch.md)
+#   --bench     also run the benchmarks (report in $out/benchmarks.md), with
+#               torch's side of the step and memory tables measured first
+#   --sanitize  also run the CUDA test instances under compute-sanitizer
+#               memcheck and racecheck
+#   --torch     also build and run the libtorch program, and install and test
+#               the Python package (python/gpu-test.sh; its comparison report
+#               in $out/pytorch.md unless --no-compare)
+#   --no-compare  with --torch: skip the PyTorch comparison (a separate run)
 # Logs go to $OUT when set (the device tool's output folder).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +44,9 @@ grep -E "tests passed|tests failed" "$out/ctest.log"
 echo "== demo"
 "$build/examples/mlp_demo" 2>&1 | tee "$out/demo.log" | tail -30
 
+no_compare=""
+for arg in "$@"; do [ "$arg" = "--no-compare" ] && no_compare="--no-compare"; done
+
 for arg in "$@"; do
   case "$arg" in
     --sanitize)
@@ -48,6 +55,11 @@ for arg in "$@"; do
         "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/memcheck.log" 2>&1
       echo "memcheck exit status $?"
       grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -4
+      echo "== compute-sanitizer racecheck (CUDA instances)"
+      compute-sanitizer --tool racecheck --error-exitcode 1 \
+        "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/racecheck.log" 2>&1
+      echo "racecheck exit status $?"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/racecheck.log" | tail -4
       ;;
     --torch)
       echo "== libtorch program"
@@ -60,15 +72,18 @@ for arg in "$@"; do
         || { echo "libtorch build failed"; tail -40 "$out/libtorch-configure.log" "$out/libtorch-build.log"; }
       [ -x "$root/build-libtorch/libtorch_mlp" ] && "$root/build-libtorch/libtorch_mlp" 2>&1 | tee "$out/libtorch.log"
       echo "libtorch exit status ${PIPESTATUS[0]}"
-      echo "== PyTorch comparison"
-      GRAPHED_LIBRARY="$lib" PYTHONUNBUFFERED=1 python3 examples/torch_extension/compare.py \
-        --out "$out/pytorch.md" --commit "${GRAPHED_COMMIT:-unknown}" > "$out/compare.log" 2>&1
-      echo "compare exit status $?"
-      tail -60 "$out/compare.log"
+      echo "== the Python package"
+      GRAPHED_PREBUILT_LIBRARY="$lib" bash python/gpu-test.sh $no_compare
       ;;
     --bench)
+      echo "== torch's side of the step benchmark"
+      python3 benches/torch_reference.py --layers 24 --width 256 --batch 64 --out "$out/torch_reference.json" \
+        > "$out/torch_reference.log" 2>&1
+      echo "torch_reference exit status $?"
+      tail -2 "$out/torch_reference.log"
       echo "== benchmarks"
-      "$build/benches/graphed_bench" --out "$out/benchmarks.md" > "$out/bench.log" 2>&1
+      "$build/benches/graphed_bench" --out "$out/benchmarks.md" --torch-json "$out/torch_reference.json" \
+        > "$out/bench.log" 2>&1
       echo "bench exit status $?"
       cat "$out/bench.log"
       ;;
