@@ -17,18 +17,26 @@ use std::sync::{Arc, OnceLock};
 
 type ParamInfoFn =
     unsafe extern "C" fn(sys::CUfunction, usize, *mut usize, *mut usize) -> sys::CUresult;
+type ParamCountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
 
-/// `cuFuncGetParamInfo`, when the driver has it.
-fn param_info_fn() -> Option<ParamInfoFn> {
-    static F: OnceLock<Option<ParamInfoFn>> = OnceLock::new();
+/// `cuFuncGetParamInfo` and `cuFuncGetParamCount`, when the driver has them
+/// (CUDA 12.4 drivers and newer).
+fn param_fns() -> Option<(ParamInfoFn, ParamCountFn)> {
+    static F: OnceLock<Option<(ParamInfoFn, ParamCountFn)>> = OnceLock::new();
     *F.get_or_init(|| {
         // SAFETY: the driver library is loaded (a graph exists); looking a
-        // symbol up does not call it, and the type is the documented one.
+        // symbol up does not call it, and the types are the documented ones.
         unsafe {
-            sys::culib()
+            let lib = sys::culib();
+            let info = lib
                 .get::<ParamInfoFn>(b"cuFuncGetParamInfo\0")
                 .ok()
-                .map(|s| *s)
+                .map(|s| *s)?;
+            let count = lib
+                .get::<ParamCountFn>(b"cuFuncGetParamCount\0")
+                .ok()
+                .map(|s| *s)?;
+            Some((info, count))
         }
     })
 }
@@ -88,7 +96,7 @@ fn kernel_patch(
                 .into(),
         ));
     }
-    let Some(info) = param_info_fn() else {
+    let Some((info, count)) = param_fns() else {
         return Ok(Err(
             "the CUDA driver has no cuFuncGetParamInfo (CUDA 12.4 drivers and newer): kernel arguments \
              cannot be read"
@@ -103,16 +111,18 @@ fn kernel_patch(
             sys::cuKernelGetFunction(&mut func, params.kern)
         })?;
     }
-    let mut values = Vec::new();
+    let mut n = 0usize;
+    // SAFETY: a live function and a valid out pointer.
+    check("cuFuncGetParamCount", unsafe { count(func, &mut n) })?;
+    let mut values = Vec::with_capacity(n);
     let mut words = Vec::new();
-    for i in 0.. {
+    for i in 0..n {
         let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: a live function and valid out pointers; past the last
-        // argument the driver returns an error.
-        let r = unsafe { info(func, i, &mut offset, &mut size) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            break;
-        }
+        // SAFETY: a live function, an argument index below its count and
+        // valid out pointers.
+        check("cuFuncGetParamInfo", unsafe {
+            info(func, i, &mut offset, &mut size)
+        })?;
         // SAFETY: kernelParams holds one pointer per argument, each to
         // `size` bytes of its value.
         let src = unsafe { *params.kernelParams.add(i) } as *const u8;
