@@ -53,12 +53,16 @@ struct Meta {
 
 Meta meta_of(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type(), t.requires_grad()}; }
 
+// Plain string building: no iostreams in the extension (an ostringstream
+// crashed inside operator<<(long) on the GPU machine's build, in this very
+// error path).
 std::string shape_text(at::IntArrayRef sizes) {
-    std::ostringstream o;
-    o << "[";
-    for (size_t i = 0; i < sizes.size(); ++i) o << (i ? ", " : "") << sizes[i];
-    o << "]";
-    return o.str();
+    std::string o = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        if (i) o += ", ";
+        o += std::to_string(sizes[i]);
+    }
+    return o + "]";
 }
 
 std::string describe(at::IntArrayRef sizes, at::ScalarType dtype, const std::string& device, bool requires_grad) {
