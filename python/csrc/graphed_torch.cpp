@@ -154,8 +154,10 @@ struct RngStates {
         if (!g.defined()) return;
         if (g.device().type() != at::kCUDA)
             throw std::invalid_argument("generators: " + g.device().str() + " is not a CUDA generator");
-        if (g.device().index() != device)
-            throw std::invalid_argument("generators: a generator of " + g.device().str() +
+        // A generator made for "cuda" has no index: it is the current device's.
+        const c10::DeviceIndex index = g.device().has_index() ? g.device().index() : c10::cuda::current_device();
+        if (index != device)
+            throw std::invalid_argument("generators: a generator of cuda:" + std::to_string(index) +
                                         " cannot draw inside graphs of cuda:" + std::to_string(device));
         auto s = state_of(g);
         for (const Entry& e : entries)

@@ -28,7 +28,8 @@ class Session:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
-            for name in ("reset", "backward_dw", "session_stats"):
+            # `reset` stays: a second call is a no-op.
+            for name in ("backward_dw", "session_stats"):
                 module.__dict__.pop(name, None)
 
 
