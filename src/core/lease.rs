@@ -4,6 +4,8 @@
 //! lease still held fails before anything runs, naming the slot, instead of
 //! corrupting what the caller holds.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug)]
@@ -18,23 +20,40 @@ struct Slot {
 
 /// The lease table of a captured session.
 ///
-/// A token is `epoch << 48 | (slot + 1) << 24 | generation`: 16 bits of
-/// capture epoch (so a token from an earlier capture of the session is
-/// refused), 24 bits of slot and 24 bits of generation (never 0).
+/// A token is `epoch << 40 | (slot + 1) << 20 | generation`: 24 bits of
+/// capture epoch, 20 bits of slot and 20 bits of generation (never 0). The
+/// epoch numbers every capture of the process ([`next_epoch`]), so a token
+/// from an earlier capture of the session, or from another session, is
+/// refused.
 #[derive(Clone, Debug, Default)]
 pub struct Leases {
-    epoch: u16,
+    epoch: u32,
     slots: Vec<Slot>,
 }
 
-const SLOT_BITS: u32 = 24;
+const SLOT_BITS: u32 = 20;
 const GEN_MASK: u32 = (1 << SLOT_BITS) - 1;
+const EPOCH_SHIFT: u32 = 2 * SLOT_BITS;
+const EPOCH_MASK: u32 = (1 << (64 - EPOCH_SHIFT)) - 1;
 /// The most lease slots one capture can have.
 pub const MAX_SLOTS: usize = (1 << SLOT_BITS) - 2;
 
+/// The epoch of a new capture: process-wide, never 0, distinct for the
+/// next 2^24 - 1 captures of the process.
+pub fn next_epoch() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    loop {
+        let e = NEXT.fetch_add(1, Ordering::Relaxed) & EPOCH_MASK;
+        if e != 0 {
+            return e;
+        }
+    }
+}
+
 impl Leases {
-    /// An empty table for the capture numbered `epoch`.
-    pub fn new(epoch: u16) -> Leases {
+    /// An empty table for the capture numbered `epoch` (from
+    /// [`next_epoch`]).
+    pub fn new(epoch: u32) -> Leases {
         Leases {
             epoch,
             slots: Vec::new(),
@@ -42,7 +61,7 @@ impl Leases {
     }
 
     fn token(&self, slot: usize, generation: u32) -> u64 {
-        (self.epoch as u64) << 48 | (slot as u64 + 1) << SLOT_BITS | generation as u64
+        (self.epoch as u64) << EPOCH_SHIFT | (slot as u64 + 1) << SLOT_BITS | generation as u64
     }
 
     /// Registers an aliasable slot living in logical buffer `buffer`.
@@ -105,10 +124,10 @@ impl Leases {
 
     /// Releases a lease token.
     pub fn release(&mut self, lease: u64) -> Result<()> {
-        let epoch = (lease >> 48) as u16;
+        let epoch = (lease >> EPOCH_SHIFT) as u32;
         let slot = ((lease >> SLOT_BITS) & GEN_MASK as u64) as usize;
         let generation = (lease as u32) & GEN_MASK;
-        if epoch != self.epoch {
+        if epoch != self.epoch || self.epoch == 0 {
             return Err(Error::invalid(format!(
                 "lease 0x{lease:x} was not issued by this capture of the session (it is from an earlier \
                  capture, another session, or not a lease)"
@@ -204,5 +223,24 @@ mod tests {
             .unwrap();
         next.acquire(0);
         assert!(next.release(t).is_err());
+    }
+
+    #[test]
+    fn epochs_are_distinct_and_never_zero() {
+        let a = next_epoch();
+        let b = next_epoch();
+        assert_ne!(a, 0);
+        assert_ne!(b, 0);
+        assert_ne!(a, b);
+        // Two tables of the same shape from two captures issue different
+        // tokens, and neither accepts the other's.
+        let (mut x, mut y) = (Leases::new(a), Leases::new(b));
+        x.add_slot("output 0 of callable 'a'".into(), 0).unwrap();
+        y.add_slot("output 0 of callable 'b'".into(), 0).unwrap();
+        let (tx, ty) = (x.acquire(0), y.acquire(0));
+        assert_ne!(tx, ty);
+        assert!(y.release(tx).is_err());
+        assert!(x.release(ty).is_err());
+        y.release(ty).unwrap();
     }
 }

@@ -424,9 +424,9 @@ impl Runner<'_> {
         ran: std::result::Result<(), i32>,
         ended: Result<CaptureEnd>,
     ) -> Result<Box<dyn Graph>> {
-        if let Some(e) = self.scratch.take_failure() {
-            return Err(e);
-        }
+        // A refused scratch request explains a failed callback better than
+        // its code; a callback that carried on without it is fine.
+        let refused = self.scratch.take_failure();
         let inst = &self.cap.instances[p.instance];
         // An invalidated capture is the root cause even when the callback
         // also failed (its next launch fails because of it).
@@ -442,7 +442,9 @@ impl Runner<'_> {
                     detail,
                 })
             }
-            (Err(code), _) => Err(self.failed(p, Phase::Capture, None, code)),
+            (Err(code), _) => {
+                Err(refused.unwrap_or_else(|| self.failed(p, Phase::Capture, None, code)))
+            }
             (Ok(()), Err(e)) => Err(e),
             (Ok(()), Ok(CaptureEnd::Graph(g))) => Ok(g),
         }
@@ -690,10 +692,8 @@ impl Runner<'_> {
             );
             if phase == Phase::Warmup {
                 let ran = spec.callbacks.run(&view);
-                if let Some(e) = self.scratch.take_failure() {
-                    return Err(e);
-                }
-                ran.map_err(|c| self.failed(p, phase, None, c))?;
+                let refused = self.scratch.take_failure();
+                ran.map_err(|c| refused.unwrap_or_else(|| self.failed(p, phase, None, c)))?;
                 None
             } else {
                 let backend = &self.s.backend;
@@ -753,7 +753,7 @@ fn view<'a>(
 
 /// Warmup and capture of every callable of `s`; see the module comment.
 /// Returns the captured state and its lease table (for capture `epoch`).
-pub(crate) fn capture(s: &Inputs, epoch: u16) -> Result<(Captured, Leases)> {
+pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     let backend = s.backend;
     let has_wgrad: Vec<bool> = s
         .callables

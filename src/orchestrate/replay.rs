@@ -134,10 +134,15 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         // The context first: asking about a stream needs it current.
         let _ctx = backend.bind()?;
         check_streams(backend.as_ref(), a.stream, a.side_stream, who)?;
-        let strict = opts.strict_leases;
-        let mut book = strict.then(|| leases.lock());
-        if let Some(l) = &book {
-            l.check_free(&inst.leases.overwritten[kind.index()], who)?;
+        // The lease book is locked only around the check and the staging,
+        // never while the caller's code runs (its allocator, its free
+        // function), which may release leases. Only replays acquire, and
+        // they are serialised by the session: a release in between only
+        // frees more.
+        if opts.strict_leases {
+            leases
+                .lock()
+                .check_free(&inst.leases.overwritten[kind.index()], who)?;
         }
         let pos = inst.position[kind.index()]
             .ok_or_else(|| Error::Internal(format!("{} was not captured", who())))?;
@@ -257,6 +262,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         if let Some(b) = block {
             blocks.push(b);
         }
+        let mut book = opts.strict_leases.then(|| leases.lock());
         let leases = book.as_deref_mut();
         match kind {
             PassKind::Forward => stage_aliases(
@@ -361,7 +367,6 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     }
     // Results: every parameter of the step's callables, in order.
     let taken = chosen.map(|(_, t)| t).unwrap_or_default();
-    let mut book = p.opts.strict_leases.then(|| p.leases.lock());
     let Captured {
         instances,
         stage,
@@ -378,6 +383,8 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     first.clear();
     second.clear();
     give_back(blocks);
+    // Locked after give_back, which may run the caller's free function.
+    let mut book = p.opts.strict_leases.then(|| p.leases.lock());
     let mut at = 0;
     for &i in &st.instances {
         let inst = &instances[i];

@@ -27,8 +27,8 @@ struct State {
     arena: Arena,
     /// Which pass is running, for messages.
     context: String,
-    /// The first refused request of the running pass: capture reports it
-    /// rather than whatever code the callback returned because of it.
+    /// The first refused request of the running pass: when the callback
+    /// then fails, capture reports it rather than the callback's code.
     failure: Option<String>,
 }
 
@@ -81,20 +81,21 @@ impl Scratch {
         let st = &mut *st;
         match &mut st.mode {
             Mode::Measuring { real, .. } => {
-                let offset = st.arena.alloc(bytes).ok_or_else(|| {
-                    Error::OutOfMemory(format!(
-                        "{}: scratch requests total more than the address space",
-                        st.context
-                    ))
-                })?;
-                match self.backend.alloc(bytes) {
-                    Ok(p) => {
+                // The memory first: a request the device refuses must not
+                // reach the arena, whose high-water mark sizes the capture's
+                // arena even after the offset is freed.
+                let p = self.backend.alloc(bytes)?;
+                match st.arena.alloc(bytes) {
+                    Some(offset) => {
                         real.insert(p, offset);
                         Ok(p)
                     }
-                    Err(e) => {
-                        st.arena.free(offset);
-                        Err(e)
+                    None => {
+                        self.backend.free(p);
+                        Err(Error::OutOfMemory(format!(
+                            "{}: scratch requests total more than the address space",
+                            st.context
+                        )))
                     }
                 }
             }

@@ -16,7 +16,7 @@ use super::spec::{
 };
 use crate::backend::{Backend, BackendKind, DevPtr, StreamRef};
 use crate::core::layout::Role;
-use crate::core::lease::Leases;
+use crate::core::lease::{self, Leases};
 use crate::core::plan::Lifetime;
 use crate::core::policy::{GradPolicy, ParamFlags};
 use crate::core::schedule::check_steps;
@@ -73,8 +73,6 @@ pub struct Session {
     pub(crate) leases: Arc<LeaseBook>,
     /// Identifies the session to its pool.
     pub(crate) key: u64,
-    /// Captures so far (lease tokens carry it).
-    epoch: u16,
 }
 
 fn check_tensor(t: &TensorSpec, what: &str) -> Result<()> {
@@ -159,7 +157,6 @@ impl Session {
             counters: Arc::new(MemCounters::default()),
             leases: Arc::new(LeaseBook::default()),
             key: KEYS.fetch_add(1, Ordering::Relaxed),
-            epoch: 0,
         };
         if !s.opts.clone_param_grads_on_return {
             s.log(LogLevel::Warn, || {
@@ -414,7 +411,6 @@ impl Session {
             ));
         }
         let _ctx = self.backend.bind()?;
-        self.epoch = self.epoch.wrapping_add(1);
         let inputs = capture::Inputs {
             backend: &self.backend,
             pool: &self.pool,
@@ -423,7 +419,7 @@ impl Session {
             steps: &self.steps,
             counters: &self.counters,
         };
-        let (captured, leases) = capture::capture(&inputs, self.epoch)?;
+        let (captured, leases) = capture::capture(&inputs, lease::next_epoch())?;
         let (n, st, sc) = (
             captured.graph_count,
             captured.statics_bytes(),
@@ -458,7 +454,7 @@ impl Session {
         let _ctx = self.backend.bind()?;
         self.pool.leave(self.key);
         self.state = State::Reset;
-        *self.leases.lock() = Leases::new(self.epoch.wrapping_add(1));
+        *self.leases.lock() = Leases::default();
         Ok(())
     }
 
