@@ -899,7 +899,10 @@ typedef struct graphed_session_config {
    * again once the caller released its grads). With every slot held, a
    * replay copies into another block. Needs no caller allocator and no
    * external buffers in that pass; costs one block of the callable's
-   * CLONE bytes per slot.
+   * CLONE bytes per slot. The slot captures run the pass callback again
+   * without the per-pass hooks: state a pre hook sets up for capture (a
+   * framework's private memory pool) is not there, so such a caller sets
+   * 0 or sets that state up for the whole of graphed_session_capture.
    */
   uint32_t clone_slots;
   /**

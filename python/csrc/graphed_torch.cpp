@@ -44,6 +44,10 @@ struct Meta {
     std::vector<int64_t> sizes;
     at::ScalarType dtype = at::kFloat;
     bool requires_grad = false;
+    // Outputs keep the layout eager gave them (a transposed attention
+    // output, channels_last), so that *_like and strided kernels see what
+    // eager code sees; empty: contiguous. Always dense: numel elements.
+    std::vector<int64_t> strides;
     size_t bytes() const {
         size_t n = 1;
         for (int64_t d : sizes) n *= size_t(d);
@@ -52,6 +56,27 @@ struct Meta {
 };
 
 Meta meta_of(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type(), t.requires_grad()}; }
+
+// An output's meta: its strides too when it is dense but not contiguous.
+Meta layout_of(const at::Tensor& t) {
+    Meta m = meta_of(t);
+    if (!t.is_contiguous() && t.is_non_overlapping_and_dense()) m.strides = t.strides().vec();
+    return m;
+}
+
+// `t` in the layout of `m` (itself when it already is, else a copy).
+at::Tensor in_layout(const at::Tensor& t, const Meta& m) {
+    if (m.strides.empty()) return t.contiguous();
+    if (t.strides() == at::IntArrayRef(m.strides)) return t;
+    return at::empty_strided(m.sizes, m.strides, t.options()).copy_(t);
+}
+
+// A tensor of layout `m` over memory graphed owns; `deleter` runs when it dies.
+at::Tensor over(void* ptr, const Meta& m, const at::TensorOptions& options,
+                std::function<void(void*)> deleter = [](void*) {}) {
+    if (m.strides.empty()) return at::from_blob(ptr, m.sizes, std::move(deleter), options);
+    return at::from_blob(ptr, m.sizes, m.strides, std::move(deleter), options);
+}
 
 // Plain string building: no iostreams in the extension (an ostringstream
 // crashed inside operator<<(long) on the GPU machine's build, in this very
@@ -398,13 +423,12 @@ struct Shared {
     // leases releases its lease when it dies.
     at::Tensor wrap_alias(void* ptr, const Meta& m, uint64_t lease, std::string what,
                           const std::shared_ptr<Shared>& self) {
-        if (lease == 0) return at::from_blob(ptr, m.sizes, [self](void*) {}, options_of(m.dtype, device));
+        if (lease == 0) return over(ptr, m, options_of(m.dtype, device), [self](void*) {});
         {
             std::lock_guard<std::mutex> lock(lease_mu);
             held[lease] = std::move(what);
         }
-        return at::from_blob(
-            ptr, m.sizes, [self, lease](void*) { self->release_lease(lease); }, options_of(m.dtype, device));
+        return over(ptr, m, options_of(m.dtype, device), [self, lease](void*) { self->release_lease(lease); });
     }
 
     void release(const Release& r);
@@ -480,7 +504,11 @@ std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins
             throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is " + describe(outs[i]) +
                                      "; in the first warmup iteration it was " +
                                      describe(out[i].sizes, out[i].dtype, outs[i].device().str(), out[i].requires_grad));
-        outs[i] = outs[i].contiguous();
+        // The first warmup iteration's layout (dense), later ones in it.
+        if (outputs_known)
+            outs[i] = in_layout(outs[i], out[i]);
+        else if (!outs[i].is_non_overlapping_and_dense())
+            outs[i] = outs[i].contiguous();
     }
     return outs;
 }
@@ -554,7 +582,7 @@ std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& 
             v.emplace_back();
             continue;
         }
-        at::Tensor t = at::from_blob(ptrs[i], metas[i].sizes, options_of(metas[i].dtype, device));
+        at::Tensor t = over(ptrs[i], metas[i], options_of(metas[i].dtype, device));
         v.push_back(with_grad ? t.requires_grad_(metas[i].requires_grad) : t);
     }
     return v;
@@ -762,7 +790,9 @@ struct GraphedBackward : public torch::autograd::Node {
                 continue;
             }
             const at::Tensor& g = grads[k++];
-            contiguous.push_back(g.defined() ? g.contiguous() : at::zeros(c->out[i].sizes, options_of(c->out[i].dtype, s.device)));
+            // In the output's layout: the graph reads its grad that way.
+            const Meta& m = c->out[i];
+            contiguous.push_back(in_layout(g.defined() ? g : at::zeros(m.sizes, options_of(m.dtype, s.device)), m));
             data.push_back(contiguous.back().data_ptr());
         }
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
@@ -841,7 +871,7 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
             c->call_hook(e);
             std::vector<at::Tensor> outs = c->run_forward(ins);
             if (!c->outputs_known) {
-                for (const at::Tensor& y : outs) c->out.push_back(meta_of(y));
+                for (const at::Tensor& y : outs) c->out.push_back(layout_of(y));
                 c->outputs_known = true;
             }
             e.before = false;
@@ -855,7 +885,7 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
         if (p.pass == Pass::Backward) {
             go.clear();
             for (const Meta& m : c->out)
-                go.push_back(m.requires_grad ? at::zeros(m.sizes, options_of(m.dtype, s.device)) : at::Tensor());
+                go.push_back(m.requires_grad ? in_layout(at::zeros(m.sizes, options_of(m.dtype, s.device)), m) : at::Tensor());
         }
         e.grad_outputs = &go;
         c->call_hook(e);
@@ -1080,6 +1110,10 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     // each callback are no-ops (the legacy default stream cannot capture:
     // then graphed's own stream, joined as before).
     if (s.work.stream() != nullptr) cfg.capture_stream = s.work.stream();
+    // Clone slots capture the grad pass again without its hooks, so without
+    // the private pool routed: off here (clones then copy out of the graph's
+    // buffers, as with torch's allocator).
+    cfg.clone_slots = 0;
     if (o.clones_from_torch_allocator) {
         cfg.clone_alloc = torch_alloc;
         cfg.clone_free = torch_free;

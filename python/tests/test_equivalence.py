@@ -12,7 +12,7 @@ pytestmark = needs_gpu
 
 if torch is not None:
     import graphed.torch as gt
-    from _models import BATCH, HEAD_DIM, HEADS, SDPA, SEQ, assert_all_equal, data, make_layer, outputs_of
+    from _models import BATCH, HEAD_DIM, HEADS, HIDDEN, SDPA, SEQ, assert_all_equal, data, make_layer, outputs_of
 
 KINDS = ["linear", "layernorm_linear", "layernorm_mlp", "layernorm_mlp_checkpoint", "mha", "transformer", "attention"]
 DTYPES = ["float32", "float16", "bfloat16"]  # names, so that collection needs no torch
@@ -83,3 +83,40 @@ def attention(dtype, graphed):
 def test_scaled_dot_product_attention_matches_eager(dtype):
     dtype = getattr(torch, dtype)
     assert_all_equal(attention(dtype, True), attention(dtype, False))
+
+
+class Transposed(torch.nn.Module if torch is not None else object):
+    """A linear layer whose output is a transposed (dense, not contiguous) view."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.fc = torch.nn.Linear(HIDDEN, HIDDEN, device="cuda", dtype=dtype)
+
+    def forward(self, x):
+        return self.fc(x).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outputs_keep_the_layout_eager_gives_them(dtype):
+    # An output's strides are eager's, so *_like (here the grad drawn with
+    # randn_like) and strided consumers see the same tensor.
+    dtype = getattr(torch, dtype)
+
+    def run(graphed):
+        torch.manual_seed(11)
+        model = Transposed(dtype)
+        if graphed:
+            model = gt.make_graphed_callables(model, (data(dtype, ones=True),), num_warmup_iters=3)
+        for _ in range(2):
+            x = data(dtype)
+            y = model(x)
+            y.backward(torch.randn_like(y))
+        out = [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        strides = y.stride()
+        if graphed:
+            model.reset()
+        return out, strides
+
+    (got, got_strides), (want, want_strides) = run(True), run(False)
+    assert got_strides == want_strides
+    assert_all_equal(got, want)

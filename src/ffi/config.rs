@@ -107,7 +107,10 @@ pub struct graphed_session_config {
     /// again once the caller released its grads). With every slot held, a
     /// replay copies into another block. Needs no caller allocator and no
     /// external buffers in that pass; costs one block of the callable's
-    /// CLONE bytes per slot.
+    /// CLONE bytes per slot. The slot captures run the pass callback again
+    /// without the per-pass hooks: state a pre hook sets up for capture (a
+    /// framework's private memory pool) is not there, so such a caller sets
+    /// 0 or sets that state up for the whole of graphed_session_capture.
     pub clone_slots: u32,
     /// Optional: run warmup and capture on this stream of yours (a
     /// CUstream, not the legacy default stream; CUDA only) instead of one
