@@ -13,7 +13,7 @@
 use graphed::ffi::*;
 use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
@@ -54,10 +54,19 @@ impl H {
 }
 
 /// What a pass's host task needs: the static buffers of its instance,
-/// fixed at capture. Lives as long as the test (leaked).
+/// fixed at capture, and optionally a flag it waits on while it runs (so
+/// that another thread can act while a replay is certainly in progress).
+/// Lives as long as the test (leaked).
 struct Task {
     src: usize,
     dsts: Vec<usize>,
+    hold: Option<&'static Hold>,
+}
+
+/// Holds the tasks of a session's replays until released.
+struct Hold {
+    on: AtomicBool,
+    running: AtomicUsize,
 }
 
 unsafe extern "C" fn copy_task(data: *mut c_void) {
@@ -67,12 +76,20 @@ unsafe extern "C" fn copy_task(data: *mut c_void) {
         // SAFETY: static buffers of BYTES bytes each.
         unsafe { std::ptr::copy(t.src as *const u8, d as *mut u8, BYTES) };
     }
+    if let Some(h) = t.hold {
+        h.running.fetch_add(1, Ordering::SeqCst);
+        let end = Instant::now() + Duration::from_millis(200);
+        while h.on.load(Ordering::SeqCst) && Instant::now() < end {
+            std::hint::spin_loop();
+        }
+        h.running.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Forward: output = input. Backward: input grad and every param grad =
 /// grad output. So a backward replayed with grad output v returns v
-/// everywhere.
-unsafe extern "C" fn pass(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+/// everywhere. `hold`: a `Hold` for the tasks, or NULL.
+unsafe extern "C" fn pass(ctx: *const graphed_pass_ctx, hold: *mut c_void) -> i32 {
     // SAFETY: valid during the call, arrays of the stated lengths.
     unsafe {
         let c = &*ctx;
@@ -83,7 +100,8 @@ unsafe extern "C" fn pass(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
             d.extend((0..c.num_params).map(|i| *c.param_grads.add(i) as usize));
             (*c.grad_outputs as usize, d)
         };
-        let t: &'static Task = Box::leak(Box::new(Task { src, dsts }));
+        let hold = (hold as *const Hold).as_ref();
+        let t: &'static Task = Box::leak(Box::new(Task { src, dsts, hold }));
         graphed_host_enqueue(c.stream, Some(copy_task), t as *const Task as *mut c_void) as i32
     }
 }
@@ -97,6 +115,7 @@ struct Opts {
     strict: bool,
     share: Option<H>,
     clone: bool,
+    hold: Option<&'static Hold>,
 }
 
 fn session(o: Opts) -> H {
@@ -110,12 +129,12 @@ fn session(o: Opts) -> H {
     // SAFETY: a valid config and out pointer.
     ok(unsafe { graphed_session_create(&cfg, &mut s) });
     let h = H(s as usize);
-    add_callable(h);
+    add_callable(h, o.hold);
     ok(graphed_session_capture(h.p()));
     h
 }
 
-fn add_callable(h: H) {
+fn add_callable(h: H, hold: Option<&'static Hold>) {
     let tensor = graphed_tensor_desc {
         bytes: BYTES,
         requires_grad: 1,
@@ -138,6 +157,7 @@ fn add_callable(h: H) {
     d.params = params.as_ptr();
     d.forward = Some(pass);
     d.backward = Some(pass);
+    d.user_data = hold.map_or(null_mut(), |h| h as *const Hold as *mut c_void);
     let mut idx = 0;
     // SAFETY: the descriptor's arrays hold the stated counts.
     ok(unsafe { graphed_session_add_callable(h.p(), &d, &mut idx) });
@@ -283,6 +303,10 @@ fn shared_session_with_deleter(h: H, threads: usize, iters: usize) {
     let (s, st) = stats(h);
     ok(s);
     assert_eq!(st.clone_blocks_outstanding, 0, "every block was released");
+    eprintln!(
+        "{threads} threads x {iters} steps on one session: {} calls refused BUSY",
+        busy.load(Ordering::Relaxed)
+    );
 }
 
 #[test]
@@ -291,6 +315,7 @@ fn one_session_many_threads_and_a_deleter() {
         strict: false,
         share: None,
         clone: true,
+        hold: None,
     });
     shared_session_with_deleter(h, 4, 500);
     ok(graphed_session_destroy(h.p()));
@@ -305,6 +330,7 @@ fn strict_leases_released_from_another_thread() {
         strict: true,
         share: None,
         clone: false,
+        hold: None,
     });
     let (tx, rx) = mpsc::channel::<(u64, usize, f32)>();
     thread::scope(|sc| {
@@ -377,6 +403,7 @@ fn separate_sessions_churn_in_parallel() {
                         strict: t % 2 == 1,
                         share: None,
                         clone: true,
+                        hold: None,
                     });
                     for i in 0..5 {
                         let v = (t * 100 + i) as f32;
@@ -413,18 +440,25 @@ fn separate_sessions_churn_in_parallel() {
     });
 }
 
-/// A destroy racing replays of the same session: the destroy gets BUSY
-/// while a replay holds the session, then succeeds; the replays get BUSY
-/// or, once it is gone, USE_AFTER_DESTROY. Clones returned before the
-/// destroy stay valid and are released after it, from another thread.
+/// A destroy racing replays of the same session: called while a replay is
+/// certainly in progress (its task waits until the destroy has been tried)
+/// it gets BUSY; retried, it succeeds; the replays get BUSY or, once the
+/// session is gone, USE_AFTER_DESTROY. Clones returned before the destroy
+/// stay valid and are released after it, from another thread.
 #[test]
 fn destroy_races_replays() {
     for round in 0..16 {
+        let hold: &'static Hold = Box::leak(Box::new(Hold {
+            on: AtomicBool::new(false),
+            running: AtomicUsize::new(0),
+        }));
         let h = session(Opts {
             strict: round % 2 == 1,
             share: None,
             clone: true,
+            hold: Some(hold),
         });
+        hold.on.store(true, Ordering::SeqCst);
         let (tx, rx) = mpsc::channel::<(usize, usize, f32)>();
         thread::scope(|sc| {
             for t in 0..2 {
@@ -464,20 +498,35 @@ fn destroy_races_replays() {
                             }
                             _ => {}
                         }
-                        // Leave the destroying thread a window (destroy
-                        // retries on BUSY; nothing makes it fair).
-                        thread::sleep(Duration::from_micros(20));
+                        // Leave the destroying thread a window now and then
+                        // (destroy retries on BUSY; nothing makes it fair).
+                        if i % 16 == 0 {
+                            thread::sleep(Duration::from_micros(20));
+                        } else {
+                            thread::yield_now();
+                        }
                     }
                 });
             }
             {
                 sc.spawn(move || {
-                    thread::sleep(Duration::from_millis(2 + round as u64));
-                    let end = Instant::now() + Duration::from_secs(20);
-                    while one_of(graphed_session_destroy(h.p()), &[S::Ok, S::Busy]) == S::Busy {
-                        assert!(Instant::now() < end, "destroy got BUSY for 20 s");
+                    thread::sleep(Duration::from_micros(200 * round as u64));
+                    // Into the middle of a replay: its task is running.
+                    while hold.running.load(Ordering::SeqCst) == 0 {
                         thread::yield_now();
                     }
+                    one_of(graphed_session_destroy(h.p()), &[S::Busy]);
+                    hold.on.store(false, Ordering::SeqCst);
+                    let end = Instant::now() + Duration::from_secs(20);
+                    let mut busy = 1;
+                    while one_of(graphed_session_destroy(h.p()), &[S::Ok, S::Busy]) == S::Busy {
+                        assert!(Instant::now() < end, "destroy got BUSY for 20 s");
+                        busy += 1;
+                        thread::yield_now();
+                    }
+                    eprintln!(
+                        "round {round}: destroy refused BUSY {busy} times before it went through"
+                    );
                     one_of(graphed_session_destroy(h.p()), &[S::UseAfterDestroy]);
                     let (s, _) = stats(h);
                     one_of(s, &[S::UseAfterDestroy]);
@@ -510,11 +559,13 @@ fn shared_pool_from_two_threads() {
         strict: false,
         share: None,
         clone: true,
+        hold: None,
     });
     let b = session(Opts {
         strict: false,
         share: Some(a),
         clone: true,
+        hold: None,
     });
     thread::scope(|sc| {
         for (t, h) in [a, b].into_iter().enumerate() {
@@ -565,6 +616,7 @@ fn share_pool_with_a_session_being_destroyed() {
             strict: false,
             share: None,
             clone: true,
+            hold: None,
         });
         let made = thread::scope(|sc| {
             let maker = sc.spawn(move || {
@@ -586,7 +638,7 @@ fn share_pool_with_a_session_being_destroyed() {
             maker.join().unwrap()
         });
         if let Some(b) = made {
-            add_callable(b);
+            add_callable(b, None);
             ok(graphed_session_capture(b.p()));
             let (s, out) = forward(b, 3.0);
             ok(s);
