@@ -2502,9 +2502,10 @@ enum Fault {
     Callable,
     Microbatch,
     OutMisaligned,
+    DstCount,
 }
 
-const FAULTS: [Fault; 19] = [
+const FAULTS: [Fault; 20] = [
     Fault::None,
     Fault::ArgsNull,
     Fault::Magic,
@@ -2524,6 +2525,7 @@ const FAULTS: [Fault; 19] = [
     Fault::Callable,
     Fault::Microbatch,
     Fault::OutMisaligned,
+    Fault::DstCount,
 ];
 
 const REF: usize = size_of::<graphed_ref>();
@@ -2760,7 +2762,11 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
             dst_null_bad = true;
         }
     }
-    let dsts_given = fault != Fault::DstsMissing && (needs_dst.iter().any(|&x| x) || i.chance(20));
+    if fault == Fault::DstCount {
+        dsts.push(0);
+    }
+    let dsts_given = fault == Fault::DstCount
+        || (fault != Fault::DstsMissing && (needs_dst.iter().any(|&x| x) || i.chance(20)));
     if dsts_given {
         a.param_dsts = if dsts.is_empty() {
             8 as *const *mut c_void
@@ -2890,10 +2896,8 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
                 if needs_dst.iter().any(|&x| x) {
                     first(&mut want, Some(S::InvalidArgument));
                 }
-            } else {
-                if dst_null_bad || misaligned {
-                    first(&mut want, Some(S::InvalidArgument));
-                }
+            } else if dst_null_bad || misaligned || dsts.len() != np {
+                first(&mut want, Some(S::InvalidArgument));
             }
         }
         first(&mut want, st0);
