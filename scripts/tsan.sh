@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs the multithreaded C ABI test (tests/threads.rs) under
+# ThreadSanitizer, with the standard library rebuilt with it (-Zbuild-std)
+# so that TSan sees std's own synchronisation. Fails on any report.
+#
+# Installs the pinned nightly Rust with rust-src if it is missing; safe to
+# run again. The instrumented build lives in target/tsan.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+NIGHTLY=nightly-2026-05-20
+TEST=threads
+TRIPLE=x86_64-unknown-linux-gnu
+
+if ! command -v rustup >/dev/null; then
+  echo "tsan: rustup is needed (https://rustup.rs); install it, then run this again" >&2
+  exit 1
+fi
+if ! rustup run "$NIGHTLY" rustc --version >/dev/null 2>&1 \
+  || ! [ -d "$(rustup run "$NIGHTLY" rustc --print sysroot)/lib/rustlib/src/rust/library" ]; then
+  echo "tsan: installing Rust $NIGHTLY with rust-src"
+  rustup toolchain install "$NIGHTLY" --profile minimal --component rust-src
+fi
+command -v cc >/dev/null || { echo "tsan: a C compiler (cc) is needed: apt-get install gcc" >&2; exit 1; }
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+echo "tsan: cargo +$NIGHTLY test -Zbuild-std --target $TRIPLE --test $TEST (RUSTFLAGS=-Zsanitizer=thread)"
+set +e
+RUSTFLAGS="-Zsanitizer=thread" RUSTDOCFLAGS="-Zsanitizer=thread" \
+  CARGO_TARGET_DIR="$root/target/tsan" \
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}" \
+  cargo "+$NIGHTLY" test -Zbuild-std --target "$TRIPLE" --test "$TEST" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+if grep -q "WARNING: ThreadSanitizer" "$log"; then
+  echo "tsan: ThreadSanitizer reported a problem (see above)" >&2
+  exit 1
+fi
+if [ "$rc" -ne 0 ]; then
+  echo "tsan: the test failed (exit status $rc)" >&2
+  exit "$rc"
+fi
+echo "tsan: clean"

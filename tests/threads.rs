@@ -1,0 +1,653 @@
+//! Threads against the C ABI, on the host backend: a normal integration
+//! test, and the test scripts/tsan.sh runs under ThreadSanitizer.
+//!
+//! Several threads at once create, capture, replay and destroy sessions of
+//! their own; replay one shared session (a second caller gets BUSY and
+//! retries); hand the returned clone blocks to a deleter thread that checks
+//! and releases them (retaining some first); release strict-mode leases
+//! from another thread than the one that replays; read stats; replay two
+//! sessions that share a pool from two threads (whole iterations in turn);
+//! and destroy a session while another thread replays it, which must give
+//! BUSY or USE_AFTER_DESTROY and never a crash. Every status is checked.
+
+use graphed::ffi::*;
+use std::ffi::{c_void, CStr};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use graphed_status as S;
+
+const N: usize = 64; // f32 elements of every tensor and parameter
+const BYTES: usize = N * 4;
+
+fn msg() -> String {
+    // SAFETY: graphed returns a NUL-terminated thread-local string.
+    unsafe { CStr::from_ptr(graphed_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[track_caller]
+fn ok(s: graphed_status) {
+    assert_eq!(s, S::Ok, "{}", msg());
+}
+
+#[track_caller]
+fn one_of(s: graphed_status, allowed: &[graphed_status]) -> graphed_status {
+    assert!(allowed.contains(&s), "{s:?} not in {allowed:?}: {}", msg());
+    assert!(s == S::Ok || !msg().is_empty());
+    s
+}
+
+/// A session handle that can cross threads (it is an id, not an address).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct H(usize);
+
+impl H {
+    fn p(self) -> *mut graphed_session {
+        self.0 as *mut graphed_session
+    }
+}
+
+/// What a pass's host task needs: the static buffers of its instance,
+/// fixed at capture, and optionally a flag it waits on while it runs (so
+/// that another thread can act while a replay is certainly in progress).
+/// Lives as long as the test (leaked).
+struct Task {
+    src: usize,
+    dsts: Vec<usize>,
+    hold: Option<&'static Hold>,
+}
+
+/// Holds the tasks of a session's replays until released.
+struct Hold {
+    on: AtomicBool,
+    running: AtomicUsize,
+}
+
+unsafe extern "C" fn copy_task(data: *mut c_void) {
+    // SAFETY: a leaked Task whose buffers live while the session's graphs do.
+    let t = unsafe { &*(data as *const Task) };
+    for &d in &t.dsts {
+        // SAFETY: static buffers of BYTES bytes each.
+        unsafe { std::ptr::copy(t.src as *const u8, d as *mut u8, BYTES) };
+    }
+    if let Some(h) = t.hold {
+        h.running.fetch_add(1, Ordering::SeqCst);
+        let end = Instant::now() + Duration::from_millis(200);
+        while h.on.load(Ordering::SeqCst) && Instant::now() < end {
+            std::hint::spin_loop();
+        }
+        h.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Forward: output = input. Backward: input grad and every param grad =
+/// grad output. So a backward replayed with grad output v returns v
+/// everywhere. `hold`: a `Hold` for the tasks, or NULL.
+unsafe extern "C" fn pass(ctx: *const graphed_pass_ctx, hold: *mut c_void) -> i32 {
+    // SAFETY: valid during the call, arrays of the stated lengths.
+    unsafe {
+        let c = &*ctx;
+        let (src, dsts) = if c.pass == 0 {
+            (*c.inputs as usize, vec![*c.outputs as usize])
+        } else {
+            let mut d = vec![*c.grad_inputs as usize];
+            d.extend((0..c.num_params).map(|i| *c.param_grads.add(i) as usize));
+            (*c.grad_outputs as usize, d)
+        };
+        let hold = (hold as *const Hold).as_ref();
+        let t: &'static Task = Box::leak(Box::new(Task { src, dsts, hold }));
+        graphed_host_enqueue(c.stream, Some(copy_task), t as *const Task as *mut c_void) as i32
+    }
+}
+
+/// Parameter memory: registered once, kept for the whole test.
+fn param_mem() -> usize {
+    Box::leak(vec![0f32; N].into_boxed_slice()).as_mut_ptr() as usize
+}
+
+struct Opts {
+    strict: bool,
+    share: Option<H>,
+    clone: bool,
+    hold: Option<&'static Hold>,
+}
+
+fn session(o: Opts) -> H {
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    cfg.warmup_iterations = 1;
+    cfg.strict_leases = o.strict as u32;
+    cfg.clone_param_grads_on_return = o.clone as u32;
+    cfg.share_pool_with = o.share.map_or(null_mut(), H::p);
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let h = H(s as usize);
+    add_callable(h, o.hold);
+    ok(graphed_session_capture(h.p()));
+    h
+}
+
+fn add_callable(h: H, hold: Option<&'static Hold>) {
+    let tensor = graphed_tensor_desc {
+        bytes: BYTES,
+        requires_grad: 1,
+        ..graphed_tensor_desc_default()
+    };
+    let (inputs, outputs) = ([tensor], [tensor]);
+    let params: Vec<graphed_param_desc> = (0..2)
+        .map(|_| graphed_param_desc {
+            data: param_mem() as *mut c_void,
+            bytes: BYTES,
+            ..graphed_param_desc_default()
+        })
+        .collect();
+    let mut d = graphed_callable_desc_default();
+    d.num_inputs = 1;
+    d.inputs = inputs.as_ptr();
+    d.num_outputs = 1;
+    d.outputs = outputs.as_ptr();
+    d.num_params = params.len();
+    d.params = params.as_ptr();
+    d.forward = Some(pass);
+    d.backward = Some(pass);
+    d.user_data = hold.map_or(null_mut(), |h| h as *const Hold as *mut c_void);
+    let mut idx = 0;
+    // SAFETY: the descriptor's arrays hold the stated counts.
+    ok(unsafe { graphed_session_add_callable(h.p(), &d, &mut idx) });
+}
+
+fn empty_ref() -> graphed_ref {
+    graphed_ref {
+        ptr: null_mut(),
+        bytes: 0,
+        kind: 0,
+        owner: null_mut(),
+        lease: 0,
+    }
+}
+
+/// One forward with input `v` (every element).
+fn forward(h: H, v: f32) -> (graphed_status, graphed_ref) {
+    let data = vec![v; N];
+    let ptrs = [data.as_ptr() as *const c_void];
+    let mut a = graphed_replay_args_default();
+    a.data = ptrs.as_ptr();
+    a.num_data = 1;
+    let mut out = [empty_ref()];
+    // SAFETY: args and room for one ref.
+    let s = unsafe { graphed_forward(h.p(), &a, out.as_mut_ptr(), 1) };
+    (s, out[0])
+}
+
+/// One backward with grad output `v`: (status, input grad, param grads).
+fn backward(h: H, v: f32) -> (graphed_status, graphed_ref, [graphed_ref; 2]) {
+    let data = vec![v; N];
+    let ptrs = [data.as_ptr() as *const c_void];
+    let mut a = graphed_replay_args_default();
+    a.data = ptrs.as_ptr();
+    a.num_data = 1;
+    let mut gin = [empty_ref()];
+    let mut gp = [empty_ref(); 2];
+    // SAFETY: args and room for the stated refs.
+    let s = unsafe { graphed_backward(h.p(), &a, gin.as_mut_ptr(), 1, gp.as_mut_ptr(), 2) };
+    (s, gin[0], gp)
+}
+
+fn holds(r: &graphed_ref, v: f32) -> bool {
+    // SAFETY: a returned ref of BYTES bytes, still owned or valid.
+    let xs = unsafe { std::slice::from_raw_parts(r.ptr as *const f32, N) };
+    xs.iter().all(|&x| x == v)
+}
+
+fn stats(h: H) -> (graphed_status, graphed_session_stats) {
+    let mut st = graphed_session_stats_default();
+    // SAFETY: a full stats struct.
+    let s = unsafe { graphed_session_stats_get(h.p(), &mut st) };
+    (s, st)
+}
+
+/// A block of returned clones, sent to the deleter with what it must hold.
+struct Returned {
+    owner: usize,
+    grads: Vec<(usize, f32)>,
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_millis(1500)
+}
+
+/// Replays `h` from several threads at once; every returned clone block
+/// goes to a deleter thread, which checks it still holds its replay's
+/// gradient and releases it (retaining and releasing some first).
+fn shared_session_with_deleter(h: H, threads: usize, iters: usize) {
+    let (tx, rx) = mpsc::channel::<Returned>();
+    let busy = Arc::new(AtomicUsize::new(0));
+    thread::scope(|sc| {
+        sc.spawn(move || {
+            for r in rx {
+                let owner = r.owner as *mut graphed_buffer;
+                if r.grads.len() % 2 == 0 {
+                    ok(graphed_buffer_retain(owner));
+                    ok(graphed_buffer_release(owner));
+                }
+                for &(p, v) in &r.grads {
+                    let fake = graphed_ref {
+                        ptr: p as *mut c_void,
+                        bytes: BYTES,
+                        ..empty_ref()
+                    };
+                    assert!(holds(&fake, v), "a clone changed before its release");
+                }
+                // One reference per clone grad.
+                for _ in &r.grads {
+                    ok(graphed_buffer_release(owner));
+                }
+                one_of(graphed_buffer_release(owner), &[S::UseAfterDestroy]);
+            }
+        });
+        for t in 0..threads {
+            let tx = tx.clone();
+            let busy = busy.clone();
+            sc.spawn(move || {
+                let end = deadline();
+                let mut done = 0;
+                while done < iters && Instant::now() < end {
+                    let v = (t * 1000 + done) as f32;
+                    // A whole step under the session's lock is not possible
+                    // from outside: another thread may replay in between, so
+                    // only what backward returns is checked.
+                    let (s, _) = forward(h, v);
+                    if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
+                        busy.fetch_add(1, Ordering::Relaxed);
+                        thread::yield_now();
+                        continue;
+                    }
+                    let (s, gin, gp) = backward(h, v);
+                    if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
+                        busy.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    // The input grad is an alias another thread's backward
+                    // may already be overwriting: only the clones are ours.
+                    assert_eq!(gin.kind, graphed_ref_kind::Alias as u32);
+                    assert!(gp.iter().all(|r| r.kind == graphed_ref_kind::Clone as u32));
+                    assert_eq!(gp[0].owner, gp[1].owner);
+                    tx.send(Returned {
+                        owner: gp[0].owner as usize,
+                        grads: gp.iter().map(|r| (r.ptr as usize, v)).collect(),
+                    })
+                    .unwrap();
+                    done += 1;
+                }
+            });
+        }
+        drop(tx);
+        // Stats from yet another thread while they run.
+        sc.spawn(move || {
+            let end = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < end {
+                let (s, st) = stats(h);
+                if one_of(s, &[S::Ok, S::Busy]) == S::Ok {
+                    assert_eq!((st.captured, st.callables), (1, 1));
+                }
+            }
+        });
+    });
+    let (s, st) = stats(h);
+    ok(s);
+    assert_eq!(st.clone_blocks_outstanding, 0, "every block was released");
+    eprintln!(
+        "{threads} threads x {iters} steps on one session: {} calls refused BUSY",
+        busy.load(Ordering::Relaxed)
+    );
+}
+
+#[test]
+fn one_session_many_threads_and_a_deleter() {
+    let h = session(Opts {
+        strict: false,
+        share: None,
+        clone: true,
+        hold: None,
+    });
+    shared_session_with_deleter(h, 4, 500);
+    ok(graphed_session_destroy(h.p()));
+}
+
+/// A strict session replayed on one thread; its leases are released on
+/// another (as a tensor deleter would); the replaying thread retries on
+/// ALIAS_HELD until the lease it overwrites is gone.
+#[test]
+fn strict_leases_released_from_another_thread() {
+    let h = session(Opts {
+        strict: true,
+        share: None,
+        clone: false,
+        hold: None,
+    });
+    let (tx, rx) = mpsc::channel::<(u64, usize, f32)>();
+    thread::scope(|sc| {
+        sc.spawn(move || {
+            for (lease, ptr, v) in rx {
+                let r = graphed_ref {
+                    ptr: ptr as *mut c_void,
+                    bytes: BYTES,
+                    ..empty_ref()
+                };
+                assert!(holds(&r, v), "an alias under a held lease was overwritten");
+                ok(graphed_lease_release(h.p(), lease));
+                one_of(graphed_lease_release(h.p(), lease), &[S::InvalidArgument]);
+            }
+        });
+        sc.spawn(move || {
+            let end = deadline();
+            let mut held = 0;
+            for k in 0..300 {
+                if Instant::now() > end {
+                    break;
+                }
+                let v = k as f32;
+                loop {
+                    let (s, out) = forward(h, v);
+                    if one_of(s, &[S::Ok, S::AliasHeld]) == S::Ok {
+                        assert_ne!(out.lease, 0);
+                        assert!(holds(&out, v));
+                        tx.send((out.lease, out.ptr as usize, v)).unwrap();
+                        break;
+                    }
+                    held += 1;
+                    thread::yield_now();
+                }
+                loop {
+                    let (s, gin, gp) = backward(h, v);
+                    if one_of(s, &[S::Ok, S::AliasHeld]) == S::Ok {
+                        tx.send((gin.lease, gin.ptr as usize, v)).unwrap();
+                        for r in gp {
+                            assert_eq!(r.kind, graphed_ref_kind::Alias as u32);
+                            tx.send((r.lease, r.ptr as usize, v)).unwrap();
+                        }
+                        break;
+                    }
+                    held += 1;
+                    thread::yield_now();
+                }
+            }
+            let _ = held;
+            drop(tx);
+        });
+    });
+    let (s, st) = stats(h);
+    ok(s);
+    assert_eq!(st.leases_held, 0);
+    ok(graphed_session_destroy(h.p()));
+}
+
+/// Sessions created, captured, replayed and destroyed on several threads
+/// at once, each thread with its own.
+#[test]
+fn separate_sessions_churn_in_parallel() {
+    thread::scope(|sc| {
+        for t in 0..4 {
+            sc.spawn(move || {
+                let end = deadline();
+                let mut k = 0;
+                while k < 25 && Instant::now() < end {
+                    let h = session(Opts {
+                        strict: t % 2 == 1,
+                        share: None,
+                        clone: true,
+                        hold: None,
+                    });
+                    for i in 0..5 {
+                        let v = (t * 100 + i) as f32;
+                        let (s, out) = forward(h, v);
+                        ok(s);
+                        assert!(holds(&out, v));
+                        if out.lease != 0 {
+                            ok(graphed_lease_release(h.p(), out.lease));
+                        }
+                        let (s, gin, gp) = backward(h, v);
+                        ok(s);
+                        if gin.lease != 0 {
+                            ok(graphed_lease_release(h.p(), gin.lease));
+                        }
+                        assert!(holds(&gp[0], v));
+                        if i % 2 == 0 {
+                            ok(graphed_buffer_release(gp[0].owner));
+                            ok(graphed_buffer_release(gp[1].owner));
+                        } else {
+                            // Released after the session is gone: still valid.
+                            ok(graphed_session_reset(h.p()));
+                            assert!(holds(&gp[1], v));
+                            ok(graphed_buffer_release(gp[0].owner));
+                            ok(graphed_buffer_release(gp[1].owner));
+                            break;
+                        }
+                    }
+                    ok(graphed_session_destroy(h.p()));
+                    one_of(graphed_session_destroy(h.p()), &[S::UseAfterDestroy]);
+                    k += 1;
+                }
+            });
+        }
+    });
+}
+
+/// A destroy racing replays of the same session: called while a replay is
+/// certainly in progress (its task waits until the destroy has been tried)
+/// it gets BUSY; retried, it succeeds; the replays get BUSY or, once the
+/// session is gone, USE_AFTER_DESTROY. Clones returned before the destroy
+/// stay valid and are released after it, from another thread.
+#[test]
+fn destroy_races_replays() {
+    for round in 0..16 {
+        let hold: &'static Hold = Box::leak(Box::new(Hold {
+            on: AtomicBool::new(false),
+            running: AtomicUsize::new(0),
+        }));
+        let h = session(Opts {
+            strict: round % 2 == 1,
+            share: None,
+            clone: true,
+            hold: Some(hold),
+        });
+        hold.on.store(true, Ordering::SeqCst);
+        let (tx, rx) = mpsc::channel::<(usize, usize, f32)>();
+        thread::scope(|sc| {
+            for t in 0..2 {
+                let tx = tx.clone();
+                sc.spawn(move || {
+                    let mut i = 0;
+                    loop {
+                        let v = (t * 10000 + i) as f32;
+                        i += 1;
+                        let (s, out) = forward(h, v);
+                        match one_of(s, &[S::Ok, S::Busy, S::UseAfterDestroy, S::AliasHeld]) {
+                            S::UseAfterDestroy => break,
+                            S::Ok if out.lease != 0 => {
+                                // Released on this thread; the session may be
+                                // gone already.
+                                one_of(
+                                    graphed_lease_release(h.p(), out.lease),
+                                    &[S::Ok, S::UseAfterDestroy],
+                                );
+                            }
+                            _ => {}
+                        }
+                        let (s, gin, gp) = backward(h, v);
+                        match one_of(s, &[S::Ok, S::Busy, S::UseAfterDestroy, S::AliasHeld]) {
+                            S::UseAfterDestroy => break,
+                            S::Ok => {
+                                if gin.lease != 0 {
+                                    one_of(
+                                        graphed_lease_release(h.p(), gin.lease),
+                                        &[S::Ok, S::UseAfterDestroy],
+                                    );
+                                }
+                                tx.send((gp[0].owner as usize, gp[0].ptr as usize, v))
+                                    .unwrap();
+                                tx.send((gp[1].owner as usize, gp[1].ptr as usize, v))
+                                    .unwrap();
+                            }
+                            _ => {}
+                        }
+                        // Leave the destroying thread a window now and then
+                        // (destroy retries on BUSY; nothing makes it fair).
+                        if i % 16 == 0 {
+                            thread::sleep(Duration::from_micros(20));
+                        } else {
+                            thread::yield_now();
+                        }
+                    }
+                });
+            }
+            {
+                sc.spawn(move || {
+                    thread::sleep(Duration::from_micros(200 * round as u64));
+                    // Into the middle of a replay: its task is running.
+                    while hold.running.load(Ordering::SeqCst) == 0 {
+                        thread::yield_now();
+                    }
+                    one_of(graphed_session_destroy(h.p()), &[S::Busy]);
+                    hold.on.store(false, Ordering::SeqCst);
+                    let end = Instant::now() + Duration::from_secs(20);
+                    let mut busy = 1;
+                    while one_of(graphed_session_destroy(h.p()), &[S::Ok, S::Busy]) == S::Busy {
+                        assert!(Instant::now() < end, "destroy got BUSY for 20 s");
+                        busy += 1;
+                        thread::yield_now();
+                    }
+                    eprintln!(
+                        "round {round}: destroy refused BUSY {busy} times before it went through"
+                    );
+                    one_of(graphed_session_destroy(h.p()), &[S::UseAfterDestroy]);
+                    let (s, _) = stats(h);
+                    one_of(s, &[S::UseAfterDestroy]);
+                });
+            }
+            drop(tx);
+            // The deleter: clones outlive their session.
+            sc.spawn(move || {
+                for (owner, ptr, v) in rx {
+                    let r = graphed_ref {
+                        ptr: ptr as *mut c_void,
+                        bytes: BYTES,
+                        ..empty_ref()
+                    };
+                    assert!(holds(&r, v), "a clone changed before its release");
+                    ok(graphed_buffer_release(owner as *mut graphed_buffer));
+                }
+            });
+        });
+    }
+}
+
+/// Two sessions sharing a pool, each replayed by its own thread: a whole
+/// iteration (forward then backward) at a time. A forward may be refused
+/// (WRONG_STATE) while the other session is mid-iteration; once a
+/// session's forward went through, its backward never is.
+#[test]
+fn shared_pool_from_two_threads() {
+    let a = session(Opts {
+        strict: false,
+        share: None,
+        clone: true,
+        hold: None,
+    });
+    let b = session(Opts {
+        strict: false,
+        share: Some(a),
+        clone: true,
+        hold: None,
+    });
+    thread::scope(|sc| {
+        for (t, h) in [a, b].into_iter().enumerate() {
+            sc.spawn(move || {
+                let end = deadline();
+                let mut done = 0;
+                while done < 100 && Instant::now() < end {
+                    let v = (t * 1000 + done) as f32;
+                    let (s, out) = forward(h, v);
+                    if one_of(s, &[S::Ok, S::WrongState]) == S::WrongState {
+                        thread::yield_now();
+                        continue;
+                    }
+                    assert!(holds(&out, v));
+                    let (s, gin, gp) = backward(h, v);
+                    ok(s);
+                    assert!(holds(&gin, v) && holds(&gp[0], v) && holds(&gp[1], v));
+                    ok(graphed_buffer_release(gp[0].owner));
+                    ok(graphed_buffer_release(gp[1].owner));
+                    done += 1;
+                }
+            });
+        }
+        // A third session joins the pool while they replay, and leaves.
+        sc.spawn(move || {
+            for _ in 0..3 {
+                let mut cfg = graphed_session_config_default();
+                cfg.backend = graphed_backend::Host as u32;
+                cfg.share_pool_with = a.p();
+                let mut s = null_mut();
+                // SAFETY: a valid config and out pointer.
+                ok(unsafe { graphed_session_create(&cfg, &mut s) });
+                ok(graphed_session_destroy(s));
+            }
+        });
+    });
+    ok(graphed_session_destroy(b.p()));
+    ok(graphed_session_destroy(a.p()));
+}
+
+/// Creating a session that shares the pool of one being destroyed on
+/// another thread: OK or USE_AFTER_DESTROY, and the pool outlives whichever
+/// goes first.
+#[test]
+fn share_pool_with_a_session_being_destroyed() {
+    for _ in 0..20 {
+        let a = session(Opts {
+            strict: false,
+            share: None,
+            clone: true,
+            hold: None,
+        });
+        let made = thread::scope(|sc| {
+            let maker = sc.spawn(move || {
+                let mut cfg = graphed_session_config_default();
+                cfg.backend = graphed_backend::Host as u32;
+                cfg.share_pool_with = a.p();
+                let mut s = null_mut();
+                // SAFETY: a valid config and out pointer.
+                let st = unsafe { graphed_session_create(&cfg, &mut s) };
+                one_of(st, &[S::Ok, S::UseAfterDestroy]);
+                (st == S::Ok).then_some(H(s as usize))
+            });
+            loop {
+                if one_of(graphed_session_destroy(a.p()), &[S::Ok, S::Busy]) == S::Ok {
+                    break;
+                }
+                thread::yield_now();
+            }
+            maker.join().unwrap()
+        });
+        if let Some(b) = made {
+            add_callable(b, None);
+            ok(graphed_session_capture(b.p()));
+            let (s, out) = forward(b, 3.0);
+            ok(s);
+            assert!(holds(&out, 3.0));
+            let (s, _, gp) = backward(b, 3.0);
+            ok(s);
+            ok(graphed_buffer_release(gp[0].owner));
+            ok(graphed_buffer_release(gp[1].owner));
+            ok(graphed_session_destroy(b.p()));
+        }
+    }
+}
