@@ -269,12 +269,7 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
             .map(|(i, t)| tensor(t, &format!("{what}[{i}]")))
             .collect()
     };
-    let outputs = convert(&outputs, "desc.outputs")?;
-    if let Some(i) = outputs.iter().position(|t| t.chained.is_some() || t.rebind) {
-        return Err(Error::invalid(format!(
-            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED or _REBIND: those are for inputs"
-        )));
-    }
+    // Checked in this order: callbacks, inputs, outputs, parameters.
     let callbacks = CCallbacks {
         forward: d.forward.ok_or(Error::NullPointer {
             what: "desc.forward",
@@ -288,17 +283,25 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
         post: d.post_hook,
         hook_data: d.hook_data,
     };
+    let inputs = convert(&inputs, "desc.inputs")?;
+    let outputs = convert(&outputs, "desc.outputs")?;
+    if let Some(i) = outputs.iter().position(|t| t.chained.is_some() || t.rebind) {
+        return Err(Error::invalid(format!(
+            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED or _REBIND: those are for inputs"
+        )));
+    }
+    let params = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| param(p, &format!("desc.params[{i}]")))
+        .collect::<Result<Vec<_>>>()?;
     Ok((
         name,
         CallableSpec {
             name: String::new(),
-            inputs: convert(&inputs, "desc.inputs")?,
+            inputs,
             outputs,
-            params: params
-                .iter()
-                .enumerate()
-                .map(|(i, p)| param(p, &format!("desc.params[{i}]")))
-                .collect::<Result<Vec<_>>>()?,
+            params,
             callbacks: Box::new(callbacks),
         },
     ))
