@@ -28,9 +28,19 @@ class Session:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
-            # `reset` stays: a second call is a no-op.
             for name in ("backward_dw", "session_stats"):
                 module.__dict__.pop(name, None)
+            # A second reset is a no-op that holds nothing: the module must not
+            # keep this session (whose extension objects hold the module's
+            # forward, a cycle the garbage collector cannot see through).
+            module.__dict__["reset"] = _already_reset
+        # Nothing of the session is needed any more.
+        self._impls = ()
+        self._restore_modules = ()
+
+
+def _already_reset():
+    """The module's graphs were freed by an earlier reset(): nothing to do."""
 
 
 class GraphedCallable:
