@@ -2,7 +2,10 @@
 # Runs every test of graphed on this machine, after installing what they need
 # (scripts/setup.sh): the Rust unit tests, then the CMake build and the
 # GoogleTest suite under ctest, then the host suite again under ASan, UBSan
-# and LeakSanitizer, then the Python package's tests. Without a GPU, the CUDA
+# and LeakSanitizer, then the C ABI fuzz target for a fixed budget
+# (GRAPHED_FUZZ_SECONDS, default 180) and the thread test under
+# ThreadSanitizer (both on the pinned nightly Rust, installed through
+# rustup), then the Python package's tests. Without a GPU, the CUDA
 # tests are compiled and skip at run time with their reason, which this
 # script prints at the end.
 set -euo pipefail
@@ -25,6 +28,12 @@ echo "== ctest"
 
 echo "== ctest under ASan + UBSan + LeakSanitizer (host backend)"
 bash scripts/sanitize.sh | grep -E "tests passed|tests failed|sanitize:"
+
+echo "== fuzz the C ABI (libFuzzer, ASan, LeakSanitizer; a fixed budget, failing on any finding)"
+bash scripts/fuzz.sh "${GRAPHED_FUZZ_SECONDS:-180}"
+
+echo "== ThreadSanitizer (tests/threads.rs, std rebuilt with TSan)"
+bash scripts/tsan.sh
 
 echo "== pytest (the Python package; needs torch and a GPU for most tests)"
 .venv/bin/python -m pytest python/tests -q -rs -p no:cacheprovider | tail -40

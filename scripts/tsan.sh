@@ -31,15 +31,19 @@ set +e
 RUSTFLAGS="-Zsanitizer=thread" RUSTDOCFLAGS="-Zsanitizer=thread" \
   CARGO_TARGET_DIR="$root/target/tsan" \
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}" \
-  cargo "+$NIGHTLY" test -Zbuild-std --target "$TRIPLE" --test "$TEST" 2>&1 | tee "$log"
-rc=${PIPESTATUS[0]}
+  cargo "+$NIGHTLY" test -Zbuild-std --target "$TRIPLE" --test "$TEST" >"$log" 2>&1
+rc=$?
 set -e
+# The build's progress is left out; the test's lines, and all of it on failure.
 if grep -q "WARNING: ThreadSanitizer" "$log"; then
+  cat "$log"
   echo "tsan: ThreadSanitizer reported a problem (see above)" >&2
   exit 1
 fi
 if [ "$rc" -ne 0 ]; then
+  cat "$log"
   echo "tsan: the test failed (exit status $rc)" >&2
   exit "$rc"
 fi
+grep -vE "^\s+(Compiling|Finished|Running|Updating|Downloading|Downloaded|Locking|Adding)\b" "$log" | grep -v "^$" || true
 echo "tsan: clean"

@@ -31,7 +31,9 @@
 //! Sizes are either small or impossible (at least 2^41 bytes, which no
 //! allocator here grants), so that a run never needs real memory beyond a
 //! few MiB. GRAPHED_FUZZ_WAIVE (comma-separated names, see `waived`) turns
-//! off the checks of known library bugs, to look past them.
+//! off the checks of library bugs this target found (all fixed, each with a
+//! reproducer in tests/abi_regressions.rs), to look past a regression of
+//! one while hunting another.
 
 #![no_main]
 
