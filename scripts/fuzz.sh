@@ -18,7 +18,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-NIGHTLY=nightly-2026-05-20
 CARGO_FUZZ_VERSION=0.13.2
 TARGET=c_abi
 seconds="${1:-${FUZZ_SECONDS:-180}}"
@@ -30,15 +29,8 @@ if ! command -v c++ >/dev/null; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq g++ >/dev/null
 fi
-if ! command -v rustup >/dev/null; then
-  echo "fuzz: rustup is needed (https://rustup.rs); install it, then run this again" >&2
-  exit 1
-fi
-if ! rustup run "$NIGHTLY" rustc --version >/dev/null 2>&1 \
-  || ! [ -d "$(rustup run "$NIGHTLY" rustc --print sysroot)/lib/rustlib/src/rust/library" ]; then
-  echo "fuzz: installing Rust $NIGHTLY with rust-src"
-  rustup toolchain install "$NIGHTLY" --profile minimal --component rust-src
-fi
+# shellcheck source=scripts/nightly.sh
+source "$root/scripts/nightly.sh"
 if [ "$(cargo fuzz --version 2>/dev/null || true)" != "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
   echo "fuzz: installing cargo-fuzz $CARGO_FUZZ_VERSION"
   cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked

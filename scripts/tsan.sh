@@ -9,19 +9,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-NIGHTLY=nightly-2026-05-20
 TEST=threads
 TRIPLE=x86_64-unknown-linux-gnu
 
-if ! command -v rustup >/dev/null; then
-  echo "tsan: rustup is needed (https://rustup.rs); install it, then run this again" >&2
-  exit 1
-fi
-if ! rustup run "$NIGHTLY" rustc --version >/dev/null 2>&1 \
-  || ! [ -d "$(rustup run "$NIGHTLY" rustc --print sysroot)/lib/rustlib/src/rust/library" ]; then
-  echo "tsan: installing Rust $NIGHTLY with rust-src"
-  rustup toolchain install "$NIGHTLY" --profile minimal --component rust-src
-fi
+# shellcheck source=scripts/nightly.sh
+source "$root/scripts/nightly.sh"
 command -v cc >/dev/null || { echo "tsan: a C compiler (cc) is needed: apt-get install gcc" >&2; exit 1; }
 
 log="$(mktemp)"

@@ -3,7 +3,7 @@
 //! tests. Each test states the contract it checks.
 
 use graphed::ffi::*;
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -11,30 +11,11 @@ use std::time::Duration;
 
 use graphed_status as S;
 
-fn msg() -> String {
-    // SAFETY: graphed returns a NUL-terminated thread-local string.
-    unsafe { CStr::from_ptr(graphed_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-#[track_caller]
-fn ok(s: graphed_status) {
-    assert_eq!(s, S::Ok, "{}", msg());
-}
+mod common;
+use common::{empty_ref, ok};
 
 unsafe extern "C" fn noop(_: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
     0
-}
-
-fn empty_ref() -> graphed_ref {
-    graphed_ref {
-        ptr: null_mut(),
-        bytes: 0,
-        kind: 0,
-        owner: null_mut(),
-        lease: 0,
-    }
 }
 
 /// A host session with one callable: no input, `params` parameters of

@@ -7,24 +7,13 @@
 //! `gx = w * gy`, `gw = x * gy`, enqueued as host tasks.
 
 use graphed::ffi::*;
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::ptr::null_mut;
 
+mod common;
+use common::{empty_ref, msg, ok};
+
 const N: usize = 64;
-
-fn ok(s: graphed_status) {
-    assert_eq!(s, graphed_status::Ok, "{:?}", unsafe {
-        // SAFETY: a NUL-terminated thread-local string.
-        CStr::from_ptr(graphed_last_error_message())
-    });
-}
-
-fn last_error() -> String {
-    // SAFETY: a NUL-terminated thread-local string.
-    unsafe { CStr::from_ptr(graphed_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
 
 /// One elementwise operation on `N` floats: `out[i] (+)= a[i] * b[i]`.
 struct Mul {
@@ -189,16 +178,6 @@ fn build(
     built
 }
 
-fn empty_ref() -> graphed_ref {
-    graphed_ref {
-        ptr: null_mut(),
-        bytes: 0,
-        kind: 0,
-        owner: null_mut(),
-        lease: 0,
-    }
-}
-
 fn read(p: *mut c_void) -> Vec<f32> {
     // SAFETY: `p` is a static buffer or clone of N floats.
     unsafe { std::slice::from_raw_parts(p as *const f32, N) }.to_vec()
@@ -311,9 +290,9 @@ fn a_chained_input_takes_no_other_data() {
     let st = unsafe { graphed_forward(b.s, &a, &mut out, 1) };
     assert_eq!(st, graphed_status::InvalidArgument);
     assert!(
-        last_error().contains("is chained to another callable's buffer"),
+        msg().contains("is chained to another callable's buffer"),
         "{}",
-        last_error()
+        msg()
     );
     assert!(out.ptr.is_null(), "outputs are written only on success");
 }
@@ -348,11 +327,7 @@ fn chaining_is_checked_at_registration() {
     // SAFETY: valid descriptor.
     let st = unsafe { graphed_session_add_callable(s, &d, &mut idx) };
     assert_eq!(st, graphed_status::InvalidArgument);
-    assert!(
-        last_error().contains("not registered yet"),
-        "{}",
-        last_error()
-    );
+    assert!(msg().contains("not registered yet"), "{}", msg());
     ok(graphed_session_destroy(s));
 }
 
@@ -542,16 +517,12 @@ fn steps_are_checked() {
     let mut idx = 0;
     // SAFETY: valid descriptor.
     let st = unsafe { graphed_session_add_step(b.s, &d, &mut idx) };
-    assert_eq!(st, graphed_status::WrongState, "{}", last_error());
+    assert_eq!(st, graphed_status::WrongState, "{}", msg());
     let mut a = graphed_step_args_default();
     a.step = 3;
     let mut grads = vec![empty_ref(); 2];
     // SAFETY: valid args.
     let st = unsafe { graphed_step_replay(b.s, &a, grads.as_mut_ptr(), 2) };
     assert_eq!(st, graphed_status::InvalidArgument);
-    assert!(
-        last_error().contains("step 3 does not exist"),
-        "{}",
-        last_error()
-    );
+    assert!(msg().contains("step 3 does not exist"), "{}", msg());
 }

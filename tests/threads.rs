@@ -11,7 +11,7 @@
 //! BUSY or USE_AFTER_DESTROY and never a crash. Every status is checked.
 
 use graphed::ffi::*;
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -21,20 +21,11 @@ use std::time::{Duration, Instant};
 
 use graphed_status as S;
 
+mod common;
+use common::{empty_ref, msg, ok};
+
 const N: usize = 64; // f32 elements of every tensor and parameter
 const BYTES: usize = N * 4;
-
-fn msg() -> String {
-    // SAFETY: graphed returns a NUL-terminated thread-local string.
-    unsafe { CStr::from_ptr(graphed_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-#[track_caller]
-fn ok(s: graphed_status) {
-    assert_eq!(s, S::Ok, "{}", msg());
-}
 
 #[track_caller]
 fn one_of(s: graphed_status, allowed: &[graphed_status]) -> graphed_status {
@@ -161,16 +152,6 @@ fn add_callable(h: H, hold: Option<&'static Hold>) {
     let mut idx = 0;
     // SAFETY: the descriptor's arrays hold the stated counts.
     ok(unsafe { graphed_session_add_callable(h.p(), &d, &mut idx) });
-}
-
-fn empty_ref() -> graphed_ref {
-    graphed_ref {
-        ptr: null_mut(),
-        bytes: 0,
-        kind: 0,
-        owner: null_mut(),
-        lease: 0,
-    }
 }
 
 /// One forward with input `v` (every element).
