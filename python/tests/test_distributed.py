@@ -1,0 +1,123 @@
+"""graphed layers under torch.distributed with NCCL, on one GPU (world size
+1): DistributedDataParallel over graphed layers trains exactly like DDP over
+the same layers run eagerly, and the process group and the graphs can be
+torn down in either order without a hang (PyTorch issue 115388) or a leak.
+The runs with two ranks are described in docs/distributed.md."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from _support import needs_gpu, torch
+
+pytestmark = needs_gpu
+
+if torch is not None:
+    import torch.distributed as dist
+
+    import graphed.torch as gt
+
+H, B = 256, 32
+
+
+def nccl_or_skip():
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+
+
+@pytest.fixture
+def group():
+    nccl_or_skip()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def train_ddp(graphed):
+    torch.manual_seed(7)
+    layers = [torch.nn.Sequential(torch.nn.Linear(H, H, device="cuda"), torch.nn.ReLU()) for _ in range(3)]
+    if graphed:
+        layers = [
+            gt.make_graphed_callables(m, (torch.randn(B, H, device="cuda", requires_grad=i > 0),))
+            for i, m in enumerate(layers)
+        ]
+    # Small buckets: several all-reduces per backward, each started by the
+    # grads the graphed backward hands to autograd.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch.manual_seed(8)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        # Two microbatches accumulated: the first without the all-reduce.
+        x, dy = torch.randn(B, H, device="cuda"), torch.randn(B, H, device="cuda")
+        with model.no_sync():
+            model(x).backward(dy)
+        x, dy = torch.randn(B, H, device="cuda"), torch.randn(B, H, device="cuda")
+        model(x).backward(dy)
+        opt.step()
+    out = [p.detach().clone() for p in model.parameters()] + [p.grad.clone() for p in model.parameters()]
+    if graphed:
+        for m in layers:
+            m.reset()
+    return out
+
+
+def test_ddp_over_graphed_layers_matches_eager_ddp(group):
+    want = train_ddp(graphed=False)
+    got = train_ddp(graphed=True)
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    assert not bad, f"tensors {bad} differ from eager DDP (parameters, then grads)"
+
+
+TEARDOWN = textwrap.dedent(
+    """
+    import gc, sys, torch, torch.distributed as dist
+    import graphed.torch as gt
+    order = sys.argv[1]
+    dev = torch.device("cuda", 0)
+
+    def held():
+        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+
+    def cycle():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+        layer = torch.nn.Linear(256, 256, device="cuda")
+        g = gt.make_graphed_callables(layer, (torch.randn(32, 256, device="cuda"),))
+        model = torch.nn.parallel.DistributedDataParallel(g)
+        model(torch.randn(32, 256, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+        if order == "group_first":
+            dist.destroy_process_group()
+            g.reset()
+        else:
+            g.reset()
+            dist.destroy_process_group()
+        del model, g, layer
+
+    cycle()  # first use: NCCL and cuBLAS initialise
+    before = held()
+    cycle()
+    after = held()
+    print("held", before, after)
+    sys.exit(0 if after == before else 3)
+    """
+)
+
+
+@pytest.mark.parametrize("order", ["group_first", "graphs_first"])
+def test_teardown_in_either_order_neither_hangs_nor_leaks(order):
+    nccl_or_skip()
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    try:
+        r = subprocess.run([sys.executable, "-c", TEARDOWN, order], env=env, capture_output=True, text=True,
+                           timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tearing down ({order}) hung for 120 s")
+    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
