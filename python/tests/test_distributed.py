@@ -1,5 +1,5 @@
 """graphed layers under torch.distributed with NCCL, on one GPU (world size
-1): DistributedDataParallel over graphed layers trains exactly like DDP over
+1): DistributedDataParallel over graphed layers must train exactly like DDP over
 the same layers run eagerly, and the process group and the graphs can be
 torn down in either order without a hang (PyTorch issue 115388) or a leak.
 The runs with two ranks are described in docs/distributed.md."""
