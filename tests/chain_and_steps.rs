@@ -39,10 +39,19 @@ fn enqueue(stream: graphed_stream, a: *const f32, b: *const f32, out: *mut f32) 
     unsafe { graphed_host_enqueue(stream, Some(run_mul), m.cast()) as i32 }
 }
 
+/// Every callback under capture, a step's and a clone slot's too, gets
+/// ctx->capture (a step's captures once handed out NULL).
+fn capture_handle_missing(c: &graphed_pass_ctx) -> bool {
+    c.phase == graphed_phase::Capture as u32 && c.capture.is_null()
+}
+
 unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
     // SAFETY: the context and its arrays are valid during the call.
     unsafe {
         let c = &*ctx;
+        if capture_handle_missing(c) {
+            return 99;
+        }
         enqueue(
             c.stream,
             *c.inputs as *const f32,
@@ -56,6 +65,9 @@ unsafe extern "C" fn backward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i
     // SAFETY: as above.
     unsafe {
         let c = &*ctx;
+        if capture_handle_missing(c) {
+            return 99;
+        }
         let gy = *c.grad_outputs as *const f32;
         let gx = *c.grad_inputs as *mut f32;
         if !gx.is_null() {
@@ -140,25 +152,7 @@ fn build(
             input.chain_callable = l as u32 - 1;
             input.chain_output = 0;
         }
-        let output = tensor(true);
-        let param = graphed_param_desc {
-            data: m.weights[l].as_mut_ptr().cast(),
-            bytes: N * 4,
-            policy,
-            ..graphed_param_desc_default()
-        };
-        let mut d = graphed_callable_desc_default();
-        d.num_inputs = 1;
-        d.inputs = &input;
-        d.num_outputs = 1;
-        d.outputs = &output;
-        d.num_params = 1;
-        d.params = &param;
-        d.forward = Some(forward);
-        d.backward = Some(backward);
-        let mut idx = 0;
-        // SAFETY: the descriptor and its arrays are valid locals.
-        ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+        add_layer(s, &input, &mut m.weights[l], policy);
     }
     if let Some(dsts) = step {
         let callables: Vec<u32> = (0..layers as u32).collect();
@@ -176,6 +170,30 @@ fn build(
     }
     ok(graphed_session_capture(s));
     built
+}
+
+/// Registers one layer `y = w * x`: `input`, one output, the weights `w`
+/// with grad `policy`.
+fn add_layer(s: *mut graphed_session, input: &graphed_tensor_desc, w: &mut [f32], policy: u32) {
+    let output = tensor(true);
+    let param = graphed_param_desc {
+        data: w.as_mut_ptr().cast(),
+        bytes: N * 4,
+        policy,
+        ..graphed_param_desc_default()
+    };
+    let mut d = graphed_callable_desc_default();
+    d.num_inputs = 1;
+    d.inputs = input;
+    d.num_outputs = 1;
+    d.outputs = &output;
+    d.num_params = 1;
+    d.params = &param;
+    d.forward = Some(forward);
+    d.backward = Some(backward);
+    let mut idx = 0;
+    // SAFETY: the descriptor and its arrays are valid locals.
+    ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
 }
 
 fn read(p: *mut c_void) -> Vec<f32> {
@@ -467,24 +485,12 @@ fn rebinding_opaque_host_tasks_is_refused_with_the_reason_and_copies() {
     for l in 0..2 {
         let mut input = tensor(l > 0);
         input.flags = graphed_tensor_flags::Rebind as u32;
-        let output = tensor(true);
-        let param = graphed_param_desc {
-            data: m.weights[l].as_mut_ptr().cast(),
-            bytes: N * 4,
-            ..graphed_param_desc_default()
-        };
-        let mut d = graphed_callable_desc_default();
-        d.num_inputs = 1;
-        d.inputs = &input;
-        d.num_outputs = 1;
-        d.outputs = &output;
-        d.num_params = 1;
-        d.params = &param;
-        d.forward = Some(forward);
-        d.backward = Some(backward);
-        let mut idx = 0;
-        // SAFETY: valid descriptor.
-        ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+        add_layer(
+            s,
+            &input,
+            &mut m.weights[l],
+            graphed_grad_policy::Default as u32,
+        );
     }
     ok(graphed_session_capture(s));
     let st = stats(s);
@@ -525,4 +531,115 @@ fn steps_are_checked() {
     let st = unsafe { graphed_step_replay(b.s, &a, grads.as_mut_ptr(), 2) };
     assert_eq!(st, graphed_status::InvalidArgument);
     assert!(msg().contains("step 3 does not exist"), "{}", msg());
+}
+
+thread_local! {
+    /// Captures of (forward, backward) on this thread.
+    static CAPTURES: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Counts its captures; the second forward capture (the step's) enqueues
+/// something uncapturable (a synchronize), invalidating it.
+unsafe extern "C" fn forward_invalidating_the_step(
+    ctx: *const graphed_pass_ctx,
+    _: *mut c_void,
+) -> i32 {
+    // SAFETY: valid during the call.
+    let c = unsafe { &*ctx };
+    if c.phase == graphed_phase::Capture as u32 {
+        let (f, b) = CAPTURES.get();
+        CAPTURES.set((f + 1, b));
+        if f + 1 == 2 {
+            assert_eq!(
+                graphed_host_synchronize(c.stream),
+                graphed_status::CaptureInvalidated
+            );
+        }
+    }
+    0
+}
+
+unsafe extern "C" fn backward_counted(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    // SAFETY: valid during the call.
+    if unsafe { (*ctx).phase } == graphed_phase::Capture as u32 {
+        let (f, b) = CAPTURES.get();
+        CAPTURES.set((f, b + 1));
+    }
+    0
+}
+
+#[test]
+fn an_invalidated_step_capture_runs_no_further_callback() {
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let output = graphed_tensor_desc {
+        bytes: 16,
+        ..graphed_tensor_desc_default()
+    };
+    let mut d = graphed_callable_desc_default();
+    d.num_outputs = 1;
+    d.outputs = &output;
+    d.forward = Some(forward_invalidating_the_step);
+    d.backward = Some(backward_counted);
+    let mut idx = 0;
+    // SAFETY: the descriptor and its array are valid locals.
+    ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+    let callables = [0u32];
+    let mut sd = graphed_step_desc_default();
+    sd.callables = callables.as_ptr();
+    sd.num_callables = 1;
+    // SAFETY: as above.
+    ok(unsafe { graphed_session_add_step(s, &sd, &mut idx) });
+    CAPTURES.set((0, 0));
+    assert_eq!(
+        graphed_session_capture(s),
+        graphed_status::CaptureInvalidated,
+        "{}",
+        msg()
+    );
+    // The pass-by-pass captures ran forward and backward once each; the
+    // step's sequence stopped at its invalidated forward.
+    assert_eq!(CAPTURES.get(), (2, 1));
+    ok(graphed_session_destroy(s));
+}
+
+#[test]
+fn a_step_whose_callable_turned_external_after_declaration_is_refused_at_capture() {
+    let mut m = Model::new(1);
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    add_layer(
+        s,
+        &tensor(true),
+        &mut m.weights[0],
+        graphed_grad_policy::Default as u32,
+    );
+    let callables = [0u32];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 1;
+    let mut idx = 0;
+    // SAFETY: a valid descriptor.
+    ok(unsafe { graphed_session_add_step(s, &d, &mut idx) });
+    // Declared without external buffers; the flag comes afterwards.
+    ok(graphed_session_set_param_flags(
+        s,
+        0,
+        0,
+        graphed_param_flags::ExternalGrad as u32,
+    ));
+    assert_eq!(
+        graphed_session_capture(s),
+        graphed_status::Unsupported,
+        "{}",
+        msg()
+    );
+    assert!(msg().contains("has external buffers"), "{}", msg());
+    ok(graphed_session_destroy(s));
 }

@@ -424,6 +424,13 @@ impl Backend for HostBackend {
         Ok(lookup(s)?.lock().capture.is_some())
     }
 
+    fn capture_invalidated(&self, s: StreamRef) -> Result<bool> {
+        if s.0 == 0 {
+            return Ok(false);
+        }
+        Ok(lookup(s)?.lock().invalidated.is_some())
+    }
+
     fn mem_info(&self) -> Result<(usize, usize)> {
         Err(Error::Unsupported(
             "the host backend has no device memory figure".into(),

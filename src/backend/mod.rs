@@ -172,6 +172,9 @@ pub trait Backend: Send + Sync {
     fn end_capture(&self, s: StreamRef) -> Result<CaptureEnd>;
     /// Whether `s` is capturing a graph now (anyone's capture).
     fn is_capturing(&self, s: StreamRef) -> Result<bool>;
+    /// Whether the capture on `s` was invalidated (something uncapturable
+    /// was enqueued): ending it can only fail.
+    fn capture_invalidated(&self, s: StreamRef) -> Result<bool>;
 
     /// (free, total) device memory as the driver reports it.
     fn mem_info(&self) -> Result<(usize, usize)>;

@@ -610,20 +610,27 @@ impl Runner<'_> {
             last = p;
             let inst = &self.cap.instances[p.instance];
             let spec = &self.s.callables[inst.callable];
-            self.scratch.set_context(format!(
+            let context = format!(
                 "the {} callback of callable '{}' (microbatch {}) during the capture of a step",
                 p.kind, spec.name, inst.microbatch
-            ));
+            );
+            // Under capture every callback gets ctx->capture; a step's
+            // callables have no external buffers, so it expects none.
+            let provided = Provided::new(Vec::new(), context.clone());
+            self.scratch.set_context(context);
             let view = view(
                 self.cap,
                 Some(self.scratch),
-                None,
+                Some(&provided),
                 p,
                 Phase::Capture,
                 iteration,
             );
             ran = spec.callbacks.run(&view);
-            if ran.is_err() {
+            // A failed callback, or an invalidated capture, ends the
+            // sequence: the passes after it would only be discarded. (No
+            // `?` before the capture ends: a failed query just goes on.)
+            if ran.is_err() || matches!(backend.capture_invalidated(stream), Ok(true)) {
                 break;
             }
             let grad_pass =
@@ -755,6 +762,16 @@ fn view<'a>(
 /// Returns the captured state and its lease table (for capture `epoch`).
 pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     let backend = s.backend;
+    // Parameter flags may have changed since a step was declared: checked
+    // again here, where they freeze, before anything runs.
+    for step in s.steps {
+        for &c in &step.callables {
+            let spec = &s.callables[c as usize];
+            if spec.has_external_buffers() {
+                return Err(spec.step_refusal());
+            }
+        }
+    }
     let has_wgrad: Vec<bool> = s
         .callables
         .iter()

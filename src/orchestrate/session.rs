@@ -329,14 +329,8 @@ impl Session {
                     step.callables[k - 1]
                 )));
             }
-            let external = spec.inputs.iter().chain(&spec.outputs).any(|t| t.external)
-                || spec.params.iter().any(|p| p.external_grad());
-            if external {
-                return Err(Error::Unsupported(format!(
-                    "callable '{}' has external buffers; a step captures its callables back to back and \
-                     cannot take buffers provided by callbacks",
-                    spec.name
-                )));
+            if spec.has_external_buffers() {
+                return Err(spec.step_refusal());
             }
             params += spec.params.len();
         }

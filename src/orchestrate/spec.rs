@@ -7,6 +7,7 @@ use crate::core::dtype::DType;
 use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::core::schedule::ScheduleStep;
 use crate::core::PassKind;
+use crate::error::Error;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -106,6 +107,24 @@ pub struct CallableSpec {
     pub params: Vec<ParamSpec>,
     pub outputs: Vec<TensorSpec>,
     pub callbacks: Box<dyn PassCallbacks>,
+}
+
+impl CallableSpec {
+    /// Whether its callbacks provide any buffer (external tensors or
+    /// parameter grads): a step cannot capture such a callable.
+    pub fn has_external_buffers(&self) -> bool {
+        self.inputs.iter().chain(&self.outputs).any(|t| t.external)
+            || self.params.iter().any(|p| p.external_grad())
+    }
+
+    /// Why a step cannot hold this callable, as an error.
+    pub fn step_refusal(&self) -> Error {
+        Error::Unsupported(format!(
+            "callable '{}' has external buffers; a step captures its callables back to back and \
+             cannot take buffers provided by callbacks",
+            self.name
+        ))
+    }
 }
 
 /// Allocator for returned clones (the caller's, e.g. PyTorch's caching

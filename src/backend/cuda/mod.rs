@@ -382,6 +382,16 @@ impl Drop for CudaGraph {
     }
 }
 
+/// The capture status of `s` (0: the legacy default stream).
+fn capture_status(s: StreamRef) -> Result<sys::CUstreamCaptureStatus> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's stream and a valid out pointer.
+    check("cuStreamIsCapturing", unsafe {
+        sys::cuStreamIsCapturing(s.0 as sys::CUstream, &mut status)
+    })?;
+    Ok(status)
+}
+
 impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
@@ -613,13 +623,11 @@ impl Backend for CudaBackend {
     }
 
     fn is_capturing(&self, s: StreamRef) -> Result<bool> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: the caller's stream (or 0, the legacy default stream) and
-        // a valid out pointer.
-        check("cuStreamIsCapturing", unsafe {
-            sys::cuStreamIsCapturing(s.0 as sys::CUstream, &mut status)
-        })?;
-        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        Ok(capture_status(s)? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    fn capture_invalidated(&self, s: StreamRef) -> Result<bool> {
+        Ok(capture_status(s)? == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED)
     }
 
     fn mem_info(&self) -> Result<(usize, usize)> {
