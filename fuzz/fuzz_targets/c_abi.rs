@@ -158,8 +158,19 @@ struct Sess {
     pool: usize,
     callables: Vec<Callable>,
     custom_alloc: bool,
+    clone_slots: u32,
     /// The capture attempt whose graphs (and side stream) are live.
     live_attempt: Option<u64>,
+    /// Steps declared (graphed_session_add_step), in order.
+    steps: Vec<StepModel>,
+}
+
+/// A declared step: its callables, and one destination per parameter of
+/// theirs, in order (0: none).
+#[derive(Clone, Debug)]
+struct StepModel {
+    callables: Vec<usize>,
+    dsts: Vec<usize>,
 }
 
 /// A capture call in progress.
@@ -176,6 +187,9 @@ struct Frame {
     /// iterations, or froze the tape: plain requests may then be refused.
     irregular: bool,
     first: Option<graphed_status>,
+    /// What the callback that decided `first` said with
+    /// graphed_callback_fail_message, when `first` is CALLBACK_FAILED.
+    said: Option<String>,
     ran: bool,
 }
 
@@ -673,6 +687,7 @@ fn op_create() {
     cfg.strict_leases = i.pick(&[0, 1, 1, 2]);
     cfg.reuse_buffers = i.pick(&[0, 0, 1, 2]);
     cfg.log_level = i.pick(&[1, 0, 2, 3, 4]);
+    cfg.clone_slots = i.pick(&[2, 2, 2, 0, 1, 16, 17, u32::MAX]);
     let ctx = Box::new(SessCtx {
         sess: idx,
         log_level: cfg.log_level,
@@ -837,6 +852,7 @@ fn op_create() {
         || cfg.strict_leases > 1
         || cfg.capture_mode > 2
         || cfg.log_level > 3
+        || cfg.clone_slots > 16
     {
         first(&mut want, Some(S::InvalidArgument));
     }
@@ -924,7 +940,9 @@ fn op_create() {
         pool,
         callables: Vec::new(),
         custom_alloc: alloc_pick < 2,
+        clone_slots: cfg.clone_slots,
         live_attempt: None,
+        steps: Vec::new(),
     });
 }
 
@@ -1422,6 +1440,9 @@ fn op_capture(t: Target) {
             St::Captured => Some(S::WrongState),
             St::Reset => Some(S::SessionReset),
             St::Open if s.callables.is_empty() => Some(S::WrongState),
+            // A flag set after the step was declared made a callable of it
+            // external: refused before anything runs.
+            St::Open if step_has_external(s) => Some(S::Unsupported),
             St::Open => match schedule_fits(s) {
                 Some(false) => Some(S::InvalidSchedule),
                 None => {
@@ -1450,6 +1471,7 @@ fn op_capture(t: Target) {
             scratch_fail: false,
             irregular: false,
             first: None,
+            said: None,
             ran: false,
         });
     }
@@ -1481,8 +1503,12 @@ fn op_capture(t: Target) {
             }
         }
         (Some(f), None) => {
+            let bad_step = k.is_some_and(step_lacks_destination);
             let mut ok: Vec<graphed_status> = match f.first {
                 Some(e) => vec![e],
+                // A step's destinations are checked when it is captured,
+                // after every pass.
+                None if bad_step => vec![S::InvalidArgument],
                 // The measured scratch arena may be too large to allocate.
                 None => vec![S::Ok, S::OutOfMemory],
             };
@@ -1493,6 +1519,13 @@ fn op_capture(t: Target) {
                 ok.push(S::OutOfMemory);
             }
             expect(st, &ok, "graphed_session_capture", "capture outcome");
+            if st == S::CallbackFailed {
+                let m = msg();
+                match &f.said {
+                    Some(t) => assert!(m.contains(t.as_str()), "the callback's message is missing: {m}"),
+                    None => assert!(!m.contains("fuzz callback says"), "another callback's message: {m}"),
+                }
+            }
             if st == S::OutOfMemory
                 && f.first.is_none()
                 && !waived("scratch-failed-request-sizes-arena")
@@ -1504,7 +1537,8 @@ fn op_capture(t: Target) {
         }
         (None, None) => unreachable!(),
     }
-    if st == S::Ok {
+    // A session destroyed (when idle) by its own callback is gone now.
+    if st == S::Ok && k.is_some_and(|k| wd.sessions.borrow()[k].alive) {
         let k = k.unwrap();
         {
             let mut ss = wd.sessions.borrow_mut();
@@ -1513,6 +1547,9 @@ fn op_capture(t: Target) {
             s.live_attempt = Some(attempt);
         }
         after_capture(k);
+    }
+    if let Some(k) = k {
+        forget_if_gone(k);
     }
 }
 
@@ -1544,6 +1581,7 @@ fn after_capture(k: usize) {
     assert_eq!(st.instances, n * mb);
     let wg = callables.iter().filter(|c| c.wgrad).count() as u32;
     assert_eq!(st.graph_count, (2 * n + wg) * mb, "graph count");
+    assert_eq!(st.step_graphs, step_graphs(k), "step graphs");
     for (c, cl) in callables.iter().enumerate() {
         let mut pol = vec![0xeeu32; cl.params.len()];
         // SAFETY: room for the stated count.
@@ -1674,7 +1712,18 @@ fn own_session_call(k: usize) {
     }
     let i = &wd.input;
     mark();
-    match i.below(8) {
+    match i.below(9) {
+        8 => {
+            // Gone for every later call at once; destroyed when the call in
+            // progress returns.
+            expect(
+                graphed_session_destroy_when_idle(h),
+                &[S::Ok],
+                "graphed_session_destroy_when_idle",
+                "own session",
+            );
+            wd.sessions.borrow_mut()[k].alive = false;
+        }
         0 => {
             let mut st = graphed_session_stats_default();
             // SAFETY: a full struct.
@@ -2379,7 +2428,19 @@ fn callback(ctx: *const graphed_pass_ctx, ud: *mut c_void, which: u32) -> i32 {
     if !cb.hook {
         f.capturing = false;
     }
+    // A failing callback says why (some codes), or clears what it said.
+    let said = matches!(code, 1 | 7 | i32::MAX).then(|| format!("fuzz callback says {code}"));
+    if code != 0 {
+        let text = said.as_ref().map(|t| std::ffi::CString::new(t.as_str()).unwrap());
+        mark();
+        // SAFETY: NULL or a NUL-terminated string.
+        let r = unsafe { graphed_callback_fail_message(text.as_ref().map_or(null(), |t| t.as_ptr())) };
+        expect(r, &[S::Ok], "graphed_callback_fail_message", "before failing");
+    }
     if let Some(e) = decided {
+        if f.first.is_none() && e == S::CallbackFailed {
+            f.said = said;
+        }
         f.first.get_or_insert(e);
     }
     code
@@ -2558,6 +2619,42 @@ fn read_ref(buf: &[u8], at: usize) -> RefView {
         kind: u32::from_ne_bytes(buf[at + 16..at + 20].try_into().unwrap()),
         owner: u(24),
         lease: u(32) as u64,
+    }
+}
+
+/// What a replay may also answer for reasons the model does not track: a
+/// pool shared with another captured session replayed out of its order,
+/// and a caller allocator refusing a clone block.
+fn replay_lenient(pool: usize, custom: bool) -> Vec<graphed_status> {
+    let sharing = w()
+        .sessions
+        .borrow()
+        .iter()
+        .filter(|s| s.alive && s.pool == pool && s.st == St::Captured)
+        .count();
+    let mut v = Vec::new();
+    if sharing > 1 {
+        v.push(S::WrongState);
+    }
+    if custom {
+        v.push(S::OutOfMemory);
+    }
+    v
+}
+
+/// An f32 ACCUMULATE_INTO destination holds `before` plus the grad, every
+/// element `b` repeated.
+fn check_accumulated(before: &[u8], dst: usize, b: u8, what: &str) {
+    // SAFETY: harness memory of before.len() bytes.
+    let got = unsafe { std::slice::from_raw_parts(dst as *const u8, before.len()) };
+    for e in 0..before.len() / 4 {
+        let was = u32::from_ne_bytes(before[e * 4..e * 4 + 4].try_into().unwrap());
+        let want = f32_add(was, u32::from_ne_bytes([b; 4]));
+        let g = u32::from_ne_bytes(got[e * 4..e * 4 + 4].try_into().unwrap());
+        assert!(
+            g == want || (f32::from_bits(g).is_nan() && f32::from_bits(want).is_nan()),
+            "{what}: ACCUMULATE_INTO element {e}: 0x{g:08x}, expected 0x{want:08x}"
+        );
     }
 }
 
@@ -2932,18 +3029,7 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         } else if *strict {
             lenient.push(S::AliasHeld);
         }
-        let sharing = wd
-            .sessions
-            .borrow()
-            .iter()
-            .filter(|s| s.alive && s.pool == *pool && s.st == St::Captured)
-            .count();
-        if sharing > 1 {
-            lenient.push(S::WrongState);
-        }
-        if *custom {
-            lenient.push(S::OutOfMemory);
-        }
+        lenient.extend(replay_lenient(*pool, *custom));
     }
     let func = [
         "graphed_forward",
@@ -3007,6 +3093,9 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         }
     }
     let mut new_leases = Vec::new();
+    // Destroyed when idle from inside this replay: the session went when the
+    // call returned, and its static buffers (the aliases) with it.
+    let gone = !wd.sessions.borrow()[k].alive;
     let mut check_alias = |r: &RefView, bytes: usize, b: u8, what: u8, j: usize| {
         assert_eq!(r.kind, 1, "{func}: {what}/{j} is not an ALIAS");
         assert_ne!(r.ptr, 0);
@@ -3014,7 +3103,7 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         assert_eq!(r.owner, 0);
         assert_eq!(r.lease != 0, strict, "{func}: lease on {what}/{j}");
         assert!(
-            all_bytes(r.ptr, bytes, b ^ epoch),
+            gone || all_bytes(r.ptr, bytes, b ^ epoch),
             "{func}: {what}/{j} does not hold what the graph wrote"
         );
         if r.lease != 0 {
@@ -3123,17 +3212,7 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
                         "param {j}: ACCUMULATE_INTO"
                     );
                     if p.dtype == 0 {
-                        // SAFETY: harness memory of p.bytes.
-                        let got =
-                            unsafe { std::slice::from_raw_parts(dsts[j] as *const u8, p.bytes) };
-                        for e in 0..p.bytes / 4 {
-                            let before = u32::from_ne_bytes(
-                                acc_before[j][e * 4..e * 4 + 4].try_into().unwrap(),
-                            );
-                            let want = f32_add(before, u32::from_ne_bytes([b; 4]));
-                            let g = u32::from_ne_bytes(got[e * 4..e * 4 + 4].try_into().unwrap());
-                            assert!(g == want || (f32::from_bits(g).is_nan() && f32::from_bits(want).is_nan()), "param {j}: ACCUMULATE_INTO element {e}: 0x{g:08x}, expected 0x{want:08x}");
-                        }
+                        check_accumulated(&acc_before[j], dsts[j], b, &format!("param {j}"));
                     }
                 }
             }
@@ -3181,6 +3260,7 @@ fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         );
         wd.blocks.borrow_mut().push(b);
     }
+    forget_if_gone(k);
     let _ = (abuf, data, dsts);
 }
 
@@ -3706,6 +3786,688 @@ fn op_misc() {
     }
 }
 
+// ---------------------------------------------------------------- steps --
+
+/// Whether a callable of a declared step has external buffers.
+fn step_has_external(s: &Sess) -> bool {
+    s.steps
+        .iter()
+        .flat_map(|st| &st.callables)
+        .any(|&c| callable_is_external(&s.callables[c]))
+}
+
+fn callable_is_external(cl: &Callable) -> bool {
+    cl.inputs.iter().chain(&cl.outputs).any(|t| t.external) || cl.params.iter().any(|p| p.external)
+}
+
+/// Whether a declared step of session `k` lacks a destination that a
+/// parameter's frozen policy (COPY_INTO, ACCUMULATE_INTO) needs: capture
+/// then fails with INVALID_ARGUMENT.
+fn step_lacks_destination(k: usize) -> bool {
+    let s = &w().sessions.borrow()[k];
+    s.steps.iter().any(|st| {
+        let pols = st
+            .callables
+            .iter()
+            .flat_map(|&c| s.callables[c].params.iter().map(|p| p.resolved(s.clone)));
+        pols.zip(&st.dsts).any(|(p, &d)| (p == 3 || p == 4) && d == 0)
+    })
+}
+
+/// The step graphs capture makes: one per step, or with CLONE grads one
+/// per clone slot (none with a caller allocator or no slots: those steps
+/// replay pass by pass).
+fn step_graphs(k: usize) -> u32 {
+    let s = &w().sessions.borrow()[k];
+    s.steps
+        .iter()
+        .map(|st| {
+            let cloned = st.callables.iter().any(|&c| {
+                s.callables[c]
+                    .params
+                    .iter()
+                    .any(|p| p.resolved(s.clone) == 1)
+            });
+            match (cloned, s.custom_alloc) {
+                (false, _) => 1,
+                (true, true) => 0,
+                (true, false) => s.clone_slots,
+            }
+        })
+        .sum()
+}
+
+/// Mostly a live session that `fits` (when there is one), else any target:
+/// the step ops need sessions in particular states to get far.
+fn target_where(fits: impl Fn(&Sess) -> bool) -> Target {
+    let i = &w().input;
+    let ss = w().sessions.borrow();
+    let good: Vec<usize> = (0..ss.len()).filter(|&k| ss[k].alive && fits(&ss[k])).collect();
+    drop(ss);
+    if !good.is_empty() && !i.chance(50) {
+        Target::Live(good[i.below(good.len())])
+    } else {
+        target()
+    }
+}
+
+fn op_add_step() {
+    let wd = w();
+    let i = &wd.input;
+    let t = target_where(|s| s.st == St::Open && !s.callables.is_empty());
+    let model = match t {
+        Target::Live(k) => {
+            let s = &wd.sessions.borrow()[k];
+            Some((s.st, s.callables.clone(), s.sched.clone()))
+        }
+        _ => None,
+    };
+    let calls = model.as_ref().map_or(Vec::new(), |m| m.1.clone());
+    let n = calls.len();
+    // Usually an increasing subset of the callables.
+    let mut cs: Vec<u32> = (0..n as u32).filter(|_| i.below(3) != 0).collect();
+    if cs.is_empty() && n > 0 {
+        cs.push(i.below(n) as u32);
+    }
+    match i.below(16) {
+        0 => cs.clear(),
+        1 => cs.push(i.pick(&[n as u32, u32::MAX])),
+        2 if !cs.is_empty() => cs.push(cs[cs.len() - 1]),
+        3 if cs.len() > 1 => cs.reverse(),
+        _ => {}
+    }
+    let known = cs.iter().all(|&c| (c as usize) < n);
+    let params: Vec<Param> = if known {
+        cs.iter()
+            .flat_map(|&c| calls[c as usize].params.clone())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    // A destination for every parameter (the library ignores those whose
+    // policy needs none), aligned for ACCUMULATE_INTO.
+    let mut dsts: Vec<usize> = params
+        .iter()
+        .map(|p| if p.bytes <= 1 << 20 { mem(p.bytes, 0) } else { 0x1000 })
+        .collect();
+    let mut dst_array = true;
+    let mut dst_count_null = false;
+    match i.below(12) {
+        0 if !dsts.is_empty() => {
+            let j = i.below(dsts.len());
+            dsts[j] = 0;
+        }
+        1 => dsts.push(mem(8, 0)),
+        2 if !dsts.is_empty() => dsts.pop().map_or((), |_| ()),
+        3 => dst_array = false,
+        4 if !dsts.is_empty() => dst_count_null = true,
+        _ => {}
+    }
+    let mut d = graphed_step_desc_default();
+    d.callables = if cs.is_empty() && i.chance(60) {
+        null()
+    } else {
+        cs.as_ptr()
+    };
+    d.num_callables = cs.len();
+    let mut callables_null = false;
+    if !cs.is_empty() && i.chance(10) {
+        d.callables = null();
+        callables_null = true;
+    }
+    if dst_array {
+        d.param_dsts = if dst_count_null {
+            null()
+        } else {
+            dsts.as_ptr().cast()
+        };
+        d.num_param_dsts = dsts.len();
+    }
+    let given = if dst_array {
+        dsts.clone()
+    } else {
+        vec![0; params.len()]
+    };
+    let mut struct_err = None;
+    match i.below(16) {
+        0 => {
+            d.magic = 0x6772_0008;
+            struct_err = Some(S::BadStruct);
+        }
+        1 => {
+            d.struct_size = 40;
+            struct_err = Some(S::BadStruct);
+        }
+        2 => d.struct_size = size_of::<graphed_step_desc>() + 8,
+        _ => {}
+    }
+    let mut buf = vec![0u64; size_of::<graphed_step_desc>() / 8 + 2];
+    // SAFETY: buf holds the struct.
+    unsafe { (buf.as_mut_ptr() as *mut graphed_step_desc).write(d) };
+    let desc: *const graphed_step_desc = if i.chance(8) {
+        null()
+    } else {
+        buf.as_ptr().cast()
+    };
+    let out_null = i.chance(8);
+
+    // Expected, in graphed's order.
+    let mut want = None;
+    first(&mut want, t.lookup());
+    first(&mut want, out_null.then_some(S::NullPointer));
+    first(&mut want, desc.is_null().then_some(S::NullPointer));
+    first(&mut want, struct_err);
+    first(&mut want, callables_null.then_some(S::NullPointer));
+    first(&mut want, dst_count_null.then_some(S::InvalidArgument));
+    first(&mut want, t.lock());
+    if let Some((st, calls, sched)) = &model {
+        first(&mut want, (!known).then_some(S::InvalidArgument));
+        match st {
+            St::Captured => first(&mut want, Some(S::WrongState)),
+            St::Reset => first(&mut want, Some(S::SessionReset)),
+            St::Open => {}
+        }
+        first(
+            &mut want,
+            (!matches!(sched, Some(None))).then_some(S::Unsupported),
+        );
+        first(&mut want, cs.is_empty().then_some(S::InvalidArgument));
+        for (k, &c) in cs.iter().enumerate().filter(|_| known) {
+            if k > 0 && c <= cs[k - 1] {
+                first(&mut want, Some(S::InvalidArgument));
+            }
+            let external = callable_is_external(&calls[c as usize]);
+            first(&mut want, external.then_some(S::Unsupported));
+        }
+        first(
+            &mut want,
+            (given.len() != params.len()).then_some(S::InvalidArgument),
+        );
+    }
+    let mut index = 0xabcd_u32;
+    trace!("add_step {t:?} callables {cs:?} dsts {given:?} want {want:?}");
+    mark();
+    // SAFETY: every pointer is NULL or to a live local of the stated size.
+    let r = unsafe {
+        graphed_session_add_step(
+            t.ptr(),
+            desc,
+            if out_null { null_mut() } else { &mut index },
+        )
+    };
+    expect(r, &[want.unwrap_or(S::Ok)], "graphed_session_add_step", "step");
+    if r != S::Ok {
+        assert_eq!(index, 0xabcd, "step index written on failure");
+        return;
+    }
+    let Target::Live(k) = t else { unreachable!() };
+    let mut ss = wd.sessions.borrow_mut();
+    assert_eq!(index as usize, ss[k].steps.len(), "step index");
+    ss[k].steps.push(StepModel {
+        callables: cs.iter().map(|&c| c as usize).collect(),
+        dsts: given,
+    });
+}
+
+fn op_step_replay() {
+    let wd = w();
+    let i = &wd.input;
+    let t = target_where(|s| s.st == St::Captured && !s.steps.is_empty());
+    let sess = match t {
+        Target::Live(k) => Some(k),
+        _ => None,
+    };
+    let model = sess.map(|k| {
+        let s = &wd.sessions.borrow()[k];
+        (
+            s.st,
+            s.callables.clone(),
+            s.steps.clone(),
+            s.strict,
+            s.clone,
+            s.pool,
+            s.custom_alloc,
+        )
+    });
+    let nsteps = model.as_ref().map_or(0, |m| m.2.len());
+    let step = if nsteps > 0 && !i.chance(30) {
+        i.below(nsteps) as u32
+    } else {
+        i.pick(&[nsteps as u32, u32::MAX])
+    };
+    let st_model = model.as_ref().and_then(|m| m.2.get(step as usize).cloned());
+    let params: Vec<(usize, usize, Param)> = match (&model, &st_model) {
+        (Some(m), Some(st)) => st
+            .callables
+            .iter()
+            .flat_map(|&c| {
+                m.1[c]
+                    .params
+                    .iter()
+                    .enumerate()
+                    .map(move |(j, p)| (c, j, p.clone()))
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let np = params.len();
+    let (stream, stream_err) = stream_arg(true);
+    let mut a = graphed_step_args_default();
+    a.step = step;
+    a.stream = stream as graphed_stream;
+    let mut n = np;
+    let mut out_null = false;
+    let mut out_mis = false;
+    let mut struct_err = None;
+    let mut args_null = false;
+    match i.below(16) {
+        0 => args_null = true,
+        1 => {
+            a.magic = 0x6772_0007;
+            struct_err = Some(S::BadStruct);
+        }
+        2 => {
+            a.struct_size = 16;
+            struct_err = Some(S::BadStruct);
+        }
+        3 => n += 1,
+        4 if np > 0 => out_null = true,
+        5 => a.ref_size = i.pick(&[0, 8, 39, 44]),
+        6 if np > 0 => out_mis = true,
+        _ => {}
+    }
+    let stride = a.ref_size;
+    let mut refs = vec![0xabu8; n * stride.max(REF) + 16];
+    let mut p = refs.as_mut_ptr();
+    if out_null {
+        p = null_mut();
+    }
+    if out_mis {
+        // SAFETY: 4 bytes into `refs`, which has 16 spare bytes.
+        p = unsafe { p.add(4) };
+    }
+    let mut abuf = vec![0u64; size_of::<graphed_step_args>() / 8 + 2];
+    // SAFETY: abuf holds the struct.
+    unsafe { (abuf.as_mut_ptr() as *mut graphed_step_args).write(a) };
+    let args: *const graphed_step_args = if args_null {
+        null()
+    } else {
+        abuf.as_ptr().cast()
+    };
+
+    // Expected, in graphed's order.
+    let mut want = None;
+    let mut lenient = Vec::new();
+    first(&mut want, t.lookup());
+    first(&mut want, args_null.then_some(S::NullPointer));
+    first(&mut want, struct_err);
+    first(&mut want, t.lock());
+    if let Some((st, _, _, strict, _, pool, custom)) = &model {
+        first(&mut want, st_model.is_none().then_some(S::InvalidArgument));
+        first(&mut want, (n != np).then_some(S::InvalidArgument));
+        first(&mut want, (stride < REF).then_some(S::InvalidArgument));
+        if n > 0 {
+            first(&mut want, out_null.then_some(S::NullPointer));
+            first(
+                &mut want,
+                (out_mis || stride % 8 != 0).then_some(S::InvalidArgument),
+            );
+        }
+        match st {
+            St::Open => first(&mut want, Some(S::WrongState)),
+            St::Reset => first(&mut want, Some(S::SessionReset)),
+            St::Captured => {}
+        }
+        first(&mut want, stream_err);
+        if *strict {
+            let k = sess.unwrap();
+            let cs = st_model.as_ref().map_or(Vec::new(), |s| s.callables.clone());
+            let held = wd
+                .leases
+                .borrow()
+                .iter()
+                .any(|l| l.sess == k && cs.contains(&l.slot.0));
+            first(&mut want, held.then_some(S::AliasHeld));
+        }
+        lenient.extend(replay_lenient(*pool, *custom));
+    }
+    // Accumulating destinations before the replay.
+    let before: Vec<Vec<u8>> = st_model.as_ref().map_or(Vec::new(), |st| {
+        st.dsts
+            .iter()
+            .zip(&params)
+            .map(|(&d, (_, _, p))| {
+                if d > 0x10000 {
+                    // SAFETY: harness memory of p.bytes.
+                    unsafe { std::slice::from_raw_parts(d as *const u8, p.bytes) }.to_vec()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect()
+    });
+    let epoch = EPOCH
+        .load(Ordering::Relaxed)
+        .wrapping_add(1 + i.below(200) as u8);
+    EPOCH.store(epoch, Ordering::Relaxed);
+    let _pin = sess.filter(|_| want.is_none()).map(pin);
+    trace!("step_replay {t:?} step {step} n {n}/{np} want {want:?}");
+    mark();
+    // SAFETY: args and room for n refs of `stride` bytes (or one of the
+    // faults graphed must catch before writing).
+    let r = unsafe { graphed_step_replay(t.ptr(), args, p.cast(), n) };
+    drop(_pin);
+    let mut ok = vec![want.unwrap_or(S::Ok)];
+    if want.is_none() {
+        ok.extend(lenient);
+    }
+    expect(r, &ok, "graphed_step_replay", "step");
+    if r != S::Ok {
+        assert!(
+            refs.iter().all(|&b| b == 0xab),
+            "graphed_step_replay wrote refs on failure"
+        );
+        return;
+    }
+    let k = sess.unwrap();
+    let (_, _, _, strict, clone, _, _) = model.unwrap();
+    let st_model = st_model.unwrap();
+    let mut blocks: Vec<HeldBlock> = Vec::new();
+    let mut new_leases = Vec::new();
+    // Destroyed when idle from inside this replay: its aliases went with it.
+    let gone = !wd.sessions.borrow()[k].alive;
+    for (at, (c, j, p)) in params.iter().enumerate() {
+        let r = read_ref(&refs, at * stride);
+        let b = seed(k, *c, 0, ROLE_PARAM, *j) ^ epoch;
+        let dst = st_model.dsts[at];
+        match p.resolved(clone) {
+            0 => assert_eq!(
+                (r.kind, r.ptr, r.bytes, r.owner, r.lease),
+                (0, 0, 0, 0, 0),
+                "step param {at}: NONE"
+            ),
+            1 => {
+                assert_eq!(r.kind, 2, "step param {at}: CLONE");
+                assert!(r.owner != 0 && r.ptr != 0 && r.bytes == p.bytes && r.lease == 0);
+                assert!(all_bytes(r.ptr, p.bytes, b), "step param {at}: the clone");
+                match blocks.iter_mut().find(|x| x.owner == r.owner) {
+                    Some(x) => {
+                        x.refs += 1;
+                        x.grads.push((r.ptr, r.bytes, b));
+                    }
+                    None => blocks.push(HeldBlock {
+                        owner: r.owner,
+                        refs: 1,
+                        sess: k,
+                        grads: vec![(r.ptr, r.bytes, b)],
+                    }),
+                }
+            }
+            2 => {
+                assert_eq!((r.kind, r.bytes, r.owner), (1, p.bytes, 0), "step param {at}: ALIAS");
+                assert!(gone || all_bytes(r.ptr, p.bytes, b), "step param {at}: the alias");
+                assert_eq!(r.lease != 0, strict, "step param {at}: lease");
+                if r.lease != 0 {
+                    new_leases.push(Lease {
+                        sess: k,
+                        token: r.lease,
+                        slot: (*c, 0, 2, *j),
+                    });
+                }
+            }
+            3 => {
+                assert_eq!((r.kind, r.ptr, r.bytes, r.owner, r.lease), (3, dst, p.bytes, 0, 0));
+                assert!(all_bytes(dst, p.bytes, b), "step param {at}: COPY_INTO");
+            }
+            _ => {
+                assert_eq!((r.kind, r.ptr, r.bytes, r.owner, r.lease), (4, dst, p.bytes, 0, 0));
+                if p.dtype == 0 && !before[at].is_empty() {
+                    check_accumulated(&before[at], dst, b, &format!("step param {at}"));
+                }
+            }
+        }
+    }
+    for blk in &blocks {
+        assert!(
+            !wd.blocks.borrow().iter().any(|x| x.owner == blk.owner),
+            "a clone block handle was reused"
+        );
+    }
+    for l in &new_leases {
+        assert!(
+            !wd.leases.borrow().iter().any(|h| h.token == l.token),
+            "a lease token was handed out twice"
+        );
+    }
+    wd.blocks.borrow_mut().extend(blocks);
+    wd.leases.borrow_mut().extend(new_leases);
+    forget_if_gone(k);
+}
+
+/// A session destroyed when idle by code that ran inside the call that
+/// just returned (a callback, a host task) is gone now: its leases go
+/// stale with it.
+fn forget_if_gone(k: usize) {
+    if !w().sessions.borrow()[k].alive {
+        drop_session_state(k);
+    }
+}
+
+// ------------------------------------------------------- other exports --
+
+fn op_destroy_when_idle(t: Target) {
+    let wd = w();
+    let want = match t {
+        Target::Null => S::Ok,
+        _ => t.lookup().unwrap_or(S::Ok),
+    };
+    mark();
+    let r = graphed_session_destroy_when_idle(t.ptr());
+    expect(r, &[want], "graphed_session_destroy_when_idle", "outside calls");
+    if let (S::Ok, Target::Live(k)) = (r, t) {
+        wd.sessions.borrow_mut()[k].alive = false;
+        drop_session_state(k);
+    }
+}
+
+fn op_arity() {
+    let wd = w();
+    let i = &wd.input;
+    let t = target();
+    let calls = match t {
+        Target::Live(k) => Some(wd.sessions.borrow()[k].callables.clone()),
+        _ => None,
+    };
+    let n = calls.as_ref().map_or(0, |c| c.len());
+    let c = if n > 0 && !i.chance(40) {
+        i.below(n) as u32
+    } else {
+        i.pick(&[n as u32, u32::MAX])
+    };
+    let null_at = if i.chance(30) { Some(i.below(3)) } else { None };
+    let mut outs = [0x77usize; 3];
+    let ptrs: Vec<*mut usize> = (0..3)
+        .map(|j| {
+            if null_at == Some(j) {
+                null_mut()
+            } else {
+                &mut outs[j] as *mut usize
+            }
+        })
+        .collect();
+    let mut want = None;
+    first(&mut want, t.lookup());
+    first(&mut want, null_at.map(|_| S::NullPointer));
+    first(&mut want, t.lock());
+    if calls.is_some() {
+        first(&mut want, ((c as usize) >= n).then_some(S::InvalidArgument));
+    }
+    mark();
+    // SAFETY: each pointer is NULL or a local.
+    let r = unsafe { graphed_session_callable_arity(t.ptr(), c, ptrs[0], ptrs[1], ptrs[2]) };
+    expect(r, &[want.unwrap_or(S::Ok)], "graphed_session_callable_arity", "arity");
+    if r == S::Ok {
+        let cl = &calls.unwrap()[c as usize];
+        assert_eq!(outs, [cl.inputs.len(), cl.params.len(), cl.outputs.len()]);
+    } else {
+        assert!(
+            (0..3).all(|j| null_at == Some(j) || outs[j] == 0x77),
+            "arity written on failure"
+        );
+    }
+}
+
+fn op_driver_version() {
+    let null = w().input.chance(60);
+    let mut v = 0x5a5a_i32;
+    mark();
+    // SAFETY: NULL or a local.
+    let r = unsafe { graphed_driver_version(if null { null_mut() } else { &mut v }) };
+    post(r, "graphed_driver_version");
+    if null {
+        assert_eq!(r, S::NullPointer);
+    } else {
+        assert!(matches!(r, S::Ok | S::NoDriver), "{r:?}");
+    }
+    if r == S::Ok {
+        assert!(v >= 1000, "driver version {v}");
+    } else {
+        assert_eq!(v, 0x5a5a, "driver version written on failure");
+    }
+}
+
+/// graphed_buffer_release_on: the block given back ordered on another
+/// stream (NULL: the default one, or a host stream a capture made).
+fn op_release_on() {
+    let wd = w();
+    let i = &wd.input;
+    let n = wd.blocks.borrow().len();
+    let (stream, stream_err) = stream_arg(true);
+    let (h, mut want, at) = match i.below(6) {
+        0 => (0, S::Ok, None),
+        1 => (forged(), S::InvalidArgument, None),
+        2 if !wd.stale_blocks.borrow().is_empty() => {
+            let sb = wd.stale_blocks.borrow();
+            (sb[i.below(sb.len())], S::UseAfterDestroy, None)
+        }
+        _ if n > 0 => {
+            let at = i.below(n);
+            (wd.blocks.borrow()[at].owner, S::Ok, Some(at))
+        }
+        _ => (0, S::Ok, None),
+    };
+    // The stream is only used when the last reference goes.
+    let last = at.is_some_and(|a| wd.blocks.borrow()[a].refs == 1);
+    if last && want == S::Ok {
+        if let Some(e) = stream_err {
+            want = e;
+        }
+    }
+    mark();
+    let r = graphed_buffer_release_on(h as *mut graphed_buffer, stream as graphed_stream);
+    let ok: &[graphed_status] = if want == S::InvalidArgument {
+        &[S::InvalidArgument, S::UseAfterDestroy]
+    } else {
+        &[want]
+    };
+    trace!("release_on 0x{h:x} stream 0x{stream:x} last {last} want {want:?} -> {r:?}");
+    expect(r, ok, "graphed_buffer_release_on", "block");
+    if let (S::Ok, Some(at)) = (r, at) {
+        let mut bs = wd.blocks.borrow_mut();
+        bs[at].refs -= 1;
+        if bs[at].refs == 0 {
+            let b = bs.remove(at);
+            wd.stale_blocks.borrow_mut().push(b.owner);
+        }
+    }
+}
+
+/// graphed_schedule_passes: the sequential expansion checked exactly, a
+/// schedule's checked against its own count, and bad arguments.
+fn op_schedule_passes() {
+    let i = &w().input;
+    let ncall = i.below(5) as u32;
+    let wg: Vec<u32> = (0..ncall).map(|_| i.pick(&[0, 0, 1, 2])).collect();
+    let wg_null = i.chance(60);
+    let sched = i.chance(100);
+    let steps: Vec<u32> = if sched {
+        (0..1 + i.below(8))
+            .flat_map(|_| [i.pick(&[0, 1, 2, 0, 1, 5]), i.pick(&[0, 1, 0, 2])])
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let cap = i.below(12);
+    let pass_size = i.pick(&[12usize, 12, 12, 16, 8, 13]);
+    let passes_null = i.chance(40);
+    let count_null = i.chance(8);
+    let mut out = vec![0xabu8; cap * pass_size.max(12) + 16];
+    let mut count = 0x77usize;
+    mark();
+    // SAFETY: every array holds the stated count; `out` has room for `cap`
+    // passes of `pass_size` bytes.
+    let r = unsafe {
+        graphed_schedule_passes(
+            if sched { steps.as_ptr().cast() } else { null() },
+            steps.len() / 2,
+            8,
+            null(),
+            0,
+            if wg_null { null() } else { wg.as_ptr() },
+            ncall,
+            if passes_null { null_mut() } else { out.as_mut_ptr().cast() },
+            cap,
+            pass_size,
+            if count_null { null_mut() } else { &mut count },
+        )
+    };
+    post(r, "graphed_schedule_passes");
+    let bad_flag = !wg_null && wg.iter().any(|&x| x > 1);
+    let has = |c: u32| !wg_null && wg[c as usize] == 1;
+    // The sequential expansion: every forward, then every backward in
+    // reverse, each weight-grad right after its backward.
+    let mut want: Vec<(u32, u32)> = (0..ncall).map(|c| (c, 0)).collect();
+    for c in (0..ncall).rev() {
+        want.push((c, 1));
+        if has(c) {
+            want.push((c, 2));
+        }
+    }
+    // The element size is checked whenever there is an array; its
+    // alignment only when something is written.
+    let bad_size = !passes_null
+        && (pass_size < 12 || (pass_size % 4 != 0 && want.len().min(cap) > 0));
+    if count_null {
+        assert_eq!(r, S::NullPointer);
+    } else if bad_flag {
+        assert_eq!(r, S::InvalidArgument);
+    } else if !sched {
+        assert_eq!(r, if bad_size { S::InvalidArgument } else { S::Ok });
+    }
+    if r != S::Ok {
+        assert_eq!(count, 0x77, "count written on failure");
+        assert!(out.iter().all(|&b| b == 0xab), "passes written on failure");
+        return;
+    }
+    if !sched {
+        assert_eq!(count, want.len(), "sequential pass count");
+        if !passes_null {
+            for (j, &(c, p)) in want.iter().take(cap).enumerate() {
+                let at = j * pass_size;
+                let word = |o: usize| u32::from_ne_bytes(out[at + o..at + o + 4].try_into().unwrap());
+                assert_eq!((word(0), word(4), word(8)), (c, 0, p), "sequential pass {j}");
+            }
+        }
+    }
+    if !passes_null {
+        let written = count.min(cap) * pass_size;
+        assert!(
+            out[written..].iter().all(|&b| b == 0xab),
+            "passes written past min(count, capacity)"
+        );
+    }
+}
+
 // --------------------------------------------------------------- checks --
 
 /// Clones stay what they were until released, whatever ran since.
@@ -3833,7 +4595,8 @@ fn run(data: &[u8]) {
             0 | 1 => op_create(),
             2 | 3 | 4 => op_add_callable(),
             5 => op_set_param_flags(),
-            6 | 7 => op_capture(target()),
+            // Sessions with steps are the rarest to capture: preferred.
+            6 | 7 => op_capture(target_where(|s| s.st == St::Open && !s.steps.is_empty())),
             8 | 9 | 10 => op_replay(target(), 0, None),
             11 | 12 => op_replay(target(), 1, None),
             13 => op_replay(target(), 2, None),
@@ -3845,7 +4608,16 @@ fn run(data: &[u8]) {
             20 => op_destroy(target()),
             21 => op_schedule_helpers(),
             22 => use_kept(),
-            _ => op_misc(),
+            _ => match i.below(12) {
+                0..=2 => op_add_step(),
+                3..=5 => op_step_replay(),
+                6 => op_destroy_when_idle(target()),
+                7 => op_arity(),
+                8 => op_driver_version(),
+                9 => op_release_on(),
+                10 => op_schedule_passes(),
+                _ => op_misc(),
+            },
         }
         assert!(world.frames.borrow().is_empty() && world.pinned.borrow().is_empty());
         check_clones();
