@@ -588,6 +588,16 @@ std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& 
     return v;
 }
 
+// The hook event of the pass `ctx` describes, before or after it.
+HookEvent hook_event(const graphed_pass_ctx* ctx, bool before) {
+    HookEvent e;
+    e.before = before;
+    e.pass = Pass(ctx->pass);
+    e.capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
+    e.microbatch = ctx->microbatch;
+    return e;
+}
+
 // Before each pass (outside capture): the user's hook, then, for a capture,
 // graph-safe generators and the private pool.
 int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
@@ -597,11 +607,7 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
         const Pass pass = Pass(ctx->pass);
         const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
         if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs
-        HookEvent e;
-        e.before = true;
-        e.pass = pass;
-        e.capture = capture;
-        e.microbatch = ctx->microbatch;
+        HookEvent e = hook_event(ctx, true);
         if (pass == Pass::Forward) {
             c->pass_inputs = wrap_static(ctx->inputs, c->in, s.device, s.opts.training);
             e.inputs = &c->pass_inputs;
@@ -635,11 +641,7 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
             ++s.capture_position;
         }
         if (c->hook) {
-            HookEvent e;
-            e.before = false;
-            e.pass = pass;
-            e.capture = capture;
-            e.microbatch = ctx->microbatch;
+            HookEvent e = hook_event(ctx, false);
             if (pass == Pass::Forward) {
                 e.inputs = &c->pass_inputs;
                 e.outputs = &c->pass_outputs;

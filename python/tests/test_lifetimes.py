@@ -28,6 +28,19 @@ def hooked(param):
     return seen, param.register_hook(lambda g: seen.append(g) or g)
 
 
+def two_steps(model):
+    """The weight grads two steps hand to autograd, the first as it was
+    right after its step, and the first as it is after the second step."""
+    seen, hook = hooked(model.weight)
+    step(model, rand(), rand())
+    snapshot = seen[0].clone()
+    model.zero_grad(set_to_none=True)
+    step(model, rand(), rand())
+    hook.remove()
+    assert len(seen) == 2
+    return seen[0], snapshot, seen[1]
+
+
 def rand():
     return torch.randn(2, 4, device="cuda")
 
@@ -35,16 +48,9 @@ def rand():
 def test_returned_grads_are_owned():
     model, sample = linear(501)
     gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
-    seen, hook = hooked(model.weight)
-    step(model, rand(), rand())
-    first, ptr = seen[0], seen[0].data_ptr()
-    snapshot = first.clone()
-    model.zero_grad(set_to_none=True)
-    step(model, rand(), rand())
-    assert len(seen) == 2
-    assert first.data_ptr() == ptr and seen[1].data_ptr() != ptr
+    first, snapshot, second = two_steps(model)
+    assert second.data_ptr() != first.data_ptr()
     assert torch.equal(first, snapshot)
-    hook.remove()
     model.reset()
 
 
@@ -64,13 +70,8 @@ def test_delayed_wgrad_parameters_keep_aliasing():
     model, sample = linear(503)
     model.weight.skip_backward_post_hook = True
     gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
-    seen, hook = hooked(model.weight)
-    step(model, rand(), rand())
-    ptr = seen[0].data_ptr()
-    model.zero_grad(set_to_none=True)
-    step(model, rand(), rand())
-    assert len(seen) == 2 and seen[1].data_ptr() == ptr
-    hook.remove()
+    first, _, second = two_steps(model)
+    assert second.data_ptr() == first.data_ptr()
     model.reset()
 
 
@@ -78,13 +79,8 @@ def test_opt_out_returns_aliases_and_shows_the_hazard():
     model, sample = linear(504)
     eager = copy.deepcopy(model)
     gt.make_graphed_callables(model, (sample,), allow_unused_input=True, clone_param_grads_on_return=False)
-    seen, hook = hooked(model.weight)
-    step(model, rand(), rand())
-    ptr = seen[0].data_ptr()
-    model.zero_grad(set_to_none=True)
-    step(model, rand(), rand())
-    assert len(seen) == 2 and seen[1].data_ptr() == ptr
-    hook.remove()
+    first, snapshot, second = two_steps(model)
+    assert second.data_ptr() == first.data_ptr() and not torch.equal(first, snapshot)
     # Two accumulated backwards: the alias held as .grad is overwritten (2*g2), as documented.
     model.zero_grad(set_to_none=True)
     x1, x2, d1, d2 = rand(), rand(), rand(), rand()
@@ -100,14 +96,8 @@ def test_policy_is_frozen_at_capture():
     model, sample = linear(505)
     gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
     model.weight.skip_backward_post_hook = True  # too late: the grad stays owned
-    seen, hook = hooked(model.weight)
-    step(model, rand(), rand())
-    first, ptr = seen[0], seen[0].data_ptr()
-    snapshot = first.clone()
-    model.zero_grad(set_to_none=True)
-    step(model, rand(), rand())
-    assert seen[1].data_ptr() != ptr and torch.equal(first, snapshot)
-    hook.remove()
+    first, snapshot, second = two_steps(model)
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, snapshot)
     model.reset()
 
 

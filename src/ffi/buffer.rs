@@ -9,7 +9,7 @@ use super::handles::id;
 use super::status::graphed_status;
 use crate::backend::StreamRef;
 use crate::core::handle::{self, Kind};
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::orchestrate::CloneBlock;
 
 /// Opaque: a block of returned clones (graphed_ref.owner).
@@ -25,18 +25,7 @@ pub struct graphed_buffer {
 /// released block gives GRAPHED_STATUS_USE_AFTER_DESTROY.
 #[no_mangle]
 pub extern "C" fn graphed_buffer_release(buffer: *mut graphed_buffer) -> graphed_status {
-    boundary("graphed_buffer_release", || {
-        if buffer.is_null() {
-            return Ok(());
-        }
-        match handle::release(Kind::Buffer, id(buffer))? {
-            Some(last) => last
-                .downcast::<CloneBlock>()
-                .map_err(|_| Error::Internal("a buffer handle holds another type".into()))?
-                .release(),
-            None => Ok(()),
-        }
-    })
+    boundary("graphed_buffer_release", || release(buffer, None))
 }
 
 /// graphed_buffer_release, ordered on `stream` instead: the block's memory
@@ -49,18 +38,26 @@ pub extern "C" fn graphed_buffer_release_on(
     stream: graphed_stream,
 ) -> graphed_status {
     boundary("graphed_buffer_release_on", || {
-        if buffer.is_null() {
-            return Ok(());
-        }
-        handle::get::<CloneBlock>(Kind::Buffer, id(buffer))?.set_stream(StreamRef(stream as usize));
-        match handle::release(Kind::Buffer, id(buffer))? {
-            Some(last) => last
-                .downcast::<CloneBlock>()
-                .map_err(|_| Error::Internal("a buffer handle holds another type".into()))?
-                .release(),
-            None => Ok(()),
-        }
+        release(buffer, Some(StreamRef(stream as usize)))
     })
+}
+
+/// Drops one reference (NULL: nothing); the last gives the block back,
+/// ordered on `stream` when one is given.
+fn release(buffer: *mut graphed_buffer, stream: Option<StreamRef>) -> Result<()> {
+    if buffer.is_null() {
+        return Ok(());
+    }
+    if let Some(s) = stream {
+        handle::get::<CloneBlock>(Kind::Buffer, id(buffer))?.set_stream(s);
+    }
+    match handle::release(Kind::Buffer, id(buffer))? {
+        Some(last) => last
+            .downcast::<CloneBlock>()
+            .map_err(|_| Error::Internal("a buffer handle holds another type".into()))?
+            .release(),
+        None => Ok(()),
+    }
 }
 
 /// Adds one reference to a block of returned clones.
