@@ -206,3 +206,29 @@ fn a_refused_scratch_request_does_not_size_the_arena() {
     );
     ok(graphed_session_destroy(s));
 }
+
+/// graphed_schedule_passes builds the passes it counts: a callable count
+/// whose passes could never be built is refused instead of allocating
+/// until the process aborts.
+#[test]
+fn a_schedule_of_too_many_callables_is_refused() {
+    let mut count = 7usize;
+    // SAFETY: no arrays; a local count.
+    let st = unsafe {
+        graphed_schedule_passes(
+            std::ptr::null(),
+            0,
+            8,
+            std::ptr::null(),
+            0,
+            std::ptr::null(),
+            u32::MAX,
+            null_mut(),
+            0,
+            12,
+            &mut count,
+        )
+    };
+    assert_eq!(st, S::InvalidArgument);
+    assert_eq!(count, 7);
+}

@@ -643,3 +643,169 @@ fn a_step_whose_callable_turned_external_after_declaration_is_refused_at_capture
     assert!(msg().contains("has external buffers"), "{}", msg());
     ok(graphed_session_destroy(s));
 }
+
+#[test]
+fn a_step_refused_by_its_shared_pool_keeps_no_clone_block() {
+    let mut m = Model::new(2);
+    let host = || {
+        let mut c = graphed_session_config_default();
+        c.backend = graphed_backend::Host as u32;
+        c
+    };
+    let (mut a, mut b) = (null_mut(), null_mut());
+    // SAFETY: valid configs and out pointers.
+    ok(unsafe { graphed_session_create(&host(), &mut a) });
+    let mut cb = host();
+    cb.share_pool_with = a;
+    // SAFETY: as above.
+    ok(unsafe { graphed_session_create(&cb, &mut b) });
+    let policy = graphed_grad_policy::Default as u32;
+    add_layer(a, &tensor(false), &mut m.weights[0], policy);
+    add_layer(b, &tensor(false), &mut m.weights[1], policy);
+    let callables = [0u32];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 1;
+    let mut idx = 0;
+    // SAFETY: a valid descriptor.
+    ok(unsafe { graphed_session_add_step(b, &d, &mut idx) });
+    ok(graphed_session_capture(a));
+    ok(graphed_session_capture(b));
+    // `a` is mid-iteration: the pool refuses `b`'s step, after it chose a
+    // clone slot (its CLONE grads): the slot's block must go back.
+    let mut out = empty_ref();
+    let fa = graphed_replay_args_default();
+    // SAFETY: valid args and room for one ref.
+    ok(unsafe { graphed_forward(a, &fa, &mut out, 1) });
+    let sa = graphed_step_args_default();
+    let mut grads = [empty_ref()];
+    // SAFETY: valid args and room for one ref.
+    let st = unsafe { graphed_step_replay(b, &sa, grads.as_mut_ptr(), 1) };
+    assert_eq!(st, graphed_status::WrongState, "{}", msg());
+    assert_eq!(
+        stats(b).clone_blocks_outstanding,
+        0,
+        "a block of the refused step is kept"
+    );
+    ok(graphed_session_destroy(b));
+    ok(graphed_session_destroy(a));
+}
+
+unsafe extern "C" fn refuse_alloc(
+    _: *mut c_void,
+    _: usize,
+    _: graphed_stream,
+    _: *mut *mut c_void,
+) -> i32 {
+    1
+}
+
+unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: graphed_stream) {}
+
+#[test]
+fn a_step_failing_pass_by_pass_keeps_no_lease() {
+    let mut m = Model::new(2);
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    cfg.strict_leases = 1;
+    // A caller allocator: a step with CLONE grads replays pass by pass, and
+    // this one refuses every block.
+    cfg.clone_alloc = Some(refuse_alloc);
+    cfg.clone_free = Some(free_nothing);
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    // Backward runs callable 1 (ALIAS: a lease) before callable 0 (CLONE:
+    // the refused block).
+    add_layer(
+        s,
+        &tensor(false),
+        &mut m.weights[0],
+        graphed_grad_policy::Clone as u32,
+    );
+    add_layer(
+        s,
+        &tensor(false),
+        &mut m.weights[1],
+        graphed_grad_policy::Alias as u32,
+    );
+    let callables = [0u32, 1];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 2;
+    let mut idx = 0;
+    // SAFETY: a valid descriptor.
+    ok(unsafe { graphed_session_add_step(s, &d, &mut idx) });
+    ok(graphed_session_capture(s));
+    let a = graphed_step_args_default();
+    let mut grads = [empty_ref(), empty_ref()];
+    // SAFETY: valid args and room for two refs.
+    let st = unsafe { graphed_step_replay(s, &a, grads.as_mut_ptr(), 2) };
+    assert_eq!(st, graphed_status::OutOfMemory, "{}", msg());
+    assert_eq!(
+        stats(s).leases_held,
+        0,
+        "the failed step kept a lease nobody was given"
+    );
+    ok(graphed_session_destroy(s));
+}
+
+/// Saves a scratch block for backward through the tape.
+unsafe extern "C" fn forward_saving(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    // SAFETY: valid during the call; the tape is the instance's.
+    unsafe {
+        let c = &*ctx;
+        let mut p = null_mut();
+        let r = graphed_scratch_alloc(c.scratch, 16, &mut p);
+        if r != graphed_status::Ok {
+            return r as i32;
+        }
+        *c.tape = p;
+    }
+    0
+}
+
+/// Consumes the saved block: frees it and clears the tape, as a framework
+/// freeing its saved tensors does.
+unsafe extern "C" fn backward_consuming(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    // SAFETY: as above.
+    unsafe {
+        let c = &*ctx;
+        if (*c.tape).is_null() {
+            return 5;
+        }
+        let r = graphed_scratch_free(c.scratch, *c.tape);
+        *c.tape = null_mut();
+        r as i32
+    }
+}
+
+#[test]
+fn clone_slot_captures_see_the_tape_the_first_capture_saw() {
+    let mut m = Model::new(1);
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let output = tensor(true);
+    let param = graphed_param_desc {
+        data: m.weights[0].as_mut_ptr().cast(),
+        bytes: N * 4,
+        ..graphed_param_desc_default()
+    };
+    let mut d = graphed_callable_desc_default();
+    d.num_outputs = 1;
+    d.outputs = &output;
+    d.num_params = 1;
+    d.params = &param;
+    d.forward = Some(forward_saving);
+    d.backward = Some(backward_consuming);
+    let mut idx = 0;
+    // SAFETY: the descriptor and its arrays are valid locals.
+    ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+    // CLONE grads and two clone slots: the backward is captured three times.
+    ok(graphed_session_capture(s));
+    assert_eq!(stats(s).slot_graphs, 2);
+    ok(graphed_session_destroy(s));
+}

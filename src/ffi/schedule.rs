@@ -6,7 +6,9 @@ use super::args::{arg_out, arg_slice, check_out_array, write_element};
 use super::boundary::boundary;
 use super::enums::{decode_bool, graphed_pass};
 use super::status::graphed_status;
-use crate::core::schedule::{chunk_layers, from_te_order, Schedule, ScheduleStep, Shape};
+use crate::core::schedule::{
+    chunk_layers, from_te_order, Schedule, ScheduleStep, Shape, MAX_PASSES,
+};
 use crate::error::{Error, Result};
 use std::mem::size_of;
 
@@ -129,6 +131,12 @@ pub unsafe extern "C" fn graphed_schedule_passes(
     boundary("graphed_schedule_passes", || {
         let count_out = arg_out(count_out, "count_out")?;
         let n = num_callables as usize;
+        // Every callable has at least two passes.
+        if n > MAX_PASSES / 2 {
+            return Err(Error::invalid(format!(
+                "num_callables is {n}; a schedule has at most {MAX_PASSES} passes"
+            )));
+        }
         let wgrad: Vec<bool> = if has_wgrad.is_null() {
             vec![false; n]
         } else {

@@ -351,7 +351,10 @@ impl Runner<'_> {
         } else {
             0
         };
-        let before = (slots > 0).then(|| self.scratch.snapshot());
+        // Each slot capture starts where this capture starts: the scratch
+        // arena and the tape (which a grad pass may consume).
+        let before =
+            (slots > 0).then(|| (self.scratch.snapshot(), self.cap.tapes[p.instance].get()));
         let graph = self.call(p, phase, iteration, true, true)?;
         if let Some(g) = graph {
             let inst = &mut self.cap.instances[p.instance];
@@ -386,12 +389,19 @@ impl Runner<'_> {
     }
 
     /// Captures pass `p` again for each clone slot, from the same scratch
-    /// state, with its CLONE slots pointing into the slot's block.
-    fn capture_slots(&mut self, p: PassRef, iteration: u32, n: usize, before: Arena) -> Result<()> {
+    /// state and tape, with its CLONE slots pointing into the slot's block.
+    fn capture_slots(
+        &mut self,
+        p: PassRef,
+        iteration: u32,
+        n: usize,
+        (before, tape_before): (Arena, usize),
+    ) -> Result<()> {
         let Some(ring) = self.cap.instances[p.instance].ring.clone() else {
             return Ok(());
         };
         let after = self.scratch.snapshot();
+        let tape_after = self.cap.tapes[p.instance].get();
         let blocks = ring.add_slots(n, self.cap.side.raw())?;
         self.cap.instances[p.instance].slot_blocks = blocks.clone();
         let slab = self.cap.instances[p.instance].buffers.param_grads.clone();
@@ -403,6 +413,7 @@ impl Runner<'_> {
                 }
             }
             self.scratch.restore(before.clone());
+            self.cap.tapes[p.instance].set(tape_before);
             // The slot captures repeat one capture: no hooks around them.
             let graph = self.call(p, Phase::Capture, iteration, false, false);
             let inst = &mut self.cap.instances[p.instance];
@@ -413,6 +424,7 @@ impl Runner<'_> {
             }
         }
         self.scratch.restore(after);
+        self.cap.tapes[p.instance].set(tape_after);
         Ok(())
     }
 

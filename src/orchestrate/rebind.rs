@@ -45,6 +45,9 @@ impl Rebind {
     pub fn bind(&mut self, target: DevPtr) -> Result<()> {
         if let Rebind::On { plans, bound } = self {
             if *bound != target {
+                // Unknown until every plan points at `target`: a failure
+                // part way makes the next bind redo them all.
+                *bound = 0;
                 for p in plans.iter_mut() {
                     p.rebind(target)?;
                 }

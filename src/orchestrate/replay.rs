@@ -173,7 +173,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             None => a.stream,
         };
         let clone = &inst.returns.clone;
-        let block = match (&opts.allocator, &inst.ring) {
+        let mut block = Taken(match (&opts.allocator, &inst.ring) {
             _ if !returns_params || clone.count == 0 => None,
             (Some(a), _) => Some(CloneBlock::from_caller(
                 backend,
@@ -188,7 +188,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
                     "a CLONE instance without a clone ring".into(),
                 ))
             }
-        };
+        });
         if let Some(data) = a.data {
             let (dsts, tensors) = match kind {
                 PassKind::Forward => (&inst.buffers.inputs, &spec.inputs),
@@ -207,7 +207,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         }
         // A slot block has its own capture of this pass, which writes the
         // CLONE grads into it: no copy.
-        let slot_graph = match (&block, returns_params) {
+        let slot_graph = match (&block.0, returns_params) {
             (Some(b), true) => b.slot.and_then(|k| inst.rotating.get(k)),
             _ => None,
         };
@@ -217,7 +217,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         }
         if returns_params {
             let b = &inst.buffers;
-            if let (Some(blk), None) = (&block, slot_graph) {
+            if let (Some(blk), None) = (&block.0, slot_graph) {
                 // The grads went to the slab: copy the CLONE ones out.
                 // The slab's CLONE span in one copy, then any external CLONE slot.
                 if let Some((start, end)) = clone.span {
@@ -244,12 +244,12 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         if let Some(side) = a.side_stream {
             backend.join(side, a.stream, cap.ev_out.raw())?;
         }
-        if let Some(b) = &block {
+        if let Some(b) = &block.0 {
             b.set_stream(a.stream);
         }
 
         // ---- results ------------------------------------------------------------
-        let block_ptr = block.as_ref().map_or(0, |b| b.ptr);
+        let block_ptr = block.0.as_ref().map_or(0, |b| b.ptr);
         let Stage {
             a: first,
             b: second,
@@ -259,7 +259,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         first.clear();
         second.clear();
         give_back(blocks);
-        if let Some(b) = block {
+        if let Some(b) = block.0.take() {
             blocks.push(b);
         }
         let mut book = opts.strict_leases.then(|| leases.lock());
@@ -320,6 +320,15 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
         .copied()
         .filter(|&i| p.cap.instances[i].returns.clone.count > 0)
         .collect();
+    // Slot blocks taken for a replay that then fails go back to their
+    // rings (the i-th block to the ring of the i-th cloned instance).
+    let put_back = |taken: Vec<Arc<CloneBlock>>| {
+        for (b, &j) in taken.into_iter().zip(&cloned) {
+            if let Some(r) = &p.cap.instances[j].ring {
+                r.put_back(b);
+            }
+        }
+    };
     // A slot free in every callable that returns clones, with its blocks.
     let mut chosen = None;
     if st.graph.is_none() {
@@ -327,15 +336,15 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
             let mut taken: Vec<Arc<CloneBlock>> = Vec::with_capacity(cloned.len());
             for &i in &cloned {
                 let ring = p.cap.instances[i].ring.as_ref();
-                match ring.map(|r| r.take_slot(k, stream)).transpose()?.flatten() {
-                    Some(b) => taken.push(b),
-                    None => {
-                        for (b, &j) in taken.into_iter().zip(&cloned) {
-                            if let Some(r) = &p.cap.instances[j].ring {
-                                r.put_back(b);
-                            }
-                        }
+                match ring.map(|r| r.take_slot(k, stream)).transpose() {
+                    Ok(Some(Some(b))) => taken.push(b),
+                    Ok(_) => {
+                        put_back(taken);
                         continue 'slots;
+                    }
+                    Err(e) => {
+                        put_back(taken);
+                        return Err(e);
                     }
                 }
             }
@@ -346,22 +355,22 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
             return step_by_pass(p, step as usize, stream);
         }
     }
-    for pp in &st.passes {
-        let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
-        p.pool.replaying(p.key, pos)?;
-    }
     let graph = match (&st.graph, &chosen) {
         (Some(g), _) => g,
         (None, Some((k, _))) => &st.slots[*k],
         (None, None) => return Err(Error::Internal("a step without a graph".into())),
     };
-    if let Err(e) = graph.launch(stream) {
+    let launched = st
+        .passes
+        .iter()
+        .try_for_each(|pp| {
+            let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
+            p.pool.replaying(p.key, pos)
+        })
+        .and_then(|_| graph.launch(stream));
+    if let Err(e) = launched {
         if let Some((_, taken)) = chosen {
-            for (b, &j) in taken.into_iter().zip(&cloned) {
-                if let Some(r) = &p.cap.instances[j].ring {
-                    r.put_back(b);
-                }
-            }
+            put_back(taken);
         }
         return Err(e);
     }
@@ -442,7 +451,18 @@ fn step_by_pass<'a>(mut p: Parts<'a>, step: usize, stream: StreamRef) -> Result<
             data: None,
             param_dsts: grad_pass.then(|| &dsts[first_param[k]..first_param[k] + np]),
         };
-        run_pass(&mut p, &a, pp.kind)?;
+        if let Err(e) = run_pass(&mut p, &a, pp.kind) {
+            // Nothing of a failed step reaches the caller: the leases and
+            // blocks of the passes that ran go back.
+            if p.opts.strict_leases {
+                let mut l = p.leases.lock();
+                for r in grads.iter().flatten().filter(|r| r.lease != 0) {
+                    let _ = l.release(r.lease);
+                }
+            }
+            give_back(&mut blocks);
+            return Err(e);
+        }
         let stage = &mut p.cap.stage;
         // The step hands out no aliases of outputs or input grads.
         if p.opts.strict_leases {
@@ -528,6 +548,18 @@ pub(crate) fn enqueue_destinations(
         backend.accumulate(acc, *dtype, s)?;
     }
     Ok(())
+}
+
+/// A clone block taken for a replay: given back if the replay fails before
+/// its results are staged (else the block, and its ring slot, were lost).
+struct Taken(Option<Arc<CloneBlock>>);
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            let _ = b.release();
+        }
+    }
 }
 
 /// Gives back blocks a caller did not take from an earlier replay.
