@@ -9,6 +9,7 @@
 #include "expect.hpp"
 #include "kit.hpp"
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -27,7 +28,14 @@ class BackendTest : public ::testing::TestWithParam<kit::Backend> {
     void SetUp() override {
         std::string why;
         dev = kit::make_device(GetParam(), &why);
-        if (!dev) GTEST_SKIP() << "the " << kit::backend_name(GetParam()) << " backend is not available: " << why;
+        if (!dev) {
+            // On the GPU machine (scripts/gpu-run.sh) a CUDA backend that
+            // does not come up is a failure, not a skip.
+            const char* require = std::getenv("GRAPHED_REQUIRE_CUDA");
+            if (GetParam() == kit::Backend::Cuda && require && std::string(require) == "1")
+                FAIL() << "GRAPHED_REQUIRE_CUDA=1, but the cuda backend is not available: " << why;
+            GTEST_SKIP() << "the " << kit::backend_name(GetParam()) << " backend is not available: " << why;
+        }
     }
 
     graphed_session_config config() const { return graphed::session_config(dev->graphed_kind()); }

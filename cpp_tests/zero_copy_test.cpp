@@ -70,21 +70,31 @@ TEST_P(ZeroCopy, HeldGradsFallBackToCopiesAndStayIntact) {
     s.capture();
     EXPECT_EQ(2u * 2u, s.stats().slot_graphs) << "two clone slots per layer by default";
     data(0, x, t);
-    // Three backwards of the last layer without releasing: two clone slots,
-    // then a copy into a block of its own. Each keeps its values.
+    // One step (lr 0: the weights stay) so that the layers' saved
+    // activations hold data: else every weight grad below is zero.
+    graphed.graphed_step(s, x.get(), t.get(), 0.0f);
+    // Three backwards of the last layer without releasing, each with another
+    // grad-output: two clone slots, then a copy into a block of its own.
+    // Each keeps what its backward returned.
     std::vector<graphed::Grads> held(3);
-    std::vector<std::vector<float>> first;
+    std::vector<std::vector<float>> snap;
+    auto grad_of = [&](int k) {
+        return kit::fetch<float>(*dev, held[k].params[0].ptr(), held[k].params[0].bytes() / 4);
+    };
+    kit::Buffer gy(*dev, x.bytes());
     for (int k = 0; k < 3; ++k) {
+        auto g = kit::random_floats(size_t(kBatch) * kWidth, 4000 + k);
+        dev->upload(gy.get(), g.data(), gy.bytes());
         graphed::Replay r;
-        r.stream(dev->stream()).callable(1).data(x.get());
+        r.stream(dev->stream()).callable(1).data(gy.get());
         s.backward(r, held[k]);
         ASSERT_EQ(GRAPHED_REF_KIND_CLONE, held[k].params[0].kind());
         for (int j = 0; j < k; ++j) EXPECT_NE(held[j].params[0].ptr(), held[k].params[0].ptr());
+        dev->sync();
+        snap.push_back(grad_of(k));
+        if (k > 0) ASSERT_NE(snap[k - 1], snap[k]) << "the rounds' grads must differ, else an overwrite is invisible";
     }
-    dev->sync();
-    auto v0 = kit::fetch<float>(*dev, held[0].params[0].ptr(), held[0].params[0].bytes() / 4);
-    for (int k = 1; k < 3; ++k)
-        EXPECT_EQ(v0, kit::fetch<float>(*dev, held[k].params[0].ptr(), held[k].params[0].bytes() / 4)) << k;
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(snap[k], grad_of(k)) << "held grad " << k << " changed";
     EXPECT_EQ(3u, s.stats().clone_blocks_outstanding);
     held.clear();
     EXPECT_EQ(0u, s.stats().clone_blocks_outstanding);
@@ -144,6 +154,9 @@ TEST_P(ZeroCopy, AStepAccumulatesIntoFixedDestinations) {
     for (int i = 0; i < 3; ++i) {
         auto w = kit::fetch<float>(*dev, dst[2 * i].get(), dst[2 * i].bytes() / 4);
         for (size_t k = 0; k < w.size(); ++k) ASSERT_EQ(e.w[i][k] + e.w[i][k], w[k]) << "layer " << i << " [" << k << "]";
+        auto b = kit::fetch<float>(*dev, dst[2 * i + 1].get(), dst[2 * i + 1].bytes() / 4);
+        for (size_t k = 0; k < b.size(); ++k)
+            ASSERT_EQ(e.b[i][k] + e.b[i][k], b[k]) << "bias of layer " << i << " [" << k << "]";
     }
 }
 

@@ -11,7 +11,9 @@
 #               the Python package (python/gpu-test.sh; its comparison report
 #               in $out/pytorch.md unless --no-compare)
 #   --no-compare  with --torch: skip the PyTorch comparison (a separate run)
-# Logs go to $OUT when set (the device tool's output folder).
+# Logs go to $OUT when set (the device tool's output folder). Every step
+# runs; the exit status is non-zero when any failed. CUDA test instances
+# fail here, instead of skipping, when the CUDA backend does not come up.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -35,14 +37,21 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 grep "graphed:" "$out/configure.log"
 cmake --build "$build" -j "$(nproc)" > "$out/build.log" 2>&1 || { tail -60 "$out/build.log"; exit 1; }
 
+# Every step runs; any failure makes the exit status non-zero.
+export GRAPHED_REQUIRE_CUDA=1
+status=0
+fail() { echo "FAILED: $1"; status=1; }
+
 echo "== ctest"
-(cd "$build" && ctest --output-on-failure --timeout 300 2>&1) | tee "$out/ctest.log" | grep -E "tests passed|tests failed|Failed|\*\*\*" 
+(cd "$build" && ctest --output-on-failure --timeout 300 2>&1) | tee "$out/ctest.log" | grep -E "tests passed|tests failed|Failed|\*\*\*"
+[ "${PIPESTATUS[0]}" = 0 ] || fail ctest
 cp "$build/Testing/Temporary/LastTest.log" "$out/LastTest.log" 2>/dev/null || true
 bash scripts/skip-report.sh "$build"
 grep -E "tests passed|tests failed" "$out/ctest.log"
 
 echo "== demo"
 "$build/examples/mlp_demo" 2>&1 | tee "$out/demo.log" | tail -30
+[ "${PIPESTATUS[0]}" = 0 ] || fail demo
 
 no_compare=""
 for arg in "$@"; do [ "$arg" = "--no-compare" ] && no_compare="--no-compare"; done
@@ -56,12 +65,12 @@ for arg in "$@"; do
       # cuFuncGetParamCount), an error it handles.
       compute-sanitizer --tool memcheck --error-exitcode 1 --leak-check full --report-api-errors no \
         "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/memcheck.log" 2>&1
-      echo "memcheck exit status $?"
+      rc=$?; echo "memcheck exit status $rc"; [ $rc = 0 ] || fail memcheck
       grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -4
       echo "== compute-sanitizer racecheck (CUDA instances)"
       compute-sanitizer --tool racecheck --error-exitcode 1 \
         "$build/cpp_tests/graphed_tests" --gtest_filter='*cuda*:-*IllegalCallUnderCapture*' > "$out/racecheck.log" 2>&1
-      echo "racecheck exit status $?"
+      rc=$?; echo "racecheck exit status $rc"; [ $rc = 0 ] || fail racecheck
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/racecheck.log" | tail -4
       ;;
     --torch)
@@ -72,23 +81,26 @@ for arg in "$@"; do
       cmake -S examples/libtorch_mlp -B "$root/build-libtorch" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix" > "$out/libtorch-configure.log" 2>&1 \
         && cmake --build "$root/build-libtorch" > "$out/libtorch-build.log" 2>&1 \
-        || { echo "libtorch build failed"; tail -40 "$out/libtorch-configure.log" "$out/libtorch-build.log"; }
-      [ -x "$root/build-libtorch/libtorch_mlp" ] && "$root/build-libtorch/libtorch_mlp" 2>&1 | tee "$out/libtorch.log"
-      echo "libtorch exit status ${PIPESTATUS[0]}"
+        || { fail "libtorch build"; tail -40 "$out/libtorch-configure.log" "$out/libtorch-build.log"; }
+      if [ -x "$root/build-libtorch/libtorch_mlp" ]; then
+        "$root/build-libtorch/libtorch_mlp" 2>&1 | tee "$out/libtorch.log"
+        rc=${PIPESTATUS[0]}; echo "libtorch exit status $rc"; [ "$rc" = 0 ] || fail libtorch
+      fi
       echo "== the Python package"
-      GRAPHED_PREBUILT_LIBRARY="$lib" bash python/gpu-test.sh $no_compare
+      GRAPHED_PREBUILT_LIBRARY="$lib" bash python/gpu-test.sh $no_compare || fail "the Python package"
       ;;
     --bench)
       echo "== torch's side of the step benchmark"
       python3 benches/torch_reference.py --layers 24 --width 256 --batch 64 --out "$out/torch_reference.json" \
         > "$out/torch_reference.log" 2>&1
-      echo "torch_reference exit status $?"
+      rc=$?; echo "torch_reference exit status $rc"; [ $rc = 0 ] || fail torch_reference
       tail -2 "$out/torch_reference.log"
       echo "== benchmarks"
       "$build/benches/graphed_bench" --out "$out/benchmarks.md" --torch-json "$out/torch_reference.json" \
         > "$out/bench.log" 2>&1
-      echo "bench exit status $?"
+      rc=$?; echo "bench exit status $rc"; [ $rc = 0 ] || fail benchmarks
       cat "$out/bench.log"
       ;;
   esac
 done
+exit "$status"

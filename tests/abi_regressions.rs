@@ -162,6 +162,16 @@ fn a_lease_released_during_a_strict_replay_does_not_deadlock() {
         .recv_timeout(Duration::from_secs(10))
         .expect("graphed_backward deadlocked: the lease release inside it never returned");
     ok(st);
+    // The scenario was reached: the allocator ran and released the lease.
+    assert_eq!(
+        LEASE.load(Ordering::SeqCst),
+        0,
+        "the clone allocator never ran"
+    );
+    let mut stats = graphed_session_stats_default();
+    // SAFETY: a full stats struct.
+    ok(unsafe { graphed_session_stats_get(s, &mut stats) });
+    assert_eq!(stats.leases_held, 0);
     ok(graphed_buffer_release(owner as *mut graphed_buffer));
     ok(graphed_session_destroy(s));
 }

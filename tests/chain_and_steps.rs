@@ -362,13 +362,16 @@ fn clone_slots_return_owned_grads_without_a_copy_and_fall_back_when_held() {
     for _ in 0..3 {
         assert_eq!(per_pass(&m, &b, false), want);
     }
-    // Hold the grads of three backwards of callable 1: two slots, then a
-    // copy into a block of its own; each stays intact.
+    // Hold the grads of three backwards of callable 1, each from another
+    // grad-output (x1, x2, x4: the grads scale exactly): two slots, then a
+    // copy into a block of its own; each stays what its backward returned.
+    let base = per_pass(&m, &b, false).1[1].clone();
     let mut held = Vec::new();
     for round in 0..3 {
         let mut a = graphed_replay_args_default();
         a.callable = 1;
-        let data = [m.grad.as_ptr() as *const c_void];
+        let gy: Vec<f32> = m.grad.iter().map(|x| x * (1 << round) as f32).collect();
+        let data = [gy.as_ptr() as *const c_void];
         a.data = data.as_ptr();
         a.num_data = 1;
         let (mut gi, mut gp) = (empty_ref(), empty_ref());
@@ -383,9 +386,10 @@ fn clone_slots_return_owned_grads_without_a_copy_and_fall_back_when_held() {
     }
     let st = stats(b.s);
     assert_eq!(st.clone_blocks_outstanding, 3);
-    for r in &held {
-        // The held grads equal a fresh backward's (input unchanged).
-        assert_eq!(read(r.ptr), per_pass(&m, &b, false).1[1]);
+    for (round, r) in held.iter().enumerate() {
+        let k = (1 << round) as f32;
+        let want: Vec<f32> = base.iter().map(|x| x * k).collect();
+        assert_eq!(read(r.ptr), want, "round {round}: a held grad changed");
     }
     for r in held {
         ok(graphed_buffer_release(r.owner));
@@ -419,15 +423,39 @@ fn a_step_replays_every_pass_in_one_launch_and_matches_per_pass() {
     assert_eq!(got, want.1);
     assert_eq!(read(buffer(b.s, 2, graphed_buffer_role::Output)), want.0);
     // Held: the second step takes the other slot, the third replays pass
-    // by pass; all equal, none overwrites another.
+    // by pass; each with another grad-output (x2, x4: the grads scale
+    // exactly), none overwriting another's blocks.
+    let scaled = |k: f32| -> Vec<Vec<f32>> {
+        want.1
+            .iter()
+            .map(|v| v.iter().map(|x| x * k).collect())
+            .collect()
+    };
     let mut grads2 = vec![empty_ref(); 3];
-    step(&b, &mut grads2);
     let mut grads3 = vec![empty_ref(); 3];
-    step(&b, &mut grads3);
-    for set in [&grads, &grads2, &grads3] {
-        let got: Vec<Vec<f32>> = set.iter().map(|r| read(r.ptr)).collect();
-        assert_eq!(got, want.1);
+    for (set, k) in [(&mut grads2, 2.0f32), (&mut grads3, 4.0)] {
+        let gk: Vec<f32> = m.grad.iter().map(|x| x * k).collect();
+        // SAFETY: the static grad-output of N floats.
+        unsafe { std::ptr::copy_nonoverlapping(gk.as_ptr(), g as *mut f32, N) };
+        step(&b, set);
     }
+    for (set, k) in [(&grads, 1.0f32), (&grads2, 2.0), (&grads3, 4.0)] {
+        let got: Vec<Vec<f32>> = set.iter().map(|r| read(r.ptr)).collect();
+        assert_eq!(
+            got,
+            scaled(k),
+            "the grads of the step with grad-output x{k}"
+        );
+    }
+    let mut ptrs: Vec<usize> = grads
+        .iter()
+        .chain(&grads2)
+        .chain(&grads3)
+        .map(|r| r.ptr as usize)
+        .collect();
+    ptrs.sort_unstable();
+    ptrs.dedup();
+    assert_eq!(ptrs.len(), 9, "two held steps' grads share memory");
     for r in grads.iter().chain(&grads2).chain(&grads3) {
         ok(graphed_buffer_release(r.owner));
     }

@@ -212,9 +212,10 @@ fn shared_session_with_deleter(h: H, threads: usize, iters: usize) {
     let busy = Arc::new(AtomicUsize::new(0));
     thread::scope(|sc| {
         sc.spawn(move || {
-            for r in rx {
+            for (n, r) in rx.into_iter().enumerate() {
                 let owner = r.owner as *mut graphed_buffer;
-                if r.grads.len() % 2 == 0 {
+                // Every other block is retained and released once first.
+                if n % 2 == 0 {
                     ok(graphed_buffer_retain(owner));
                     ok(graphed_buffer_release(owner));
                 }
@@ -267,18 +268,25 @@ fn shared_session_with_deleter(h: H, threads: usize, iters: usize) {
                     .unwrap();
                     done += 1;
                 }
+                assert!(
+                    done > 0,
+                    "thread {t}: no step got through before the deadline"
+                );
             });
         }
         drop(tx);
         // Stats from yet another thread while they run.
         sc.spawn(move || {
             let end = Instant::now() + Duration::from_millis(200);
+            let mut answered = 0;
             while Instant::now() < end {
                 let (s, st) = stats(h);
                 if one_of(s, &[S::Ok, S::Busy]) == S::Ok {
                     assert_eq!((st.captured, st.callables), (1, 1));
+                    answered += 1;
                 }
             }
+            assert!(answered > 0, "stats never got through");
         });
     });
     let (s, st) = stats(h);
@@ -329,7 +337,15 @@ fn strict_leases_released_from_another_thread() {
         });
         sc.spawn(move || {
             let end = deadline();
-            let mut held = 0;
+            // The other thread releases every lease: a wait past this is a
+            // failure, not a hang.
+            let stuck = || {
+                assert!(
+                    Instant::now() < end + Duration::from_secs(10),
+                    "a held lease was never released"
+                );
+                thread::yield_now();
+            };
             for k in 0..300 {
                 if Instant::now() > end {
                     break;
@@ -343,8 +359,7 @@ fn strict_leases_released_from_another_thread() {
                         tx.send((out.lease, out.ptr as usize, v)).unwrap();
                         break;
                     }
-                    held += 1;
-                    thread::yield_now();
+                    stuck();
                 }
                 loop {
                     let (s, gin, gp) = backward(h, v);
@@ -356,11 +371,9 @@ fn strict_leases_released_from_another_thread() {
                         }
                         break;
                     }
-                    held += 1;
-                    thread::yield_now();
+                    stuck();
                 }
             }
-            let _ = held;
             drop(tx);
         });
     });
@@ -568,6 +581,7 @@ fn shared_pool_from_two_threads() {
                     ok(graphed_buffer_release(gp[1].owner));
                     done += 1;
                 }
+                assert!(done > 0, "session {t}: no step got through the shared pool");
             });
         }
         // A third session joins the pool while they replay, and leaves.

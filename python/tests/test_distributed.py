@@ -18,6 +18,7 @@ if torch is not None:
     import torch.distributed as dist
 
     import graphed.torch as gt
+    from _models import assert_all_equal
 
 H, B = 256, 32
 
@@ -71,8 +72,7 @@ def train_ddp(graphed):
 def test_ddp_over_graphed_layers_matches_eager_ddp(group):
     want = train_ddp(graphed=False)
     got = train_ddp(graphed=True)
-    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
-    assert not bad, f"tensors {bad} differ from eager DDP (parameters, then grads)"
+    assert_all_equal(got, want)  # parameters, then grads
 
 
 TEARDOWN = textwrap.dedent(

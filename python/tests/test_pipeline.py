@@ -13,6 +13,7 @@ pytestmark = needs_gpu
 
 if torch is not None:
     import graphed.torch as gt
+    from _models import assert_all_equal
 
 TE_ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 H, B = 64, 16
@@ -86,8 +87,8 @@ def test_interleaved_schedule_matches_eager(dtype, clones, reuse):
     assert len(g) == 6
     got_out, got_w = run(TE_ORDER, [list(g[0:3]), list(g[3:6])], params_of(mods), data)
     assert len(got_out) == len(want_out)
-    assert all(torch.equal(a, b) for a, b in zip(got_out, want_out)), "forward outputs differ from eager"
-    assert all(torch.equal(a, b) for a, b in zip(got_w, want_w)), "final weights differ from eager"
+    assert_all_equal(got_out, want_out)
+    assert_all_equal(got_w, want_w)
     g[0].reset()
 
 
@@ -129,8 +130,8 @@ def test_weight_grad_steps_match_eager(clones):
     dw = [[f.backward_dw for f in fwd[0]], [f.backward_dw for f in fwd[1]]]
     # backward gives input grads only; the parameter grads come from backward_dw
     got_out, got_w = run(WGRAD_ORDER, fwd, params_of(mods), data, dw)
-    assert all(torch.equal(a, b) for a, b in zip(got_out, want_out)), "forward outputs differ from eager"
-    assert all(torch.equal(a, b) for a, b in zip(got_w, want_w)), "final weights differ from eager"
+    assert_all_equal(got_out, want_out)
+    assert_all_equal(got_w, want_w)
     g[0].reset()
 
 
@@ -154,11 +155,6 @@ def test_pool_between_calls(shared):
             dy = torch.randn(B, H, device="cuda")
             graphed(x).backward(dy)
             ref(x).backward(dy)
-    bad = [
-        f"param {i}: max abs difference {(p.grad - q.grad).abs().max().item()}"
-        for i, (p, q) in enumerate(zip(params_of(mods), params_of(eager)))
-        if not torch.equal(p.grad, q.grad)
-    ]
-    assert not bad, "grads differ from eager: " + "; ".join(bad)
+    assert_all_equal([p.grad for p in params_of(mods)], [q.grad for q in params_of(eager)])
     a.reset()
     b.reset()

@@ -112,6 +112,8 @@ def test_capture_stream_and_reset_then_eager():
     model = graphed_linear(capture_stream=stream)
     x = torch.randn(4, 8, device="cuda", requires_grad=True)
     y = model(x)
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.nn.functional.linear(x, model.weight, model.bias))
     model.reset()
     model.reset()  # idempotent
     assert "forward" not in model.__dict__  # the module's own forward is back

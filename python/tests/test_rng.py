@@ -13,6 +13,7 @@ pytestmark = needs_gpu
 
 if torch is not None:
     import graphed.torch as gt
+    from _models import assert_all_equal
 
 
 def test_dropout_masks_differ_across_replays():
@@ -55,8 +56,8 @@ def test_training_with_dropout_equals_eager_with_the_same_seed():
     model = copy.deepcopy(base)
     gt.make_graphed_callables(model, (torch.randn(32, 64, device="cuda"),))
     got_out, got_w = train(model)
-    assert all(torch.equal(a, b) for a, b in zip(got_out, want_out)), "outputs differ from eager"
-    assert all(torch.equal(a, b) for a, b in zip(got_w, want_w)), "weights differ from eager"
+    assert_all_equal(got_out, want_out)
+    assert_all_equal(got_w, want_w)
     model.reset()
 
 
@@ -101,7 +102,7 @@ def test_registered_generator_states_draw_fresh_numbers_like_eager():
 
     eager, graphed = run(False), run(True)
     assert not torch.equal(graphed[0], graphed[1])
-    assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    assert_all_equal(graphed, eager)
 
 
 def test_register_generator_applies_to_later_calls():
