@@ -4431,9 +4431,11 @@ fn op_schedule_passes() {
     let bad_flag = !wg_null && wg.iter().any(|&x| x > 1);
     let has = |c: u32| !wg_null && wg[c as usize] == 1;
     // The sequential expansion: every forward, then every backward in
-    // reverse, each weight-grad right after its backward.
-    let mut want: Vec<(u32, u32)> = (0..ncall).map(|c| (c, 0)).collect();
-    for c in (0..ncall).rev() {
+    // reverse, each weight-grad right after its backward (none for a count
+    // whose passes cannot be built: the call refuses it).
+    let built = if huge { 0 } else { ncall };
+    let mut want: Vec<(u32, u32)> = (0..built).map(|c| (c, 0)).collect();
+    for c in (0..built).rev() {
         want.push((c, 1));
         if has(c) {
             want.push((c, 2));
