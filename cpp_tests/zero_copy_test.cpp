@@ -160,23 +160,27 @@ TEST_P(ZeroCopy, AStepAccumulatesIntoFixedDestinations) {
     }
 }
 
-TEST_P(ZeroCopy, AReboundInputTrainsLikeEager) {
+TEST_P(ZeroCopy, AReboundInputAndGradOutputTrainLikeEager) {
     kit::Mlp eager(*dev, kLayers, kBatch, kWidth, 19), graphed(*dev, kLayers, kBatch, kWidth, 19);
     const size_t act = size_t(kBatch) * kWidth * 4;
     // Two input buffers used in turn (the graphs follow), and a third at an
     // address that is not 256-byte aligned (copied instead).
     kit::Buffer xa(*dev, act), xb(*dev, act), xc(*dev, act + 256), t(*dev, act);
     graphed::Session s(config());
-    graphed.register_layers(s, xa.get(), kit::Wiring{true, true, false});
+    graphed.register_layers(s, xa.get(), kit::Wiring{true, true, false, true});
     s.capture();
     const graphed_session_stats st = s.stats();
     const std::string plan = s.plan_dump();
+    // Layer 0's input and the last layer's grad-output.
     if (GetParam() == kit::Backend::Cuda) {
-        EXPECT_EQ(1u, st.inputs_rebound) << plan;
-        EXPECT_GT(st.rebind_nodes, 0u) << plan;
-        EXPECT_NE(std::string::npos, plan.find("rebound at replay")) << plan;
+        EXPECT_EQ(2u, st.inputs_rebound) << plan;
+        EXPECT_GT(st.rebind_nodes, 1u) << plan;
+        EXPECT_NE(std::string::npos, plan.find("input 0 of fc0 (microbatch 0): rebound at replay")) << plan;
+        EXPECT_NE(std::string::npos, plan.find("grad-output 0 of fc" + std::to_string(kLayers - 1) +
+                                               " (microbatch 0): rebound at replay"))
+            << plan;
     } else {
-        EXPECT_EQ(1u, st.inputs_rebind_refused) << plan;
+        EXPECT_EQ(2u, st.inputs_rebind_refused) << plan;
         EXPECT_NE(std::string::npos, plan.find("opaque")) << plan;
     }
     for (int step = 0; step < kSteps + 2; ++step) {

@@ -446,7 +446,10 @@ enum graphed_tensor_flags
    * whose graphs take the address as a kernel argument; capture verifies
    * it and otherwise copies, saying why in the plan dump). The data must
    * be 256-byte aligned (others are copied) and stay unchanged until the
-   * callable's backward has run.
+   * callable's backward has run (and its weight-grad pass, if any).
+   * Outputs: the same for the output's grad-output, given at backward:
+   * it must stay unchanged until that backward (and the weight-grad
+   * pass, if any) has run.
    */
   GRAPHED_TENSOR_FLAGS_REBIND = 4,
 };
@@ -978,14 +981,14 @@ typedef struct graphed_session_stats {
    */
   uint32_t microbatches;
   /**
-   * Inputs rebound at replay (GRAPHED_TENSOR_FLAGS_REBIND), and those
-   * copied instead because capture could not verify a rebind (the plan
-   * dump says why).
+   * Inputs and grad-outputs rebound at replay
+   * (GRAPHED_TENSOR_FLAGS_REBIND), and those copied instead because
+   * capture could not verify a rebind (the plan dump says why).
    */
   uint32_t inputs_rebound;
   uint32_t inputs_rebind_refused;
   /**
-   * Graph node updates that rebinding every rebound input once costs.
+   * Graph node updates that rebinding every rebound buffer once costs.
    */
   uint32_t rebind_nodes;
   /**

@@ -175,7 +175,19 @@ fn build(
 /// Registers one layer `y = w * x`: `input`, one output, the weights `w`
 /// with grad `policy`.
 fn add_layer(s: *mut graphed_session, input: &graphed_tensor_desc, w: &mut [f32], policy: u32) {
-    let output = tensor(true);
+    add_layer_with(s, input, 0, w, policy)
+}
+
+/// `add_layer` with flags on the layer's output.
+fn add_layer_with(
+    s: *mut graphed_session,
+    input: &graphed_tensor_desc,
+    output_flags: u32,
+    w: &mut [f32],
+    policy: u32,
+) {
+    let mut output = tensor(true);
+    output.flags = output_flags;
     let param = graphed_param_desc {
         data: w.as_mut_ptr().cast(),
         bytes: N * 4,
@@ -513,16 +525,23 @@ fn rebinding_opaque_host_tasks_is_refused_with_the_reason_and_copies() {
     for l in 0..2 {
         let mut input = tensor(l > 0);
         input.flags = graphed_tensor_flags::Rebind as u32;
-        add_layer(
+        // The last layer's grad-output too.
+        let out_flags = if l == 1 {
+            graphed_tensor_flags::Rebind as u32
+        } else {
+            0
+        };
+        add_layer_with(
             s,
             &input,
+            out_flags,
             &mut m.weights[l],
             graphed_grad_policy::Default as u32,
         );
     }
     ok(graphed_session_capture(s));
     let st = stats(s);
-    assert_eq!((st.inputs_rebound, st.inputs_rebind_refused), (0, 2));
+    assert_eq!((st.inputs_rebound, st.inputs_rebind_refused), (0, 3));
     let mut len = 0;
     // SAFETY: NULL buffer asks for the length.
     ok(unsafe { graphed_session_plan_dump(s, null_mut(), 0, &mut len) });
@@ -532,6 +551,10 @@ fn rebinding_opaque_host_tasks_is_refused_with_the_reason_and_copies() {
     let text = String::from_utf8_lossy(&text[..len]).into_owned();
     assert!(
         text.contains("input 0 of callable 0 (microbatch 0): copied at replay"),
+        "{text}"
+    );
+    assert!(
+        text.contains("grad-output 0 of callable 1 (microbatch 0): copied at replay"),
         "{text}"
     );
     assert!(text.contains("opaque"), "{text}");

@@ -72,6 +72,9 @@ struct Wiring {
     // A LossLayer after the last layer (chained), so that a step graph can
     // hold a whole training step; its index is layers().
     bool loss = false;
+    // The last layer's grad-output is rebound to the data each backward
+    // replay passes.
+    bool rebind_grad_output = false;
 };
 
 // Grads of one training step, copied to the host.

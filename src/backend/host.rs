@@ -207,7 +207,7 @@ impl Graph for HostGraph {
             }
         }
         if refs.is_empty() {
-            return Ok(Err("no task of the graph takes the input's address".into()));
+            return Ok(Err("no task of the graph takes the buffer's address".into()));
         }
         Ok(Ok(Box::new(HostRebinder {
             tasks: self.tasks.clone(),

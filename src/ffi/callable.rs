@@ -285,9 +285,9 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
     };
     let inputs = convert(&inputs, "desc.inputs")?;
     let outputs = convert(&outputs, "desc.outputs")?;
-    if let Some(i) = outputs.iter().position(|t| t.chained.is_some() || t.rebind) {
+    if let Some(i) = outputs.iter().position(|t| t.chained.is_some()) {
         return Err(Error::invalid(format!(
-            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED or _REBIND: those are for inputs"
+            "desc.outputs[{i}].flags has GRAPHED_TENSOR_FLAGS_CHAINED: that is for inputs"
         )));
     }
     let params = params

@@ -248,7 +248,10 @@ pub enum graphed_tensor_flags {
     /// whose graphs take the address as a kernel argument; capture verifies
     /// it and otherwise copies, saying why in the plan dump). The data must
     /// be 256-byte aligned (others are copied) and stay unchanged until the
-    /// callable's backward has run.
+    /// callable's backward has run (and its weight-grad pass, if any).
+    /// Outputs: the same for the output's grad-output, given at backward:
+    /// it must stay unchanged until that backward (and the weight-grad
+    /// pass, if any) has run.
     Rebind = 4,
 }
 

@@ -50,12 +50,12 @@ pub struct graphed_session_stats {
     pub leases_held: u32,
     /// Microbatches per callable (1 without a schedule).
     pub microbatches: u32,
-    /// Inputs rebound at replay (GRAPHED_TENSOR_FLAGS_REBIND), and those
-    /// copied instead because capture could not verify a rebind (the plan
-    /// dump says why).
+    /// Inputs and grad-outputs rebound at replay
+    /// (GRAPHED_TENSOR_FLAGS_REBIND), and those copied instead because
+    /// capture could not verify a rebind (the plan dump says why).
     pub inputs_rebound: u32,
     pub inputs_rebind_refused: u32,
-    /// Graph node updates that rebinding every rebound input once costs.
+    /// Graph node updates that rebinding every rebound buffer once costs.
     pub rebind_nodes: u32,
     /// Graphs captured for clone slots and for steps (graph_count counts
     /// the graphs of single passes).

@@ -167,6 +167,7 @@ fn place(s: &Inputs, p: &Planned, base: DevPtr, leases: &mut Leases) -> Result<V
             rotating: Vec::new(),
             slot_blocks: Vec::new(),
             rebind: spec.inputs.iter().map(|_| Rebind::Off).collect(),
+            rebind_grad_outputs: spec.outputs.iter().map(|_| Rebind::Off).collect(),
             external: external_buffers(shape, has_wgrad),
             graphs: [None, None, None],
             position: [None, None, None],
@@ -904,35 +905,53 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     Ok((cap, leases))
 }
 
-/// Plans and verifies the inputs asked to be rebound (see `rebind`).
+/// Plans and verifies the inputs and grad-outputs asked to be rebound (see
+/// `rebind`).
 fn prepare_rebinds(s: &Inputs, cap: &mut Captured) -> Result<()> {
     let stream = cap.side.raw();
     for n in 0..cap.instances.len() {
         let spec = &s.callables[cap.instances[n].callable];
-        for (i, t) in spec.inputs.iter().enumerate() {
+        let in_bytes: Vec<usize> = spec.inputs.iter().map(|t| t.bytes).collect();
+        let out_bytes: Vec<usize> = spec.outputs.iter().map(|t| t.bytes).collect();
+        let inputs = spec.inputs.iter().enumerate().map(|(i, t)| (false, i, t));
+        let outputs = spec.outputs.iter().enumerate().map(|(o, t)| (true, o, t));
+        for (grad_output, i, t) in inputs.chain(outputs) {
             if !t.rebind {
                 continue;
             }
-            let in_bytes: Vec<usize> = spec.inputs.iter().map(|t| t.bytes).collect();
-            let out_bytes: Vec<usize> = spec.outputs.iter().map(|t| t.bytes).collect();
             let inst = &cap.instances[n];
-            let r = rebind::prepare(
-                s.backend, inst, i, t.dtype, t.bytes, &in_bytes, &out_bytes, stream,
-            )?;
+            let stat = if grad_output {
+                inst.buffers.grad_outputs[i]
+            } else {
+                inst.buffers.inputs[i]
+            };
+            let r = if stat == 0 {
+                Rebind::Refused("it has no static buffer (no grad flows to this output)".into())
+            } else {
+                rebind::prepare(
+                    s.backend, inst, stat, t.dtype, t.bytes, &in_bytes, &out_bytes, stream,
+                )?
+            };
+            let what = if grad_output { "grad-output" } else { "input" };
             let (name, mb) = (&spec.name, inst.microbatch);
             match &r {
                 Rebind::On { .. } => s.log(LogLevel::Info, || {
                     format!(
-                        "input {i} of callable '{name}' (microbatch {mb}) is rebound at replay: {} node(s)",
+                        "{what} {i} of callable '{name}' (microbatch {mb}) is rebound at replay: {} node(s)",
                         r.nodes()
                     )
                 }),
                 Rebind::Refused(why) => s.log(LogLevel::Warn, || {
-                    format!("input {i} of callable '{name}' (microbatch {mb}) is copied at replay: {why}")
+                    format!("{what} {i} of callable '{name}' (microbatch {mb}) is copied at replay: {why}")
                 }),
                 Rebind::Off => {}
             }
-            cap.instances[n].rebind[i] = r;
+            let inst = &mut cap.instances[n];
+            if grad_output {
+                inst.rebind_grad_outputs[i] = r;
+            } else {
+                inst.rebind[i] = r;
+            }
         }
     }
     Ok(())

@@ -71,8 +71,10 @@ pub(crate) struct Instance {
     pub callable: usize,
     pub microbatch: u32,
     pub buffers: Buffers,
-    /// Per input: rebound at replay, or copied.
+    /// Per input, and per output's grad-output: rebound at replay, or
+    /// copied.
     pub rebind: Vec<Rebind>,
+    pub rebind_grad_outputs: Vec<Rebind>,
     /// Inputs read in place from another instance's output, and
     /// grad-outputs written in place by another instance's backward: they
     /// take no replay data but their own buffer.

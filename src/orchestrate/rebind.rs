@@ -1,11 +1,13 @@
-//! Rebinding inputs instead of copying them (opt-in per input): at capture
-//! the backend plans where an instance's graphs take the static input's
-//! address, and a verification replays the instance once copying and once
-//! rebound to another buffer (the static input then holding other data);
-//! only when both give the same bits is the input rebound at replay. A
-//! replay then points the graphs at the caller's buffer (one node update
-//! per reference) instead of copying it; the caller keeps that buffer
-//! unchanged until the instance's backward has run, as autograd would.
+//! Rebinding inputs and grad-outputs instead of copying them (opt-in per
+//! tensor): at capture the backend plans where an instance's graphs take
+//! the static buffer's address, and a verification replays the instance
+//! once copying and once rebound to another buffer (the static buffer then
+//! holding other data); only when both give the same bits is the buffer
+//! rebound at replay. A replay then points the graphs at the caller's
+//! buffer (one node update per reference) instead of copying it; the caller
+//! keeps that buffer unchanged until the instance's last pass that reads it
+//! has run (an input: its backward, as autograd would; a grad-output: the
+//! backward, or the weight-grad pass where there is one).
 
 use super::captured::Instance;
 use crate::backend::{Backend, DevPtr, DeviceMemory, Rebinder, StreamRef};
@@ -111,14 +113,15 @@ fn results(
     Ok(all)
 }
 
-/// Plans and verifies the rebinding of input `i` of `inst` (of `dtype`,
-/// `bytes`), whose graphs are `graphs`. The instance's grad-outputs are
-/// filled with a pattern for the verification; `stream` is idle.
+/// Plans and verifies the rebinding of the static buffer at `stat` of
+/// `inst` (an input or a grad-output, of `dtype`, `bytes`). The instance's
+/// grad-outputs are filled with a pattern for the verification; `stream`
+/// is idle.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare(
     backend: &Arc<dyn Backend>,
     inst: &Instance,
-    i: usize,
+    stat: DevPtr,
     dtype: DType,
     bytes: usize,
     input_bytes: &[usize],
@@ -132,32 +135,31 @@ pub(crate) fn prepare(
             dtype.name()
         ));
     }
-    let stat = inst.buffers.inputs[i];
     let graphs = inst.graphs.iter().flatten().chain(inst.rotating.iter());
     let mut plans = Vec::new();
-    for (k, g) in graphs.enumerate() {
+    for g in graphs {
         match g.rebinder(stat, bytes)? {
             Ok(p) => plans.push(p),
-            // A backward that does not read the input needs no plan.
-            Err(why) if k > 0 && why.starts_with("no captured node") => {}
-            Err(why) if k > 0 && why.starts_with("no task") => {}
+            // A pass that does not read the buffer needs no plan (a forward
+            // never reads a grad-output; a backward may not read the input).
+            Err(why) if why.starts_with("no captured node") || why.starts_with("no task") => {}
             Err(why) => return refused(why),
         }
     }
     if plans.is_empty() {
-        return refused("no graph of the callable takes the input's address".into());
+        return refused("no graph of the callable takes the buffer's address".into());
     }
     // Verification: the same replays, copying and rebound, must agree.
-    let real = {
-        let mut v = vec![0u8; bytes];
-        backend.download(&mut v, stat)?;
-        v
-    };
     for (k, (&g, &n)) in inst.buffers.grad_outputs.iter().zip(out_bytes).enumerate() {
         if g != 0 {
             backend.upload(g, &pattern(dtype, n, 7 + k as u32))?;
         }
     }
+    let real = {
+        let mut v = vec![0u8; bytes];
+        backend.download(&mut v, stat)?;
+        v
+    };
     let run = || -> Result<()> {
         for g in inst.graphs.iter().flatten() {
             g.launch(stream)?;
@@ -177,7 +179,7 @@ pub(crate) fn prepare(
     if rebound? != copied {
         return refused(
             "a rebound replay at capture gave other results than a copying one: some kernel reads the \
-             input through memory (or is not deterministic)"
+             buffer through memory (or is not deterministic)"
                 .into(),
         );
     }

@@ -149,17 +149,22 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         pool.replaying(key, pos)?;
 
         // ---- enqueue ----------------------------------------------------------
-        if kind == PassKind::Forward {
-            // Rebound inputs: the graphs read the caller's data in place.
-            let inst = &mut cap.instances[idx];
-            for (i, rb) in inst.rebind.iter_mut().enumerate() {
+        // Rebound inputs and grad-outputs: the graphs read the caller's
+        // data in place.
+        let inst = &mut cap.instances[idx];
+        let rebound = match kind {
+            PassKind::Forward => Some((&mut inst.rebind, &inst.buffers.inputs)),
+            PassKind::Backward => Some((&mut inst.rebind_grad_outputs, &inst.buffers.grad_outputs)),
+            PassKind::Wgrad => None,
+        };
+        if let Some((rebind, stat)) = rebound {
+            for (i, rb) in rebind.iter_mut().enumerate() {
                 if let Rebind::On { .. } = rb {
-                    let stat = inst.buffers.inputs[i];
                     let want = a.data.map_or(0, |d| d[i]);
                     rb.bind(if want != 0 && want % REBIND_ALIGN == 0 {
                         want
                     } else {
-                        stat
+                        stat[i]
                     })?;
                 }
             }
@@ -190,16 +195,19 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             }
         });
         if let Some(data) = a.data {
-            let (dsts, tensors) = match kind {
-                PassKind::Forward => (&inst.buffers.inputs, &spec.inputs),
-                _ => (&inst.buffers.grad_outputs, &spec.outputs),
+            let (dsts, tensors, rebind) = match kind {
+                PassKind::Forward => (&inst.buffers.inputs, &spec.inputs, &inst.rebind),
+                _ => (
+                    &inst.buffers.grad_outputs,
+                    &spec.outputs,
+                    &inst.rebind_grad_outputs,
+                ),
             };
             let sizes = tensors.iter().map(|t| t.bytes);
             // Entries with no static buffer (dst 0) take no data; rebound
-            // inputs are read where they are.
+            // ones are read where they are.
             for (i, ((&dst, bytes), &src)) in dsts.iter().zip(sizes).zip(data).enumerate() {
-                let rebound = kind == PassKind::Forward
-                    && matches!(inst.rebind[i], Rebind::On { bound, .. } if bound == src);
+                let rebound = matches!(rebind[i], Rebind::On { bound, .. } if bound == src);
                 if dst != 0 && src != 0 && !rebound {
                     backend.copy(dst, src, bytes, s)?;
                 }

@@ -54,11 +54,12 @@ pub struct Stats {
     pub instances: u32,
     pub leases_held: u32,
     pub captured: bool,
-    /// Inputs rebound at replay, and inputs asked to be rebound that are
-    /// copied instead (the plan dump says why), over all instances.
+    /// Inputs and grad-outputs rebound at replay, and those asked to be
+    /// rebound that are copied instead (the plan dump says why), over all
+    /// instances.
     pub inputs_rebound: u32,
     pub inputs_rebind_refused: u32,
-    /// Node updates one rebind of every rebound input costs.
+    /// Node updates one rebind of every rebound buffer costs.
     pub rebind_nodes: u32,
 }
 
@@ -534,7 +535,11 @@ impl Session {
             st.step_graphs = c.step_graphs;
             st.instances = c.instances.len() as u32;
             st.captured = true;
-            for r in c.instances.iter().flat_map(|i| &i.rebind) {
+            let rebinds = c
+                .instances
+                .iter()
+                .flat_map(|i| i.rebind.iter().chain(&i.rebind_grad_outputs));
+            for r in rebinds {
                 match r {
                     Rebind::On { .. } => {
                         st.inputs_rebound += 1;
@@ -592,7 +597,10 @@ impl Session {
             );
         }
         for inst in &cap.instances {
-            for (i, r) in inst.rebind.iter().enumerate() {
+            let inputs = inst.rebind.iter().enumerate().map(|(i, r)| ("input", i, r));
+            let grad_outputs = inst.rebind_grad_outputs.iter().enumerate();
+            let grad_outputs = grad_outputs.map(|(o, r)| ("grad-output", o, r));
+            for (role, i, r) in inputs.chain(grad_outputs) {
                 let name = &self.callables[inst.callable].name;
                 let what = match r {
                     Rebind::Off => continue,
@@ -601,7 +609,7 @@ impl Session {
                 };
                 let _ = writeln!(
                     out,
-                    "input {i} of {name} (microbatch {}): {what}",
+                    "{role} {i} of {name} (microbatch {}): {what}",
                     inst.microbatch
                 );
             }

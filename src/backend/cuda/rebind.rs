@@ -1,10 +1,12 @@
 //! Rebinding a captured graph's references to one device range: find every
 //! kernel argument word, copy operand and set destination that holds an
 //! address in the range (kernel argument layouts come from
-//! `cuFuncGetParamInfo`, CUDA 12.4 drivers and newer), and update those
-//! nodes of the executable graph in place when the range moves. Graphs with
-//! nodes whose addresses cannot be seen (host nodes, child graphs, kernels
-//! launched with a packed argument buffer) are refused with the reason.
+//! `cuFuncGetParamInfo`, CUDA 12.4 drivers and newer; kernels launched with
+//! one packed argument buffer, as cuBLAS launches its own, are read word by
+//! word), and update those nodes of the executable graph in place when the
+//! range moves. Graphs with nodes whose addresses cannot be seen (host
+//! nodes, child graphs) are refused with the reason; a word that only looks
+//! like an address is caught by capture's verification replay.
 
 use super::driver::check;
 use super::Inner;
@@ -46,10 +48,103 @@ struct KernelPatch {
     node: sys::CUgraphNode,
     params: sys::CUDA_KERNEL_NODE_PARAMS,
     /// One owned buffer per argument; `pointers[i]` points into `values[i]`.
+    /// A packed launch has one buffer, `values[0]`, and no pointers.
     values: Vec<Vec<u64>>,
     pointers: Vec<*mut c_void>,
     /// (argument, word, offset from the base).
     words: Vec<(usize, usize, u64)>,
+    /// A packed launch: its `extra` array (pointing at `values[0]` and at
+    /// `packed_size`) and the buffer's size in bytes.
+    packed: Option<(Vec<*mut c_void>, Box<usize>)>,
+}
+
+/// `CUDA_KERNEL_NODE_PARAMS::extra` keys (cuda.h).
+const LAUNCH_PARAM_END: usize = 0;
+const LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
+const LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
+
+/// The words of `bytes` bytes at `src`, and those in `[lo, hi)` as
+/// (argument `arg`, word, offset from `lo`).
+///
+/// # Safety
+/// `bytes` bytes at `src` are readable.
+unsafe fn read_words(
+    src: *const u8,
+    bytes: usize,
+    arg: usize,
+    lo: u64,
+    hi: u64,
+    words: &mut Vec<(usize, usize, u64)>,
+) -> Vec<u64> {
+    let mut v = vec![0u64; bytes.div_ceil(8)];
+    // SAFETY: `bytes` readable bytes at `src` (the caller's promise); `v`
+    // holds at least as many.
+    unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr() as *mut u8, bytes) };
+    for (w, &word) in v.iter().enumerate().take(bytes / 8) {
+        if word >= lo && word < hi {
+            words.push((arg, w, word - lo));
+        }
+    }
+    v
+}
+
+/// A packed launch's buffer (`extra`), copied, with the words in
+/// `[lo, hi)`; or why it cannot be read.
+fn packed_patch(
+    node: sys::CUgraphNode,
+    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    lo: u64,
+    hi: u64,
+) -> std::result::Result<Option<KernelPatch>, String> {
+    let (mut buffer, mut size) = (std::ptr::null::<u8>(), None);
+    // At most a few pairs: BUFFER_POINTER, BUFFER_SIZE, END.
+    for k in 0..8 {
+        // SAFETY: `extra` is the driver's array of key/value pairs ending
+        // with LAUNCH_PARAM_END; reading stops at that key.
+        let key = unsafe { *params.extra.add(2 * k) } as usize;
+        if key == LAUNCH_PARAM_END {
+            break;
+        }
+        // SAFETY: a key other than END is followed by its value.
+        let value = unsafe { *params.extra.add(2 * k + 1) };
+        match key {
+            LAUNCH_PARAM_BUFFER_POINTER => buffer = value as *const u8,
+            // SAFETY: the value of BUFFER_SIZE points at a size_t.
+            LAUNCH_PARAM_BUFFER_SIZE if !value.is_null() => {
+                size = Some(unsafe { *(value as *const usize) })
+            }
+            _ => {
+                return Err(format!(
+                    "a kernel's packed arguments have an unknown key {key}"
+                ))
+            }
+        }
+    }
+    let (Some(bytes), false) = (size, buffer.is_null()) else {
+        return Err("a kernel was captured with a packed argument buffer of unknown size".into());
+    };
+    let mut words = Vec::new();
+    // SAFETY: the driver's buffer holds `bytes` bytes.
+    let values = vec![unsafe { read_words(buffer, bytes, 0, lo, hi, &mut words) }];
+    if words.is_empty() {
+        return Ok(None);
+    }
+    let size = Box::new(bytes);
+    let extra = vec![
+        LAUNCH_PARAM_BUFFER_POINTER as *mut c_void,
+        null_mut(), // values[0], set at each rebind
+        LAUNCH_PARAM_BUFFER_SIZE as *mut c_void,
+        &*size as *const usize as *mut c_void,
+        LAUNCH_PARAM_END as *mut c_void,
+    ];
+    Ok(Some(KernelPatch {
+        node,
+        params,
+        values,
+        pointers: Vec::new(),
+        words,
+        packed: Some((extra, size)),
+    }))
 }
 
 enum Patch {
@@ -91,10 +186,10 @@ fn kernel_patch(
         sys::cuGraphKernelNodeGetParams_v2(node, &mut params)
     })?;
     if params.kernelParams.is_null() {
-        return Ok(Err(
-            "a kernel was captured with a packed argument buffer, whose layout cannot be read"
-                .into(),
-        ));
+        if params.extra.is_null() {
+            return Ok(Err("a kernel node has no arguments to read".into()));
+        }
+        return Ok(packed_patch(node, params, lo, hi));
     }
     let Some((info, count)) = param_fns() else {
         return Ok(Err(
@@ -139,15 +234,8 @@ fn kernel_patch(
         // SAFETY: kernelParams holds one pointer per argument, each to
         // `size` bytes of its value.
         let src = unsafe { *params.kernelParams.add(i) } as *const u8;
-        let mut v = vec![0u64; size.div_ceil(8)];
-        // SAFETY: `size` readable bytes at `src`; `v` holds at least as many.
-        unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr() as *mut u8, size) };
-        for (w, &word) in v.iter().enumerate().take(size / 8) {
-            if word >= lo && word < hi {
-                words.push((i, w, word - lo));
-            }
-        }
-        values.push(v);
+        // SAFETY: `size` readable bytes at `src`.
+        values.push(unsafe { read_words(src, size, i, lo, hi, &mut words) });
     }
     if words.is_empty() {
         return Ok(Ok(None));
@@ -162,6 +250,7 @@ fn kernel_patch(
         values,
         pointers,
         words,
+        packed: None,
     })))
 }
 
@@ -250,7 +339,7 @@ pub(super) fn plan(
     }
     if patches.is_empty() {
         return Ok(Err(
-            "no captured node takes the input's address as an argument (it is read through memory, \
+            "no captured node takes the buffer's address as an argument (it is read through memory, \
              or not at all)"
                 .into(),
         ));
@@ -277,10 +366,19 @@ impl Rebinder for CudaRebinder {
                         k.values[arg][word] = base + off;
                     }
                     let mut params = k.params;
-                    params.kernelParams = k.pointers.as_mut_ptr();
+                    match &mut k.packed {
+                        Some((extra, _)) => {
+                            extra[1] = k.values[0].as_mut_ptr() as *mut c_void;
+                            params.kernelParams = null_mut();
+                            params.extra = extra.as_mut_ptr();
+                        }
+                        None => params.kernelParams = k.pointers.as_mut_ptr(),
+                    }
                     // SAFETY: a node of the graph `exec` was instantiated
-                    // from, with the same function and one pointer per
-                    // argument to a buffer of its size.
+                    // from, with the same function and either one pointer
+                    // per argument to a buffer of its size or one packed
+                    // buffer of the captured size (`extra`, whose size
+                    // entry points at the boxed size this patch owns).
                     check("cuGraphExecKernelNodeSetParams", unsafe {
                         sys::cuGraphExecKernelNodeSetParams_v2(self.exec, k.node, &params)
                     })?;
