@@ -100,6 +100,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", true);
     o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
     o.strict_leases = get<bool>(d, "strict_leases", false);
+    o.rebind_inputs = get<bool>(d, "rebind_inputs", true);
     o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
     o.layers_per_chunk = get<std::vector<uint32_t>>(d, "layers_per_chunk", {});
     o.reuse_buffers = get<bool>(d, "reuse_buffers", false);
@@ -179,6 +180,9 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["graph_count"] = st.graph_count;
     d["microbatches"] = st.microbatches;
     d["captured"] = bool(st.captured);
+    d["inputs_rebound"] = st.inputs_rebound;
+    d["inputs_rebind_refused"] = st.inputs_rebind_refused;
+    d["rebind_nodes"] = st.rebind_nodes;
     return d;
 }
 
@@ -226,7 +230,8 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def("reset", &graphed_torch::GraphedCallable::reset, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("is_reset", &graphed_torch::GraphedCallable::is_reset)
         .def_property_readonly("microbatches", &graphed_torch::GraphedCallable::microbatches)
-        .def("session_stats", &stats_of);
+        .def("session_stats", &stats_of)
+        .def("session_plan", &graphed_torch::GraphedCallable::plan);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
     m.def(
         "pass_order",

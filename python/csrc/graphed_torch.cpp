@@ -315,6 +315,8 @@ struct Callable {
     bool wgrad = false;            // has a delayed weight-gradient pass
     bool outputs_known = false;
     std::vector<Tape> tapes;  // per microbatch
+    // Per microbatch, per input: the graphs read it where it is (rebound).
+    std::vector<std::vector<bool>> rebound;
     // External buffers handed to graphed, per microbatch.
     std::vector<std::vector<at::Tensor>> ext_out, ext_gin, ext_pgrad;
     // Between a pass's pre-hook, callback and post-hook.
@@ -776,12 +778,25 @@ struct GraphedBackward : public torch::autograd::Node {
     uint32_t microbatch = 0;
     std::optional<c10::cuda::CUDAStream> side;
 
+    // Inputs the graphs read in place (rebound), kept until the backward,
+    // with their version counters at the forward.
+    std::vector<std::pair<at::Tensor, uint32_t>> held;
+
     std::string name() const override { return "GraphedBackward"; }
+
+    void release_variables() override { held.clear(); }
 
     torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
         Shared& s = *shared;
         if (s.is_reset) throw std::runtime_error("graphed: backward of a callable whose session was reset");
         Callable* c = s.callables[index].get();
+        for (size_t i = 0; i < held.size(); ++i)
+            if (held[i].first.defined() && held[i].first._version() != held[i].second)
+                throw std::runtime_error(
+                    "graphed callable '" + c->name + "': " + c->input_name(i) +
+                    " was modified in place after the forward; its graphs read it where it is (rebind_inputs=True), "
+                    "so its backward would use the new values. Modify a copy, or pass rebind_inputs=False to copy "
+                    "inputs into the graph's own buffers.");
         std::vector<at::Tensor> contiguous;
         std::vector<const void*> data;
         contiguous.reserve(c->out.size());
@@ -933,9 +948,18 @@ void register_callable(Shared& s, Callable& c) {
         t.flags = uint32_t(external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE);
         return t;
     };
-    for (size_t i = 0; i < c.in.size(); ++i)
+    // Rebinding: inputs and incoming grads are read where they are. Not with
+    // a delayed weight-grad pass, which reads them after the backward, when
+    // autograd no longer keeps them.
+    const uint32_t rebind = s.opts.rebind_inputs && !c.wgrad ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
+    for (size_t i = 0; i < c.in.size(); ++i) {
         c.tin.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
-    for (const Meta& meta : c.out) c.tout.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
+        if (at::isFloatingType(c.in[i].dtype)) c.tin.back().flags |= rebind;
+    }
+    for (const Meta& meta : c.out) {
+        c.tout.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
+        if (meta.requires_grad && at::isFloatingType(meta.dtype)) c.tout.back().flags |= rebind;
+    }
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
@@ -1079,6 +1103,29 @@ std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<gra
 
 // ---- make ------------------------------------------------------------------------------------
 
+// Which inputs capture verified as rebound, from graphed's plan: lines
+// "input I of NAME (microbatch M): rebound at replay (...)".
+void mark_rebound(Shared& s) {
+    size_t n = 0;
+    check(graphed_session_plan_dump(s.session, nullptr, 0, &n), "graphed_session_plan_dump");
+    std::string plan(n + 1, '\0');
+    check(graphed_session_plan_dump(s.session, plan.data(), plan.size(), &n), "graphed_session_plan_dump");
+    plan.resize(std::min(n, plan.size() - 1));
+    std::istringstream lines(plan);
+    for (std::string line; std::getline(lines, line);) {
+        const std::string tail = "): rebound at replay";
+        const size_t of = line.find(" of "), mb = line.rfind(" (microbatch "), end = line.find(tail);
+        if (line.rfind("input ", 0) != 0 || of == std::string::npos || mb == std::string::npos || end == std::string::npos ||
+            mb < of || end < mb)
+            continue;
+        const std::string name = line.substr(of + 4, mb - of - 4);
+        const size_t i = std::stoul(line.substr(6, of - 6));
+        const size_t m = std::stoul(line.substr(mb + 13, end - mb - 13));
+        for (auto& c : s.callables)
+            if (c->name == name && m < c->rebound.size() && i < c->rebound[m].size()) c->rebound[m][i] = true;
+    }
+}
+
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& o) {
     if (specs.empty()) throw std::invalid_argument("make_graphed_callables: no callables");
     auto shared = std::make_shared<Shared>();
@@ -1201,7 +1248,9 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         c->samples.clear();
         if (!o.retain_graph_in_backward)
             for (Tape& t : c->tapes) t = Tape();
+        c->rebound.assign(s.microbatches, std::vector<bool>(c->in.size(), false));
     }
+    if (o.rebind_inputs) mark_rebound(s);
     std::vector<GraphedCallable> out;
     for (size_t i = 0; i < s.callables.size(); ++i) out.emplace_back(shared, i);
     return out;
@@ -1218,7 +1267,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
                                     " tensor inputs, got " + std::to_string(inputs.size()));
     // requires_grad matters when a backward may follow.
     const bool grad_mode = s.opts.training && at::GradMode::is_enabled();
-    c10::SmallVector<at::Tensor, 8> contiguous;
+    // What the graphs read: each input, or its contiguous copy.
+    c10::SmallVector<at::Tensor, 8> read;
     std::vector<const void*> data(inputs.size());
     bool needs_grad = false;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -1233,12 +1283,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
                                         describe(m.sizes, m.dtype, "cuda:" + std::to_string(s.device),
                                                  grad_mode ? m.requires_grad : rg));
         needs_grad = needs_grad || rg;
-        if (x.is_contiguous()) {
-            data[i] = x.data_ptr();
-        } else {
-            contiguous.push_back(x.contiguous());
-            data[i] = contiguous.back().data_ptr();
-        }
+        read.push_back(x.is_contiguous() ? x : x.contiguous());
+        data[i] = read.back().data_ptr();
     }
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     cudaStream_t launch = cur, side = nullptr;
@@ -1273,6 +1319,12 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         node->index = index_;
         node->microbatch = microbatch_;
         if (other) node->side = on.stream;
+        // Rebound inputs are read by the backward where they are: kept
+        // alive until then, with their versions (as autograd's saved
+        // tensors are).
+        const std::vector<bool>& rebound = c->rebound[microbatch_];
+        for (size_t i = 0; i < read.size(); ++i)
+            node->held.emplace_back(rebound[i] ? read[i] : at::Tensor(), rebound[i] ? read[i]._version() : 0u);
         node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
         for (size_t i = 0; i < result.size(); ++i)
             if (c->out[i].requires_grad) torch::autograd::set_history(result[i], node);
@@ -1337,6 +1389,16 @@ graphed_session_stats GraphedCallable::stats() const {
     if (shared_->is_reset) return st;
     check(graphed_session_stats_get(shared_->session, &st), "graphed_session_stats_get");
     return st;
+}
+
+std::string GraphedCallable::plan() const {
+    if (shared_->is_reset) return std::string();
+    size_t n = 0;
+    check(graphed_session_plan_dump(shared_->session, nullptr, 0, &n), "graphed_session_plan_dump");
+    std::string text(n + 1, '\0');
+    check(graphed_session_plan_dump(shared_->session, text.data(), text.size(), &n), "graphed_session_plan_dump");
+    text.resize(std::min(n, text.size() - 1));
+    return text;
 }
 
 std::string library_version() { return graphed_version(); }

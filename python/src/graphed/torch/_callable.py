@@ -28,7 +28,7 @@ class Session:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
-            for name in ("backward_dw", "session_stats"):
+            for name in ("backward_dw", "session_stats", "session_plan"):
                 module.__dict__.pop(name, None)
             # A second reset is a no-op that holds nothing: the module must not
             # keep this session (whose extension objects hold the module's
@@ -82,6 +82,11 @@ class GraphedCallable:
     def session_stats(self):
         """graphed's memory and graph figures for the session."""
         return self._impl.session_stats()
+
+    def session_plan(self):
+        """graphed's plan of the session's static buffers, and for each input
+        asked to be rebound whether it is (or why it is copied), as text."""
+        return self._impl.session_plan()
 
     @property
     def training(self):

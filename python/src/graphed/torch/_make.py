@@ -104,6 +104,7 @@ def make_graphed_callables(
     *,
     _clone_param_grads_on_return=None,
     strict_leases=False,
+    rebind_inputs=True,
     clones_from_torch_allocator=True,
     generators=None,
 ):
@@ -121,7 +122,10 @@ def make_graphed_callables(
     naming the argument. graphed's own options: `strict_leases` (a replay
     that would overwrite an alias still held raises AliasHeldError),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
-    the default, or graphed's pool), `generators`.
+    the default, or graphed's pool), `rebind_inputs` (inputs and incoming
+    grads read where they are instead of copied, where capture verifies it;
+    a rebound input must not be modified in place before its backward),
+    `generators`.
     """
     # torch's positional order has `pool` fifth, where Transformer Engine
     # has sample_kwargs: a pool handle there is taken as the pool.
@@ -237,6 +241,7 @@ def make_graphed_callables(
         clone_param_grads_on_return=bool(clone_param_grads_on_return),
         clones_from_torch_allocator=bool(clones_from_torch_allocator),
         strict_leases=bool(strict_leases),
+        rebind_inputs=bool(rebind_inputs),
         steps=schedule.steps if schedule else [],
         layers_per_chunk=schedule.layers_per_chunk if schedule else [],
         reuse_buffers=bool(_reuse_graph_input_output_buffers),
@@ -281,6 +286,7 @@ def make_graphed_callables(
             fn.reset = session.reset
             fn.backward_dw = g.backward_dw
             fn.session_stats = g.session_stats
+            fn.session_plan = g.session_plan
             results.append(fn)
         else:
             results.append(g)

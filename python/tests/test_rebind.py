@@ -1,0 +1,145 @@
+"""Inputs and incoming grads read where they are (rebind_inputs, the
+default): capture verifies that the graphs can be pointed at the caller's
+tensors, replays then copy nothing into the static buffers; results stay
+bit-identical to eager whatever buffers the caller passes (alternating,
+misaligned, non-contiguous); a rebound input modified in place before its
+backward raises, as autograd does for saved tensors; rebind_inputs=False
+copies, as before."""
+import copy
+
+import pytest
+
+from _support import needs_gpu, torch
+
+pytestmark = needs_gpu
+
+if torch is not None:
+    import graphed.torch as gt
+
+W, B = 64, 32
+
+
+def mlp(seed):
+    torch.manual_seed(seed)
+    return [
+        torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.GELU()).cuda(),
+        torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.GELU()).cuda(),
+        torch.nn.Linear(W, W).cuda(),
+    ]
+
+
+def samples():
+    return tuple((torch.randn(B, W, device="cuda", requires_grad=i > 0),) for i in range(3))
+
+
+def train(layers, inputs, targets):
+    """SGD steps; returns every output and the final weights."""
+    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.05)
+    outs = []
+    for x, t in zip(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        y = x
+        for m in layers:
+            y = m(y)
+        torch.nn.functional.mse_loss(y, t).backward()
+        opt.step()
+        outs.append(y.detach().clone())
+    return outs, [p.detach().clone() for m in layers for p in m.parameters()]
+
+
+def inputs_of_every_kind(n):
+    """Fresh tensors each step, one reused, a misaligned view, a
+    non-contiguous one: the graphs must follow every one."""
+    torch.manual_seed(77)
+    reused = torch.randn(B, W, device="cuda")
+    big = torch.randn(B * W + 1, device="cuda")
+    wide = torch.randn(B, 2 * W, device="cuda")
+    kinds = [
+        lambda: torch.randn(B, W, device="cuda"),
+        lambda: reused,
+        lambda: big[1:].view(B, W),  # 4 bytes past an allocation: copied
+        lambda: wide[:, ::2],  # non-contiguous: read from a contiguous copy
+    ]
+    return [kinds[k % len(kinds)]() for k in range(n)]
+
+
+def assert_all_equal(got, want, what):
+    assert len(got) == len(want), what
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"{what} {k}: max abs difference {(a - b).abs().max().item()}"
+
+
+def plan_lines(module):
+    return [line for line in module.session_plan().splitlines() if "at replay" in line]
+
+
+def test_inputs_and_grads_are_rebound_and_training_matches_eager():
+    base = mlp(3)
+    xs = inputs_of_every_kind(8)
+    ts = [torch.randn(B, W, device="cuda") for _ in xs]
+    want = train(copy.deepcopy(base), xs, ts)
+    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples()))
+    st = layers[0].session_stats()
+    lines = plan_lines(layers[0])
+    # Three inputs and three incoming grads asked; torch's GEMMs and
+    # elementwise kernels take addresses as arguments, so all are rebound.
+    assert st["inputs_rebound"] + st["inputs_rebind_refused"] == 6, lines
+    assert st["inputs_rebound"] == 6, lines
+    assert st["rebind_nodes"] >= 6, lines
+    got = train(layers, xs, ts)
+    assert_all_equal(got[0], want[0], "output of step")
+    assert_all_equal(got[1], want[1], "final parameter")
+    layers[0].reset()
+
+
+def test_rebinding_off_copies_and_matches_eager():
+    base = mlp(5)
+    xs = inputs_of_every_kind(4)
+    ts = [torch.randn(B, W, device="cuda") for _ in xs]
+    want = train(copy.deepcopy(base), xs, ts)
+    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples(), rebind_inputs=False))
+    st = layers[0].session_stats()
+    assert (st["inputs_rebound"], st["inputs_rebind_refused"], st["rebind_nodes"]) == (0, 0, 0)
+    got = train(layers, xs, ts)
+    assert_all_equal(got[0], want[0], "output of step")
+    assert_all_equal(got[1], want[1], "final parameter")
+    layers[0].reset()
+
+
+def test_a_rebound_input_modified_in_place_before_backward_raises():
+    torch.manual_seed(9)
+    layer = torch.nn.Linear(W, W).cuda()
+    g = gt.make_graphed_callables(layer, (torch.randn(B, W, device="cuda", requires_grad=True),))
+    assert g.session_stats()["inputs_rebound"] >= 1, plan_lines(g)
+    x = torch.randn(B, W, device="cuda", requires_grad=True)
+    y = g(x)
+    with torch.no_grad():
+        x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        y.backward(torch.ones_like(y))
+    # Unmodified, the same call works and matches eager.
+    x2 = torch.randn(B, W, device="cuda", requires_grad=True)
+    y2 = g(x2)
+    y2.backward(torch.ones_like(y2))
+    layer.reset()
+    x3 = x2.detach().clone().requires_grad_(True)
+    ref = copy.deepcopy(layer)
+    ref.zero_grad(set_to_none=True)
+    ref(x3).backward(torch.ones_like(y2))
+    assert torch.equal(x2.grad, x3.grad)
+
+
+def test_with_copies_an_input_modified_after_the_forward_does_not_matter():
+    torch.manual_seed(11)
+    layer = torch.nn.Linear(W, W).cuda()
+    eager = copy.deepcopy(layer)
+    g = gt.make_graphed_callables(layer, (torch.randn(B, W, device="cuda", requires_grad=True),), rebind_inputs=False)
+    x = torch.randn(B, W, device="cuda", requires_grad=True)
+    x0 = x.detach().clone().requires_grad_(True)
+    y = g(x)
+    with torch.no_grad():
+        x.add_(1.0)
+    y.backward(torch.ones_like(y))  # the graph read its own copy
+    eager(x0).backward(torch.ones_like(y))
+    assert torch.equal(layer.weight.grad, eager.weight.grad)
+    layer.reset()
