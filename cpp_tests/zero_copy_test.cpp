@@ -196,6 +196,31 @@ TEST_P(ZeroCopy, AReboundInputAndGradOutputTrainLikeEager) {
     same_weights(eager, graphed);
 }
 
+// One layer whose input and grad-output are both rebound: its weight-grad
+// kernel reads both, so rebinding one must keep the other's current address
+// (a plan that set the node's captured arguments pointed the kernel back at
+// the static input).
+TEST_P(ZeroCopy, AReboundInputAndGradOutputOfOneLayerTrainLikeEager) {
+    kit::Mlp eager(*dev, 1, kBatch, kWidth, 23), graphed(*dev, 1, kBatch, kWidth, 23);
+    const size_t act = size_t(kBatch) * kWidth * 4;
+    kit::Buffer xa(*dev, act), xb(*dev, act), t(*dev, act);
+    graphed::Session s(config());
+    graphed.register_layers(s, xa.get(), kit::Wiring{false, true, false, true});
+    s.capture();
+    const std::string plan = s.plan_dump();
+    if (GetParam() == kit::Backend::Cuda) EXPECT_EQ(2u, s.stats().inputs_rebound) << plan;
+    for (int step = 0; step < kSteps; ++step) {
+        SCOPED_TRACE(testing::Message() << "step " << step);
+        kit::Buffer& x = step % 2 == 0 ? xa : xb;
+        auto xs = kit::random_floats(size_t(kBatch) * kWidth, 6000 + step);
+        auto ts = kit::random_floats(size_t(kBatch) * kWidth, 7000 + step);
+        dev->upload(x.get(), xs.data(), act);
+        dev->upload(t.get(), ts.data(), act);
+        same(eager.eager_step(x.get(), t.get(), kLr), graphed.graphed_step(s, x.get(), t.get(), kLr));
+    }
+    same_weights(eager, graphed);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, ZeroCopy, backends(), BackendName());
 
 }  // namespace

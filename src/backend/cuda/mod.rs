@@ -346,6 +346,8 @@ struct CudaGraph {
     /// The captured template, kept for rebinding plans.
     graph: sys::CUgraph,
     inner: Arc<Inner>,
+    /// The kernel nodes rebinding plans patch, shared between the plans.
+    rebound_nodes: rebind::NodeTable,
 }
 
 // SAFETY: a CUgraphExec may be launched and destroyed from any thread.
@@ -367,7 +369,14 @@ impl Graph for CudaGraph {
         if self.graph.is_null() {
             return Err(rebind::no_template());
         }
-        rebind::plan(self.graph, self.exec, &self.inner, base, bytes)
+        rebind::plan(
+            self.graph,
+            self.exec,
+            &self.inner,
+            &self.rebound_nodes,
+            base,
+            bytes,
+        )
     }
 }
 
@@ -614,6 +623,7 @@ impl Backend for CudaBackend {
             exec,
             graph,
             inner: self.inner.clone(),
+            rebound_nodes: Default::default(),
         };
         // SAFETY: exec is live; uploading prepares its first launch.
         check("cuGraphUpload", unsafe {

@@ -13,9 +13,10 @@ use super::Inner;
 use crate::backend::{DevPtr, Rebinder};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::null_mut;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 type ParamInfoFn =
     unsafe extern "C" fn(sys::CUfunction, usize, *mut usize, *mut usize) -> sys::CUresult;
@@ -43,20 +44,39 @@ fn param_fns() -> Option<(ParamInfoFn, Option<ParamCountFn>)> {
     })
 }
 
-/// One kernel node's arguments, copied, with the words to patch.
-struct KernelPatch {
+/// One kernel node's arguments as the executable graph has them now. One
+/// per node, shared by every plan that patches the node (an input's and a
+/// grad-output's, say), so that rebinding one buffer sets the node's
+/// arguments with the others' current addresses, not their captured ones.
+pub(super) struct NodeArgs {
     node: sys::CUgraphNode,
     params: sys::CUDA_KERNEL_NODE_PARAMS,
     /// One owned buffer per argument; `pointers[i]` points into `values[i]`.
     /// A packed launch has one buffer, `values[0]`, and no pointers.
     values: Vec<Vec<u64>>,
     pointers: Vec<*mut c_void>,
-    /// (argument, word, offset from the base).
-    words: Vec<(usize, usize, u64)>,
     /// A packed launch: its `extra` array (pointing at `values[0]` and at
-    /// `packed_size`) and the buffer's size in bytes.
+    /// the boxed size) and the buffer's size in bytes.
     packed: Option<(Vec<*mut c_void>, Box<usize>)>,
 }
+
+// SAFETY: the raw pointers point into buffers this value owns (or are the
+// driver's handles, usable from any thread); it is only used under its
+// mutex.
+unsafe impl Send for NodeArgs {}
+
+/// The kernel nodes of one executable graph that plans patch, by node.
+pub(super) type NodeTable = Mutex<HashMap<usize, Arc<Mutex<NodeArgs>>>>;
+
+/// A kernel node to patch: its shared arguments and the words of the range,
+/// as (argument, word, offset from the base).
+struct KernelPatch {
+    args: Arc<Mutex<NodeArgs>>,
+    words: Vec<(usize, usize, u64)>,
+}
+
+/// A node's arguments read from the template, and the words of the range.
+type Found = Option<(NodeArgs, Vec<(usize, usize, u64)>)>;
 
 /// `CUDA_KERNEL_NODE_PARAMS::extra` keys (cuda.h).
 const LAUNCH_PARAM_END: usize = 0;
@@ -95,7 +115,7 @@ fn packed_patch(
     params: sys::CUDA_KERNEL_NODE_PARAMS,
     lo: u64,
     hi: u64,
-) -> std::result::Result<Option<KernelPatch>, String> {
+) -> std::result::Result<Found, String> {
     let (mut buffer, mut size) = (std::ptr::null::<u8>(), None);
     // At most a few pairs: BUFFER_POINTER, BUFFER_SIZE, END.
     for k in 0..8 {
@@ -137,14 +157,14 @@ fn packed_patch(
         &*size as *const usize as *mut c_void,
         LAUNCH_PARAM_END as *mut c_void,
     ];
-    Ok(Some(KernelPatch {
+    let args = NodeArgs {
         node,
         params,
         values,
         pointers: Vec::new(),
-        words,
         packed: Some((extra, size)),
-    }))
+    };
+    Ok(Some((args, words)))
 }
 
 enum Patch {
@@ -178,7 +198,7 @@ fn kernel_patch(
     node: sys::CUgraphNode,
     lo: u64,
     hi: u64,
-) -> Result<std::result::Result<Option<KernelPatch>, String>> {
+) -> Result<std::result::Result<Found, String>> {
     // SAFETY: all-zero is a valid starting value for this plain struct.
     let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
     // SAFETY: a kernel node of a live graph and a valid out pointer.
@@ -244,22 +264,24 @@ fn kernel_patch(
         .iter_mut()
         .map(|v| v.as_mut_ptr() as *mut c_void)
         .collect();
-    Ok(Ok(Some(KernelPatch {
+    let args = NodeArgs {
         node,
         params,
         values,
         pointers,
-        words,
         packed: None,
-    })))
+    };
+    Ok(Ok(Some((args, words))))
 }
 
 /// The rebinding plan of executable `exec` (instantiated from `graph`) for
-/// the range `[base, base + bytes)`.
+/// the range `[base, base + bytes)`; `nodes`: the graph's kernel nodes that
+/// earlier plans patch.
 pub(super) fn plan(
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     inner: &Arc<Inner>,
+    nodes_table: &NodeTable,
     base: DevPtr,
     bytes: usize,
 ) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
@@ -287,7 +309,16 @@ pub(super) fn plan(
         use sys::CUgraphNodeType::*;
         match ty {
             CU_GRAPH_NODE_TYPE_KERNEL => match kernel_patch(node, lo, hi)? {
-                Ok(Some(p)) => patches.push(Patch::Kernel(p)),
+                Ok(Some((fresh, words))) => {
+                    // The template's arguments are the captured ones, so the
+                    // words found are valid for the shared copy too.
+                    let mut table = nodes_table.lock().unwrap_or_else(|p| p.into_inner());
+                    let args = table
+                        .entry(node as usize)
+                        .or_insert_with(|| Arc::new(Mutex::new(fresh)))
+                        .clone();
+                    patches.push(Patch::Kernel(KernelPatch { args, words }));
+                }
                 Ok(None) => {}
                 Err(why) => return Ok(Err(why)),
             },
@@ -361,8 +392,10 @@ impl Rebinder for CudaRebinder {
         let ctx = self.inner.ctx;
         for p in &mut self.patches {
             match p {
-                Patch::Kernel(k) => {
-                    for &(arg, word, off) in &k.words {
+                Patch::Kernel(p) => {
+                    let mut guard = p.args.lock().unwrap_or_else(|e| e.into_inner());
+                    let k = &mut *guard;
+                    for &(arg, word, off) in &p.words {
                         k.values[arg][word] = base + off;
                     }
                     let mut params = k.params;
