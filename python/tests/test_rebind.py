@@ -1,5 +1,5 @@
-"""Inputs and incoming grads read where they are (rebind_inputs, the
-default): capture verifies that the graphs can be pointed at the caller's
+"""Inputs and incoming grads read where they are (rebind_inputs=True, an
+opt-in): capture verifies that the graphs can be pointed at the caller's
 tensors, replays then copy nothing into the static buffers; results stay
 bit-identical to eager whatever buffers the caller passes (alternating,
 misaligned, non-contiguous); a rebound input modified in place before its
@@ -78,7 +78,7 @@ def test_inputs_and_grads_are_rebound_and_training_matches_eager():
     xs = inputs_of_every_kind(8)
     ts = [torch.randn(B, W, device="cuda") for _ in xs]
     want = train(copy.deepcopy(base), xs, ts)
-    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples()))
+    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples(), rebind_inputs=True))
     st = layers[0].session_stats()
     lines = plan_lines(layers[0])
     # Three inputs and three incoming grads asked; torch's GEMMs and
@@ -109,7 +109,7 @@ def test_rebinding_off_copies_and_matches_eager():
 def test_a_rebound_input_modified_in_place_before_backward_raises():
     torch.manual_seed(9)
     layer = torch.nn.Linear(W, W).cuda()
-    g = gt.make_graphed_callables(layer, (torch.randn(B, W, device="cuda", requires_grad=True),))
+    g = gt.make_graphed_callables(layer, (torch.randn(B, W, device="cuda", requires_grad=True),), rebind_inputs=True)
     assert g.session_stats()["inputs_rebound"] >= 1, plan_lines(g)
     x = torch.randn(B, W, device="cuda", requires_grad=True)
     y = g(x)

@@ -82,6 +82,8 @@ type Found = Option<(NodeArgs, Vec<(usize, usize, u64)>)>;
 const LAUNCH_PARAM_END: usize = 0;
 const LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
 const LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
+/// The most bytes of parameters a kernel takes (CUDA 12.1 and newer).
+const MAX_KERNEL_PARAM_BYTES: usize = 32764;
 
 /// The words of `bytes` bytes at `src`, and those in `[lo, hi)` as
 /// (argument `arg`, word, offset from `lo`).
@@ -143,6 +145,12 @@ fn packed_patch(
     let (Some(bytes), false) = (size, buffer.is_null()) else {
         return Err("a kernel was captured with a packed argument buffer of unknown size".into());
     };
+    // CUDA's limit on a kernel's parameters: a larger size is not one.
+    if bytes > MAX_KERNEL_PARAM_BYTES {
+        return Err(format!(
+            "a kernel's packed argument buffer claims {bytes} bytes, more than a kernel can take"
+        ));
+    }
     let mut words = Vec::new();
     // SAFETY: the driver's buffer holds `bytes` bytes.
     let values = vec![unsafe { read_words(buffer, bytes, 0, lo, hi, &mut words) }];

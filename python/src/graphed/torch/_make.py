@@ -104,7 +104,7 @@ def make_graphed_callables(
     *,
     _clone_param_grads_on_return=None,
     strict_leases=False,
-    rebind_inputs=True,
+    rebind_inputs=False,
     clones_from_torch_allocator=True,
     generators=None,
 ):
