@@ -1103,15 +1103,20 @@ std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<gra
 
 // ---- make ------------------------------------------------------------------------------------
 
+// graphed's plan of a captured session, as text.
+std::string plan_text(graphed_session* session) {
+    size_t n = 0;
+    check(graphed_session_plan_dump(session, nullptr, 0, &n), "graphed_session_plan_dump");
+    std::string text(n + 1, '\0');
+    check(graphed_session_plan_dump(session, text.data(), text.size(), &n), "graphed_session_plan_dump");
+    text.resize(std::min(n, text.size() - 1));
+    return text;
+}
+
 // Which inputs capture verified as rebound, from graphed's plan: lines
 // "input I of NAME (microbatch M): rebound at replay (...)".
 void mark_rebound(Shared& s) {
-    size_t n = 0;
-    check(graphed_session_plan_dump(s.session, nullptr, 0, &n), "graphed_session_plan_dump");
-    std::string plan(n + 1, '\0');
-    check(graphed_session_plan_dump(s.session, plan.data(), plan.size(), &n), "graphed_session_plan_dump");
-    plan.resize(std::min(n, plan.size() - 1));
-    std::istringstream lines(plan);
+    std::istringstream lines(plan_text(s.session));
     for (std::string line; std::getline(lines, line);) {
         const std::string tail = "): rebound at replay";
         const size_t of = line.find(" of "), mb = line.rfind(" (microbatch "), end = line.find(tail);
@@ -1322,9 +1327,11 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         // Rebound inputs are read by the backward where they are: kept
         // alive until then, with their versions (as autograd's saved
         // tensors are).
-        const std::vector<bool>& rebound = c->rebound[microbatch_];
-        for (size_t i = 0; i < read.size(); ++i)
-            node->held.emplace_back(rebound[i] ? read[i] : at::Tensor(), rebound[i] ? read[i]._version() : 0u);
+        if (s.opts.rebind_inputs) {
+            const std::vector<bool>& rebound = c->rebound[microbatch_];
+            for (size_t i = 0; i < read.size(); ++i)
+                node->held.emplace_back(rebound[i] ? read[i] : at::Tensor(), rebound[i] ? read[i]._version() : 0u);
+        }
         node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
         for (size_t i = 0; i < result.size(); ++i)
             if (c->out[i].requires_grad) torch::autograd::set_history(result[i], node);
@@ -1391,15 +1398,7 @@ graphed_session_stats GraphedCallable::stats() const {
     return st;
 }
 
-std::string GraphedCallable::plan() const {
-    if (shared_->is_reset) return std::string();
-    size_t n = 0;
-    check(graphed_session_plan_dump(shared_->session, nullptr, 0, &n), "graphed_session_plan_dump");
-    std::string text(n + 1, '\0');
-    check(graphed_session_plan_dump(shared_->session, text.data(), text.size(), &n), "graphed_session_plan_dump");
-    text.resize(std::min(n, text.size() - 1));
-    return text;
-}
+std::string GraphedCallable::plan() const { return shared_->is_reset ? std::string() : plan_text(shared_->session); }
 
 std::string library_version() { return graphed_version(); }
 std::string header_version() { return GRAPHED_VERSION_STRING; }

@@ -15,6 +15,7 @@ pytestmark = needs_gpu
 
 if torch is not None:
     import graphed.torch as gt
+    from _models import assert_all_equal
 
 W, B = 64, 32
 
@@ -63,47 +64,39 @@ def inputs_of_every_kind(n):
     return [kinds[k % len(kinds)]() for k in range(n)]
 
 
-def assert_all_equal(got, want, what):
-    assert len(got) == len(want), what
-    for k, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"{what} {k}: max abs difference {(a - b).abs().max().item()}"
-
-
 def plan_lines(module):
     return [line for line in module.session_plan().splitlines() if "at replay" in line]
 
 
-def test_inputs_and_grads_are_rebound_and_training_matches_eager():
-    base = mlp(3)
-    xs = inputs_of_every_kind(8)
+def train_graphed_against_eager(seed, steps, rebind):
+    """Trains the MLP eagerly and graphed on the same inputs of every kind;
+    asserts every output and final weight equal; returns the graphed
+    session's stats and the plan's rebinding lines."""
+    base = mlp(seed)
+    xs = inputs_of_every_kind(steps)
     ts = [torch.randn(B, W, device="cuda") for _ in xs]
     want = train(copy.deepcopy(base), xs, ts)
-    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples(), rebind_inputs=True))
-    st = layers[0].session_stats()
-    lines = plan_lines(layers[0])
+    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples(), rebind_inputs=rebind))
+    stats, lines = layers[0].session_stats(), plan_lines(layers[0])
+    got = train(layers, xs, ts)
+    layers[0].reset()
+    assert_all_equal(got[0], want[0])  # the output of every step
+    assert_all_equal(got[1], want[1])  # the final parameters
+    return stats, lines
+
+
+def test_inputs_and_grads_are_rebound_and_training_matches_eager():
+    st, lines = train_graphed_against_eager(3, 8, rebind=True)
     # Three inputs and three incoming grads asked; torch's GEMMs and
     # elementwise kernels take addresses as arguments, so all are rebound.
     assert st["inputs_rebound"] + st["inputs_rebind_refused"] == 6, lines
     assert st["inputs_rebound"] == 6, lines
     assert st["rebind_nodes"] >= 6, lines
-    got = train(layers, xs, ts)
-    assert_all_equal(got[0], want[0], "output of step")
-    assert_all_equal(got[1], want[1], "final parameter")
-    layers[0].reset()
 
 
 def test_rebinding_off_copies_and_matches_eager():
-    base = mlp(5)
-    xs = inputs_of_every_kind(4)
-    ts = [torch.randn(B, W, device="cuda") for _ in xs]
-    want = train(copy.deepcopy(base), xs, ts)
-    layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples(), rebind_inputs=False))
-    st = layers[0].session_stats()
+    st, _ = train_graphed_against_eager(5, 4, rebind=False)
     assert (st["inputs_rebound"], st["inputs_rebind_refused"], st["rebind_nodes"]) == (0, 0, 0)
-    got = train(layers, xs, ts)
-    assert_all_equal(got[0], want[0], "output of step")
-    assert_all_equal(got[1], want[1], "final parameter")
-    layers[0].reset()
 
 
 def test_a_rebound_input_modified_in_place_before_backward_raises():

@@ -99,6 +99,13 @@ pub(crate) struct Instance {
 }
 
 impl Instance {
+    /// Every rebinding state: ("input" or "grad-output", index, state).
+    pub fn rebinds(&self) -> impl Iterator<Item = (&'static str, usize, &Rebind)> {
+        let inputs = self.rebind.iter().enumerate().map(|(i, r)| ("input", i, r));
+        let grad_outputs = self.rebind_grad_outputs.iter().enumerate();
+        inputs.chain(grad_outputs.map(|(o, r)| ("grad-output", o, r)))
+    }
+
     /// Whether parameter grads come from a separate weight-grad replay.
     pub fn has_wgrad(&self) -> bool {
         self.position[PassKind::Wgrad.index()].is_some()

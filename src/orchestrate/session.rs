@@ -535,11 +535,7 @@ impl Session {
             st.step_graphs = c.step_graphs;
             st.instances = c.instances.len() as u32;
             st.captured = true;
-            let rebinds = c
-                .instances
-                .iter()
-                .flat_map(|i| i.rebind.iter().chain(&i.rebind_grad_outputs));
-            for r in rebinds {
+            for (_, _, r) in c.instances.iter().flat_map(|i| i.rebinds()) {
                 match r {
                     Rebind::On { .. } => {
                         st.inputs_rebound += 1;
@@ -597,10 +593,7 @@ impl Session {
             );
         }
         for inst in &cap.instances {
-            let inputs = inst.rebind.iter().enumerate().map(|(i, r)| ("input", i, r));
-            let grad_outputs = inst.rebind_grad_outputs.iter().enumerate();
-            let grad_outputs = grad_outputs.map(|(o, r)| ("grad-output", o, r));
-            for (role, i, r) in inputs.chain(grad_outputs) {
+            for (role, i, r) in inst.rebinds() {
                 let name = &self.callables[inst.callable].name;
                 let what = match r {
                     Rebind::Off => continue,
