@@ -1524,8 +1524,14 @@ fn op_capture(t: Target) {
             if st == S::CallbackFailed {
                 let m = msg();
                 match &f.said {
-                    Some(t) => assert!(m.contains(t.as_str()), "the callback's message is missing: {m}"),
-                    None => assert!(!m.contains("fuzz callback says"), "another callback's message: {m}"),
+                    Some(t) => assert!(
+                        m.contains(t.as_str()),
+                        "the callback's message is missing: {m}"
+                    ),
+                    None => assert!(
+                        !m.contains("fuzz callback says"),
+                        "another callback's message: {m}"
+                    ),
                 }
             }
             if st == S::OutOfMemory
@@ -2433,11 +2439,19 @@ fn callback(ctx: *const graphed_pass_ctx, ud: *mut c_void, which: u32) -> i32 {
     // A failing callback says why (some codes), or clears what it said.
     let said = matches!(code, 1 | 7 | i32::MAX).then(|| format!("fuzz callback says {code}"));
     if code != 0 {
-        let text = said.as_ref().map(|t| std::ffi::CString::new(t.as_str()).unwrap());
+        let text = said
+            .as_ref()
+            .map(|t| std::ffi::CString::new(t.as_str()).unwrap());
         mark();
         // SAFETY: NULL or a NUL-terminated string.
-        let r = unsafe { graphed_callback_fail_message(text.as_ref().map_or(null(), |t| t.as_ptr())) };
-        expect(r, &[S::Ok], "graphed_callback_fail_message", "before failing");
+        let r =
+            unsafe { graphed_callback_fail_message(text.as_ref().map_or(null(), |t| t.as_ptr())) };
+        expect(
+            r,
+            &[S::Ok],
+            "graphed_callback_fail_message",
+            "before failing",
+        );
     }
     if let Some(e) = decided {
         if f.first.is_none() && e == S::CallbackFailed {
@@ -3812,7 +3826,8 @@ fn step_lacks_destination(k: usize) -> bool {
             .callables
             .iter()
             .flat_map(|&c| s.callables[c].params.iter().map(|p| p.resolved(s.clone)));
-        pols.zip(&st.dsts).any(|(p, &d)| (p == 3 || p == 4) && d == 0)
+        pols.zip(&st.dsts)
+            .any(|(p, &d)| (p == 3 || p == 4) && d == 0)
     })
 }
 
@@ -3844,7 +3859,9 @@ fn step_graphs(k: usize) -> u32 {
 fn target_where(fits: impl Fn(&Sess) -> bool) -> Target {
     let i = &w().input;
     let ss = w().sessions.borrow();
-    let good: Vec<usize> = (0..ss.len()).filter(|&k| ss[k].alive && fits(&ss[k])).collect();
+    let good: Vec<usize> = (0..ss.len())
+        .filter(|&k| ss[k].alive && fits(&ss[k]))
+        .collect();
     drop(ss);
     if !good.is_empty() && !i.chance(50) {
         Target::Live(good[i.below(good.len())])
@@ -3890,7 +3907,13 @@ fn op_add_step() {
     // policy needs none), aligned for ACCUMULATE_INTO.
     let mut dsts: Vec<usize> = params
         .iter()
-        .map(|p| if p.bytes <= 1 << 20 { mem(p.bytes, 0) } else { 0x1000 })
+        .map(|p| {
+            if p.bytes <= 1 << 20 {
+                mem(p.bytes, 0)
+            } else {
+                0x1000
+            }
+        })
         .collect();
     let mut dst_array = true;
     let mut dst_count_null = false;
@@ -3997,7 +4020,12 @@ fn op_add_step() {
             if out_null { null_mut() } else { &mut index },
         )
     };
-    expect(r, &[want.unwrap_or(S::Ok)], "graphed_session_add_step", "step");
+    expect(
+        r,
+        &[want.unwrap_or(S::Ok)],
+        "graphed_session_add_step",
+        "step",
+    );
     if r != S::Ok {
         assert_eq!(index, 0xabcd, "step index written on failure");
         return;
@@ -4123,7 +4151,9 @@ fn op_step_replay() {
         first(&mut want, stream_err);
         if *strict {
             let k = sess.unwrap();
-            let cs = st_model.as_ref().map_or(Vec::new(), |s| s.callables.clone());
+            let cs = st_model
+                .as_ref()
+                .map_or(Vec::new(), |s| s.callables.clone());
             let held = wd
                 .leases
                 .borrow()
@@ -4206,8 +4236,15 @@ fn op_step_replay() {
                 }
             }
             2 => {
-                assert_eq!((r.kind, r.bytes, r.owner), (1, p.bytes, 0), "step param {at}: ALIAS");
-                assert!(gone || all_bytes(r.ptr, p.bytes, b), "step param {at}: the alias");
+                assert_eq!(
+                    (r.kind, r.bytes, r.owner),
+                    (1, p.bytes, 0),
+                    "step param {at}: ALIAS"
+                );
+                assert!(
+                    gone || all_bytes(r.ptr, p.bytes, b),
+                    "step param {at}: the alias"
+                );
                 assert_eq!(r.lease != 0, strict, "step param {at}: lease");
                 if r.lease != 0 {
                     new_leases.push(Lease {
@@ -4218,11 +4255,17 @@ fn op_step_replay() {
                 }
             }
             3 => {
-                assert_eq!((r.kind, r.ptr, r.bytes, r.owner, r.lease), (3, dst, p.bytes, 0, 0));
+                assert_eq!(
+                    (r.kind, r.ptr, r.bytes, r.owner, r.lease),
+                    (3, dst, p.bytes, 0, 0)
+                );
                 assert!(all_bytes(dst, p.bytes, b), "step param {at}: COPY_INTO");
             }
             _ => {
-                assert_eq!((r.kind, r.ptr, r.bytes, r.owner, r.lease), (4, dst, p.bytes, 0, 0));
+                assert_eq!(
+                    (r.kind, r.ptr, r.bytes, r.owner, r.lease),
+                    (4, dst, p.bytes, 0, 0)
+                );
                 if p.dtype == 0 && !before[at].is_empty() {
                     check_accumulated(&before[at], dst, b, &format!("step param {at}"));
                 }
@@ -4265,7 +4308,12 @@ fn op_destroy_when_idle(t: Target) {
     };
     mark();
     let r = graphed_session_destroy_when_idle(t.ptr());
-    expect(r, &[want], "graphed_session_destroy_when_idle", "outside calls");
+    expect(
+        r,
+        &[want],
+        "graphed_session_destroy_when_idle",
+        "outside calls",
+    );
     if let (S::Ok, Target::Live(k)) = (r, t) {
         wd.sessions.borrow_mut()[k].alive = false;
         drop_session_state(k);
@@ -4307,7 +4355,12 @@ fn op_arity() {
     mark();
     // SAFETY: each pointer is NULL or a local.
     let r = unsafe { graphed_session_callable_arity(t.ptr(), c, ptrs[0], ptrs[1], ptrs[2]) };
-    expect(r, &[want.unwrap_or(S::Ok)], "graphed_session_callable_arity", "arity");
+    expect(
+        r,
+        &[want.unwrap_or(S::Ok)],
+        "graphed_session_callable_arity",
+        "arity",
+    );
     if r == S::Ok {
         let cl = &calls.unwrap()[c as usize];
         assert_eq!(outs, [cl.inputs.len(), cl.params.len(), cl.outputs.len()]);
@@ -4423,7 +4476,11 @@ fn op_schedule_passes() {
             0,
             if wg_null { null() } else { wg.as_ptr() },
             ncall,
-            if passes_null { null_mut() } else { out.as_mut_ptr().cast() },
+            if passes_null {
+                null_mut()
+            } else {
+                out.as_mut_ptr().cast()
+            },
             cap,
             pass_size,
             if count_null { null_mut() } else { &mut count },
@@ -4445,8 +4502,8 @@ fn op_schedule_passes() {
     }
     // The element size is checked whenever there is an array; its
     // alignment only when something is written.
-    let bad_size = !passes_null
-        && (pass_size < 12 || (pass_size % 4 != 0 && want.len().min(cap) > 0));
+    let bad_size =
+        !passes_null && (pass_size < 12 || (pass_size % 4 != 0 && want.len().min(cap) > 0));
     if count_null {
         assert_eq!(r, S::NullPointer);
     } else if huge {
@@ -4466,8 +4523,13 @@ fn op_schedule_passes() {
         if !passes_null {
             for (j, &(c, p)) in want.iter().take(cap).enumerate() {
                 let at = j * pass_size;
-                let word = |o: usize| u32::from_ne_bytes(out[at + o..at + o + 4].try_into().unwrap());
-                assert_eq!((word(0), word(4), word(8)), (c, 0, p), "sequential pass {j}");
+                let word =
+                    |o: usize| u32::from_ne_bytes(out[at + o..at + o + 4].try_into().unwrap());
+                assert_eq!(
+                    (word(0), word(4), word(8)),
+                    (c, 0, p),
+                    "sequential pass {j}"
+                );
             }
         }
     }
