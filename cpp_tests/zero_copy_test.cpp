@@ -172,7 +172,12 @@ TEST_P(ZeroCopy, AReboundInputAndGradOutputTrainLikeEager) {
     const graphed_session_stats st = s.stats();
     const std::string plan = s.plan_dump();
     // Layer 0's input and the last layer's grad-output.
-    if (GetParam() == kit::Backend::Cuda) {
+    const bool cuda = GetParam() == kit::Backend::Cuda;
+    EXPECT_EQ(std::vector<bool>{cuda}, s.rebound(0, 0, GRAPHED_BUFFER_ROLE_INPUT)) << plan;
+    EXPECT_EQ(std::vector<bool>{false}, s.rebound(1, 0, GRAPHED_BUFFER_ROLE_INPUT)) << "not asked for";
+    EXPECT_EQ(std::vector<bool>{cuda}, s.rebound(kLayers - 1, 0, GRAPHED_BUFFER_ROLE_GRAD_OUTPUT)) << plan;
+    EXPECT_EQ(std::vector<bool>{false}, s.rebound(0, 0, GRAPHED_BUFFER_ROLE_GRAD_OUTPUT)) << "not asked for";
+    if (cuda) {
         EXPECT_EQ(2u, st.inputs_rebound) << plan;
         EXPECT_GT(st.rebind_nodes, 1u) << plan;
         EXPECT_NE(std::string::npos, plan.find("input 0 of fc0 (microbatch 0): rebound at replay")) << plan;

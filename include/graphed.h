@@ -1362,6 +1362,24 @@ graphed_status graphed_session_param_policies(struct graphed_session *session,
                                               size_t count);
 
 /**
+ * Writes, for each input (role GRAPHED_BUFFER_ROLE_INPUT) or each output's
+ * grad-output (GRAPHED_BUFFER_ROLE_GRAD_OUTPUT) of (callable, microbatch),
+ * 1 where replays rebind it (GRAPHED_TENSOR_FLAGS_REBIND, verified at
+ * capture) and 0 where they copy it (not asked for, or refused: the plan
+ * dump says why) to `rebound` (`count` = the number of inputs or outputs).
+ * Other roles are never rebound: GRAPHED_STATUS_INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `rebound` must have room for `count` values.
+ */
+graphed_status graphed_session_rebound(struct graphed_session *session,
+                                       uint32_t callable,
+                                       uint32_t microbatch,
+                                       uint32_t role,
+                                       uint32_t *rebound,
+                                       size_t count);
+
+/**
  * Writes the static-buffer plan of a captured session as text (one line
  * per buffer: callable, microbatch, role, size, offset, memory slot,
  * lifetime in capture-order pass positions) into `buffer` (`capacity`

@@ -631,6 +631,16 @@ class Session {
         return out;
     }
 
+    /// Per input (GRAPHED_BUFFER_ROLE_INPUT) or per output's grad-output
+    /// (GRAPHED_BUFFER_ROLE_GRAD_OUTPUT): whether replays rebind it (true) or
+    /// copy it (false) (graphed_session_rebound).
+    std::vector<bool> rebound(uint32_t callable, uint32_t microbatch, graphed_buffer_role role) const {
+        const Arity& k = arity(callable);
+        std::vector<uint32_t> codes(role == GRAPHED_BUFFER_ROLE_GRAD_OUTPUT ? k.outputs : k.inputs);
+        check(graphed_session_rebound(raw_, callable, microbatch, role, codes.data(), codes.size()));
+        return std::vector<bool>(codes.begin(), codes.end());
+    }
+
     /// The frozen grad policy of each parameter of a captured callable.
     std::vector<graphed_grad_policy> param_policies(uint32_t callable) const {
         std::vector<uint32_t> codes(arity(callable).params);

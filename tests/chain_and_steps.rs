@@ -539,9 +539,75 @@ fn rebinding_opaque_host_tasks_is_refused_with_the_reason_and_copies() {
             graphed_grad_policy::Default as u32,
         );
     }
+    // Which buffers are rebound is known once captured.
+    let mut on = [7u32];
+    // SAFETY: room for one value.
+    let st = unsafe {
+        graphed_session_rebound(
+            s,
+            0,
+            0,
+            graphed_buffer_role::Input as u32,
+            on.as_mut_ptr(),
+            1,
+        )
+    };
+    assert_eq!(st, graphed_status::WrongState, "{}", msg());
     ok(graphed_session_capture(s));
     let st = stats(s);
     assert_eq!((st.inputs_rebound, st.inputs_rebind_refused), (0, 3));
+    // Refused: copied, so 0 for each.
+    for (callable, role) in [
+        (0, graphed_buffer_role::Input),
+        (1, graphed_buffer_role::Input),
+        (1, graphed_buffer_role::GradOutput),
+    ] {
+        on[0] = 7;
+        // SAFETY: room for one value.
+        ok(unsafe { graphed_session_rebound(s, callable, 0, role as u32, on.as_mut_ptr(), 1) });
+        assert_eq!(on, [0], "callable {callable} {role:?}");
+    }
+    // Only inputs and grad-outputs are rebound; counts must match.
+    // SAFETY: room for one value (count 2 is refused before writing).
+    let st = unsafe {
+        graphed_session_rebound(
+            s,
+            0,
+            0,
+            graphed_buffer_role::Output as u32,
+            on.as_mut_ptr(),
+            1,
+        )
+    };
+    assert_eq!(st, graphed_status::InvalidArgument);
+    assert!(msg().contains("role is output"), "{}", msg());
+    let st = unsafe {
+        graphed_session_rebound(
+            s,
+            0,
+            0,
+            graphed_buffer_role::Input as u32,
+            on.as_mut_ptr(),
+            2,
+        )
+    };
+    assert_eq!(st, graphed_status::InvalidArgument);
+    assert!(msg().contains("count is 2; that role has 1"), "{}", msg());
+    let st = unsafe {
+        graphed_session_rebound(s, 0, 0, graphed_buffer_role::Input as u32, null_mut(), 1)
+    };
+    assert_eq!(st, graphed_status::NullPointer, "{}", msg());
+    let st = unsafe {
+        graphed_session_rebound(
+            s,
+            0,
+            1,
+            graphed_buffer_role::Input as u32,
+            on.as_mut_ptr(),
+            1,
+        )
+    };
+    assert_eq!(st, graphed_status::InvalidArgument, "{}", msg());
     let mut len = 0;
     // SAFETY: NULL buffer asks for the length.
     ok(unsafe { graphed_session_plan_dump(s, null_mut(), 0, &mut len) });

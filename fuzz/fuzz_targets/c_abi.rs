@@ -1654,7 +1654,57 @@ fn after_capture(k: usize) {
             }
         }
     }
+    rebound_check(h, &callables, mb);
     plan_dump_check(h, true);
+}
+
+/// The host backend rebinds nothing (its tasks are opaque): every input and
+/// grad-output reads 0, other roles and wrong counts are refused.
+fn rebound_check(h: *mut graphed_session, callables: &[Callable], mb: u32) {
+    let i = &w().input;
+    for (c, cl) in callables.iter().enumerate() {
+        for m in 0..mb {
+            let role = i.below(6) as u32;
+            let count = match role {
+                0 => cl.inputs.len(),
+                2 => cl.outputs.len(),
+                _ => i.below(4),
+            };
+            let wrong = i.below(8) == 0;
+            let count = if wrong { count + 1 } else { count };
+            let mut on = vec![0xeeu32; count + 1];
+            // SAFETY: room for `count` values (and one more, to see past it).
+            let r =
+                unsafe { graphed_session_rebound(h, c as u32, m, role, on.as_mut_ptr(), count) };
+            if role == 0 || role == 2 {
+                if wrong {
+                    expect(
+                        r,
+                        &[S::InvalidArgument],
+                        "graphed_session_rebound",
+                        "wrong count",
+                    );
+                } else {
+                    expect(r, &[S::Ok], "graphed_session_rebound", "after capture");
+                    assert!(on[..count].iter().all(|&v| v == 0), "host rebound: {on:?}");
+                }
+            } else {
+                expect(
+                    r,
+                    &[S::InvalidArgument],
+                    "graphed_session_rebound",
+                    "role never rebound",
+                );
+            }
+            if r != S::Ok {
+                assert!(
+                    on.iter().all(|&v| v == 0xee),
+                    "a refused query wrote: {on:?}"
+                );
+            }
+            assert_eq!(on[count], 0xee, "wrote past count");
+        }
+    }
 }
 
 fn plan_dump_check(h: *mut graphed_session, captured: bool) {

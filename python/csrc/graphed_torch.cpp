@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <unordered_map>
 
 namespace graphed_torch {
@@ -1113,22 +1112,16 @@ std::string plan_text(graphed_session* session) {
     return text;
 }
 
-// Which inputs capture verified as rebound, from graphed's plan: lines
-// "input I of NAME (microbatch M): rebound at replay (...)".
+// Which inputs capture verified as rebound (the others are copied).
 void mark_rebound(Shared& s) {
-    std::istringstream lines(plan_text(s.session));
-    for (std::string line; std::getline(lines, line);) {
-        const std::string tail = "): rebound at replay";
-        const size_t of = line.find(" of "), mb = line.rfind(" (microbatch "), end = line.find(tail);
-        if (line.rfind("input ", 0) != 0 || of == std::string::npos || mb == std::string::npos || end == std::string::npos ||
-            mb < of || end < mb)
-            continue;
-        const std::string name = line.substr(of + 4, mb - of - 4);
-        const size_t i = std::stoul(line.substr(6, of - 6));
-        const size_t m = std::stoul(line.substr(mb + 13, end - mb - 13));
-        for (auto& c : s.callables)
-            if (c->name == name && m < c->rebound.size() && i < c->rebound[m].size()) c->rebound[m][i] = true;
-    }
+    for (auto& c : s.callables)
+        for (uint32_t m = 0; m < s.microbatches; ++m) {
+            std::vector<uint32_t> on(c->in.size());
+            check(graphed_session_rebound(s.session, uint32_t(c->index), m, GRAPHED_BUFFER_ROLE_INPUT, on.data(),
+                                          on.size()),
+                  "graphed_session_rebound");
+            c->rebound[m].assign(on.begin(), on.end());
+        }
 }
 
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& o) {

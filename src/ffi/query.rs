@@ -243,6 +243,43 @@ pub unsafe extern "C" fn graphed_session_param_policies(
     })
 }
 
+/// Writes, for each input (role GRAPHED_BUFFER_ROLE_INPUT) or each output's
+/// grad-output (GRAPHED_BUFFER_ROLE_GRAD_OUTPUT) of (callable, microbatch),
+/// 1 where replays rebind it (GRAPHED_TENSOR_FLAGS_REBIND, verified at
+/// capture) and 0 where they copy it (not asked for, or refused: the plan
+/// dump says why) to `rebound` (`count` = the number of inputs or outputs).
+/// Other roles are never rebound: GRAPHED_STATUS_INVALID_ARGUMENT.
+///
+/// # Safety
+/// `rebound` must have room for `count` values.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_rebound(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    role: u32,
+    rebound: *mut u32,
+    count: usize,
+) -> graphed_status {
+    boundary("graphed_session_rebound", || {
+        let cell = self::session(session)?;
+        let role = graphed_buffer_role::decode(role, "role")?;
+        let on = cell.lock()?.rebound(callable, microbatch, role)?;
+        if count != on.len() {
+            return Err(Error::invalid(format!(
+                "count is {count}; that role has {} buffers",
+                on.len()
+            )));
+        }
+        check_out_array(rebound, on.len(), 4, 4, "rebound")?;
+        for (i, &r) in on.iter().enumerate() {
+            // SAFETY: checked: room for `count` aligned values.
+            unsafe { rebound.add(i).write(r as u32) };
+        }
+        Ok(())
+    })
+}
+
 /// Writes the static-buffer plan of a captured session as text (one line
 /// per buffer: callable, microbatch, role, size, offset, memory slot,
 /// lifetime in capture-order pass positions) into `buffer` (`capacity`

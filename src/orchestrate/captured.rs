@@ -106,6 +106,16 @@ impl Instance {
         inputs.chain(grad_outputs.map(|(o, r)| ("grad-output", o, r)))
     }
 
+    /// The rebinding states of the inputs or of the grad-outputs (None for
+    /// a role that is never rebound).
+    pub fn rebinds_of(&self, role: Role) -> Option<&[Rebind]> {
+        match role {
+            Role::Input => Some(&self.rebind),
+            Role::GradOutput => Some(&self.rebind_grad_outputs),
+            _ => None,
+        }
+    }
+
     /// Whether parameter grads come from a separate weight-grad replay.
     pub fn has_wgrad(&self) -> bool {
         self.position[PassKind::Wgrad.index()].is_some()

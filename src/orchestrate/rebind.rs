@@ -35,6 +35,11 @@ pub(crate) enum Rebind {
 }
 
 impl Rebind {
+    /// Whether replays point the graphs at the caller's data.
+    pub fn is_on(&self) -> bool {
+        matches!(self, Rebind::On { .. })
+    }
+
     /// Nodes a rebind updates.
     pub fn nodes(&self) -> usize {
         match self {

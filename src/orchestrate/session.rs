@@ -505,6 +505,21 @@ impl Session {
         Ok(inst.buffers.of_role(role))
     }
 
+    /// Whether each input (`Role::Input`) or each output's grad-output
+    /// (`Role::GradOutput`) of an instance is rebound at replay (false:
+    /// copied, because it was not asked for or capture refused it).
+    pub fn rebound(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<bool>> {
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
+        let states = inst.rebinds_of(role).ok_or_else(|| {
+            Error::invalid(format!(
+                "only inputs and grad-outputs are rebound; role is {}",
+                role.name()
+            ))
+        })?;
+        Ok(states.iter().map(Rebind::is_on).collect())
+    }
+
     /// The frozen grad policy of each parameter of a callable (None where
     /// it takes no gradient).
     pub fn policies(&self, callable: u32) -> Result<&[Option<GradPolicy>]> {
