@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::ptr::null_mut;
+use std::mem::MaybeUninit;
+use std::ptr::{addr_of, null_mut};
 use std::sync::{Arc, Mutex, OnceLock};
 
 type ParamInfoFn =
@@ -207,7 +208,8 @@ fn kernel_patch(
     lo: u64,
     hi: u64,
 ) -> Result<std::result::Result<Found, String>> {
-    // SAFETY: all-zero is a valid starting value for this plain struct.
+    // SAFETY: the struct holds only integers and raw pointers, for which
+    // all-zero bits are valid.
     let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
     // SAFETY: a kernel node of a live graph and a valid out pointer.
     check("cuGraphKernelNodeGetParams", unsafe {
@@ -282,6 +284,44 @@ fn kernel_patch(
     Ok(Ok(Some((args, words))))
 }
 
+/// The parameters of copy node `node`. The struct holds two memory-type
+/// enums that have no zero value, so it is read into untyped memory and the
+/// driver's words are checked before the struct is taken as initialised; a
+/// word outside the enum gives the reason instead.
+fn memcpy_params(
+    node: sys::CUgraphNode,
+) -> Result<std::result::Result<sys::CUDA_MEMCPY3D, String>> {
+    let mut raw = MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
+    // SAFETY: a copy node of a live graph, and room for the parameters.
+    check("cuGraphMemcpyNodeGetParams", unsafe {
+        sys::cuGraphMemcpyNodeGetParams(node, raw.as_mut_ptr())
+    })?;
+    let p = raw.as_ptr();
+    // SAFETY: both fields lie inside `raw`, which the driver filled (or the
+    // zeroing did); they are read as their `u32` representation, which every
+    // bit pattern is, before any enum value is formed.
+    let words = unsafe {
+        [
+            addr_of!((*p).srcMemoryType).cast::<u32>().read(),
+            addr_of!((*p).dstMemoryType).cast::<u32>().read(),
+        ]
+    };
+    if let Some(w) = words.iter().find(|w| !(1..=4).contains(*w)) {
+        return Ok(Err(format!(
+            "a copy node has memory type {w}, which this build does not know"
+        )));
+    }
+    // SAFETY: every other field is an integer or a raw pointer, valid for any
+    // bits, and both memory types were just checked to be enum values.
+    Ok(Ok(unsafe { raw.assume_init() }))
+}
+
+/// Why a graph gets no plan when none of its nodes takes the address (the
+/// orchestration recognises it by its start: such a pass needs no plan).
+const NO_NODE: &str =
+    "no captured node takes the buffer's address as an argument (it is read through \
+                       memory, or not at all)";
+
 /// The rebinding plan of executable `exec` (instantiated from `graph`) for
 /// the range `[base, base + bytes)`; `nodes`: the graph's kernel nodes that
 /// earlier plans patch.
@@ -301,6 +341,11 @@ pub(super) fn plan(
     check("cuGraphGetNodes", unsafe {
         sys::cuGraphGetNodes(graph, null_mut(), &mut n)
     })?;
+    if n == 0 {
+        // An empty graph (a backward with nothing to compute); asking an
+        // empty graph for its nodes into an empty array is refused.
+        return Ok(Err(NO_NODE.into()));
+    }
     let mut nodes = vec![null_mut(); n];
     // SAFETY: room for `n` nodes.
     check("cuGraphGetNodes", unsafe {
@@ -331,12 +376,10 @@ pub(super) fn plan(
                 Err(why) => return Ok(Err(why)),
             },
             CU_GRAPH_NODE_TYPE_MEMCPY => {
-                // SAFETY: all-zero is valid for this plain struct.
-                let mut params: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
-                // SAFETY: a copy node and a valid out pointer.
-                check("cuGraphMemcpyNodeGetParams", unsafe {
-                    sys::cuGraphMemcpyNodeGetParams(node, &mut params)
-                })?;
+                let params = match memcpy_params(node)? {
+                    Ok(params) => params,
+                    Err(why) => return Ok(Err(why)),
+                };
                 let dev = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
                 let src = (params.srcMemoryType == dev && inside(params.srcDevice))
                     .then(|| params.srcDevice - lo);
@@ -352,7 +395,8 @@ pub(super) fn plan(
                 }
             }
             CU_GRAPH_NODE_TYPE_MEMSET => {
-                // SAFETY: all-zero is valid for this plain struct.
+                // SAFETY: the struct holds only integers, for which all-zero
+                // bits are valid.
                 let mut params: sys::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
                 // SAFETY: a set node and a valid out pointer.
                 check("cuGraphMemsetNodeGetParams", unsafe {
@@ -377,11 +421,7 @@ pub(super) fn plan(
         }
     }
     if patches.is_empty() {
-        return Ok(Err(
-            "no captured node takes the buffer's address as an argument (it is read through memory, \
-             or not at all)"
-                .into(),
-        ));
+        return Ok(Err(NO_NODE.into()));
     }
     Ok(Ok(Box::new(CudaRebinder {
         exec,
