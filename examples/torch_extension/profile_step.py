@@ -7,7 +7,7 @@ counts, the idle time between them, and the largest entries; for graphed's
 variants, which inputs and incoming grads capture rebound. Needs the
 graphed package installed (python/README.md).
 
-    python3 examples/torch_extension/profile_step.py [--h 4096] [--b 4096] [--fp32] [--rebind]
+    python3 examples/torch_extension/profile_step.py [--h 4096] [--b 4096] [--fp32] [--copy]
 """
 import argparse
 import collections
@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--b", type=int, default=4096)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rebind", action="store_true", help="also graphed CLONE with rebind_inputs=True")
+    ap.add_argument("--copy", action="store_true", help="also graphed CLONE with rebind_inputs=False")
     a = ap.parse_args()
     dtype = torch.float32 if a.fp32 else torch.bfloat16
     dev = compare.DEV
@@ -58,8 +58,8 @@ def main():
     opt = torch.optim.SGD(compare.params(eager), lr=1e-3)
     fns["eager"] = lambda: compare.step(eager, opt, x, t)
     variants = list(compare.VARIANTS)
-    if a.rebind:
-        variants.append(("graphed CLONE, inputs rebound", lambda m, s: gt.make_graphed_callables(m, s, rebind_inputs=True)))
+    if a.copy:
+        variants.append(("graphed CLONE, inputs copied", lambda m, s: gt.make_graphed_callables(m, s, rebind_inputs=False)))
     for name, graph in variants:
         mods = list(graph(tuple(copy.deepcopy(base)), compare.sample_args(a.h, a.b, 4, dtype)))
         if hasattr(mods[0], "session_stats"):

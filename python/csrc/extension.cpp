@@ -100,7 +100,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", true);
     o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
     o.strict_leases = get<bool>(d, "strict_leases", false);
-    o.rebind_inputs = get<bool>(d, "rebind_inputs", false);
+    o.rebind_inputs = get<bool>(d, "rebind_inputs", true);
     o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
     o.layers_per_chunk = get<std::vector<uint32_t>>(d, "layers_per_chunk", {});
     o.reuse_buffers = get<bool>(d, "reuse_buffers", false);

@@ -92,12 +92,12 @@ struct Options {
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.
     bool strict_leases = false;
-    // Opt-in: inputs and incoming grads read where they are instead of copied into
+    // On by default: inputs and incoming grads read where they are instead of copied into
     // static buffers, where capture verifies that the graphs can be pointed
     // at them (GRAPHED_TENSOR_FLAGS_REBIND); not for callables with a
     // delayed weight-grad pass. A rebound input is kept alive until the
     // backward, and modifying it in place before then is an error.
-    bool rebind_inputs = false;
+    bool rebind_inputs = true;
     // Optional interleaved pipeline schedule (docs/pipeline.md), and the
     // layers of each chunk (empty: split evenly). The callables are the
     // layers, in chunk order. Chunks with weight-grad steps get delayed

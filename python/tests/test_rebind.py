@@ -1,5 +1,5 @@
-"""Inputs and incoming grads read where they are (rebind_inputs=True, an
-opt-in): capture verifies that the graphs can be pointed at the caller's
+"""Inputs and incoming grads read where they are (rebind_inputs=True, the
+default): capture verifies that the graphs can be pointed at the caller's
 tensors, replays then copy nothing into the static buffers; results stay
 bit-identical to eager whatever buffers the caller passes (alternating,
 misaligned, non-contiguous); a rebound input modified in place before its
@@ -92,6 +92,46 @@ def test_inputs_and_grads_are_rebound_and_training_matches_eager():
     assert st["inputs_rebound"] + st["inputs_rebind_refused"] == 6, lines
     assert st["inputs_rebound"] == 6, lines
     assert st["rebind_nodes"] >= 6, lines
+
+
+def test_rebinding_is_the_default():
+    torch.manual_seed(4)
+    g = gt.make_graphed_callables(torch.nn.Linear(W, W).cuda(), (torch.randn(B, W, device="cuda", requires_grad=True),))
+    st = g.session_stats()
+    assert st["inputs_rebound"] >= 1 and st["rebind_nodes"] >= 1, plan_lines(g)
+    g.reset()
+
+
+class CopiesItsInput(torch.nn.Module if torch is not None else object):
+    """Its forward clones the input (a device-to-device copy node in the
+    graph, whose parameters hold the input's address) before a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(W, W)
+
+    def forward(self, x):
+        return self.lin(x.clone()) + x.clone().mul(0.5)
+
+
+def test_a_copy_node_reading_the_input_is_rebound_and_matches_eager():
+    torch.manual_seed(8)
+    base = CopiesItsInput().cuda()
+    eager, layer = copy.deepcopy(base), copy.deepcopy(base)
+    g = gt.make_graphed_callables(layer, (torch.randn(B, W, device="cuda", requires_grad=True),))
+    st = g.session_stats()
+    assert st["inputs_rebound"] + st["inputs_rebind_refused"] >= 1, plan_lines(g)
+    for i in range(3):
+        x = torch.randn(B, W, device="cuda", requires_grad=True)
+        xe = x.detach().clone().requires_grad_(True)
+        dy = torch.randn(B, W, device="cuda")
+        y, ye = g(x), eager(xe)
+        y.backward(dy)
+        ye.backward(dy)
+        assert_all_equal([y, x.grad, layer.lin.weight.grad], [ye, xe.grad, eager.lin.weight.grad])
+        layer.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    g.reset()
 
 
 def test_rebinding_off_copies_and_matches_eager():

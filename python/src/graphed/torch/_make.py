@@ -104,7 +104,7 @@ def make_graphed_callables(
     *,
     _clone_param_grads_on_return=None,
     strict_leases=False,
-    rebind_inputs=False,
+    rebind_inputs=True,
     clones_from_torch_allocator=True,
     generators=None,
 ):
@@ -122,9 +122,10 @@ def make_graphed_callables(
     naming the argument. graphed's own options: `strict_leases` (a replay
     that would overwrite an alias still held raises AliasHeldError),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
-    the default, or graphed's pool), `rebind_inputs` (inputs and incoming
-    grads read where they are instead of copied, where capture verifies it;
-    a rebound input must not be modified in place before its backward),
+    the default, or graphed's pool), `rebind_inputs` (on by default: inputs
+    and incoming grads are read where they are instead of copied, where
+    capture verifies it; a rebound input must not be modified in place
+    before its backward; False copies them, as torch does),
     `generators`.
     """
     # torch's positional order has `pool` fifth, where Transformer Engine
