@@ -33,11 +33,6 @@ impl GradPolicy {
             GradPolicy::AccumulateInto => "ACCUMULATE_INTO",
         }
     }
-
-    /// Whether replay needs a caller destination for this policy.
-    pub fn needs_destination(self) -> bool {
-        matches!(self, GradPolicy::CopyInto | GradPolicy::AccumulateInto)
-    }
 }
 
 /// What a parameter's flags say.

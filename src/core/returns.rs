@@ -103,14 +103,6 @@ impl ReturnPlan {
             accumulate,
         })
     }
-
-    /// How many parameters are returned as aliases of the static buffers.
-    pub fn aliases(&self) -> usize {
-        self.params
-            .iter()
-            .filter(|p| **p == ParamReturn::Alias)
-            .count()
-    }
 }
 
 #[cfg(test)]
@@ -163,7 +155,13 @@ mod tests {
         assert_eq!(plan.params[4], ParamReturn::Clone { offset: 0 });
         assert_eq!(plan.params[2], ParamReturn::None);
         assert_eq!(plan.params[7], ParamReturn::Alias);
-        assert_eq!(plan.aliases(), 1);
+        assert_eq!(
+            plan.params
+                .iter()
+                .filter(|p| **p == ParamReturn::Alias)
+                .count(),
+            1
+        );
         assert_eq!(plan.clone.count, 1);
         assert!(plan.params[0].needs_destination() && !plan.params[4].needs_destination());
     }
