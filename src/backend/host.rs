@@ -12,7 +12,7 @@
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
-    Rebinder, StreamRef,
+    RebindPlan, Rebinder, StreamRef,
 };
 use crate::core::dtype::{accumulate_host, DType};
 use crate::core::handle::{self, Kind};
@@ -175,18 +175,14 @@ impl Graph for HostGraph {
         Ok(())
     }
 
-    fn rebinder(
-        &self,
-        base: DevPtr,
-        bytes: usize,
-    ) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
+    fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan> {
         let (lo, hi) = (base as usize, base as usize + bytes);
         let inside = |a: usize| a >= lo && a < hi;
         let mut refs = Vec::new();
         for (i, t) in self.tasks().iter().enumerate() {
             match *t {
                 Task::User(_) => {
-                    return Ok(Err(
+                    return Ok(RebindPlan::Refused(
                         "the graph runs host tasks (graphed_host_enqueue) whose data is opaque: where they \
                          read the input cannot be seen"
                             .into(),
@@ -207,9 +203,9 @@ impl Graph for HostGraph {
             }
         }
         if refs.is_empty() {
-            return Ok(Err("no task of the graph takes the buffer's address".into()));
+            return Ok(RebindPlan::Unreferenced);
         }
-        Ok(Ok(Box::new(HostRebinder {
+        Ok(RebindPlan::Plan(Box::new(HostRebinder {
             tasks: self.tasks.clone(),
             refs,
         })))
@@ -510,7 +506,9 @@ mod tests {
         let CaptureEnd::Graph(g) = b.end_capture(s).unwrap() else {
             panic!("invalidated")
         };
-        let mut r = g.rebinder(x, 16).unwrap().unwrap();
+        let RebindPlan::Plan(mut r) = g.rebinder(x, 16).unwrap() else {
+            panic!("the copy reads x + 8")
+        };
         assert_eq!(r.nodes(), 1);
         r.rebind(y).unwrap();
         g.launch(s).unwrap();
@@ -518,7 +516,7 @@ mod tests {
         b.download(&mut out, z).unwrap();
         assert_eq!(&out[..8], &[2; 8], "the copy reads y + 8 now");
         assert!(
-            g.rebinder(z + 64, 16).unwrap().is_err(),
+            matches!(g.rebinder(z + 64, 16).unwrap(), RebindPlan::Unreferenced),
             "nothing references that range"
         );
         b.begin_capture(s, CaptureMode::Global).unwrap();
@@ -526,7 +524,9 @@ mod tests {
         let CaptureEnd::Graph(g) = b.end_capture(s).unwrap() else {
             panic!("invalidated")
         };
-        let why = g.rebinder(x, 16).unwrap().err().unwrap();
+        let RebindPlan::Refused(why) = g.rebinder(x, 16).unwrap() else {
+            panic!("a host task is opaque")
+        };
         assert!(why.contains("opaque"), "{why}");
         b.destroy_stream(s);
     }

@@ -70,14 +70,19 @@ pub trait Graph: Send {
 
     /// A plan to move the graph's references to `[base, base + bytes)`
     /// elsewhere: every place the graph takes such an address as a kernel
-    /// argument or a copy or set operand. `Ok(Err(reason))` when it cannot
-    /// tell or cannot update them (opaque work, no parameter information),
-    /// or when nothing references the range directly.
-    fn rebinder(
-        &self,
-        base: DevPtr,
-        bytes: usize,
-    ) -> Result<std::result::Result<Box<dyn Rebinder>, String>>;
+    /// argument or a copy or set operand.
+    fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan>;
+}
+
+/// What [`Graph::rebinder`] found for a range.
+pub enum RebindPlan {
+    /// The graph references the range; the plan moves every reference.
+    Plan(Box<dyn Rebinder>),
+    /// Nothing in the graph takes an address of the range: no plan needed.
+    Unreferenced,
+    /// The graph cannot tell or cannot update its references (opaque work,
+    /// no parameter information); the text says why.
+    Refused(String),
 }
 
 /// Moves a graph's references to one range (see [`Graph::rebinder`]).

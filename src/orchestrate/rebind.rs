@@ -10,7 +10,7 @@
 //! backward, or the weight-grad pass where there is one).
 
 use super::captured::Instance;
-use crate::backend::{Backend, DevPtr, DeviceMemory, Rebinder, StreamRef};
+use crate::backend::{Backend, DevPtr, DeviceMemory, RebindPlan, Rebinder, StreamRef};
 use crate::core::dtype::DType;
 use crate::error::Result;
 use std::sync::Arc;
@@ -144,11 +144,11 @@ pub(crate) fn prepare(
     let mut plans = Vec::new();
     for g in graphs {
         match g.rebinder(stat, bytes)? {
-            Ok(p) => plans.push(p),
+            RebindPlan::Plan(p) => plans.push(p),
             // A pass that does not read the buffer needs no plan (a forward
             // never reads a grad-output; a backward may not read the input).
-            Err(why) if why.starts_with("no captured node") || why.starts_with("no task") => {}
-            Err(why) => return refused(why),
+            RebindPlan::Unreferenced => {}
+            RebindPlan::Refused(why) => return refused(why),
         }
     }
     if plans.is_empty() {

@@ -10,7 +10,7 @@ mod rebind;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
-    Rebinder, StreamRef,
+    RebindPlan, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -361,11 +361,7 @@ impl Graph for CudaGraph {
         })
     }
 
-    fn rebinder(
-        &self,
-        base: DevPtr,
-        bytes: usize,
-    ) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
+    fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan> {
         if self.graph.is_null() {
             return Err(rebind::no_template());
         }

@@ -10,7 +10,7 @@
 
 use super::driver::check;
 use super::Inner;
-use crate::backend::{DevPtr, Rebinder};
+use crate::backend::{DevPtr, RebindPlan, Rebinder};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::collections::HashMap;
@@ -316,12 +316,6 @@ fn memcpy_params(
     Ok(Ok(unsafe { raw.assume_init() }))
 }
 
-/// Why a graph gets no plan when none of its nodes takes the address (the
-/// orchestration recognises it by its start: such a pass needs no plan).
-const NO_NODE: &str =
-    "no captured node takes the buffer's address as an argument (it is read through \
-                       memory, or not at all)";
-
 /// The rebinding plan of executable `exec` (instantiated from `graph`) for
 /// the range `[base, base + bytes)`; `nodes`: the graph's kernel nodes that
 /// earlier plans patch.
@@ -332,7 +326,7 @@ pub(super) fn plan(
     nodes_table: &NodeTable,
     base: DevPtr,
     bytes: usize,
-) -> Result<std::result::Result<Box<dyn Rebinder>, String>> {
+) -> Result<RebindPlan> {
     let _ctx = inner.bind()?;
     let (lo, hi) = (base, base + bytes as u64);
     let inside = |a: u64| a >= lo && a < hi;
@@ -344,7 +338,7 @@ pub(super) fn plan(
     if n == 0 {
         // An empty graph (a backward with nothing to compute); asking an
         // empty graph for its nodes into an empty array is refused.
-        return Ok(Err(NO_NODE.into()));
+        return Ok(RebindPlan::Unreferenced);
     }
     let mut nodes = vec![null_mut(); n];
     // SAFETY: room for `n` nodes.
@@ -373,12 +367,12 @@ pub(super) fn plan(
                     patches.push(Patch::Kernel(KernelPatch { args, words }));
                 }
                 Ok(None) => {}
-                Err(why) => return Ok(Err(why)),
+                Err(why) => return Ok(RebindPlan::Refused(why)),
             },
             CU_GRAPH_NODE_TYPE_MEMCPY => {
                 let params = match memcpy_params(node)? {
                     Ok(params) => params,
-                    Err(why) => return Ok(Err(why)),
+                    Err(why) => return Ok(RebindPlan::Refused(why)),
                 };
                 let dev = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
                 let src = (params.srcMemoryType == dev && inside(params.srcDevice))
@@ -408,10 +402,12 @@ pub(super) fn plan(
                 }
             }
             CU_GRAPH_NODE_TYPE_HOST => {
-                return Ok(Err("the graph has a host node, whose data is opaque".into()))
+                return Ok(RebindPlan::Refused(
+                    "the graph has a host node, whose data is opaque".into(),
+                ))
             }
             CU_GRAPH_NODE_TYPE_GRAPH => {
-                return Ok(Err(
+                return Ok(RebindPlan::Refused(
                     "the graph has a child graph node, which is not looked into".into(),
                 ))
             }
@@ -421,9 +417,9 @@ pub(super) fn plan(
         }
     }
     if patches.is_empty() {
-        return Ok(Err(NO_NODE.into()));
+        return Ok(RebindPlan::Unreferenced);
     }
-    Ok(Ok(Box::new(CudaRebinder {
+    Ok(RebindPlan::Plan(Box::new(CudaRebinder {
         exec,
         inner: inner.clone(),
         patches,
