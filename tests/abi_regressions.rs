@@ -12,7 +12,7 @@ use std::time::Duration;
 use graphed_status as S;
 
 mod common;
-use common::{empty_ref, ok};
+use common::{empty_ref, msg, ok};
 
 unsafe extern "C" fn noop(_: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
     0
@@ -241,4 +241,106 @@ fn a_schedule_of_too_many_callables_is_refused() {
     };
     assert_eq!(st, S::InvalidArgument);
     assert_eq!(count, 7);
+}
+
+/// graphed_schedule_passes and the session config read a schedule the same
+/// way: a layer split without its array, a split without a schedule and
+/// steps without a count are refused by both (graphed_schedule_passes
+/// used to ignore the split's count and a split given without steps).
+#[test]
+fn schedule_passes_and_the_config_refuse_the_same_schedules() {
+    let steps = [
+        graphed_schedule_step { pass: 0, chunk: 0 },
+        graphed_schedule_step { pass: 1, chunk: 0 },
+    ];
+    let split = [1u32];
+    let step_size = std::mem::size_of::<graphed_schedule_step>();
+    // (steps, num_steps, split, num_split, status, words of the message)
+    let cases: [(
+        *const graphed_schedule_step,
+        usize,
+        *const u32,
+        usize,
+        S,
+        &str,
+    ); 3] = [
+        (
+            steps.as_ptr(),
+            2,
+            std::ptr::null(),
+            2,
+            S::InvalidArgument,
+            "layers_per_chunk is NULL",
+        ),
+        (
+            std::ptr::null(),
+            0,
+            split.as_ptr(),
+            1,
+            S::InvalidSchedule,
+            "without a schedule",
+        ),
+        (
+            steps.as_ptr(),
+            0,
+            std::ptr::null(),
+            0,
+            S::InvalidSchedule,
+            "= 0",
+        ),
+    ];
+    for (i, &(st_ptr, n, lpc, nl, want, words)) in cases.iter().enumerate() {
+        let mut count = 7usize;
+        // SAFETY: the arrays hold at least the stated counts; a local count.
+        let st = unsafe {
+            graphed_schedule_passes(
+                st_ptr,
+                n,
+                step_size,
+                lpc,
+                nl,
+                std::ptr::null(),
+                1,
+                null_mut(),
+                0,
+                12,
+                &mut count,
+            )
+        };
+        assert_eq!(st, want, "case {i}: {}", msg());
+        assert!(msg().contains(words), "case {i}: {}", msg());
+        assert_eq!(count, 7, "case {i}: nothing written");
+
+        let mut c = host(false);
+        c.schedule = st_ptr;
+        c.num_schedule_steps = n;
+        c.schedule_step_size = step_size;
+        c.layers_per_chunk = lpc;
+        c.num_layers_per_chunk = nl;
+        let mut s = null_mut();
+        // SAFETY: a config whose arrays hold at least the stated counts.
+        let st = unsafe { graphed_session_create(&c, &mut s) };
+        assert_eq!(st, want, "case {i}: {}", msg());
+        assert!(msg().contains(words), "case {i}: {}", msg());
+        assert!(s.is_null(), "case {i}: no session");
+    }
+    // The same arrays, well formed, are accepted by both.
+    let mut count = 0usize;
+    // SAFETY: as above.
+    ok(unsafe {
+        graphed_schedule_passes(
+            steps.as_ptr(),
+            2,
+            step_size,
+            split.as_ptr(),
+            1,
+            std::ptr::null(),
+            1,
+            null_mut(),
+            0,
+            12,
+            &mut count,
+        )
+    });
+    assert_eq!(count, 2);
 }

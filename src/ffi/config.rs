@@ -2,14 +2,14 @@
 //! carries (clone allocator, log, warmup hook), and its conversion into the
 //! orchestration layer's options.
 
-use super::args::{arg_slice, assert_header, CStruct};
+use super::args::{assert_header, CStruct};
 use super::callback::graphed_stream;
 use super::enums::{decode_bool, graphed_backend, graphed_capture_mode, graphed_log_level};
-use super::schedule::{graphed_schedule_step, read_steps};
+use super::schedule::{graphed_schedule_step, read_schedule, ScheduleFields};
 use super::session::graphed_session;
 use crate::backend::{BackendKind, DevPtr, StreamRef};
 use crate::error::{Error, Result};
-use crate::orchestrate::{CloneAllocator, HookPoint, LogLevel, ScheduleSpec, SessionOptions};
+use crate::orchestrate::{CloneAllocator, HookPoint, LogLevel, SessionOptions};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::mem::size_of;
 use std::sync::Arc;
@@ -255,54 +255,24 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             }
         }) as Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>
     });
-    let schedule = if cfg.schedule.is_null() && cfg.num_schedule_steps == 0 {
-        if !cfg.layers_per_chunk.is_null() {
-            return Err(Error::InvalidSchedule(
-                "config.layers_per_chunk is given without a schedule".into(),
-            ));
-        }
-        None
-    } else {
-        if cfg.num_schedule_steps == 0 {
-            return Err(Error::InvalidSchedule(
-                "config.schedule is given with num_schedule_steps = 0".into(),
-            ));
-        }
-        // SAFETY: the caller passes the stated number of steps of the stated size.
-        let steps = unsafe {
-            read_steps(
-                cfg.schedule,
-                cfg.num_schedule_steps,
-                cfg.schedule_step_size,
-                "config.schedule",
-            )
-        }?;
-        let layers_per_chunk = if cfg.layers_per_chunk.is_null() {
-            if cfg.num_layers_per_chunk != 0 {
-                return Err(Error::invalid(format!(
-                    "config.layers_per_chunk is NULL but config.num_layers_per_chunk is {}",
-                    cfg.num_layers_per_chunk
-                )));
-            }
-            None
-        } else {
-            // SAFETY: the caller passes the stated number of entries.
-            Some(
-                unsafe {
-                    arg_slice(
-                        cfg.layers_per_chunk,
-                        cfg.num_layers_per_chunk,
-                        "config.layers_per_chunk",
-                    )
-                }?
-                .to_vec(),
-            )
-        };
-        Some(ScheduleSpec {
-            steps,
-            layers_per_chunk,
-        })
+    let names = ScheduleFields {
+        steps: "config.schedule",
+        num_steps: "config.num_schedule_steps",
+        layers_per_chunk: "config.layers_per_chunk",
+        num_layers_per_chunk: "config.num_layers_per_chunk",
     };
+    // SAFETY: the caller passes the stated numbers of steps (of the stated
+    // size) and layer counts.
+    let schedule = unsafe {
+        read_schedule(
+            cfg.schedule,
+            cfg.num_schedule_steps,
+            cfg.schedule_step_size,
+            cfg.layers_per_chunk,
+            cfg.num_layers_per_chunk,
+            &names,
+        )
+    }?;
     let name = if cfg.name.is_null() {
         "session".to_string()
     } else {

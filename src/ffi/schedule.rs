@@ -10,6 +10,7 @@ use crate::core::schedule::{
     chunk_layers, from_te_order, Schedule, ScheduleStep, Shape, MAX_PASSES,
 };
 use crate::error::{Error, Result};
+use crate::orchestrate::ScheduleSpec;
 use std::mem::size_of;
 
 /// One step of a pipeline schedule. Arrays of steps are passed with their
@@ -59,6 +60,75 @@ pub(crate) unsafe fn read_steps(
             })
         })
         .collect()
+}
+
+/// How a caller's schedule fields are named in messages.
+pub(crate) struct ScheduleFields {
+    pub steps: &'static str,
+    pub num_steps: &'static str,
+    pub layers_per_chunk: &'static str,
+    pub num_layers_per_chunk: &'static str,
+}
+
+/// The schedule a caller passed, with its layers-per-chunk split; `None`
+/// when it passed none (steps NULL with a count of 0). The session config
+/// and graphed_schedule_passes both read theirs here, so both refuse the
+/// same inputs: a count without its array, steps without a count, a split
+/// without a schedule.
+///
+/// # Safety
+/// `steps` holds `num_steps` elements of `step_size` bytes and
+/// `layers_per_chunk` holds `num_layers_per_chunk` values, where non-NULL.
+pub(crate) unsafe fn read_schedule(
+    steps: *const graphed_schedule_step,
+    num_steps: usize,
+    step_size: usize,
+    layers_per_chunk: *const u32,
+    num_layers_per_chunk: usize,
+    names: &ScheduleFields,
+) -> Result<Option<ScheduleSpec>> {
+    let split = if layers_per_chunk.is_null() {
+        if num_layers_per_chunk != 0 {
+            return Err(Error::invalid(format!(
+                "{} is NULL but {} is {num_layers_per_chunk}",
+                names.layers_per_chunk, names.num_layers_per_chunk
+            )));
+        }
+        None
+    } else {
+        // SAFETY: per this function's contract.
+        Some(
+            unsafe {
+                arg_slice(
+                    layers_per_chunk,
+                    num_layers_per_chunk,
+                    names.layers_per_chunk,
+                )
+            }?
+            .to_vec(),
+        )
+    };
+    if steps.is_null() && num_steps == 0 {
+        if split.is_some() {
+            return Err(Error::InvalidSchedule(format!(
+                "{} is given without a schedule",
+                names.layers_per_chunk
+            )));
+        }
+        return Ok(None);
+    }
+    if num_steps == 0 {
+        return Err(Error::InvalidSchedule(format!(
+            "{} is given with {} = 0",
+            names.steps, names.num_steps
+        )));
+    }
+    // SAFETY: per this function's contract.
+    let steps = unsafe { read_steps(steps, num_steps, step_size, names.steps) }?;
+    Ok(Some(ScheduleSpec {
+        steps,
+        layers_per_chunk: split,
+    }))
 }
 
 /// Converts Transformer Engine's `_order` notation into schedule steps:
@@ -147,20 +217,26 @@ pub unsafe extern "C" fn graphed_schedule_passes(
                 .map(|(i, &v)| decode_bool(v, &format!("has_wgrad[{i}]")))
                 .collect::<Result<_>>()?
         };
-        let schedule = if steps.is_null() && num_steps == 0 {
-            Schedule::sequential(&wgrad)
-        } else {
-            // SAFETY: per this function's contract.
-            let steps = unsafe { read_steps(steps, num_steps, step_size, "steps") }?;
-            let lpc = if layers_per_chunk.is_null() {
-                None
-            } else {
-                // SAFETY: per this function's contract.
-                Some(unsafe {
-                    arg_slice(layers_per_chunk, num_layers_per_chunk, "layers_per_chunk")
-                }?)
-            };
-            Schedule::derive(&steps, lpc, &wgrad)?
+        let names = ScheduleFields {
+            steps: "steps",
+            num_steps: "num_steps",
+            layers_per_chunk: "layers_per_chunk",
+            num_layers_per_chunk: "num_layers_per_chunk",
+        };
+        // SAFETY: per this function's contract.
+        let spec = unsafe {
+            read_schedule(
+                steps,
+                num_steps,
+                step_size,
+                layers_per_chunk,
+                num_layers_per_chunk,
+                &names,
+            )
+        }?;
+        let schedule = match spec {
+            None => Schedule::sequential(&wgrad),
+            Some(s) => Schedule::derive(&s.steps, s.layers_per_chunk.as_deref(), &wgrad)?,
         };
         let count = schedule.passes.len();
         if !passes.is_null() {
