@@ -81,6 +81,22 @@ fn check_range(p: usize, len: usize, elem: usize, align: usize, what: &str) -> R
     Ok(())
 }
 
+/// An optional C string: `None` for NULL, else its text, which must be
+/// UTF-8.
+///
+/// # Safety
+/// A non-NULL `p` points to a NUL-terminated string.
+pub(crate) unsafe fn arg_str(p: *const std::ffi::c_char, what: &str) -> Result<Option<String>> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL and NUL-terminated per this function's contract.
+    let s = unsafe { std::ffi::CStr::from_ptr(p) };
+    s.to_str()
+        .map(|s| Some(s.to_string()))
+        .map_err(|_| Error::invalid(format!("{what} is not valid UTF-8")))
+}
+
 /// A slice from a C pointer and length. A length of zero gives an empty
 /// slice whatever the pointer; a non-zero length with NULL is an error, as
 /// is a length whose bytes overflow or a misaligned pointer.
@@ -424,6 +440,24 @@ mod tests {
             assert!(arg_slice(std::ptr::null::<u32>(), 0, "xs")
                 .unwrap()
                 .is_empty());
+        }
+    }
+
+    #[test]
+    fn strings_are_optional_and_utf8() {
+        // SAFETY: NULL, or NUL-terminated literals.
+        unsafe {
+            assert_eq!(arg_str(std::ptr::null(), "name").unwrap(), None);
+            assert_eq!(
+                arg_str(c"layer".as_ptr(), "name").unwrap().as_deref(),
+                Some("layer")
+            );
+            let bad = [0xffu8, 0xfe, 0];
+            let e = arg_str(bad.as_ptr().cast(), "desc.name").unwrap_err();
+            assert!(
+                e.to_string().contains("desc.name is not valid UTF-8"),
+                "{e}"
+            );
         }
     }
 }

@@ -2,7 +2,7 @@
 //! their defaults, and their conversion into the orchestration layer's
 //! specs. Everything in a descriptor is copied at registration.
 
-use super::args::{arg_out, arg_slice, assert_header, read_array, read_struct, CStruct};
+use super::args::{arg_out, arg_slice, arg_str, assert_header, read_array, read_struct, CStruct};
 use super::boundary::boundary;
 use super::callback::{graphed_pass_fn, CCallbacks};
 use super::enums::{
@@ -14,7 +14,7 @@ use crate::backend::DevPtr;
 use crate::core::policy::ParamSpec;
 use crate::error::{Error, Result};
 use crate::orchestrate::{CallableSpec, TensorSpec};
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void};
 use std::mem::size_of;
 
 /// The magics the _default() functions set.
@@ -248,17 +248,8 @@ fn param(p: &graphed_param_desc, what: &str) -> Result<ParamSpec> {
 /// A callable descriptor as orchestration sees it (without its index-based
 /// default name).
 fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)> {
-    let name = if d.name.is_null() {
-        None
-    } else {
-        // SAFETY: a non-NULL name is NUL-terminated per the contract.
-        let s = unsafe { CStr::from_ptr(d.name) };
-        Some(
-            s.to_str()
-                .map_err(|_| Error::invalid("desc.name is not valid UTF-8"))?
-                .to_string(),
-        )
-    };
+    // SAFETY: a non-NULL name is NUL-terminated per the contract.
+    let name = unsafe { arg_str(d.name, "desc.name") }?;
     // SAFETY (three arrays): they hold the stated counts of descriptors.
     let inputs = unsafe { read_array(d.inputs, d.num_inputs, "desc.inputs") }?;
     let outputs = unsafe { read_array(d.outputs, d.num_outputs, "desc.outputs") }?;

@@ -2,7 +2,7 @@
 //! carries (clone allocator, log, warmup hook), and its conversion into the
 //! orchestration layer's options.
 
-use super::args::{assert_header, CStruct};
+use super::args::{arg_str, assert_header, CStruct};
 use super::callback::graphed_stream;
 use super::enums::{decode_bool, graphed_backend, graphed_capture_mode, graphed_log_level};
 use super::schedule::{graphed_schedule_step, read_schedule, ScheduleFields};
@@ -10,7 +10,7 @@ use super::session::graphed_session;
 use crate::backend::{BackendKind, DevPtr, StreamRef};
 use crate::error::{Error, Result};
 use crate::orchestrate::{CloneAllocator, HookPoint, LogLevel, SessionOptions};
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, c_void, CString};
 use std::mem::size_of;
 use std::sync::Arc;
 
@@ -273,15 +273,8 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             &names,
         )
     }?;
-    let name = if cfg.name.is_null() {
-        "session".to_string()
-    } else {
-        // SAFETY: a non-NULL name is NUL-terminated per the contract.
-        unsafe { CStr::from_ptr(cfg.name) }
-            .to_str()
-            .map_err(|_| Error::invalid("config.name is not valid UTF-8"))?
-            .to_string()
-    };
+    // SAFETY: a non-NULL name is NUL-terminated per the contract.
+    let name = unsafe { arg_str(cfg.name, "config.name") }?.unwrap_or_else(|| "session".into());
     Ok(Config {
         backend: graphed_backend::decode(cfg.backend, "config.backend")?,
         device: cfg.device,
