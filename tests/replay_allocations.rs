@@ -84,9 +84,22 @@ fn ok(s: graphed_status) {
     });
 }
 
+/// How the tests replay the callable.
+#[derive(Clone, Copy, PartialEq)]
+enum Replay {
+    /// graphed_forward, then graphed_backward.
+    Passes,
+    /// graphed_step_replay of a step declared with the callable.
+    Step,
+}
+
 /// Captures one callable (1 input, 2 parameters, 1 output) and returns the
-/// session and the allocations made by `iters` forward + backward replays.
+/// allocations made by `iters` forward + backward replays.
 fn replay_allocations(clones: bool, strict: bool, policy: u32, iters: usize) -> usize {
+    allocations(Replay::Passes, clones, strict, policy, iters)
+}
+
+fn allocations(how: Replay, clones: bool, strict: bool, policy: u32, iters: usize) -> usize {
     let mut input = vec![1.0f32; 64];
     let mut params = [vec![0.5f32; 256], vec![0.25f32; 16]];
     let mut dsts = [vec![0.0f32; 256], vec![0.0f32; 16]];
@@ -126,11 +139,48 @@ fn replay_allocations(clones: bool, strict: bool, policy: u32, iters: usize) -> 
         d.backward = Some(pass);
         let mut idx = 0;
         ok(graphed_session_add_callable(s, &d, &mut idx));
+        if how == Replay::Step {
+            let callables = [idx];
+            let dst_ptrs: [*mut c_void; 2] =
+                [dsts[0].as_mut_ptr().cast(), dsts[1].as_mut_ptr().cast()];
+            let mut sd = graphed_step_desc_default();
+            sd.callables = callables.as_ptr();
+            sd.num_callables = 1;
+            if policy == 3 || policy == 4 {
+                sd.param_dsts = dst_ptrs.as_ptr();
+                sd.num_param_dsts = 2;
+            }
+            let mut step = u32::MAX;
+            ok(graphed_session_add_step(s, &sd, &mut step));
+            assert_eq!(step, 0);
+        }
         ok(graphed_session_capture(s));
     }
     let data: [*const c_void; 1] = [input.as_mut_ptr().cast()];
     let dst_ptrs: [*mut c_void; 2] = [dsts[0].as_mut_ptr().cast(), dsts[1].as_mut_ptr().cast()];
-    let step = || {
+    let step_replay = || {
+        let a = graphed_step_args_default();
+        let mut gp = [graphed_ref {
+            ptr: null_mut(),
+            bytes: 0,
+            kind: 0,
+            owner: null_mut(),
+            lease: 0,
+        }; 2];
+        // SAFETY: as above; room for the step's two parameter grads.
+        unsafe {
+            ok(graphed_step_replay(s, &a, gp.as_mut_ptr(), 2));
+            for r in &gp {
+                if r.lease != 0 {
+                    ok(graphed_lease_release(s, r.lease));
+                }
+            }
+            for r in &gp {
+                ok(graphed_buffer_release(r.owner));
+            }
+        }
+    };
+    let passes = || {
         let mut a = graphed_replay_args_default();
         a.data = data.as_ptr();
         a.num_data = 1;
@@ -168,6 +218,10 @@ fn replay_allocations(clones: bool, strict: bool, policy: u32, iters: usize) -> 
             }
         }
     };
+    let step: &dyn Fn() = match how {
+        Replay::Passes => &passes,
+        Replay::Step => &step_replay,
+    };
     for _ in 0..10 {
         step();
     }
@@ -200,4 +254,24 @@ fn copy_into_and_accumulate_into_replay_without_allocating() {
 fn cloned_grads_replay_without_allocating() {
     // The block released after each step is the one the next step takes.
     assert_eq!(replay_allocations(true, false, 0, 2000), 0);
+}
+
+#[test]
+fn steps_replay_without_allocating() {
+    // (clones, strict leases, policy); with CLONE grads the step replays
+    // its slot graphs (the pass-by-pass fallback is not the steady state).
+    let cases = [
+        (false, false, 0),
+        (false, true, 0),
+        (true, false, 0),
+        (true, false, 3),
+        (true, false, 4),
+    ];
+    for (clones, strict, policy) in cases {
+        assert_eq!(
+            allocations(Replay::Step, clones, strict, policy, 2000),
+            0,
+            "clones {clones}, strict {strict}, policy {policy}"
+        );
+    }
 }

@@ -557,6 +557,7 @@ impl Runner<'_> {
         self.cap.step_graphs += graph.is_some() as u32 + slot_graphs.len() as u32;
         self.cap.steps.push(CapturedStep {
             instances,
+            cloned,
             passes,
             dsts,
             graph,

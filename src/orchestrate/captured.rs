@@ -140,6 +140,8 @@ pub(crate) struct PassRef {
 pub(crate) struct CapturedStep {
     /// Instances of the step's callables, in order.
     pub instances: Vec<usize>,
+    /// Those of `instances` that return CLONE grads, in order.
+    pub cloned: Vec<usize>,
     /// Every pass, in step (capture) order.
     pub passes: Vec<PassRef>,
     /// The destination of each parameter, the callables' parameters in
@@ -169,6 +171,8 @@ pub(crate) struct Stage {
     pub b: Vec<Returned>,
     pub acc: Vec<AccItem>,
     pub blocks: Vec<Arc<CloneBlock>>,
+    /// The slot blocks a step replay takes, one per cloned instance.
+    pub taken: Vec<Arc<CloneBlock>>,
 }
 
 /// The strict-lease table, reachable without the session's lock so that a

@@ -322,16 +322,14 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     if p.opts.strict_leases {
         p.leases.lock().check_free(&st.overwritten, who)?;
     }
-    let cloned: Vec<usize> = st
-        .instances
-        .iter()
-        .copied()
-        .filter(|&i| p.cap.instances[i].returns.clone.count > 0)
-        .collect();
+    let cloned = &st.cloned;
+    // The slot blocks taken, in a vector the replays reuse (empty between
+    // replays, so that the steady state allocates nothing).
+    let mut taken = std::mem::take(&mut p.cap.stage.taken);
     // Slot blocks taken for a replay that then fails go back to their
     // rings (the i-th block to the ring of the i-th cloned instance).
-    let put_back = |taken: Vec<Arc<CloneBlock>>| {
-        for (b, &j) in taken.into_iter().zip(&cloned) {
+    let put_back = |taken: &mut Vec<Arc<CloneBlock>>| {
+        for (b, &j) in taken.drain(..).zip(cloned) {
             if let Some(r) = &p.cap.instances[j].ring {
                 r.put_back(b);
             }
@@ -341,31 +339,31 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     let mut chosen = None;
     if st.graph.is_none() {
         'slots: for k in 0..st.slots.len() {
-            let mut taken: Vec<Arc<CloneBlock>> = Vec::with_capacity(cloned.len());
-            for &i in &cloned {
+            for &i in cloned {
                 let ring = p.cap.instances[i].ring.as_ref();
                 match ring.map(|r| r.take_slot(k, stream)).transpose() {
                     Ok(Some(Some(b))) => taken.push(b),
                     Ok(_) => {
-                        put_back(taken);
+                        put_back(&mut taken);
                         continue 'slots;
                     }
                     Err(e) => {
-                        put_back(taken);
+                        put_back(&mut taken);
                         return Err(e);
                     }
                 }
             }
-            chosen = Some((k, taken));
+            chosen = Some(k);
             break;
         }
         if chosen.is_none() {
+            p.cap.stage.taken = taken;
             return step_by_pass(p, step as usize, stream);
         }
     }
-    let graph = match (&st.graph, &chosen) {
+    let graph = match (&st.graph, chosen) {
         (Some(g), _) => g,
-        (None, Some((k, _))) => &st.slots[*k],
+        (None, Some(k)) => &st.slots[k],
         (None, None) => return Err(Error::Internal("a step without a graph".into())),
     };
     let launched = st
@@ -377,13 +375,11 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
         })
         .and_then(|_| graph.launch(stream));
     if let Err(e) = launched {
-        if let Some((_, taken)) = chosen {
-            put_back(taken);
-        }
+        put_back(&mut taken);
+        p.cap.stage.taken = taken;
         return Err(e);
     }
     // Results: every parameter of the step's callables, in order.
-    let taken = chosen.map(|(_, t)| t).unwrap_or_default();
     let Captured {
         instances,
         stage,
@@ -406,7 +402,7 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     for &i in &st.instances {
         let inst = &instances[i];
         let np = inst.returns.params.len();
-        let block = match cloned.iter().position(|&c| c == i) {
+        let block = match st.cloned.iter().position(|&c| c == i) {
             Some(k) => (taken[k].ptr, k as u32),
             None => (0, 0),
         };
@@ -419,7 +415,8 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
         );
         at += np;
     }
-    blocks.extend(taken);
+    blocks.append(&mut taken);
+    stage.taken = taken;
     Ok(Replayed {
         first,
         second,
