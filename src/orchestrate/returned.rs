@@ -232,34 +232,38 @@ impl CloneRing {
                 None => free.pop(),
             }
         };
-        let block = match reused {
-            Some(b) => {
-                MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
-                if b.recorded.load(Ordering::Relaxed) {
-                    if let Some(e) = &b.event {
-                        if let Err(e2) = self.backend.wait(stream, e.raw()) {
-                            MemCounters::add(&self.counters.clone_cached_bytes, b.bytes);
-                            self.lock().push(b);
-                            return Err(e2);
-                        }
-                    }
-                }
-                b
-            }
-            None => {
-                let ptr = self.backend.alloc_async(self.bytes, stream)?;
-                match self.block(ptr, stream, None) {
-                    Ok(b) => Arc::new(b),
-                    Err(e) => {
-                        self.backend.free_async(ptr, stream);
-                        return Err(e);
-                    }
-                }
+        if let Some(b) = reused {
+            return self.hand_out(b, stream);
+        }
+        let ptr = self.backend.alloc_async(self.bytes, stream)?;
+        let block = match self.block(ptr, stream, None) {
+            Ok(b) => Arc::new(b),
+            Err(e) => {
+                self.backend.free_async(ptr, stream);
+                return Err(e);
             }
         };
         block.set_stream(stream);
         block.handed_out();
         Ok(block)
+    }
+
+    /// Hands out `b`, taken from the free list, for work on `stream`: that
+    /// work is ordered after the block's previous release. When it cannot
+    /// be, the block goes back to the free list.
+    fn hand_out(&self, b: Arc<CloneBlock>, stream: StreamRef) -> Result<Arc<CloneBlock>> {
+        if b.recorded.load(Ordering::Relaxed) {
+            if let Some(e) = &b.event {
+                if let Err(err) = self.backend.wait(stream, e.raw()) {
+                    self.lock().push(b);
+                    return Err(err);
+                }
+            }
+        }
+        MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
+        b.set_stream(stream);
+        b.handed_out();
+        Ok(b)
     }
 
     /// Slot block `k` if it is free (later work on `stream` is ordered
@@ -276,18 +280,7 @@ impl CloneRing {
                 None => return Ok(None),
             }
         };
-        if b.recorded.load(Ordering::Relaxed) {
-            if let Some(e) = &b.event {
-                if let Err(err) = self.backend.wait(stream, e.raw()) {
-                    self.lock().push(b);
-                    return Err(err);
-                }
-            }
-        }
-        MemCounters::sub(&self.counters.clone_cached_bytes, b.bytes);
-        b.set_stream(stream);
-        b.handed_out();
-        Ok(Some(b))
+        self.hand_out(b, stream).map(Some)
     }
 
     /// Returns a block from `take` or `take_slot` that was not handed to
