@@ -650,6 +650,69 @@ fn steps_are_checked() {
     assert!(msg().contains("step 3 does not exist"), "{}", msg());
 }
 
+/// A step is checked when it is declared: every refusal says why, writes
+/// no index and declares nothing (the next good step is still step 0).
+#[test]
+fn step_declarations_are_checked() {
+    let mut m = Model::new(2);
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    let mut s = null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let built = Built { s };
+    for l in 0..2 {
+        let mut input = tensor(l > 0);
+        input.sample = m.input.as_ptr().cast();
+        add_layer(s, &input, &mut m.weights[l], 0);
+    }
+    let mut dst = [0f32; N];
+    let one: [*mut c_void; 1] = [dst.as_mut_ptr().cast()];
+    let two: [*mut c_void; 2] = [dst.as_mut_ptr().cast(); 2];
+    /// Callables, destinations (None: NULL), destination count, words of
+    /// the message.
+    type Case<'a> = (&'a [u32], Option<&'a [*mut c_void]>, usize, &'a str);
+    let cases: [Case; 6] = [
+        (&[], None, 0, "at least one callable"),
+        (&[1, 0], None, 0, "registration order"),
+        (&[0, 0], None, 0, "registration order"),
+        (
+            &[0, 5],
+            None,
+            0,
+            "callables[1] is 5; the session has 2 callables",
+        ),
+        (&[0, 1], Some(&one), 1, "1 param destinations were given"),
+        (&[0, 1], None, 2, "is NULL but its count is 2"),
+    ];
+    for (i, (callables, dsts, n, words)) in cases.into_iter().enumerate() {
+        let mut d = graphed_step_desc_default();
+        d.callables = callables.as_ptr();
+        d.num_callables = callables.len();
+        d.param_dsts = dsts.map_or(std::ptr::null(), |d| d.as_ptr().cast());
+        d.num_param_dsts = n;
+        let mut idx = 7;
+        // SAFETY: the arrays hold at least the stated counts.
+        let st = unsafe { graphed_session_add_step(built.s, &d, &mut idx) };
+        assert_eq!(st, graphed_status::InvalidArgument, "case {i}: {}", msg());
+        assert!(msg().contains(words), "case {i}: {}", msg());
+        assert_eq!(idx, 7, "case {i}: no index written");
+    }
+    let callables = [0u32, 1];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 2;
+    d.param_dsts = two.as_ptr().cast();
+    d.num_param_dsts = 2;
+    let mut idx = 7;
+    // SAFETY: as above.
+    ok(unsafe { graphed_session_add_step(built.s, &d, &mut idx) });
+    assert_eq!(idx, 0, "the refused steps declared nothing");
+    ok(graphed_session_capture(built.s));
+    // CLONE grads (the default) and two clone slots: one step graph per slot.
+    assert_eq!(stats(built.s).step_graphs, 2);
+}
+
 thread_local! {
     /// Captures of (forward, backward) on this thread.
     static CAPTURES: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((0, 0)) };

@@ -9,7 +9,6 @@ use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
 use super::session::{graphed_session, session};
 use super::status::graphed_status;
 use crate::backend::StreamRef;
-use crate::orchestrate::StepSpec;
 use std::ffi::c_void;
 use std::mem::size_of;
 
@@ -86,18 +85,7 @@ pub unsafe extern "C" fn graphed_session_add_step(
         let callables =
             unsafe { arg_slice(d.callables, d.num_callables, "desc.callables") }?.to_vec();
         let dsts = ptrs(d.param_dsts.cast(), d.num_param_dsts, "desc.param_dsts")?;
-        let mut guard = s.lock()?;
-        let n = callables
-            .iter()
-            .try_fold(0usize, |acc, &c| guard.arity(c).map(|(_, p, _)| acc + p))?;
-        let param_dsts = match dsts {
-            Some(d) => d.to_vec(),
-            None => vec![0; n],
-        };
-        let index = guard.add_step(StepSpec {
-            callables,
-            param_dsts,
-        })?;
+        let index = s.lock()?.add_step(callables, dsts)?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
         Ok(())

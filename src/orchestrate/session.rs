@@ -302,10 +302,11 @@ impl Session {
         Ok(())
     }
 
-    /// Declares a step (see `StepSpec`); returns its index. Checked here as
-    /// far as registration allows, and against the frozen policies at
-    /// capture.
-    pub fn add_step(&mut self, step: StepSpec) -> Result<u32> {
+    /// Declares a step of `callables` (see `StepSpec`); returns its index.
+    /// `param_dsts`: one destination per parameter of the callables, in
+    /// order; None: no destinations (all 0). Checked here as far as
+    /// registration allows, and against the frozen policies at capture.
+    pub fn add_step(&mut self, callables: Vec<u32>, param_dsts: Option<&[DevPtr]>) -> Result<u32> {
         self.open("declaring a step")?;
         if self.opts.schedule.is_some() {
             return Err(Error::Unsupported(
@@ -313,21 +314,21 @@ impl Session {
                     .into(),
             ));
         }
-        if step.callables.is_empty() {
+        if callables.is_empty() {
             return Err(Error::invalid("a step needs at least one callable"));
         }
         let mut params = 0usize;
-        for (k, &c) in step.callables.iter().enumerate() {
+        for (k, &c) in callables.iter().enumerate() {
             let spec = self.callables.get(c as usize).ok_or_else(|| {
                 Error::invalid(format!(
                     "callables[{k}] is {c}; the session has {} callables",
                     self.callables.len()
                 ))
             })?;
-            if k > 0 && c <= step.callables[k - 1] {
+            if k > 0 && c <= callables[k - 1] {
                 return Err(Error::invalid(format!(
                     "callables[{k}] is {c}, after {}: a step lists its callables once each, in registration order",
-                    step.callables[k - 1]
+                    callables[k - 1]
                 )));
             }
             if spec.has_external_buffers() {
@@ -335,16 +336,23 @@ impl Session {
             }
             params += spec.params.len();
         }
-        if step.param_dsts.len() != params {
-            return Err(Error::invalid(format!(
+        let param_dsts = match param_dsts {
+            None => vec![0; params],
+            Some(d) if d.len() == params => d.to_vec(),
+            Some(d) => {
+                return Err(Error::invalid(format!(
                 "{} param destinations were given; the step's callables have {params} parameters",
-                step.param_dsts.len()
-            )));
-        }
+                d.len()
+            )))
+            }
+        };
         if self.steps.len() >= u32::MAX as usize {
             return Err(Error::invalid("a session holds at most 2^32 - 1 steps"));
         }
-        self.steps.push(step);
+        self.steps.push(StepSpec {
+            callables,
+            param_dsts,
+        });
         Ok(self.steps.len() as u32 - 1)
     }
 
