@@ -10,7 +10,7 @@
 
 use super::captured::{Captured, Instance, LeaseBook, Stage};
 use super::pool::Pool;
-use super::rebind::{Rebind, REBIND_ALIGN};
+use super::rebind::REBIND_ALIGN;
 use super::returned::{CloneBlock, RefKind, Returned};
 use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
 use crate::backend::{AccItem, Backend, DevPtr, StreamRef};
@@ -149,26 +149,6 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         pool.replaying(key, pos)?;
 
         // ---- enqueue ----------------------------------------------------------
-        // Rebound inputs and grad-outputs: the graphs read the caller's
-        // data in place.
-        let inst = &mut cap.instances[idx];
-        let rebound = match kind {
-            PassKind::Forward => Some((&mut inst.rebind, &inst.buffers.inputs)),
-            PassKind::Backward => Some((&mut inst.rebind_grad_outputs, &inst.buffers.grad_outputs)),
-            PassKind::Wgrad => None,
-        };
-        if let Some((rebind, stat)) = rebound {
-            for (i, rb) in rebind.iter_mut().enumerate() {
-                if let Rebind::On { .. } = rb {
-                    let want = a.data.map_or(0, |d| d[i]);
-                    rb.bind(if want != 0 && want % REBIND_ALIGN == 0 {
-                        want
-                    } else {
-                        stat[i]
-                    })?;
-                }
-            }
-        }
         let inst = &cap.instances[idx];
         let s = match a.side_stream {
             Some(side) => {
@@ -194,25 +174,35 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
                 ))
             }
         });
-        if let Some(data) = a.data {
-            let (dsts, tensors, rebind) = match kind {
-                PassKind::Forward => (&inst.buffers.inputs, &spec.inputs, &inst.rebind),
-                _ => (
-                    &inst.buffers.grad_outputs,
-                    &spec.outputs,
-                    &inst.rebind_grad_outputs,
-                ),
-            };
-            let sizes = tensors.iter().map(|t| t.bytes);
-            // Entries with no static buffer (dst 0) take no data; rebound
-            // ones are read where they are.
-            for (i, ((&dst, bytes), &src)) in dsts.iter().zip(sizes).zip(data).enumerate() {
-                let rebound = matches!(rebind[i], Rebind::On { bound, .. } if bound == src);
+        // The data a forward (inputs) or backward (grad-outputs) is fed:
+        // rebound entries are read where they are (the graphs are pointed at
+        // the caller's aligned data, else back at the static buffer); the
+        // others are copied into their static buffers (entries without one,
+        // dst 0, take no data).
+        let inst = &mut cap.instances[idx];
+        let fed = match kind {
+            PassKind::Forward => Some((&mut inst.rebind, &inst.buffers.inputs, &spec.inputs)),
+            PassKind::Backward => Some((
+                &mut inst.rebind_grad_outputs,
+                &inst.buffers.grad_outputs,
+                &spec.outputs,
+            )),
+            PassKind::Wgrad => None,
+        };
+        if let Some((rebind, dsts, tensors)) = fed {
+            for (i, (rb, &dst)) in rebind.iter_mut().zip(dsts).enumerate() {
+                let src = a.data.map_or(0, |d| d[i]);
+                let rebound = rb.is_on() && src != 0 && src % REBIND_ALIGN == 0;
+                if rb.is_on() {
+                    rb.bind(if rebound { src } else { dst })?;
+                }
                 if dst != 0 && src != 0 && !rebound {
-                    backend.copy(dst, src, bytes, s)?;
+                    backend.copy(dst, src, tensors[i].bytes, s)?;
                 }
             }
         }
+        let inst = &cap.instances[idx];
+        let clone = &inst.returns.clone;
         // A slot block has its own capture of this pass, which writes the
         // CLONE grads into it: no copy.
         let slot_graph = match (&block.0, returns_params) {
