@@ -191,7 +191,8 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         };
         if let Some((rebind, dsts, tensors)) = fed {
             for (i, (rb, &dst)) in rebind.iter_mut().zip(dsts).enumerate() {
-                let src = a.data.map_or(0, |d| d[i]);
+                // check_data made the data as long as the buffers.
+                let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
                 let rebound = rb.is_on() && src != 0 && src % REBIND_ALIGN == 0;
                 if rb.is_on() {
                     rb.bind(if rebound { src } else { dst })?;
