@@ -4036,7 +4036,6 @@ fn op_add_step() {
     first(&mut want, dst_count_null.then_some(S::InvalidArgument));
     first(&mut want, t.lock());
     if let Some((st, calls, sched)) = &model {
-        first(&mut want, (!known).then_some(S::InvalidArgument));
         match st {
             St::Captured => first(&mut want, Some(S::WrongState)),
             St::Reset => first(&mut want, Some(S::SessionReset)),
@@ -4047,7 +4046,12 @@ fn op_add_step() {
             (!matches!(sched, Some(None))).then_some(S::Unsupported),
         );
         first(&mut want, cs.is_empty().then_some(S::InvalidArgument));
-        for (k, &c) in cs.iter().enumerate().filter(|_| known) {
+        for (k, &c) in cs.iter().enumerate() {
+            // Callables are checked in order: an unknown one ends the checks.
+            if c as usize >= calls.len() {
+                first(&mut want, Some(S::InvalidArgument));
+                break;
+            }
             if k > 0 && c <= cs[k - 1] {
                 first(&mut want, Some(S::InvalidArgument));
             }
@@ -4512,6 +4516,15 @@ fn op_schedule_passes() {
     let pass_size = i.pick(&[12usize, 12, 12, 16, 8, 13]);
     let passes_null = i.chance(40);
     let count_null = i.chance(8);
+    // Sometimes a layer split: 1, NULL with a count (refused), 2, one
+    // layer for one chunk (refused without a schedule).
+    let split_pick = i.below(16);
+    let split = [1u32];
+    let (split_ptr, split_n) = match split_pick {
+        1 => (null(), 2),
+        2 => (split.as_ptr(), 1),
+        _ => (null(), 0),
+    };
     let mut out = vec![0xabu8; cap * pass_size.max(12) + 16];
     let mut count = 0x77usize;
     mark();
@@ -4522,8 +4535,8 @@ fn op_schedule_passes() {
             if sched { steps.as_ptr().cast() } else { null() },
             steps.len() / 2,
             8,
-            null(),
-            0,
+            split_ptr,
+            split_n,
             if wg_null { null() } else { wg.as_ptr() },
             ncall,
             if passes_null {
@@ -4560,6 +4573,10 @@ fn op_schedule_passes() {
         assert_eq!(r, S::InvalidArgument);
     } else if bad_flag {
         assert_eq!(r, S::InvalidArgument);
+    } else if split_pick == 1 {
+        assert_eq!(r, S::InvalidArgument, "a NULL layer split with a count");
+    } else if split_pick == 2 && !sched {
+        assert_eq!(r, S::InvalidSchedule, "a layer split without a schedule");
     } else if !sched {
         assert_eq!(r, if bad_size { S::InvalidArgument } else { S::Ok });
     }
