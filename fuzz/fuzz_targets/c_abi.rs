@@ -3548,7 +3548,7 @@ fn op_query() {
         St::Reset => Some(S::SessionReset),
         St::Captured => None,
     };
-    match i.below(4) {
+    match i.below(5) {
         0 => {
             let role = i.pick(&[0u32, 1, 2, 3, 4, 5, 99]);
             let c = i.below(3) as u32;
@@ -3667,6 +3667,71 @@ fn op_query() {
                 assert_eq!(len, 0x77);
             } else {
                 plan_dump_check(t.ptr(), true);
+            }
+        }
+        3 => {
+            // graphed_session_rebound on any target, in any state, with any
+            // role, index, count and output pointer.
+            let role = i.pick(&[0u32, 2, 0, 2, 1, 3, 4, 5, 99]);
+            let c = i.below(3) as u32;
+            let m = i.below(3) as u32;
+            let count = i.below(4);
+            let mut on = vec![0xeeu32; count + 1];
+            let mut p = on.as_mut_ptr();
+            let fault = i.below(6);
+            if fault == 0 {
+                p = null_mut();
+            } else if fault == 1 {
+                // SAFETY: 1 byte into the array, which has a spare element.
+                p = unsafe { (p as *mut u8).add(1) as *mut u32 };
+            }
+            let mut want = t.lookup();
+            if want.is_none() && role > 4 {
+                want = Some(S::InvalidArgument);
+            }
+            want = want.or(t.lock());
+            if want.is_none() {
+                let (st, cls, mb) = model.clone().unwrap();
+                want = state_err(st);
+                if want.is_none() {
+                    want = match (cls.get(c as usize), role) {
+                        (Some(cl), 0 | 2) if m < mb => {
+                            let n = if role == 0 {
+                                cl.inputs.len()
+                            } else {
+                                cl.outputs.len()
+                            };
+                            if n != count {
+                                Some(S::InvalidArgument)
+                            } else if n > 0 && fault == 0 {
+                                Some(S::NullPointer)
+                            } else if n > 0 && fault == 1 {
+                                Some(S::InvalidArgument)
+                            } else {
+                                None
+                            }
+                        }
+                        // An unknown callable or microbatch, or a role that
+                        // is never rebound.
+                        _ => Some(S::InvalidArgument),
+                    };
+                }
+            }
+            mark();
+            // SAFETY: p has room for count values, or is refused.
+            let r = unsafe { graphed_session_rebound(t.ptr(), c, m, role, p, count) };
+            expect(
+                r,
+                &[want.unwrap_or(S::Ok)],
+                "graphed_session_rebound",
+                "query",
+            );
+            if fault > 1 {
+                // The host backend rebinds nothing: 0 on success, untouched
+                // on failure; never past count.
+                let v = if r == S::Ok { 0 } else { 0xee };
+                assert!(on[..count].iter().all(|&x| x == v), "rebound: {on:?}");
+                assert_eq!(on[count], 0xee, "wrote past count");
             }
         }
         _ => {
