@@ -125,6 +125,21 @@ fn tensor(requires_grad: bool) -> graphed_tensor_desc {
     }
 }
 
+/// A host-backend config, the defaults otherwise.
+fn host() -> graphed_session_config {
+    let mut c = graphed_session_config_default();
+    c.backend = graphed_backend::Host as u32;
+    c
+}
+
+/// A new session from `cfg`.
+fn create(cfg: &graphed_session_config) -> *mut graphed_session {
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(cfg, &mut s) });
+    s
+}
+
 /// Registers the model's layers, chained or not, with grad `policy`, and
 /// the step `step` (None: no step); captures.
 fn build(
@@ -134,13 +149,10 @@ fn build(
     policy: u32,
     step: Option<&[*mut c_void]>,
 ) -> Built {
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
+    let mut cfg = host();
     cfg.warmup_iterations = 1;
     cfg.clone_slots = slots;
-    let mut s = null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&cfg);
     let built = Built { s };
     let layers = m.weights.len();
     for l in 0..layers {
@@ -330,11 +342,7 @@ fn a_chained_input_takes_no_other_data() {
 #[test]
 fn chaining_is_checked_at_registration() {
     let mut m = Model::new(1);
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    let mut s = null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&host());
     let mut input = tensor(true);
     input.flags = graphed_tensor_flags::Chained as u32;
     input.chain_callable = 0; // itself: not registered yet
@@ -515,12 +523,9 @@ fn a_step_accumulates_into_fixed_destinations() {
 fn rebinding_opaque_host_tasks_is_refused_with_the_reason_and_copies() {
     let mut m = Model::new(2);
     let want = eager(&m);
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
+    let mut cfg = host();
     cfg.warmup_iterations = 1;
-    let mut s = null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&cfg);
     let b = Built { s };
     for l in 0..2 {
         let mut input = tensor(l > 0);
@@ -655,11 +660,7 @@ fn steps_are_checked() {
 #[test]
 fn step_declarations_are_checked() {
     let mut m = Model::new(2);
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    let mut s = null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&host());
     let built = Built { s };
     for l in 0..2 {
         let mut input = tensor(l > 0);
@@ -750,11 +751,7 @@ unsafe extern "C" fn backward_counted(ctx: *const graphed_pass_ctx, _: *mut c_vo
 
 #[test]
 fn an_invalidated_step_capture_runs_no_further_callback() {
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&host());
     let output = graphed_tensor_desc {
         bytes: 16,
         ..graphed_tensor_desc_default()
@@ -789,11 +786,7 @@ fn an_invalidated_step_capture_runs_no_further_callback() {
 #[test]
 fn a_step_whose_callable_turned_external_after_declaration_is_refused_at_capture() {
     let mut m = Model::new(1);
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&host());
     add_layer(
         s,
         &tensor(true),
@@ -827,18 +820,10 @@ fn a_step_whose_callable_turned_external_after_declaration_is_refused_at_capture
 #[test]
 fn a_step_refused_by_its_shared_pool_keeps_no_clone_block() {
     let mut m = Model::new(2);
-    let host = || {
-        let mut c = graphed_session_config_default();
-        c.backend = graphed_backend::Host as u32;
-        c
-    };
-    let (mut a, mut b) = (null_mut(), null_mut());
-    // SAFETY: valid configs and out pointers.
-    ok(unsafe { graphed_session_create(&host(), &mut a) });
+    let a = create(&host());
     let mut cb = host();
     cb.share_pool_with = a;
-    // SAFETY: as above.
-    ok(unsafe { graphed_session_create(&cb, &mut b) });
+    let b = create(&cb);
     let policy = graphed_grad_policy::Default as u32;
     add_layer(a, &tensor(false), &mut m.weights[0], policy);
     add_layer(b, &tensor(false), &mut m.weights[1], policy);
@@ -885,16 +870,13 @@ unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: g
 #[test]
 fn a_step_failing_pass_by_pass_keeps_no_lease() {
     let mut m = Model::new(2);
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
+    let mut cfg = host();
     cfg.strict_leases = 1;
     // A caller allocator: a step with CLONE grads replays pass by pass, and
     // this one refuses every block.
     cfg.clone_alloc = Some(refuse_alloc);
     cfg.clone_free = Some(free_nothing);
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&cfg);
     // Backward runs callable 1 (ALIAS: a lease) before callable 0 (CLONE:
     // the refused block).
     add_layer(
@@ -963,11 +945,7 @@ unsafe extern "C" fn backward_consuming(ctx: *const graphed_pass_ctx, _: *mut c_
 #[test]
 fn clone_slot_captures_see_the_tape_the_first_capture_saw() {
     let mut m = Model::new(1);
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let s = create(&host());
     let output = tensor(true);
     let param = graphed_param_desc {
         data: m.weights[0].as_mut_ptr().cast(),

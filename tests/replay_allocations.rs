@@ -11,6 +11,9 @@ use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
+mod common;
+use common::{empty_ref, ok};
+
 struct Counting;
 
 thread_local! {
@@ -77,11 +80,15 @@ unsafe extern "C" fn pass(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
     }
 }
 
-fn ok(s: graphed_status) {
-    assert_eq!(s, graphed_status::Ok, "{:?}", unsafe {
-        // SAFETY: static NUL-terminated string.
-        std::ffi::CStr::from_ptr(graphed_last_error_message())
-    });
+/// Gives back what a replay returned: every lease, then every clone block
+/// (an alias has none: releasing NULL is a no-op).
+fn release(s: *mut graphed_session, refs: &[graphed_ref]) {
+    for r in refs.iter().filter(|r| r.lease != 0) {
+        ok(graphed_lease_release(s, r.lease));
+    }
+    for r in refs {
+        ok(graphed_buffer_release(r.owner));
+    }
 }
 
 /// How the tests replay the callable.
@@ -123,6 +130,8 @@ fn allocations(how: Replay, clones: bool, strict: bool, policy: u32, iters: usiz
     cfg.backend = 1;
     cfg.clone_param_grads_on_return = clones as u32;
     cfg.strict_leases = strict as u32;
+    let dst_ptrs: [*mut c_void; 2] = [dsts[0].as_mut_ptr().cast(), dsts[1].as_mut_ptr().cast()];
+    let with_dsts = policy == 3 || policy == 4;
     let mut s: *mut graphed_session = null_mut();
     // SAFETY (all FFI calls below): valid pointers to live locals, counts
     // matching the arrays.
@@ -141,12 +150,10 @@ fn allocations(how: Replay, clones: bool, strict: bool, policy: u32, iters: usiz
         ok(graphed_session_add_callable(s, &d, &mut idx));
         if how == Replay::Step {
             let callables = [idx];
-            let dst_ptrs: [*mut c_void; 2] =
-                [dsts[0].as_mut_ptr().cast(), dsts[1].as_mut_ptr().cast()];
             let mut sd = graphed_step_desc_default();
             sd.callables = callables.as_ptr();
             sd.num_callables = 1;
-            if policy == 3 || policy == 4 {
+            if with_dsts {
                 sd.param_dsts = dst_ptrs.as_ptr();
                 sd.num_param_dsts = 2;
             }
@@ -157,44 +164,22 @@ fn allocations(how: Replay, clones: bool, strict: bool, policy: u32, iters: usiz
         ok(graphed_session_capture(s));
     }
     let data: [*const c_void; 1] = [input.as_mut_ptr().cast()];
-    let dst_ptrs: [*mut c_void; 2] = [dsts[0].as_mut_ptr().cast(), dsts[1].as_mut_ptr().cast()];
     let step_replay = || {
         let a = graphed_step_args_default();
-        let mut gp = [graphed_ref {
-            ptr: null_mut(),
-            bytes: 0,
-            kind: 0,
-            owner: null_mut(),
-            lease: 0,
-        }; 2];
+        let mut gp = [empty_ref(); 2];
         // SAFETY: as above; room for the step's two parameter grads.
-        unsafe {
-            ok(graphed_step_replay(s, &a, gp.as_mut_ptr(), 2));
-            for r in &gp {
-                if r.lease != 0 {
-                    ok(graphed_lease_release(s, r.lease));
-                }
-            }
-            for r in &gp {
-                ok(graphed_buffer_release(r.owner));
-            }
-        }
+        ok(unsafe { graphed_step_replay(s, &a, gp.as_mut_ptr(), 2) });
+        release(s, &gp);
     };
     let passes = || {
         let mut a = graphed_replay_args_default();
         a.data = data.as_ptr();
         a.num_data = 1;
-        if policy == 3 || policy == 4 {
+        if with_dsts {
             a.param_dsts = dst_ptrs.as_ptr();
             a.num_param_dsts = 2;
         }
-        let mut out = [graphed_ref {
-            ptr: null_mut(),
-            bytes: 0,
-            kind: 0,
-            owner: null_mut(),
-            lease: 0,
-        }];
+        let mut out = [empty_ref()];
         let mut gin = out;
         let mut gp = [out[0]; 2];
         // SAFETY: as above; the output arrays have the stated lengths.
@@ -208,15 +193,8 @@ fn allocations(how: Replay, clones: bool, strict: bool, policy: u32, iters: usiz
                 gp.as_mut_ptr(),
                 2,
             ));
-            for r in out.iter().chain(&gin).chain(&gp) {
-                if r.lease != 0 {
-                    ok(graphed_lease_release(s, r.lease));
-                }
-            }
-            for r in &gp {
-                ok(graphed_buffer_release(r.owner));
-            }
         }
+        release(s, &[out[0], gin[0], gp[0], gp[1]]);
     };
     let step: &dyn Fn() = match how {
         Replay::Passes => &passes,
