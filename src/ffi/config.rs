@@ -255,12 +255,6 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             }
         }) as Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>
     });
-    let names = ScheduleFields {
-        steps: "config.schedule",
-        num_steps: "config.num_schedule_steps",
-        layers_per_chunk: "config.layers_per_chunk",
-        num_layers_per_chunk: "config.num_layers_per_chunk",
-    };
     // SAFETY: the caller passes the stated numbers of steps (of the stated
     // size) and layer counts.
     let schedule = unsafe {
@@ -270,7 +264,7 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             cfg.schedule_step_size,
             cfg.layers_per_chunk,
             cfg.num_layers_per_chunk,
-            &names,
+            &ScheduleFields::CONFIG,
         )
     }?;
     // SAFETY: a non-NULL name is NUL-terminated per the contract.

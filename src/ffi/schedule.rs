@@ -70,6 +70,23 @@ pub(crate) struct ScheduleFields {
     pub num_layers_per_chunk: &'static str,
 }
 
+impl ScheduleFields {
+    /// graphed_session_config's fields.
+    pub const CONFIG: ScheduleFields = ScheduleFields {
+        steps: "config.schedule",
+        num_steps: "config.num_schedule_steps",
+        layers_per_chunk: "config.layers_per_chunk",
+        num_layers_per_chunk: "config.num_layers_per_chunk",
+    };
+    /// graphed_schedule_passes's arguments.
+    pub const ARGS: ScheduleFields = ScheduleFields {
+        steps: "steps",
+        num_steps: "num_steps",
+        layers_per_chunk: "layers_per_chunk",
+        num_layers_per_chunk: "num_layers_per_chunk",
+    };
+}
+
 /// The schedule a caller passed, with its layers-per-chunk split; `None`
 /// when it passed none (steps NULL with a count of 0). The session config
 /// and graphed_schedule_passes both read theirs here, so both refuse the
@@ -217,12 +234,6 @@ pub unsafe extern "C" fn graphed_schedule_passes(
                 .map(|(i, &v)| decode_bool(v, &format!("has_wgrad[{i}]")))
                 .collect::<Result<_>>()?
         };
-        let names = ScheduleFields {
-            steps: "steps",
-            num_steps: "num_steps",
-            layers_per_chunk: "layers_per_chunk",
-            num_layers_per_chunk: "num_layers_per_chunk",
-        };
         // SAFETY: per this function's contract.
         let spec = unsafe {
             read_schedule(
@@ -231,7 +242,7 @@ pub unsafe extern "C" fn graphed_schedule_passes(
                 step_size,
                 layers_per_chunk,
                 num_layers_per_chunk,
-                &names,
+                &ScheduleFields::ARGS,
             )
         }?;
         let schedule = match spec {

@@ -340,10 +340,10 @@ impl Session {
             None => vec![0; params],
             Some(d) if d.len() == params => d.to_vec(),
             Some(d) => {
+                let given = d.len();
                 return Err(Error::invalid(format!(
-                "{} param destinations were given; the step's callables have {params} parameters",
-                d.len()
-            )))
+                    "{given} param destinations were given; the step's callables have {params} parameters"
+                )));
             }
         };
         if self.steps.len() >= u32::MAX as usize {
@@ -364,10 +364,8 @@ impl Session {
                 self.steps.len()
             ))
         })?;
-        Ok(s.callables
-            .iter()
-            .map(|&c| self.callables[c as usize].params.len())
-            .sum())
+        // One destination (or 0) per parameter, checked at declaration.
+        Ok(s.param_dsts.len())
     }
 
     pub fn callable_count(&self) -> usize {
