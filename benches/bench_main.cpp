@@ -10,6 +10,7 @@
 #include "layers.hpp"
 #include "tools.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -532,6 +533,73 @@ void step_table(kit::Device& dev, bench::Tools& tools, int layers, int width, in
                 torch_ms);
 }
 
+// Capture time of the step's session, by phase (graphed_session_stats),
+// against capturing the same kernels by hand into one graph.
+void capture_table(kit::Device& dev, bench::Tools& tools, int layers, int width, int batch, int repeats) {
+    report << "\n## 8. Capture time: a " << layers << "-layer small MLP\n\n"
+           << layers << " Linear(" << width << ") + ReLU layers, batch " << batch
+           << ", fp32, with the loss, chained, 3 warmup iterations (the default). Host time of "
+              "graphed_session_capture (median of " << repeats
+           << " fresh sessions) and its phases from graphed_session_stats (ms, of the median session); the "
+              "reference captures the same eager step by hand into one graph (stream capture, instantiate, "
+              "upload), without warmup.\n\n"
+           << "| variant | total | plan | warmup | record | instantiate | upload | slots | steps | rebind plan | "
+              "rebind verify | graphs |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    kit::Mlp hand(dev, layers, batch, width, 21);
+    Buffer x = hand.tensor(kit::random_floats(size_t(batch) * width, 22));
+    Buffer t = hand.tensor(kit::random_floats(size_t(batch) * width, 23, 0.1f));
+    std::vector<uint32_t> all;
+    for (uint32_t i = 0; i <= uint32_t(layers); ++i) all.push_back(i);
+    auto ms = [](uint64_t ns) { return fmt("%.2f", double(ns) / 1e6); };
+    struct Variant {
+        const char* name;
+        bool step, rebind;
+        uint32_t slots;
+    };
+    const Variant variants[] = {{"per pass, no rebinding, no clone slots", false, false, 0},
+                                {"per pass, clone slots (2)", false, false, 2},
+                                {"per pass, input and grad-output rebound", false, true, 0},
+                                {"step, CLONE grads, clone slots (2)", true, false, 2}};
+    for (const Variant& v : variants) {
+        std::vector<std::pair<double, graphed_session_stats>> runs;
+        for (int r = 0; r < repeats; ++r) {
+            kit::Mlp m(dev, layers, batch, width, 21);
+            graphed_session_config c = graphed::session_config(dev.graphed_kind());
+            c.clone_slots = v.slots;
+            graphed::Session s(c);
+            m.register_layers(s, x.get(), kit::Wiring{true, v.rebind, true, v.rebind});
+            if (v.step) s.add_step(all);
+            dev.sync();
+            auto a = std::chrono::steady_clock::now();
+            s.capture();
+            auto z = std::chrono::steady_clock::now();
+            runs.emplace_back(std::chrono::duration<double, std::milli>(z - a).count(), s.stats());
+        }
+        std::sort(runs.begin(), runs.end(), [](const auto& p, const auto& q) { return p.first < q.first; });
+        const auto& [wall, st] = runs[runs.size() / 2];
+        report << "| " << v.name << " | " << fmt("%.2f", wall) << " | " << ms(st.capture_plan_ns) << " | "
+               << ms(st.capture_warmup_ns) << " | " << ms(st.capture_record_ns) << " | "
+               << ms(st.capture_instantiate_ns) << " | " << ms(st.capture_upload_ns) << " | "
+               << ms(st.capture_slots_ns) << " | " << ms(st.capture_steps_ns) << " | "
+               << ms(st.capture_rebind_plan_ns) << " | " << ms(st.capture_rebind_verify_ns) << " | "
+               << st.graph_count + st.slot_graphs + st.step_graphs << " |\n";
+        std::printf("capture %s: %.2f ms\n", v.name, wall);
+    }
+    std::vector<double> hand_ms;
+    for (int r = 0; r < repeats; ++r) {
+        dev.sync();
+        auto a = std::chrono::steady_clock::now();
+        void* g = tools.capture([&](graphed_stream st) { hand.eager_pass(st, x.get(), t.get()); });
+        auto z = std::chrono::steady_clock::now();
+        if (!g) break;
+        tools.destroy(g);
+        hand_ms.push_back(std::chrono::duration<double, std::milli>(z - a).count());
+    }
+    if (!hand_ms.empty())
+        report << "| one graph captured by hand from the same kernels (no warmup) | "
+               << fmt("%.2f", bench::median(hand_ms)) << " | | | | | | | | | | 1 |\n";
+}
+
 void memory_table(kit::Device& dev, const std::vector<int>& layer_counts, int width, int batch,
                   const std::string& torch_json) {
     report << "\n## 6. Memory: static and scratch bytes of N layers\n\n"
@@ -604,15 +672,16 @@ void rebind_table(kit::Device& dev, const std::string& label, bool header, int p
 
 int main(int argc, char** argv) {
     std::string backend = "cuda", out, torch_json;
-    bool quick = false;
+    bool quick = false, capture_only = false;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
         if (a == "--backend" && i + 1 < argc) backend = argv[++i];
         else if (a == "--quick") quick = true;
+        else if (a == "--capture-only") capture_only = true;
         else if (a == "--out" && i + 1 < argc) out = argv[++i];
         else if (a == "--torch-json" && i + 1 < argc) torch_json = argv[++i];
         else {
-            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--out FILE] [--torch-json FILE]\n",
+            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--out FILE] [--torch-json FILE]\n",
                          argv[0]);
             return 2;
         }
@@ -634,7 +703,10 @@ int main(int argc, char** argv) {
     }
     try {
         report << "Measured on " << tools->describe() << " with graphed " << graphed_version() << ".\n";
-        if (backend == "cuda" && !quick) {
+        if (capture_only) {
+            capture_table(blas ? *blas : *dev, *tools, backend == "cuda" ? 24 : 6, backend == "cuda" ? 256 : 32,
+                          backend == "cuda" ? 64 : 8, backend == "cuda" ? 5 : 3);
+        } else if (backend == "cuda" && !quick) {
             const std::vector<Size> sizes = {{64, 16u << 10}, {64, 4u << 20}, {8, 256u << 20}};
             clone_table(*dev, *tools, sizes, 50);
             accumulate_table(*dev, *tools, sizes, 50);
@@ -648,6 +720,7 @@ int main(int argc, char** argv) {
             }
             rebind_table(*dev, "the kit's CUDA kernels", true, 2000);
             if (blas) rebind_table(*blas, "cuBLAS GEMMs and the kit's kernels", false, 2000);
+            if (blas) capture_table(*blas, *tools, 24, 256, 64, 5);
         } else {
             const std::vector<Size> sizes = {{64, 16u << 10}, {8, 256u << 10}};
             clone_table(*dev, *tools, sizes, 5);
@@ -657,6 +730,7 @@ int main(int argc, char** argv) {
             step_table(*dev, *tools, 6, 32, 8, 5, torch_json);
             memory_table(*dev, {4}, 32, 8, torch_json);
             rebind_table(*dev, "host tasks", true, 200);
+            capture_table(*dev, *tools, 6, 32, 8, 3);
         }
     } catch (const std::exception& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

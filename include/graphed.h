@@ -997,6 +997,27 @@ typedef struct graphed_session_stats {
    */
   uint32_t slot_graphs;
   uint32_t step_graphs;
+  /**
+   * Host time of the capture, in nanoseconds: the whole
+   * graphed_session_capture call, then by phase (the phases do not
+   * overlap; the rest of the total is bookkeeping). Plan: layout,
+   * buffer plan, static allocation, samples copied in. Warmup: every
+   * warmup iteration. Capture: callbacks under stream capture.
+   * Instantiate and upload: of every graph. Slots and steps: the
+   * callbacks of clone-slot and step captures. Rebind plan and verify:
+   * finding where graphs take rebound buffers' addresses, and the
+   * replays that verify them.
+   */
+  uint64_t capture_ns;
+  uint64_t capture_plan_ns;
+  uint64_t capture_warmup_ns;
+  uint64_t capture_record_ns;
+  uint64_t capture_instantiate_ns;
+  uint64_t capture_upload_ns;
+  uint64_t capture_slots_ns;
+  uint64_t capture_steps_ns;
+  uint64_t capture_rebind_plan_ns;
+  uint64_t capture_rebind_verify_ns;
 } graphed_session_stats;
 
 /**

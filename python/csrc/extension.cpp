@@ -183,6 +183,18 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["inputs_rebound"] = st.inputs_rebound;
     d["inputs_rebind_refused"] = st.inputs_rebind_refused;
     d["rebind_nodes"] = st.rebind_nodes;
+    d["slot_graphs"] = st.slot_graphs;
+    d["step_graphs"] = st.step_graphs;
+    d["capture_ns"] = st.capture_ns;
+    d["capture_plan_ns"] = st.capture_plan_ns;
+    d["capture_warmup_ns"] = st.capture_warmup_ns;
+    d["capture_record_ns"] = st.capture_record_ns;
+    d["capture_instantiate_ns"] = st.capture_instantiate_ns;
+    d["capture_upload_ns"] = st.capture_upload_ns;
+    d["capture_slots_ns"] = st.capture_slots_ns;
+    d["capture_steps_ns"] = st.capture_steps_ns;
+    d["capture_rebind_plan_ns"] = st.capture_rebind_plan_ns;
+    d["capture_rebind_verify_ns"] = st.capture_rebind_verify_ns;
     return d;
 }
 

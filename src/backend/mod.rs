@@ -64,9 +64,21 @@ pub struct AccItem {
     pub count: usize,
 }
 
+/// Host time making a graph ready took, after its capture ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Made {
+    pub instantiate: std::time::Duration,
+    pub upload: std::time::Duration,
+}
+
 /// An instantiated, uploaded graph. Dropping it destroys it.
 pub trait Graph: Send {
     fn launch(&self, stream: StreamRef) -> Result<()>;
+
+    /// How long instantiating and uploading it took.
+    fn made(&self) -> Made {
+        Made::default()
+    }
 
     /// A plan to move the graph's references to `[base, base + bytes)`
     /// elsewhere: every place the graph takes such an address as a kernel

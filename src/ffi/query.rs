@@ -61,6 +61,25 @@ pub struct graphed_session_stats {
     /// the graphs of single passes).
     pub slot_graphs: u32,
     pub step_graphs: u32,
+    /// Host time of the capture, in nanoseconds: the whole
+    /// graphed_session_capture call, then by phase (the phases do not
+    /// overlap; the rest of the total is bookkeeping). Plan: layout,
+    /// buffer plan, static allocation, samples copied in. Warmup: every
+    /// warmup iteration. Capture: callbacks under stream capture.
+    /// Instantiate and upload: of every graph. Slots and steps: the
+    /// callbacks of clone-slot and step captures. Rebind plan and verify:
+    /// finding where graphs take rebound buffers' addresses, and the
+    /// replays that verify them.
+    pub capture_ns: u64,
+    pub capture_plan_ns: u64,
+    pub capture_warmup_ns: u64,
+    pub capture_record_ns: u64,
+    pub capture_instantiate_ns: u64,
+    pub capture_upload_ns: u64,
+    pub capture_slots_ns: u64,
+    pub capture_steps_ns: u64,
+    pub capture_rebind_plan_ns: u64,
+    pub capture_rebind_verify_ns: u64,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -99,6 +118,16 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         rebind_nodes: 0,
         slot_graphs: 0,
         step_graphs: 0,
+        capture_ns: 0,
+        capture_plan_ns: 0,
+        capture_warmup_ns: 0,
+        capture_record_ns: 0,
+        capture_instantiate_ns: 0,
+        capture_upload_ns: 0,
+        capture_slots_ns: 0,
+        capture_steps_ns: 0,
+        capture_rebind_plan_ns: 0,
+        capture_rebind_verify_ns: 0,
     }
 }
 
@@ -135,6 +164,16 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             rebind_nodes: st.rebind_nodes,
             slot_graphs: st.slot_graphs,
             step_graphs: st.step_graphs,
+            capture_ns: st.capture_times.total,
+            capture_plan_ns: st.capture_times.plan,
+            capture_warmup_ns: st.capture_times.warmup,
+            capture_record_ns: st.capture_times.capture,
+            capture_instantiate_ns: st.capture_times.instantiate,
+            capture_upload_ns: st.capture_times.upload,
+            capture_slots_ns: st.capture_times.slots,
+            capture_steps_ns: st.capture_times.steps,
+            capture_rebind_plan_ns: st.capture_times.rebind_plan,
+            capture_rebind_verify_ns: st.capture_times.rebind_verify,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.

@@ -13,6 +13,7 @@
 use super::captured::{
     Buffers, Captured, CapturedStep, Instance, LeaseSlots, PassRef, PlanRecord, Stage,
 };
+use super::clock::{CaptureTimes, Span};
 use super::external::Provided;
 use super::pool::Pool;
 use super::rebind::{self, Rebind};
@@ -324,6 +325,20 @@ struct Runner<'a> {
     s: &'a Inputs<'a>,
     cap: &'a mut Captured,
     scratch: &'a Arc<Scratch>,
+    times: &'a mut CaptureTimes,
+}
+
+impl Runner<'_> {
+    /// Runs `f`, adding its time less the graphs it made to `span`.
+    fn spent<T>(&mut self, span: Span, f: impl FnOnce(&mut Self) -> T) -> T {
+        let made = |t: &CaptureTimes| t.instantiate + t.upload;
+        let before = made(self.times);
+        let t = std::time::Instant::now();
+        let out = f(self);
+        let inside = std::time::Duration::from_nanos(made(self.times) - before);
+        self.times.add(span, t.elapsed().saturating_sub(inside));
+        out
+    }
 }
 
 impl Runner<'_> {
@@ -356,14 +371,21 @@ impl Runner<'_> {
         // arena and the tape (which a grad pass may consume).
         let before =
             (slots > 0).then(|| (self.scratch.snapshot(), self.cap.tapes[p.instance].get()));
-        let graph = self.call(p, phase, iteration, true, true)?;
+        let span = if phase == Phase::Capture {
+            Span::Capture
+        } else {
+            Span::Warmup
+        };
+        let graph = self.spent(span, |r| r.call(p, phase, iteration, true, true))?;
         if let Some(g) = graph {
             let inst = &mut self.cap.instances[p.instance];
             inst.graphs[p.kind.index()] = Some(g);
             self.cap.graph_count += 1;
         }
         if let Some(before) = before {
-            self.capture_slots(p, iteration, slots, before)?;
+            self.spent(Span::Slots, |r| {
+                r.capture_slots(p, iteration, slots, before)
+            })?;
         }
         Ok(())
     }
@@ -432,7 +454,7 @@ impl Runner<'_> {
     /// The graph of a capture that ended with `ended`, whose last callback
     /// (of pass `p`) returned `ran`; or why there is none.
     fn finish(
-        &self,
+        &mut self,
         p: PassRef,
         ran: std::result::Result<(), i32>,
         ended: Result<CaptureEnd>,
@@ -459,7 +481,13 @@ impl Runner<'_> {
                 Err(refused.unwrap_or_else(|| self.failed(p, Phase::Capture, None, code)))
             }
             (Ok(()), Err(e)) => Err(e),
-            (Ok(()), Ok(CaptureEnd::Graph(g))) => Ok(g),
+            (Ok(()), Ok(CaptureEnd::Graph(g))) => {
+                let made = g.made();
+                let t = &mut *self.times;
+                t.add(Span::Instantiate, made.instantiate);
+                t.add(Span::Upload, made.upload);
+                Ok(g)
+            }
         }
     }
 
@@ -775,6 +803,8 @@ fn view<'a>(
 /// Warmup and capture of every callable of `s`; see the module comment.
 /// Returns the captured state and its lease table (for capture `epoch`).
 pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
+    let started = std::time::Instant::now();
+    let mut times = CaptureTimes::default();
     let backend = s.backend;
     // Parameter flags may have changed since a step was declared: checked
     // again here, where they freeze, before anything runs.
@@ -819,6 +849,7 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
             })
             .collect(),
         tapes: Box::new([]),
+        times: CaptureTimes::default(),
         graph_count: 0,
         slot_graphs: 0,
         step_graphs: 0,
@@ -866,15 +897,16 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
         backend.prepare_accumulate()?;
     }
 
+    times.add(Span::Plan, started.elapsed());
     let scratch = Scratch::measuring(backend.clone());
-    let result = warmup_and_capture(s, &mut cap, &scratch);
+    let result = warmup_and_capture(s, &mut cap, &scratch, &mut times);
     // Whatever happened, nothing may still run on the side stream when the
     // scratch memory or the capture state is released.
     let synced = backend.synchronize(stream);
     drop(scratch);
     result?;
     synced?;
-    prepare_rebinds(s, &mut cap)?;
+    prepare_rebinds(s, &mut cap, &mut times)?;
 
     if !s.opts.clone_param_grads_on_return {
         let aliased: usize = cap
@@ -903,12 +935,14 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
             });
         }
     }
+    times.set_total(started.elapsed());
+    cap.times = times;
     Ok((cap, leases))
 }
 
 /// Plans and verifies the inputs and grad-outputs asked to be rebound (see
 /// `rebind`).
-fn prepare_rebinds(s: &Inputs, cap: &mut Captured) -> Result<()> {
+fn prepare_rebinds(s: &Inputs, cap: &mut Captured, times: &mut CaptureTimes) -> Result<()> {
     let stream = cap.side.raw();
     for n in 0..cap.instances.len() {
         let spec = &s.callables[cap.instances[n].callable];
@@ -930,7 +964,7 @@ fn prepare_rebinds(s: &Inputs, cap: &mut Captured) -> Result<()> {
                 Rebind::Refused("it has no static buffer (no grad flows to this output)".into())
             } else {
                 rebind::prepare(
-                    s.backend, inst, stat, t.dtype, t.bytes, &in_bytes, &out_bytes, stream,
+                    s.backend, inst, stat, t.dtype, t.bytes, &in_bytes, &out_bytes, stream, times,
                 )?
             };
             let what = if grad_output { "grad-output" } else { "input" };
@@ -958,7 +992,12 @@ fn prepare_rebinds(s: &Inputs, cap: &mut Captured) -> Result<()> {
     Ok(())
 }
 
-fn warmup_and_capture(s: &Inputs, cap: &mut Captured, scratch: &Arc<Scratch>) -> Result<()> {
+fn warmup_and_capture(
+    s: &Inputs,
+    cap: &mut Captured,
+    scratch: &Arc<Scratch>,
+    times: &mut CaptureTimes,
+) -> Result<()> {
     let hook = |point| -> Result<()> {
         match &s.opts.warmup_hook {
             Some(h) => h(point).map_err(|code| Error::CallbackFailed {
@@ -977,7 +1016,12 @@ fn warmup_and_capture(s: &Inputs, cap: &mut Captured, scratch: &Arc<Scratch>) ->
         }
     };
     let order = cap.order.clone();
-    let mut runner = Runner { s, cap, scratch };
+    let mut runner = Runner {
+        s,
+        cap,
+        scratch,
+        times,
+    };
     hook(HookPoint::Pre)?;
     let iterations = s.opts.warmup_iterations;
     for it in 0..iterations {
@@ -1008,7 +1052,7 @@ fn warmup_and_capture(s: &Inputs, cap: &mut Captured, scratch: &Arc<Scratch>) ->
         runner.run(p, Phase::Capture, iterations)?;
     }
     for si in 0..s.steps.len() {
-        runner.capture_step(si, iterations)?;
+        runner.spent(Span::Steps, |r| r.capture_step(si, iterations))?;
     }
     Ok(())
 }

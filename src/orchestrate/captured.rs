@@ -205,6 +205,8 @@ pub(crate) struct Captured {
     /// Every pass, in capture order.
     pub order: Vec<PassRef>,
     pub tapes: Box<[Cell<usize>]>,
+    /// Where the capture's host time went.
+    pub times: super::clock::CaptureTimes,
     /// Graphs of single passes, of clone slots, of steps.
     pub graph_count: u32,
     pub slot_graphs: u32,

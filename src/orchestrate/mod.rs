@@ -4,6 +4,7 @@
 
 pub mod capture;
 pub mod captured;
+pub mod clock;
 pub mod external;
 pub mod pool;
 pub mod rebind;
@@ -14,6 +15,7 @@ pub mod session;
 pub mod spec;
 
 pub use captured::LeaseBook;
+pub use clock::CaptureTimes;
 pub use replay::Replayed;
 pub use returned::{CloneBlock, RefKind, Returned};
 pub use session::{Session, SessionCell, Stats};

@@ -10,6 +10,7 @@
 //! backward, or the weight-grad pass where there is one).
 
 use super::captured::Instance;
+use super::clock::{CaptureTimes, Span};
 use crate::backend::{Backend, DevPtr, DeviceMemory, RebindPlan, Rebinder, StreamRef};
 use crate::core::dtype::DType;
 use crate::error::Result;
@@ -132,6 +133,7 @@ pub(crate) fn prepare(
     input_bytes: &[usize],
     out_bytes: &[usize],
     stream: StreamRef,
+    times: &mut CaptureTimes,
 ) -> Result<Rebind> {
     let refused = |why: String| Ok(Rebind::Refused(why));
     if !matches!(dtype, DType::F32 | DType::F16 | DType::Bf16 | DType::F64) {
@@ -140,6 +142,7 @@ pub(crate) fn prepare(
             dtype.name()
         ));
     }
+    let planning = std::time::Instant::now();
     let graphs = inst.graphs.iter().flatten().chain(inst.rotating.iter());
     let mut plans = Vec::new();
     for g in graphs {
@@ -151,9 +154,11 @@ pub(crate) fn prepare(
             RebindPlan::Refused(why) => return refused(why),
         }
     }
+    times.add(Span::RebindPlan, planning.elapsed());
     if plans.is_empty() {
         return refused("no graph of the callable takes the buffer's address".into());
     }
+    let verifying = std::time::Instant::now();
     // Verification: the same replays, copying and rebound, must agree.
     for (k, (&g, &n)) in inst.buffers.grad_outputs.iter().zip(out_bytes).enumerate() {
         if g != 0 {
@@ -181,6 +186,7 @@ pub(crate) fn prepare(
     let rebound = run().and_then(|_| results(backend.as_ref(), inst, input_bytes, out_bytes));
     on.bind(stat)?;
     backend.upload(stat, &real)?;
+    times.add(Span::RebindVerify, verifying.elapsed());
     if rebound? != copied {
         return refused(
             "a rebound replay at capture gave other results than a copying one: some kernel reads the \

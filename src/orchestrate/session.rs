@@ -61,6 +61,8 @@ pub struct Stats {
     pub inputs_rebind_refused: u32,
     /// Node updates one rebind of every rebound buffer costs.
     pub rebind_nodes: u32,
+    /// Where the capture's host time went.
+    pub capture_times: super::clock::CaptureTimes,
 }
 
 pub struct Session {
@@ -556,6 +558,7 @@ impl Session {
             st.step_graphs = c.step_graphs;
             st.instances = c.instances.len() as u32;
             st.captured = true;
+            st.capture_times = c.times;
             for (_, _, r) in c.instances.iter().flat_map(|i| i.rebinds()) {
                 match r {
                     Rebind::On { .. } => {

@@ -10,7 +10,7 @@ mod rebind;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
-    RebindPlan, StreamRef,
+    Made, RebindPlan, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -348,6 +348,7 @@ struct CudaGraph {
     inner: Arc<Inner>,
     /// The kernel nodes rebinding plans patch, shared between the plans.
     rebound_nodes: rebind::NodeTable,
+    made: Made,
 }
 
 // SAFETY: a CUgraphExec may be launched and destroyed from any thread.
@@ -359,6 +360,10 @@ impl Graph for CudaGraph {
         check("cuGraphLaunch", unsafe {
             sys::cuGraphLaunch(self.exec, stream.0 as sys::CUstream)
         })
+    }
+
+    fn made(&self) -> Made {
+        self.made
     }
 
     fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan> {
@@ -607,6 +612,7 @@ impl Backend for CudaBackend {
             )));
         }
         let mut exec: sys::CUgraphExec = null_mut();
+        let started = std::time::Instant::now();
         // SAFETY: graph is a valid captured graph; exec a valid out pointer.
         let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
         if let Err(e) = check("cuGraphInstantiateWithFlags", r) {
@@ -614,17 +620,23 @@ impl Backend for CudaBackend {
             unsafe { sys::cuGraphDestroy(graph) };
             return Err(e);
         }
+        let instantiated = std::time::Instant::now();
         // The template stays with the executable: rebinding plans read it.
-        let g = CudaGraph {
+        let mut g = CudaGraph {
             exec,
             graph,
             inner: self.inner.clone(),
             rebound_nodes: Default::default(),
+            made: Made::default(),
         };
         // SAFETY: exec is live; uploading prepares its first launch.
         check("cuGraphUpload", unsafe {
             sys::cuGraphUpload(exec, s.0 as sys::CUstream)
         })?;
+        g.made = Made {
+            instantiate: instantiated - started,
+            upload: instantiated.elapsed(),
+        };
         Ok(CaptureEnd::Graph(Box::new(g)))
     }
 
