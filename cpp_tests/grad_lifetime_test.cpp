@@ -204,7 +204,7 @@ TEST_P(GradLifetime, ResetThenReplayFails) {
     const std::vector<float> kept = read(st.g.params[0]);
     EXPECT_GT(s.stats().static_bytes, 0u);
     s.reset();
-    EXPECT_TRUE(throws(GRAPHED_STATUS_SESSION_RESET, [&] { step(s, 0); }, "released by graphed_session_reset"));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_SESSION_RESET, [&] { step(s, 0); }, "released by its reset"));
     EXPECT_TRUE(throws(GRAPHED_STATUS_SESSION_RESET, [&] { s.capture(); }, "reset"));
     graphed_session_stats st2 = s.stats();
     EXPECT_EQ(0u, st2.static_bytes);
@@ -560,7 +560,7 @@ TEST_P(GradLifetime, ExternalBuffersProvidedAtCapture) {
     e.provide = false;
     graphed::Session missing = session(true);
     EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_capture(missing.get()),
-                           "declared output 0 external but did not provide it with graphed_pass_set_buffer"));
+                           "declared output 0 external but did not provide its buffer during capture"));
     EXPECT_EQ(0u, missing.stats().graph_count);
 }
 

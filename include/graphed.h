@@ -1018,6 +1018,13 @@ typedef struct graphed_session_stats {
   uint64_t capture_steps_ns;
   uint64_t capture_rebind_plan_ns;
   uint64_t capture_rebind_verify_ns;
+  /**
+   * Errors while the session released resources (a reset, a failed
+   * capture, clone blocks given back): each is also sent to the
+   * session's log; graphed_teardown_errors() has the process's count
+   * and the last one's text.
+   */
+  uint64_t teardown_errors;
 } graphed_session_stats;
 
 /**
@@ -1414,6 +1421,24 @@ graphed_status graphed_session_plan_dump(struct graphed_session *session,
                                          char *buffer,
                                          size_t capacity,
                                          size_t *length_out);
+
+/**
+ * How many errors the process's teardowns met (a free, a destroy or a
+ * synchronize that failed while a session, a graph or a buffer was
+ * released), and the last one's text into `buffer` (`capacity` bytes,
+ * NUL-terminated, truncated if short; its full length to `*length_out`,
+ * 0 when there was none). Teardown never fails its caller: such errors
+ * are counted here, in each session's stats (teardown_errors) and sent
+ * to the session's log. Pass a NULL buffer to ask for the length.
+ *
+ * # Safety
+ * `count_out` and `length_out` must be writable; `buffer` must be NULL or
+ * have room for `capacity` bytes.
+ */
+graphed_status graphed_teardown_errors(uint64_t *count_out,
+                                       char *buffer,
+                                       size_t capacity,
+                                       size_t *length_out);
 
 /**
  * The driver's figure for the session's device: free and total bytes

@@ -22,6 +22,31 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+thread_local! {
+    /// Frees on this thread that report a failure (after freeing): tests
+    /// inject them to see teardown errors reported.
+    static FAILING_FREES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Makes the next `n` frees of host-backend memory on this thread report a
+/// failure (the memory is still freed): for tests of teardown reporting.
+#[doc(hidden)]
+pub fn inject_free_failures(n: u32) {
+    FAILING_FREES.with(|f| f.set(n));
+}
+
+fn injected_free_failure() -> Result<()> {
+    let hit = FAILING_FREES.with(|f| {
+        let n = f.get();
+        f.set(n.saturating_sub(1));
+        n > 0
+    });
+    if hit {
+        return Err(Error::Internal("an injected failure of a host free".into()));
+    }
+    Ok(())
+}
+
 /// User work on a host stream.
 pub type HostTask = Arc<dyn Fn() + Send + Sync>;
 
@@ -44,6 +69,13 @@ enum Task {
         count: usize,
         dtype: DType,
     },
+    /// Sets the u32 at `flag` to 1 when the two ranges differ.
+    Differ {
+        a: usize,
+        b: usize,
+        bytes: usize,
+        flag: usize,
+    },
     User(HostTask),
 }
 
@@ -65,6 +97,15 @@ fn run(task: &Task) -> Result<()> {
             count,
             dtype,
         } => unsafe { accumulate_host(dst as *mut u8, src as *const u8, count, dtype)? },
+        Task::Differ { a, b, bytes, flag } => unsafe {
+            let (x, y) = (
+                std::slice::from_raw_parts(a as *const u8, bytes),
+                std::slice::from_raw_parts(b as *const u8, bytes),
+            );
+            if x != y {
+                *(flag as *mut u32) = 1;
+            }
+        },
         Task::User(ref f) => f(),
     }
     Ok(())
@@ -200,6 +241,13 @@ impl Graph for HostGraph {
                         refs.push((i, 0, dst - lo));
                     }
                 }
+                Task::Differ { a, b, .. } => {
+                    for (field, p) in [(0, a), (1, b)] {
+                        if inside(p) {
+                            refs.push((i, field, p - lo));
+                        }
+                    }
+                }
             }
         }
         if refs.is_empty() {
@@ -232,6 +280,8 @@ impl Rebinder for HostRebinder {
                 | (Task::Accumulate { dst, .. }, 0)
                 | (Task::Zero { dst, .. }, _) => *dst = a,
                 (Task::Copy { src, .. }, _) | (Task::Accumulate { src, .. }, _) => *src = a,
+                (Task::Differ { a: x, .. }, 0) => *x = a,
+                (Task::Differ { b: y, .. }, _) => *y = a,
                 (Task::User(_), _) => {}
             }
         }
@@ -293,18 +343,22 @@ impl Backend for HostBackend {
         Ok(p as DevPtr)
     }
 
-    fn free(&self, ptr: DevPtr) {
-        if let Some(layout) = self.allocs().remove(&ptr) {
-            // SAFETY: allocated by alloc_zeroed with this layout, removed once.
-            unsafe { dealloc(ptr as *mut u8, layout) };
-        }
+    fn free(&self, ptr: DevPtr) -> Result<()> {
+        let layout = self.allocs().remove(&ptr).ok_or_else(|| {
+            Error::invalid(format!(
+                "0x{ptr:x} is not memory of this host backend (freed twice?)"
+            ))
+        })?;
+        // SAFETY: allocated by alloc_zeroed with this layout, removed once.
+        unsafe { dealloc(ptr as *mut u8, layout) };
+        injected_free_failure()
     }
 
     fn alloc_async(&self, bytes: usize, _stream: StreamRef) -> Result<DevPtr> {
         self.alloc(bytes)
     }
 
-    fn free_async(&self, ptr: DevPtr, _stream: StreamRef) {
+    fn free_async(&self, ptr: DevPtr, _stream: StreamRef) -> Result<()> {
         self.free(ptr)
     }
 
@@ -350,7 +404,26 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn prepare_accumulate(&self) -> Result<()> {
+    fn differ(
+        &self,
+        a: DevPtr,
+        b: DevPtr,
+        bytes: usize,
+        flag: DevPtr,
+        stream: StreamRef,
+    ) -> Result<()> {
+        submit(
+            stream,
+            Task::Differ {
+                a: a as usize,
+                b: b as usize,
+                bytes,
+                flag: flag as usize,
+            },
+        )
+    }
+
+    fn prepare_kernels(&self) -> Result<()> {
         Ok(())
     }
 
@@ -359,8 +432,14 @@ impl Backend for HostBackend {
         Ok(StreamRef(id as usize))
     }
 
-    fn destroy_stream(&self, s: StreamRef) {
-        drop(handle::remove(s.0 as u64));
+    fn destroy_stream(&self, s: StreamRef) -> Result<()> {
+        match handle::remove(s.0 as u64) {
+            Some(_) => Ok(()),
+            None => Err(Error::invalid(format!(
+                "stream 0x{:x} is not a live host stream",
+                s.0
+            ))),
+        }
     }
 
     // Host work runs as it is enqueued: events and waits have nothing to order.
@@ -368,7 +447,9 @@ impl Backend for HostBackend {
         Ok(EventRef(0))
     }
 
-    fn destroy_event(&self, _e: EventRef) {}
+    fn destroy_event(&self, _e: EventRef) -> Result<()> {
+        Ok(())
+    }
 
     fn record(&self, _event: EventRef, _stream: StreamRef) -> Result<()> {
         Ok(())
@@ -487,7 +568,7 @@ mod tests {
         assert_eq!(counter.load(Ordering::Relaxed), 2);
         // SAFETY: dst is a live 16-byte allocation.
         assert_eq!(unsafe { *(dst as *const u32) }, 42);
-        b.destroy_stream(s);
+        b.destroy_stream(s).unwrap();
     }
 
     #[test]
@@ -528,7 +609,7 @@ mod tests {
             panic!("a host task is opaque")
         };
         assert!(why.contains("opaque"), "{why}");
-        b.destroy_stream(s);
+        b.destroy_stream(s).unwrap();
     }
 
     #[test]
@@ -549,7 +630,7 @@ mod tests {
         // The stream is usable again.
         b.begin_capture(s, CaptureMode::Global).unwrap();
         assert!(matches!(b.end_capture(s).unwrap(), CaptureEnd::Graph(_)));
-        b.destroy_stream(s);
+        b.destroy_stream(s).unwrap();
     }
 
     #[test]
@@ -559,7 +640,7 @@ mod tests {
         assert!(matches!(r, Err(Error::InvalidArgument(_))));
         let b = HostBackend::new();
         let s = b.create_stream().unwrap();
-        b.destroy_stream(s);
+        b.destroy_stream(s).unwrap();
         let r = enqueue(s, counter_task(&counter));
         assert!(matches!(r, Err(Error::UseAfterDestroy(_))), "{r:?}");
         assert_eq!(counter.load(Ordering::Relaxed), 0);

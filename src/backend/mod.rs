@@ -6,6 +6,7 @@
 
 pub mod cuda;
 pub mod host;
+pub mod teardown;
 
 use crate::core::dtype::DType;
 use crate::error::Result;
@@ -82,8 +83,12 @@ pub trait Graph: Send {
 
     /// A plan to move the graph's references to `[base, base + bytes)`
     /// elsewhere: every place the graph takes such an address as a kernel
-    /// argument or a copy or set operand.
+    /// argument or a copy or set operand. Needs the graph's template.
     fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan>;
+
+    /// Lets the captured template go once no new plan will be asked for
+    /// (plans made before keep what they need).
+    fn release_template(&mut self) {}
 }
 
 /// What [`Graph::rebinder`] found for a range.
@@ -152,10 +157,10 @@ pub trait Backend: Send + Sync {
     /// Device memory outside any stream (not legal under capture).
     fn alloc(&self, bytes: usize) -> Result<DevPtr>;
     /// Frees `alloc` memory (the caller has waited for work that uses it).
-    fn free(&self, ptr: DevPtr);
+    fn free(&self, ptr: DevPtr) -> Result<()>;
     /// Stream-ordered allocation from the backend's pool (clones).
     fn alloc_async(&self, bytes: usize, stream: StreamRef) -> Result<DevPtr>;
-    fn free_async(&self, ptr: DevPtr, stream: StreamRef);
+    fn free_async(&self, ptr: DevPtr, stream: StreamRef) -> Result<()>;
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
@@ -163,13 +168,23 @@ pub trait Backend: Send + Sync {
     /// as few launches as the backend can. Destinations are aligned to the
     /// element size (checked by the caller).
     fn accumulate(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()>;
-    /// Prepares what `accumulate` needs (loads kernels), outside capture.
-    fn prepare_accumulate(&self) -> Result<()>;
+    /// Sets the `u32` at `flag` to a non-zero value when the `bytes` bytes
+    /// at `a` and at `b` differ; leaves it alone when they are equal.
+    fn differ(
+        &self,
+        a: DevPtr,
+        b: DevPtr,
+        bytes: usize,
+        flag: DevPtr,
+        stream: StreamRef,
+    ) -> Result<()>;
+    /// Loads what `accumulate` and `differ` need, outside capture.
+    fn prepare_kernels(&self) -> Result<()>;
 
     fn create_stream(&self) -> Result<StreamRef>;
-    fn destroy_stream(&self, s: StreamRef);
+    fn destroy_stream(&self, s: StreamRef) -> Result<()>;
     fn create_event(&self) -> Result<EventRef>;
-    fn destroy_event(&self, e: EventRef);
+    fn destroy_event(&self, e: EventRef) -> Result<()>;
     /// Records `event` at the current end of `stream`.
     fn record(&self, event: EventRef, stream: StreamRef) -> Result<()>;
     /// Makes later work on `stream` wait for the last record of `event`.
@@ -259,8 +274,11 @@ impl DeviceMemory {
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
         let _ctx = self.backend.bind();
-        let _ = self.backend.synchronize_all();
-        self.backend.free(self.ptr);
+        teardown::check(
+            "waiting for the device before freeing memory",
+            self.backend.synchronize_all(),
+        );
+        teardown::check("freeing device memory", self.backend.free(self.ptr));
     }
 }
 
@@ -301,8 +319,11 @@ impl Drop for Stream {
             return;
         }
         let _ctx = self.backend.bind();
-        let _ = self.backend.synchronize(self.raw);
-        self.backend.destroy_stream(self.raw);
+        teardown::check(
+            "waiting for a stream before destroying it",
+            self.backend.synchronize(self.raw),
+        );
+        teardown::check("destroying a stream", self.backend.destroy_stream(self.raw));
     }
 }
 
@@ -328,6 +349,6 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         let _ctx = self.backend.bind();
-        self.backend.destroy_event(self.raw);
+        teardown::check("destroying an event", self.backend.destroy_event(self.raw));
     }
 }

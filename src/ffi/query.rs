@@ -80,6 +80,11 @@ pub struct graphed_session_stats {
     pub capture_steps_ns: u64,
     pub capture_rebind_plan_ns: u64,
     pub capture_rebind_verify_ns: u64,
+    /// Errors while the session released resources (a reset, a failed
+    /// capture, clone blocks given back): each is also sent to the
+    /// session's log; graphed_teardown_errors() has the process's count
+    /// and the last one's text.
+    pub teardown_errors: u64,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -128,6 +133,7 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         capture_steps_ns: 0,
         capture_rebind_plan_ns: 0,
         capture_rebind_verify_ns: 0,
+        teardown_errors: 0,
     }
 }
 
@@ -174,6 +180,7 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             capture_steps_ns: st.capture_times.steps,
             capture_rebind_plan_ns: st.capture_times.rebind_plan,
             capture_rebind_verify_ns: st.capture_times.rebind_verify,
+            teardown_errors: st.teardown_errors,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.
@@ -338,17 +345,63 @@ pub unsafe extern "C" fn graphed_session_plan_dump(
         let cell = self::session(session)?;
         let len_out = arg_out(length_out, "length_out")?;
         let text = cell.lock()?.plan_dump()?;
-        if !buffer.is_null() && capacity > 0 {
-            check_out_array(buffer, capacity, 1, 1, "buffer")?;
-            let n = text.len().min(capacity - 1);
-            // SAFETY: the caller's buffer has `capacity` bytes; we write n + 1 <= capacity.
-            unsafe {
-                std::ptr::copy_nonoverlapping(text.as_ptr(), buffer as *mut u8, n);
-                buffer.add(n).write(0);
-            }
+        // SAFETY: per this function's contract.
+        unsafe { write_text(&text, buffer, capacity, len_out) }
+    })
+}
+
+/// Writes `text` into `buffer` (`capacity` bytes, NUL-terminated, truncated
+/// if short; nothing when NULL) and its full length to `len_out`.
+///
+/// # Safety
+/// `buffer` is NULL or has room for `capacity` bytes; `len_out` is
+/// writable (checked non-NULL).
+unsafe fn write_text(
+    text: &str,
+    buffer: *mut c_char,
+    capacity: usize,
+    len_out: *mut usize,
+) -> crate::error::Result<()> {
+    if !buffer.is_null() && capacity > 0 {
+        check_out_array(buffer, capacity, 1, 1, "buffer")?;
+        let n = text.len().min(capacity - 1);
+        // SAFETY: the caller's buffer has `capacity` bytes; we write n + 1 <= capacity.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buffer as *mut u8, n);
+            buffer.add(n).write(0);
         }
+    }
+    // SAFETY: the caller's promise.
+    unsafe { len_out.write(text.len()) };
+    Ok(())
+}
+
+/// How many errors the process's teardowns met (a free, a destroy or a
+/// synchronize that failed while a session, a graph or a buffer was
+/// released), and the last one's text into `buffer` (`capacity` bytes,
+/// NUL-terminated, truncated if short; its full length to `*length_out`,
+/// 0 when there was none). Teardown never fails its caller: such errors
+/// are counted here, in each session's stats (teardown_errors) and sent
+/// to the session's log. Pass a NULL buffer to ask for the length.
+///
+/// # Safety
+/// `count_out` and `length_out` must be writable; `buffer` must be NULL or
+/// have room for `capacity` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_teardown_errors(
+    count_out: *mut u64,
+    buffer: *mut c_char,
+    capacity: usize,
+    length_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_teardown_errors", || {
+        let count = arg_out(count_out, "count_out")?;
+        let len_out = arg_out(length_out, "length_out")?;
+        let (n, last) = crate::backend::teardown::last();
+        // SAFETY: per this function's contract.
+        unsafe { write_text(last.as_deref().unwrap_or(""), buffer, capacity, len_out)? };
         // SAFETY: checked non-NULL.
-        unsafe { len_out.write(text.len()) };
+        unsafe { count.write(n) };
         Ok(())
     })
 }
@@ -392,10 +445,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_first_released_layout_is_todays() {
+    fn the_first_released_layout_is_a_prefix_of_todays() {
+        // Fields added since are appended: a caller built against the
+        // first layout passes a struct_size that ends where it ended.
         assert_eq!(
-            size_of::<graphed_session_stats>(),
+            std::mem::offset_of!(graphed_session_stats, capture_ns),
             graphed_session_stats::MIN_SIZE
         );
+        assert!(size_of::<graphed_session_stats>() > graphed_session_stats::MIN_SIZE);
     }
 }

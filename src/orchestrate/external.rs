@@ -61,8 +61,7 @@ impl Provided {
         for &(role, index) in &self.expected {
             if !got.iter().any(|&(r, i, _)| (r, i) == (role, index)) {
                 return Err(Error::invalid(format!(
-                    "{} declared {} {index} external but did not provide it with graphed_pass_set_buffer \
-                     during capture",
+                    "{} declared {} {index} external but did not provide its buffer during capture",
                     self.context,
                     role.name()
                 )));

@@ -1,22 +1,48 @@
-//! Orchestration: registration, warmup, capture in order, replay and grad
-//! return, over the [`Backend`](crate::backend::Backend) interface only.
-//! Nothing here knows about C or about CUDA.
+//! Orchestration: registration, capture in the order of its steps, replay
+//! and grad return, over the [`Backend`](crate::backend::Backend) interface
+//! only. Nothing here knows about C or about CUDA.
+//!
+//! | module | room |
+//! |---|---|
+//! | `spec`, `context` | what callers register and configure; what a capture reads of a session |
+//! | `session`, `cell`, `report` | the session's states, how callers reach it, what it reports |
+//! | `tensor`, `instance` | one captured tensor with all its facts; a placed instance and its graphs |
+//! | `place`, `leases` | capture step 1: static buffers planned and placed, lease slots |
+//! | `capture` | capture steps 2 and 3: warmup, the passes, clone slots, steps; the transaction |
+//! | `rebind` | capture step 4: rebinding planned and verified on the device |
+//! | `captured` | the captured state, built whole |
+//! | `replay` | replay: checks, feed, launch, grads, staging; step replays |
+//! | `grads`, `returned` | parameter grads out of the static buffers; clone blocks and rings |
+//! | `scratch`, `pool`, `external` | the scratch allocator, shared pools, buffers callbacks provide |
+//! | `clock` | where capture time goes |
 
 pub mod capture;
 pub mod captured;
+pub mod cell;
 pub mod clock;
+mod context;
 pub mod external;
+mod grads;
+mod instance;
+mod leases;
+mod place;
 pub mod pool;
-pub mod rebind;
+mod rebind;
 pub mod replay;
+pub mod report;
 pub mod returned;
 pub mod scratch;
 pub mod session;
 pub mod spec;
+mod tensor;
+#[cfg(test)]
+mod testing;
 
 pub use captured::LeaseBook;
+pub use cell::SessionCell;
 pub use clock::CaptureTimes;
 pub use replay::Replayed;
+pub use report::Stats;
 pub use returned::{CloneBlock, RefKind, Returned};
-pub use session::{Session, SessionCell, Stats};
+pub use session::Session;
 pub use spec::*;

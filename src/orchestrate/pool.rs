@@ -8,7 +8,7 @@
 //! session while another session sharing the pool is in the middle of its
 //! iteration is refused, naming both.
 
-use crate::backend::{Backend, DevPtr};
+use crate::backend::{teardown, Backend, DevPtr};
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -124,7 +124,7 @@ impl Pool {
             chunks[i].users -= 1;
             if chunks[i].users == 0 {
                 let c = chunks.swap_remove(i);
-                self.backend.free(c.ptr);
+                teardown::check("freeing a scratch arena", self.backend.free(c.ptr));
             }
         }
     }

@@ -7,7 +7,7 @@
 //! freed when it came from the caller's allocator or its session is gone.
 
 use super::spec::{CloneAllocator, MemCounters};
-use crate::backend::{Backend, DevPtr, Event, StreamRef};
+use crate::backend::{teardown, Backend, DevPtr, Event, StreamRef};
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -142,7 +142,10 @@ impl Drop for CloneBlock {
         let _ctx = self.backend.bind();
         match &self.origin {
             Origin::Caller(a) => a.free(self.ptr, self.bytes, self.stream()),
-            Origin::Ring(_) => self.backend.free_async(self.ptr, self.stream()),
+            Origin::Ring(_) => teardown::check(
+                "freeing a clone block",
+                self.backend.free_async(self.ptr, self.stream()),
+            ),
         }
     }
 }
@@ -210,7 +213,10 @@ impl CloneRing {
             let b = match self.block(ptr, stream, Some(k)) {
                 Ok(b) => b,
                 Err(e) => {
-                    self.backend.free_async(ptr, stream);
+                    teardown::check(
+                        "freeing a clone block",
+                        self.backend.free_async(ptr, stream),
+                    );
                     return Err(e);
                 }
             };
@@ -239,7 +245,10 @@ impl CloneRing {
         let block = match self.block(ptr, stream, None) {
             Ok(b) => Arc::new(b),
             Err(e) => {
-                self.backend.free_async(ptr, stream);
+                teardown::check(
+                    "freeing a clone block",
+                    self.backend.free_async(ptr, stream),
+                );
                 return Err(e);
             }
         };

@@ -5,7 +5,7 @@
 //! size, replaying the same sequence of offsets, and capture bakes those
 //! addresses into the graphs.
 
-use crate::backend::{Backend, DevPtr};
+use crate::backend::{teardown, Backend, DevPtr};
 use crate::core::arena::Arena;
 use crate::core::size;
 use crate::error::{Error, Result};
@@ -91,7 +91,7 @@ impl Scratch {
                         Ok(p)
                     }
                     None => {
-                        self.backend.free(p);
+                        teardown::check("freeing a scratch allocation", self.backend.free(p));
                         Err(Error::OutOfMemory(format!(
                             "{}: scratch requests total more than the address space",
                             st.context
@@ -130,7 +130,7 @@ impl Scratch {
         match offset {
             Some(o) if st.arena.free(o) => Ok(()),
             _ => Err(Error::invalid(format!(
-                "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from graphed_scratch_alloc)",
+                "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from this scratch allocator)",
                 st.context
             ))),
         }
@@ -148,7 +148,7 @@ impl Scratch {
         let mut st = self.lock();
         if let Mode::Measuring { real, deferred } = &mut st.mode {
             for p in deferred.drain(..).chain(real.drain().map(|(p, _)| p)) {
-                self.backend.free(p);
+                teardown::check("freeing a scratch allocation", self.backend.free(p));
             }
         }
         st.mode = Mode::Arena { base, capacity };
@@ -182,7 +182,7 @@ impl Drop for Scratch {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Mode::Measuring { real, deferred } = &mut st.mode {
             for p in deferred.drain(..).chain(real.drain().map(|(p, _)| p)) {
-                self.backend.free(p);
+                teardown::check("freeing a scratch allocation", self.backend.free(p));
             }
         }
     }

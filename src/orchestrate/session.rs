@@ -2,67 +2,32 @@
 //! share one pool, then replayed; reset releases everything captured. The
 //! captured state (`Captured`) owns every device resource of the capture
 //! and releases them all when dropped, so a failed capture leaves nothing
-//! behind and the session can be captured again. [`SessionCell`] is the
-//! session as callers reach it: behind a lock that a second concurrent call
-//! finds busy, with its lease book and pool reachable without that lock.
+//! behind and the session can be captured again. Whatever fails while the
+//! session releases its resources is counted in its stats and sent to its
+//! log. Its queries are in `report`; callers reach it through `cell`.
 
 use super::capture;
 use super::captured::{Captured, LeaseBook};
+use super::context::Inputs;
 use super::pool::Pool;
-use super::rebind::Rebind;
 use super::replay::{self, Replayed};
 use super::spec::{
     CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
 };
-use crate::backend::{Backend, BackendKind, DevPtr, StreamRef};
-use crate::core::layout::Role;
+use crate::backend::{teardown, Backend, BackendKind, DevPtr, StreamRef};
 use crate::core::lease::{self, Leases};
-use crate::core::plan::Lifetime;
-use crate::core::policy::{GradPolicy, ParamFlags};
+use crate::core::policy::ParamFlags;
 use crate::core::schedule::check_steps;
 use crate::core::size;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::Arc;
 
 pub(crate) enum State {
     Open,
     Captured(Box<Captured>),
     Reset,
-}
-
-/// Memory and graph figures of a session, from the library's own accounting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Stats {
-    pub static_bytes: u64,
-    /// The static bytes without reuse, and the least any plan could use.
-    pub static_bytes_without_reuse: u64,
-    pub peak_live_bytes: u64,
-    pub microbatches: u32,
-    pub scratch_bytes: u64,
-    pub pool_bytes: u64,
-    pub clone_bytes_outstanding: u64,
-    pub clone_blocks_outstanding: u64,
-    /// Released clone blocks kept for reuse by later replays.
-    pub clone_bytes_cached: u64,
-    /// Graphs of single passes; of clone slots; of steps.
-    pub graph_count: u32,
-    pub slot_graphs: u32,
-    pub step_graphs: u32,
-    pub callables: u32,
-    pub instances: u32,
-    pub leases_held: u32,
-    pub captured: bool,
-    /// Inputs and grad-outputs rebound at replay, and those asked to be
-    /// rebound that are copied instead (the plan dump says why), over all
-    /// instances.
-    pub inputs_rebound: u32,
-    pub inputs_rebind_refused: u32,
-    /// Node updates one rebind of every rebound buffer costs.
-    pub rebind_nodes: u32,
-    /// Where the capture's host time went.
-    pub capture_times: super::clock::CaptureTimes,
 }
 
 pub struct Session {
@@ -200,11 +165,10 @@ impl Session {
         match &self.state {
             State::Captured(c) => Ok(c),
             State::Open => Err(Error::state(
-                "the session is not captured yet: call graphed_session_capture first",
+                "the session is not captured yet: capture it first",
             )),
             State::Reset => Err(Error::SessionReset(
-                "its graphs and static buffers were released by graphed_session_reset; destroy it"
-                    .into(),
+                "its graphs and static buffers were released by its reset; destroy it".into(),
             )),
         }
     }
@@ -414,7 +378,7 @@ impl Session {
             ));
         }
         let _ctx = self.backend.bind()?;
-        let inputs = capture::Inputs {
+        let inputs = Inputs {
             backend: &self.backend,
             pool: &self.pool,
             opts: &self.opts,
@@ -422,11 +386,16 @@ impl Session {
             steps: &self.steps,
             counters: &self.counters,
         };
-        let (captured, leases) = capture::capture(&inputs, lease::next_epoch())?;
+        // A failed capture releases what it made: errors on the way are
+        // this session's teardown errors.
+        let (captured, errors) =
+            teardown::collect(|| capture::capture(&inputs, lease::next_epoch()));
+        self.note_teardown(errors);
+        let (captured, leases) = captured?;
         let (n, st, sc) = (
-            captured.graph_count,
-            captured.statics_bytes(),
-            captured.arena_bytes(),
+            captured.graph_counts().0,
+            captured.resources.statics_bytes(),
+            captured.resources.arena_bytes(),
         );
         *self.leases.lock() = leases;
         let passes = captured
@@ -456,9 +425,20 @@ impl Session {
     pub fn reset(&mut self) -> Result<()> {
         let _ctx = self.backend.bind()?;
         self.pool.leave(self.key);
-        self.state = State::Reset;
+        let ((), errors) = teardown::collect(|| self.state = State::Reset);
+        self.note_teardown(errors);
         *self.leases.lock() = Leases::default();
         Ok(())
+    }
+
+    /// Counts teardown errors of this session and sends each to its log.
+    fn note_teardown(&self, errors: Vec<String>) {
+        MemCounters::add(&self.counters.teardown_errors, errors.len());
+        for e in errors {
+            self.log(LogLevel::Error, || {
+                format!("session '{}': {e}", self.opts.name)
+            });
+        }
     }
 
     /// What a replay uses of the session, once it is captured.
@@ -505,183 +485,13 @@ impl Session {
     pub fn step(&mut self, step: u32, stream: StreamRef) -> Result<Replayed<'_>> {
         replay::step(self.parts()?, step, stream)
     }
-
-    /// The static buffers of one role of an instance (0 where absent).
-    pub fn buffers(&self, callable: u32, microbatch: u32, role: Role) -> Result<&[DevPtr]> {
-        let cap = self.captured()?;
-        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
-        Ok(inst.buffers.of_role(role))
-    }
-
-    /// Whether each input (`Role::Input`) or each output's grad-output
-    /// (`Role::GradOutput`) of an instance is rebound at replay (false:
-    /// copied, because it was not asked for or capture refused it).
-    pub fn rebound(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<bool>> {
-        let cap = self.captured()?;
-        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
-        let states = inst.rebinds_of(role).ok_or_else(|| {
-            Error::invalid(format!(
-                "only inputs and grad-outputs are rebound; role is {}",
-                role.name()
-            ))
-        })?;
-        Ok(states.iter().map(Rebind::is_on).collect())
-    }
-
-    /// The frozen grad policy of each parameter of a callable (None where
-    /// it takes no gradient).
-    pub fn policies(&self, callable: u32) -> Result<&[Option<GradPolicy>]> {
-        let cap = self.captured()?;
-        let inst = &cap.instances[cap.instance_index(callable, 0)?];
-        Ok(&inst.returns.policies)
-    }
-
-    pub fn stats(&self) -> Stats {
-        let get = MemCounters::get;
-        let mut st = Stats {
-            static_bytes: get(&self.counters.static_bytes),
-            scratch_bytes: get(&self.counters.scratch_bytes),
-            pool_bytes: self.pool.bytes() as u64,
-            clone_bytes_outstanding: get(&self.counters.clone_bytes),
-            clone_blocks_outstanding: get(&self.counters.clone_blocks),
-            clone_bytes_cached: get(&self.counters.clone_cached_bytes),
-            callables: self.callables.len() as u32,
-            leases_held: self.leases.held() as u32,
-            ..Stats::default()
-        };
-        if let State::Captured(c) = &self.state {
-            st.static_bytes_without_reuse = c.plan.plan.disjoint_bytes as u64;
-            st.peak_live_bytes = c.plan.plan.peak_live_bytes as u64;
-            st.microbatches = c.by_callable.first().map_or(0, |v| v.len() as u32);
-            st.graph_count = c.graph_count;
-            st.slot_graphs = c.slot_graphs;
-            st.step_graphs = c.step_graphs;
-            st.instances = c.instances.len() as u32;
-            st.captured = true;
-            st.capture_times = c.times;
-            for (_, _, r) in c.instances.iter().flat_map(|i| i.rebinds()) {
-                match r {
-                    Rebind::On { .. } => {
-                        st.inputs_rebound += 1;
-                        st.rebind_nodes += r.nodes() as u32;
-                    }
-                    Rebind::Refused(_) => st.inputs_rebind_refused += 1,
-                    Rebind::Off => {}
-                }
-            }
-        }
-        st
-    }
-
-    /// The static-buffer plan as text: one line per buffer with its
-    /// instance, role, size, offset, memory slot and lifetime (in pass
-    /// positions of the capture order).
-    pub fn plan_dump(&self) -> Result<String> {
-        use std::fmt::Write;
-        let cap = self.captured()?;
-        let p = &cap.plan.plan;
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "static bytes {} (without reuse {}, peak live {}), {} buffers in {} slots",
-            p.total_bytes,
-            p.disjoint_bytes,
-            p.peak_live_bytes,
-            cap.plan.buffers.len(),
-            p.slot_of.iter().max().map_or(0, |m| m + 1)
-        );
-        let _ = writeln!(
-            out,
-            "callable  microbatch  role             index  bytes       offset      slot  lifetime"
-        );
-        for (i, b) in cap.plan.buffers.iter().enumerate() {
-            let inst = &cap.instances[b.instance];
-            let lt = cap
-                .plan
-                .lifetimes
-                .get(i)
-                .copied()
-                .unwrap_or(Lifetime { start: 0, end: 0 });
-            let _ = writeln!(
-                out,
-                "{:<9} {:<11} {:<16} {:<6} {:<11} {:<11} {:<5} [{}, {}]",
-                self.callables[inst.callable].name,
-                inst.microbatch,
-                b.role.name(),
-                b.index,
-                b.bytes,
-                p.offsets[i],
-                p.slot_of[i],
-                lt.start,
-                lt.end
-            );
-        }
-        for inst in &cap.instances {
-            for (role, i, r) in inst.rebinds() {
-                let name = &self.callables[inst.callable].name;
-                let what = match r {
-                    Rebind::Off => continue,
-                    Rebind::On { .. } => format!("rebound at replay ({} node updates)", r.nodes()),
-                    Rebind::Refused(why) => format!("copied at replay: {why}"),
-                };
-                let _ = writeln!(
-                    out,
-                    "{role} {i} of {name} (microbatch {}): {what}",
-                    inst.microbatch
-                );
-            }
-        }
-        Ok(out)
-    }
-
-    /// (free, total) device memory as the driver reports it.
-    pub fn device_memory(&self) -> Result<(usize, usize)> {
-        let _ctx = self.backend.bind()?;
-        self.backend.mem_info()
-    }
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
         let _ctx = self.backend.bind();
         self.pool.leave(self.key);
-        self.state = State::Reset;
-    }
-}
-
-/// A session as callers reach it. The session itself is behind a lock
-/// that a second concurrent call (another thread, or a callback calling
-/// back into its own session) finds busy; the lease book and the pool are
-/// usable without it.
-pub struct SessionCell {
-    session: Mutex<Session>,
-    pub leases: Arc<LeaseBook>,
-    pub pool: Arc<Pool>,
-    pub name: String,
-}
-
-impl SessionCell {
-    pub fn new(session: Session) -> SessionCell {
-        SessionCell {
-            leases: session.leases.clone(),
-            pool: session.pool.clone(),
-            name: session.opts.name.clone(),
-            session: Mutex::new(session),
-        }
-    }
-
-    /// The session, or `Busy` while another call holds it.
-    pub fn lock(&self) -> Result<MutexGuard<'_, Session>> {
-        match self.session.try_lock() {
-            Ok(g) => Ok(g),
-            Err(TryLockError::WouldBlock) => Err(Error::Busy(format!(
-                "session '{}' is in use by another call: a callback called back into its own session, \
-                 or two threads used it at once",
-                self.name
-            ))),
-            // A panic inside a previous call was caught at the boundary; the
-            // session's invariants hold between statements, so carry on.
-            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-        }
+        let ((), errors) = teardown::collect(|| self.state = State::Reset);
+        self.note_teardown(errors);
     }
 }

@@ -252,6 +252,8 @@ pub struct MemCounters {
     pub clone_blocks: AtomicU64,
     /// Released clone blocks kept for reuse.
     pub clone_cached_bytes: AtomicU64,
+    /// Errors while releasing the session's resources.
+    pub teardown_errors: AtomicU64,
 }
 
 impl MemCounters {

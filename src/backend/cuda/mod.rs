@@ -8,6 +8,7 @@
 pub mod driver;
 mod rebind;
 
+use super::teardown;
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef, Graph,
     Made, RebindPlan, StreamRef,
@@ -21,9 +22,9 @@ use std::ffi::c_void;
 use std::ptr::null_mut;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-/// The accumulate kernels (scripts/gen_accumulate_ptx.py), NUL-terminated
-/// for cuModuleLoadData.
-static ACCUMULATE_PTX: &str = concat!(include_str!("accumulate.ptx"), "\0");
+/// The library's kernels (accumulate, compare; scripts/gen_ptx.py),
+/// NUL-terminated for cuModuleLoadData.
+static KERNELS_PTX: &str = concat!(include_str!("kernels.ptx"), "\0");
 
 /// Descriptors per batched accumulate launch (the kernel's parameter array).
 const BATCH: usize = 160;
@@ -43,6 +44,9 @@ struct Kernels {
     f32: AccKernels,
     f16: AccKernels,
     bf16: AccKernels,
+    /// Whether two buffers differ, by 4-byte words and by bytes.
+    differ_b32: sys::CUfunction,
+    differ_b8: sys::CUfunction,
 }
 
 impl Kernels {
@@ -98,7 +102,7 @@ impl Inner {
             load_kernels().map_err(|e| e.to_string())
         });
         k.as_ref()
-            .map_err(|e| Error::Internal(format!("loading the accumulate kernels failed: {e}")))
+            .map_err(|e| Error::Internal(format!("loading graphed's kernels failed: {e}")))
     }
 }
 
@@ -106,7 +110,7 @@ fn load_kernels() -> Result<Kernels> {
     let mut module: sys::CUmodule = null_mut();
     // SAFETY: the image is a NUL-terminated PTX string; the context is bound.
     check("cuModuleLoadData", unsafe {
-        sys::cuModuleLoadData(&mut module, ACCUMULATE_PTX.as_ptr().cast())
+        sys::cuModuleLoadData(&mut module, KERNELS_PTX.as_ptr().cast())
     })?;
     let get = |name: &'static str| -> Result<sys::CUfunction> {
         let mut f: sys::CUfunction = null_mut();
@@ -147,6 +151,8 @@ fn load_kernels() -> Result<Kernels> {
                 "graphed_acc_batch_bf16",
                 8,
             )?,
+            differ_b32: get("graphed_differ_b32")?,
+            differ_b8: get("graphed_differ_b8")?,
         })
     })();
     if k.is_err() {
@@ -163,13 +169,17 @@ impl Drop for Inner {
         // graph, clone and session holds an Arc to this Inner.
         unsafe {
             if let Some(Ok(k)) = self.kernels.get() {
-                sys::cuModuleUnload(k.module);
+                let r = check("cuModuleUnload", sys::cuModuleUnload(k.module));
+                teardown::check("unloading graphed's kernels", r);
             }
-            sys::cuMemPoolDestroy(self.pool);
+            let r = check("cuMemPoolDestroy", sys::cuMemPoolDestroy(self.pool));
+            teardown::check("destroying the clone memory pool", r);
         }
         drop(guard);
         // SAFETY: balances the retain in CudaBackend::open.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        let r = check("cuDevicePrimaryCtxRelease", r);
+        teardown::check("releasing the device's primary context", r);
     }
 }
 
@@ -279,6 +289,24 @@ impl CudaBackend {
         n: usize,
         stream: StreamRef,
     ) -> Result<()> {
+        // SAFETY: the accumulate kernels take (dst, src, n); dst/src hold n
+        // elements (or vectors) per the caller's contract.
+        unsafe { self.launch_grid(f, &mut [dst, src, n as u64], n, stream) }
+    }
+
+    /// Launches `f`, which takes `args.len()` u64 parameters, over a grid
+    /// striding across `n` items (nothing for n = 0).
+    ///
+    /// # Safety
+    /// `f` takes exactly these u64 parameters, and the memory they name
+    /// holds what the kernel reads and writes for `n` items.
+    unsafe fn launch_grid(
+        &self,
+        f: sys::CUfunction,
+        args: &mut [u64],
+        n: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -287,14 +315,10 @@ impl CudaBackend {
             .div_ceil(threads as usize)
             .min(self.inner.sm_count as usize * 16)
             .max(1) as u32;
-        let (mut d, mut s, mut n) = (dst, src, n as u64);
-        let mut params: [*mut c_void; 3] = [
-            (&mut d as *mut u64).cast(),
-            (&mut s as *mut u64).cast(),
-            (&mut n as *mut u64).cast(),
-        ];
-        // SAFETY: the kernel takes three u64 parameters, passed by address;
-        // dst/src hold n elements (or vectors) per the caller's contract.
+        let mut params: Vec<*mut c_void> =
+            args.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+        // SAFETY: the parameters are passed by address, one per u64 the
+        // kernel takes (the caller's promise).
         let r = unsafe {
             sys::cuLaunchKernel(
                 f,
@@ -310,7 +334,7 @@ impl CudaBackend {
                 null_mut(),
             )
         };
-        check("cuLaunchKernel(accumulate)", r)
+        check("cuLaunchKernel", r)
     }
 }
 
@@ -341,10 +365,33 @@ fn create_pool(ordinal: i32) -> Result<sys::CUmemoryPool> {
     Ok(pool)
 }
 
+/// A captured graph's template. Rebinding plans read its nodes and update
+/// the executable through them, so it lives while the graph keeps it or a
+/// plan needs it.
+pub(super) struct Template {
+    graph: sys::CUgraph,
+    inner: Arc<Inner>,
+}
+
+// SAFETY: a CUgraph may be used and destroyed from any thread; it is only
+// read after capture.
+unsafe impl Send for Template {}
+// SAFETY: as above: nothing writes the template after capture.
+unsafe impl Sync for Template {}
+
+impl Drop for Template {
+    fn drop(&mut self) {
+        let _g = self.inner.bind();
+        // SAFETY: destroyed exactly once, when the last holder goes.
+        let r = check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(self.graph) });
+        teardown::check("destroying a graph template", r);
+    }
+}
+
 struct CudaGraph {
     exec: sys::CUgraphExec,
-    /// The captured template, kept for rebinding plans.
-    graph: sys::CUgraph,
+    /// The captured template, while rebinding may need it.
+    template: Option<Arc<Template>>,
     inner: Arc<Inner>,
     /// The kernel nodes rebinding plans patch, shared between the plans.
     rebound_nodes: rebind::NodeTable,
@@ -367,11 +414,9 @@ impl Graph for CudaGraph {
     }
 
     fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan> {
-        if self.graph.is_null() {
-            return Err(rebind::no_template());
-        }
+        let template = self.template.as_ref().ok_or_else(rebind::no_template)?;
         rebind::plan(
-            self.graph,
+            template,
             self.exec,
             &self.inner,
             &self.rebound_nodes,
@@ -379,16 +424,21 @@ impl Graph for CudaGraph {
             bytes,
         )
     }
+
+    fn release_template(&mut self) {
+        self.template = None;
+    }
 }
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
         let _g = self.inner.bind();
         // SAFETY: destroyed exactly once; callers synchronize before dropping.
-        unsafe {
-            sys::cuGraphExecDestroy(self.exec);
-            sys::cuGraphDestroy(self.graph);
-        }
+        let r = unsafe { sys::cuGraphExecDestroy(self.exec) };
+        teardown::check(
+            "destroying an executable graph",
+            check("cuGraphExecDestroy", r),
+        );
     }
 }
 
@@ -424,9 +474,9 @@ impl Backend for CudaBackend {
         Ok(p)
     }
 
-    fn free(&self, ptr: DevPtr) {
+    fn free(&self, ptr: DevPtr) -> Result<()> {
         // SAFETY: ptr came from alloc and is freed once.
-        unsafe { sys::cuMemFree_v2(ptr) };
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
     }
 
     fn alloc_async(&self, bytes: usize, stream: StreamRef) -> Result<DevPtr> {
@@ -444,9 +494,11 @@ impl Backend for CudaBackend {
         Ok(p)
     }
 
-    fn free_async(&self, ptr: DevPtr, stream: StreamRef) {
+    fn free_async(&self, ptr: DevPtr, stream: StreamRef) -> Result<()> {
         // SAFETY: ptr came from alloc_async and is freed once, in stream order.
-        unsafe { sys::cuMemFreeAsync(ptr, stream.0 as sys::CUstream) };
+        check("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(ptr, stream.0 as sys::CUstream)
+        })
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {
@@ -522,7 +574,37 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn prepare_accumulate(&self) -> Result<()> {
+    fn differ(
+        &self,
+        a: DevPtr,
+        b: DevPtr,
+        bytes: usize,
+        flag: DevPtr,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let k = self.inner.kernels()?;
+        // Whole 4-byte words where both are aligned to them, bytes for the rest.
+        let words = if a % 4 == 0 && b % 4 == 0 {
+            bytes / 4
+        } else {
+            0
+        };
+        let done = 4 * words as u64;
+        // SAFETY: both kernels take (a, b, n, flag); a and b hold `bytes`
+        // bytes and flag a u32 of device memory, per the caller's contract.
+        unsafe {
+            self.launch_grid(k.differ_b32, &mut [a, b, words as u64, flag], words, stream)?;
+            let rest = bytes - 4 * words;
+            self.launch_grid(
+                k.differ_b8,
+                &mut [a + done, b + done, rest as u64, flag],
+                rest,
+                stream,
+            )
+        }
+    }
+
+    fn prepare_kernels(&self) -> Result<()> {
         self.inner.kernels().map(|_| ())
     }
 
@@ -536,9 +618,11 @@ impl Backend for CudaBackend {
         Ok(StreamRef(s as usize))
     }
 
-    fn destroy_stream(&self, s: StreamRef) {
+    fn destroy_stream(&self, s: StreamRef) -> Result<()> {
         // SAFETY: created by create_stream, destroyed once.
-        unsafe { sys::cuStreamDestroy_v2(s.0 as sys::CUstream) };
+        check("cuStreamDestroy", unsafe {
+            sys::cuStreamDestroy_v2(s.0 as sys::CUstream)
+        })
     }
 
     fn create_event(&self) -> Result<EventRef> {
@@ -551,9 +635,11 @@ impl Backend for CudaBackend {
         Ok(EventRef(e as usize))
     }
 
-    fn destroy_event(&self, e: EventRef) {
+    fn destroy_event(&self, e: EventRef) -> Result<()> {
         // SAFETY: created by create_event, destroyed once.
-        unsafe { sys::cuEventDestroy_v2(e.0 as sys::CUevent) };
+        check("cuEventDestroy", unsafe {
+            sys::cuEventDestroy_v2(e.0 as sys::CUevent)
+        })
     }
 
     fn record(&self, event: EventRef, stream: StreamRef) -> Result<()> {
@@ -621,10 +707,15 @@ impl Backend for CudaBackend {
             return Err(e);
         }
         let instantiated = std::time::Instant::now();
-        // The template stays with the executable: rebinding plans read it.
+        // The template stays with the executable until the orchestration
+        // knows that no rebinding plan needs it.
+        let template = Arc::new(Template {
+            graph,
+            inner: self.inner.clone(),
+        });
         let mut g = CudaGraph {
             exec,
-            graph,
+            template: Some(template),
             inner: self.inner.clone(),
             rebound_nodes: Default::default(),
             made: Made::default(),

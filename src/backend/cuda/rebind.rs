@@ -9,7 +9,7 @@
 //! like an address is caught by capture's verification replay.
 
 use super::driver::check;
-use super::Inner;
+use super::{Inner, Template};
 use crate::backend::{DevPtr, RebindPlan, Rebinder};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -196,6 +196,8 @@ enum Patch {
 pub(super) struct CudaRebinder {
     exec: sys::CUgraphExec,
     inner: Arc<Inner>,
+    /// The nodes patched are the template's: it lives as long as the plan.
+    _template: Arc<Template>,
     patches: Vec<Patch>,
 }
 
@@ -320,7 +322,7 @@ fn memcpy_params(
 /// the range `[base, base + bytes)`; `nodes`: the graph's kernel nodes that
 /// earlier plans patch.
 pub(super) fn plan(
-    graph: sys::CUgraph,
+    template: &Arc<Template>,
     exec: sys::CUgraphExec,
     inner: &Arc<Inner>,
     nodes_table: &NodeTable,
@@ -328,6 +330,7 @@ pub(super) fn plan(
     bytes: usize,
 ) -> Result<RebindPlan> {
     let _ctx = inner.bind()?;
+    let graph = template.graph;
     let (lo, hi) = (base, base + bytes as u64);
     let inside = |a: u64| a >= lo && a < hi;
     let mut n = 0usize;
@@ -422,6 +425,7 @@ pub(super) fn plan(
     Ok(RebindPlan::Plan(Box::new(CudaRebinder {
         exec,
         inner: inner.clone(),
+        _template: template.clone(),
         patches,
     })))
 }

@@ -1,0 +1,480 @@
+//! Capture, as one transaction in the order of its steps:
+//! 1. place: plan the static buffers and place every instance (`place`,
+//!    `leases`), allocate them, copy the samples in;
+//! 2. warm up: every pass runs eagerly on the capture stream, in capture
+//!    order (the schedule's, or forwards in registration order, backwards
+//!    in reverse, each weight-grad after its backward), `warmup_iterations`
+//!    times; the first iteration measures the scratch arena;
+//! 3. record: each pass is captured alone into its graph (`run`), the grad
+//!    passes once more per clone slot (`slots`), then the steps (`steps`);
+//! 4. verify: the tensors asked to be rebound are planned and verified
+//!    (`rebind`);
+//! 5. build the `Captured` state whole from what the steps made.
+//!
+//! Everything is owned by the step that made it until the last one, so an
+//! error anywhere releases all of it; the session stays open.
+
+mod run;
+mod slots;
+mod steps;
+
+use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage};
+use super::clock::{CaptureTimes, Span};
+use super::context::Inputs;
+use super::instance::{Instance, PassGraphs, PassRef, Placed};
+use super::pool::Arena;
+use super::rebind;
+use super::scratch::Scratch;
+use super::spec::{HookPoint, LogLevel, MemCounters, Phase};
+use super::{leases, place};
+use crate::backend::{DeviceMemory, Event, Stream, StreamRef};
+use crate::core::lease::Leases;
+use crate::core::policy::GradPolicy;
+use crate::core::schedule::Schedule;
+use crate::core::PassKind;
+use crate::error::{Error, Result};
+use run::{Call, Runner};
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What recording made: the graphs of every instance and of every step,
+/// and the scratch arena they use.
+struct Recorded {
+    graphs: Vec<PassGraphs>,
+    steps: Vec<CapturedStep>,
+    arena: Option<Arena>,
+}
+
+/// The order of the session's passes: the schedule's, or the default.
+/// Steps are checked again here, where parameter flags freeze.
+fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
+    for step in s.steps {
+        for &c in &step.callables {
+            let spec = &s.callables[c as usize];
+            if spec.has_external_buffers() {
+                return Err(spec.step_refusal());
+            }
+        }
+    }
+    let has_wgrad: Vec<bool> = s
+        .callables
+        .iter()
+        .map(|c| c.callbacks.has_wgrad())
+        .collect();
+    let schedule = match &s.opts.schedule {
+        Some(spec) => Schedule::derive(&spec.steps, spec.layers_per_chunk.as_deref(), &has_wgrad)?,
+        None => Schedule::sequential(&has_wgrad),
+    };
+    let m = schedule.microbatches;
+    let order = schedule
+        .passes
+        .iter()
+        .map(|p| PassRef {
+            instance: p.callable * m + p.microbatch,
+            kind: p.kind,
+        })
+        .collect();
+    Ok((schedule, order))
+}
+
+/// Warmup and capture of every callable of `s`; see the module comment.
+/// Returns the captured state and its lease table (for capture `epoch`).
+pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
+    let started = Instant::now();
+    let mut times = CaptureTimes::default();
+    let (schedule, order) = order_of(s)?;
+
+    // 1. Place.
+    let planned = place::plan(s, &schedule)?;
+    let backend = s.backend;
+    let side = match s.opts.capture_stream {
+        Some(raw) => Stream::borrowed(backend, raw),
+        None => Stream::new(backend)?,
+    };
+    let (ev_in, ev_out) = (Event::new(backend)?, Event::new(backend)?);
+    let statics = DeviceMemory::new(backend, planned.plan.total_bytes)?;
+    let mut placed = place::place(s, &planned, statics.ptr(), &order)?;
+    let mut leases = Leases::new(epoch);
+    if s.opts.strict_leases {
+        leases::assign(s, &planned, &mut placed, &mut leases)?;
+    }
+    fill_statics(s, &placed, &statics, side.raw())?;
+    times.add(Span::Plan, started.elapsed());
+
+    // 2, 3. Warm up and record.
+    let scratch = Scratch::measuring(backend.clone());
+    let recorded = record(s, &mut placed, &scratch, side.raw(), &order, &mut times);
+    // Whatever happened, nothing may still run on the side stream when the
+    // scratch memory or the capture state is released.
+    let synced = backend.synchronize(side.raw());
+    drop(scratch);
+    let mut recorded = recorded?;
+    synced?;
+
+    // 4. Verify the rebinds.
+    rebind::resolve(s, &mut placed, &mut recorded.graphs, side.raw(), &mut times)?;
+    warn_aliases(s, &placed);
+
+    // 5. Build the captured state whole.
+    let resources = Resources {
+        statics,
+        arena: recorded.arena.take(),
+        _side: side,
+        ev_in,
+        ev_out,
+    };
+    times.set_total(started.elapsed());
+    let captured = assemble(s, placed, recorded, planned, order, resources, times);
+    Ok((captured, leases))
+}
+
+/// The captured state, from what the steps of the capture made.
+fn assemble(
+    s: &Inputs,
+    placed: Vec<Placed>,
+    recorded: Recorded,
+    planned: place::Planned,
+    order: Vec<PassRef>,
+    resources: Resources,
+    times: CaptureTimes,
+) -> Captured {
+    MemCounters::add(&s.counters.static_bytes, resources.statics_bytes());
+    MemCounters::add(&s.counters.scratch_bytes, resources.arena_bytes());
+    let by_callable = by_callable(s, &placed);
+    let instances = placed
+        .into_iter()
+        .zip(recorded.graphs)
+        .map(|(placed, graphs)| Instance { placed, graphs })
+        .collect();
+    Captured {
+        backend: s.backend.clone(),
+        counters: s.counters.clone(),
+        instances,
+        by_callable,
+        order,
+        steps: recorded.steps,
+        plan: PlanRecord {
+            plan: planned.plan,
+            buffers: planned.layout.buffers,
+            lifetimes: planned.lifetimes,
+        },
+        times,
+        stage: Stage::default(),
+        resources,
+    }
+}
+
+/// Zeroes the static buffers, copies the samples into the static inputs,
+/// and loads the kernels replays and verification will need.
+fn fill_statics(
+    s: &Inputs,
+    placed: &[Placed],
+    statics: &DeviceMemory,
+    stream: StreamRef,
+) -> Result<()> {
+    let backend = s.backend;
+    backend.zero(statics.ptr(), statics.bytes(), stream)?;
+    for inst in placed {
+        let specs = &s.callables[inst.callable].inputs;
+        for (spec, t) in specs.iter().zip(&inst.inputs) {
+            if spec.sample != 0 && t.ptr != 0 {
+                backend.copy(t.ptr, spec.sample, t.bytes, stream)?;
+            }
+        }
+    }
+    let accumulates = placed.iter().any(|i| !i.returns.accumulate.is_empty());
+    let rebinds = s
+        .callables
+        .iter()
+        .any(|c| c.inputs.iter().chain(&c.outputs).any(|t| t.rebind));
+    if accumulates || rebinds {
+        backend.prepare_kernels()?;
+    }
+    Ok(())
+}
+
+/// Warmup, then the capture of every pass (and its clone slots), then the
+/// steps.
+fn record(
+    s: &Inputs,
+    placed: &mut [Placed],
+    scratch: &Arc<Scratch>,
+    stream: StreamRef,
+    order: &[PassRef],
+    times: &mut CaptureTimes,
+) -> Result<Recorded> {
+    let tapes = (0..placed.len()).map(|_| Cell::new(0)).collect();
+    let mut r = Runner {
+        s,
+        placed,
+        scratch,
+        tapes,
+        stream,
+        times,
+    };
+    let arena = r.spent(Span::Warmup, |r| warmup(r, order))?;
+    let iteration = s.opts.warmup_iterations;
+    let mut graphs: Vec<PassGraphs> = (0..r.placed.len()).map(|_| PassGraphs::default()).collect();
+    scratch.restart();
+    for &p in order {
+        let slots = r.slot_count(p);
+        let start = r.start(p);
+        let call = Call {
+            phase: Phase::Capture,
+            iteration,
+            hooks: true,
+            provide: true,
+            param_grads: None,
+        };
+        let graph = r.spent(Span::Capture, |r| r.call(p, call))?;
+        graphs[p.instance].passes[p.kind.index()] = graph;
+        if slots > 0 {
+            let made = r.spent(Span::Slots, |r| r.capture_slots(p, iteration, slots, start))?;
+            graphs[p.instance].slots = made;
+        }
+    }
+    let by_callable = by_callable(s, r.placed);
+    let slot_blocks: Vec<Vec<_>> = graphs
+        .iter()
+        .map(|g| g.slots.iter().map(|s| s.block).collect())
+        .collect();
+    let mut steps = Vec::with_capacity(s.steps.len());
+    for si in 0..s.steps.len() {
+        let step = r.spent(Span::Steps, |r| {
+            r.capture_step(si, order, &by_callable, &slot_blocks, iteration)
+        })?;
+        steps.push(step);
+    }
+    Ok(Recorded {
+        graphs,
+        steps,
+        arena,
+    })
+}
+
+fn by_callable(s: &Inputs, placed: &[Placed]) -> Vec<Vec<usize>> {
+    let mut v = vec![Vec::new(); s.callables.len()];
+    for (n, inst) in placed.iter().enumerate() {
+        v[inst.callable].push(n);
+    }
+    v
+}
+
+/// The warmup iterations, with the session's hooks around them; returns
+/// the scratch arena measured in the first.
+fn warmup(r: &mut Runner, order: &[PassRef]) -> Result<Option<Arena>> {
+    let s = r.s;
+    let hook = |point| -> Result<()> {
+        let Some(h) = &s.opts.warmup_hook else {
+            return Ok(());
+        };
+        h(point).map_err(|code| Error::CallbackFailed {
+            said: String::new(),
+            callable: "(session)".into(),
+            pass: PassKind::Forward,
+            microbatch: 0,
+            phase: match point {
+                HookPoint::Pre => "the pre-warmup hook",
+                HookPoint::Post => "the post-warmup hook",
+            },
+            code,
+        })
+    };
+    hook(HookPoint::Pre)?;
+    let iterations = s.opts.warmup_iterations;
+    let mut arena = None;
+    for it in 0..iterations {
+        if it > 0 {
+            r.scratch.restart();
+        }
+        for &p in order {
+            let call = Call {
+                phase: Phase::Warmup,
+                iteration: it,
+                hooks: true,
+                provide: false,
+                param_grads: None,
+            };
+            r.call(p, call)?;
+        }
+        if it == 0 {
+            arena = measured_arena(s, r.scratch, r.stream)?;
+        }
+    }
+    if iterations == 0 {
+        arena = measured_arena(s, r.scratch, r.stream)?;
+    }
+    hook(HookPoint::Post)?;
+    s.backend.synchronize(r.stream)?;
+    let bytes = arena.as_ref().map_or(0, |a| a.bytes);
+    s.log(LogLevel::Debug, || {
+        format!("warmup done: {iterations} iteration(s), scratch arena {bytes} bytes")
+    });
+    Ok(arena)
+}
+
+/// After the first warmup iteration: the real scratch allocations go, and
+/// an arena of the measured size from the pool takes over.
+fn measured_arena(s: &Inputs, scratch: &Scratch, stream: StreamRef) -> Result<Option<Arena>> {
+    s.backend.synchronize(stream)?;
+    let arena = s.pool.acquire(scratch.high_water())?;
+    let (base, size) = arena.as_ref().map_or((0, 0), |a| (a.base, a.bytes));
+    scratch.use_arena(base, size);
+    Ok(arena)
+}
+
+/// Warns when parameter grads return aliases because the session opted
+/// out of clones.
+fn warn_aliases(s: &Inputs, placed: &[Placed]) {
+    if s.opts.clone_param_grads_on_return {
+        return;
+    }
+    let aliased: usize = placed
+        .iter()
+        .map(|i| {
+            let spec = &s.callables[i.callable];
+            i.returns
+                .policies
+                .iter()
+                .zip(&spec.params)
+                .filter(|(pol, p)| {
+                    **pol == Some(GradPolicy::Alias)
+                        && p.policy == GradPolicy::Default
+                        && !p.delayed_wgrad()
+                })
+                .count()
+        })
+        .sum();
+    if aliased > 0 {
+        s.log(LogLevel::Warn, || {
+            format!(
+                "{aliased} parameter grad slot(s) return aliases because clone_param_grads_on_return is false; \
+                 each is overwritten by its callable's next backward replay"
+            )
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{host_inputs, Fixture, BYTES};
+    use super::*;
+
+    fn captured(f: &Fixture) -> Result<Captured> {
+        capture(&f.inputs(), 1).map(|(c, _)| c)
+    }
+
+    #[test]
+    fn slot_graphs_write_the_clone_grads_into_their_blocks() {
+        let mut f = host_inputs(&[("a", 2, false), ("b", 1, true)]);
+        f.opts.clone_slots = 2;
+        let cap = captured(&f).unwrap();
+        let (passes, slots, steps) = cap.graph_counts();
+        assert_eq!(
+            (passes, slots, steps),
+            (5, 4, 0),
+            "a: fwd, bwd; b: fwd, bwd, wgrad"
+        );
+        let a = &cap.instances[0];
+        assert_eq!(a.graphs.slots.len(), 2);
+        // Slot graph 1 writes a's two CLONE grads into its block, the slab untouched.
+        let backend = f.backend.as_ref();
+        backend
+            .upload(a.grad_outputs[0].ptr, &[5u8; BYTES])
+            .unwrap();
+        a.slot_graph(1).unwrap().launch(StreamRef(0)).unwrap();
+        let block = a.graphs.slots[1].block;
+        assert_ne!(block, a.slab);
+        let mut got = [0u8; 2 * BYTES];
+        backend.download(&mut got[..BYTES], block).unwrap();
+        let second = match a.param_grads[1].ret {
+            crate::core::returns::ParamReturn::Clone { offset } => block + offset as u64,
+            _ => panic!("CLONE"),
+        };
+        backend.download(&mut got[BYTES..], second).unwrap();
+        assert!(got.iter().all(|&b| b == 5));
+        let mut slab = [0u8; BYTES];
+        backend.download(&mut slab, a.slab).unwrap();
+        assert!(
+            slab.iter().all(|&b| b == 0),
+            "the slot graph did not write the slab"
+        );
+        // b's grads come from its weight-grad pass: that pass has the slots.
+        let b = &cap.instances[1];
+        assert_eq!(b.graphs.slots.len(), 2);
+        assert_eq!(b.grad_pass(), PassKind::Wgrad);
+    }
+
+    #[test]
+    fn passes_that_provide_buffers_get_no_slots() {
+        let mut f = host_inputs(&[("a", 1, false)]);
+        f.callables[0].params[0].flags.external_grad = true;
+        let s = f.inputs();
+        let (_, order) = order_of(&s).unwrap();
+        let mut placed = {
+            let schedule = f.schedule();
+            let p = place::plan(&s, &schedule).unwrap();
+            place::place(&s, &p, 0x1000, &order).unwrap()
+        };
+        let scratch = Scratch::measuring(f.backend.clone());
+        let mut times = CaptureTimes::default();
+        let r = Runner {
+            s: &s,
+            placed: &mut placed,
+            scratch: &scratch,
+            tapes: vec![Cell::new(0)].into(),
+            stream: StreamRef(0),
+            times: &mut times,
+        };
+        let bwd = PassRef {
+            instance: 0,
+            kind: PassKind::Backward,
+        };
+        assert_eq!(
+            r.slot_count(bwd),
+            0,
+            "its callback provides the grad's buffer"
+        );
+    }
+
+    #[test]
+    fn a_failed_capture_leaves_nothing_behind() {
+        let mut f = host_inputs(&[("a", 1, false), ("b", 1, false)]);
+        // A grad-output that the backward must provide but never does.
+        f.callables[1].inputs[0].external = true;
+        let err = match captured(&f) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("the backward did not provide the input's grad"),
+        };
+        assert!(err.contains("did not provide its buffer"), "{err}");
+        let get = MemCounters::get;
+        assert_eq!(get(&f.counters.static_bytes), 0);
+        assert_eq!(get(&f.counters.scratch_bytes), 0);
+        assert_eq!(
+            get(&f.counters.clone_cached_bytes),
+            0,
+            "no clone slot was kept"
+        );
+        assert_eq!(f.pool.bytes(), 0);
+        // The same callables capture once the flag is gone.
+        f.callables[1].inputs[0].external = false;
+        assert!(captured(&f).is_ok());
+    }
+
+    #[test]
+    fn rebinding_host_copies_is_verified_and_times_are_kept() {
+        let mut f = host_inputs(&[("a", 1, false)]);
+        f.callables[0].inputs[0].rebind = true;
+        f.callables[0].outputs[0].rebind = true;
+        let cap = captured(&f).unwrap();
+        let a = &cap.instances[0];
+        assert!(a.inputs[0].feed.is_rebound(), "the forward's copy reads it");
+        assert!(
+            a.grad_outputs[0].feed.is_rebound(),
+            "the backward's copies read it"
+        );
+        assert!(cap.times.total >= cap.times.warmup + cap.times.capture);
+        assert!(cap.times.rebind_verify > 0);
+    }
+}

@@ -1,0 +1,242 @@
+//! Running one pass of one instance during warmup or capture: the view its
+//! callback (or hook) gets of the static buffers, the per-callable hooks
+//! around it, the callback itself (under capture, between the beginning and
+//! the end of a stream capture), and what a failure is reported as.
+
+use super::super::clock::{CaptureTimes, Span};
+use super::super::context::Inputs;
+use super::super::external::Provided;
+use super::super::instance::{PassRef, Placed};
+use super::super::scratch::Scratch;
+use super::super::spec::{HookPoint, PassView, Phase};
+use super::super::tensor::ptrs;
+use crate::backend::{CaptureEnd, DevPtr, Graph, StreamRef};
+use crate::core::policy::GradPolicy;
+use crate::error::{Error, Result};
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a callback sees of its instance, as address lists.
+pub(super) struct ViewBuffers {
+    inputs: Vec<DevPtr>,
+    params: Vec<DevPtr>,
+    outputs: Vec<DevPtr>,
+    grad_outputs: Vec<DevPtr>,
+    grad_inputs: Vec<DevPtr>,
+    param_grads: Vec<DevPtr>,
+    policies: Vec<Option<GradPolicy>>,
+}
+
+impl ViewBuffers {
+    /// The instance's buffers; `param_grads`, where given, replaces the
+    /// parameter-grad addresses (a clone slot's capture).
+    pub fn of(inst: &Placed, param_grads: Option<Vec<DevPtr>>) -> ViewBuffers {
+        ViewBuffers {
+            inputs: ptrs(&inst.inputs),
+            params: inst.params.clone(),
+            outputs: ptrs(&inst.outputs),
+            grad_outputs: ptrs(&inst.grad_outputs),
+            grad_inputs: ptrs(&inst.grad_inputs),
+            param_grads: param_grads.unwrap_or_else(|| ptrs(&inst.param_grads)),
+            policies: inst.returns.policies.clone(),
+        }
+    }
+}
+
+fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
+    match (phase, hook) {
+        (Phase::Warmup, None) => "warmup",
+        (Phase::Capture, None) => "capture",
+        (Phase::Warmup, Some(HookPoint::Pre)) => "the pre-hook before a warmup pass",
+        (Phase::Warmup, Some(HookPoint::Post)) => "the post-hook after a warmup pass",
+        (Phase::Capture, Some(HookPoint::Pre)) => "the pre-hook before a capture",
+        (Phase::Capture, Some(HookPoint::Post)) => "the post-hook after a capture",
+    }
+}
+
+/// How one pass is run.
+#[derive(Clone, Copy)]
+pub(super) struct Call<'a> {
+    pub phase: Phase,
+    pub iteration: u32,
+    /// Run the per-callable hooks around the callback.
+    pub hooks: bool,
+    /// Record the external buffers the callback provides (the first
+    /// capture of a pass; slot captures repeat it).
+    pub provide: bool,
+    /// A clone slot's parameter-grad addresses.
+    pub param_grads: Option<&'a [DevPtr]>,
+}
+
+/// The state warmup and capture share: the session, its placed instances,
+/// the scratch allocator, one tape slot per instance, the stream, and the
+/// clock.
+pub(super) struct Runner<'a> {
+    pub s: &'a Inputs<'a>,
+    pub placed: &'a mut [Placed],
+    pub scratch: &'a Arc<Scratch>,
+    pub tapes: Box<[Cell<usize>]>,
+    pub stream: StreamRef,
+    pub times: &'a mut CaptureTimes,
+}
+
+impl Runner<'_> {
+    /// Runs `f`, adding its time less the graphs it made to `span` (the
+    /// graphs' instantiation and upload have spans of their own).
+    pub fn spent<T>(&mut self, span: Span, f: impl FnOnce(&mut Self) -> T) -> T {
+        let made = |t: &CaptureTimes| t.instantiate + t.upload;
+        let before = made(self.times);
+        let t = Instant::now();
+        let out = f(self);
+        let inside = Duration::from_nanos(made(self.times).saturating_sub(before));
+        self.times.add(span, t.elapsed().saturating_sub(inside));
+        out
+    }
+
+    fn failed(&self, p: PassRef, phase: Phase, hook: Option<HookPoint>, code: i32) -> Error {
+        let inst = &self.placed[p.instance];
+        let spec = &self.s.callables[inst.callable];
+        Error::CallbackFailed {
+            callable: spec.name.clone(),
+            pass: p.kind,
+            microbatch: inst.microbatch,
+            phase: phase_label(phase, hook),
+            code,
+            said: spec
+                .callbacks
+                .failure_message()
+                .map_or(String::new(), |m| format!(": {m}")),
+        }
+    }
+
+    /// What the callbacks (with scratch and, under capture, the external
+    /// buffer collector) or hooks (with neither) of pass `p` see.
+    pub fn view<'v>(
+        &'v self,
+        bufs: &'v ViewBuffers,
+        p: PassRef,
+        call: &Call,
+        scratch: Option<&'v Arc<Scratch>>,
+        provided: Option<&'v Arc<Provided>>,
+    ) -> PassView<'v> {
+        let inst = &self.placed[p.instance];
+        PassView {
+            callable: inst.callable as u32,
+            microbatch: inst.microbatch,
+            pass: p.kind,
+            phase: call.phase,
+            iteration: call.iteration,
+            stream: self.stream,
+            inputs: &bufs.inputs,
+            params: &bufs.params,
+            outputs: &bufs.outputs,
+            grad_outputs: &bufs.grad_outputs,
+            grad_inputs: &bufs.grad_inputs,
+            param_grads: &bufs.param_grads,
+            param_policies: &bufs.policies,
+            tape: self.tapes[p.instance].as_ptr().cast(),
+            scratch,
+            provided,
+        }
+    }
+
+    /// The text naming pass `p` in the messages of its callback.
+    pub fn context(&self, p: PassRef, during: &str) -> String {
+        let inst = &self.placed[p.instance];
+        let name = &self.s.callables[inst.callable].name;
+        format!(
+            "the {} callback of callable '{name}' (microbatch {}) during {during}",
+            p.kind, inst.microbatch
+        )
+    }
+
+    fn hook(&self, p: PassRef, call: &Call, point: HookPoint) -> Result<()> {
+        if !call.hooks {
+            return Ok(());
+        }
+        let bufs = ViewBuffers::of(&self.placed[p.instance], None);
+        let view = self.view(&bufs, p, call, None, None);
+        let spec = &self.s.callables[self.placed[p.instance].callable];
+        spec.callbacks
+            .hook(point, &view)
+            .map_err(|c| self.failed(p, call.phase, Some(point), c))
+    }
+
+    /// Runs the hooks and the callback of pass `p` once; under capture the
+    /// callback alone is captured into the graph this returns.
+    pub fn call(&mut self, p: PassRef, call: Call) -> Result<Option<Box<dyn Graph>>> {
+        let context = self.context(p, call.phase.name());
+        let capture = call.phase == Phase::Capture;
+        // Under capture, the external buffers this pass must provide.
+        let provided = capture
+            .then(|| Provided::new(self.placed[p.instance].provided_by(p.kind), context.clone()));
+        self.hook(p, &call, HookPoint::Pre)?;
+        self.scratch.set_context(context);
+        let graph = {
+            let inst = &self.placed[p.instance];
+            let bufs = ViewBuffers::of(inst, call.param_grads.map(<[DevPtr]>::to_vec));
+            let view = self.view(&bufs, p, &call, Some(self.scratch), provided.as_ref());
+            let spec = &self.s.callables[inst.callable];
+            if capture {
+                let backend = self.s.backend;
+                backend.begin_capture(self.stream, self.s.opts.capture_mode)?;
+                let ran = spec.callbacks.run(&view);
+                let ended = backend.end_capture(self.stream);
+                Some(self.finish(p, ran, ended)?)
+            } else {
+                let ran = spec.callbacks.run(&view);
+                let refused = self.scratch.take_failure();
+                ran.map_err(|c| refused.unwrap_or_else(|| self.failed(p, call.phase, None, c)))?;
+                None
+            }
+        };
+        if let (Some(provided), true) = (&provided, call.provide) {
+            let inst = &mut self.placed[p.instance];
+            for (role, i, ptr) in provided.finish()? {
+                inst.tensors_mut(role)[i].ptr = ptr;
+            }
+        }
+        self.hook(p, &call, HookPoint::Post)?;
+        Ok(graph)
+    }
+
+    /// The graph of a capture that ended with `ended`, whose last callback
+    /// (of pass `p`) returned `ran`; or why there is none.
+    pub fn finish(
+        &mut self,
+        p: PassRef,
+        ran: std::result::Result<(), i32>,
+        ended: Result<CaptureEnd>,
+    ) -> Result<Box<dyn Graph>> {
+        // A refused scratch request explains a failed callback better than
+        // its code; a callback that carried on without it is fine.
+        let refused = self.scratch.take_failure();
+        let inst = &self.placed[p.instance];
+        // An invalidated capture is the root cause even when the callback
+        // also failed (its next launch fails because of it).
+        match (ran, ended) {
+            (ran, Ok(CaptureEnd::Invalidated(mut detail))) => {
+                if let Err(code) = ran {
+                    detail.push_str(&format!("; the callback then returned {code}"));
+                }
+                Err(Error::CaptureInvalidated {
+                    callable: self.s.callables[inst.callable].name.clone(),
+                    pass: p.kind,
+                    microbatch: inst.microbatch,
+                    detail,
+                })
+            }
+            (Err(code), _) => {
+                Err(refused.unwrap_or_else(|| self.failed(p, Phase::Capture, None, code)))
+            }
+            (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(CaptureEnd::Graph(g))) => {
+                let made = g.made();
+                self.times.add(Span::Instantiate, made.instantiate);
+                self.times.add(Span::Upload, made.upload);
+                Ok(g)
+            }
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! What a replay checks before it enqueues anything: the data it is fed
+//! (one entry per buffer, no NULL where a buffer needs data, nothing but
+//! the buffer itself for a chained one), the destinations of COPY_INTO and
+//! ACCUMULATE_INTO grads, and that no stream it uses is capturing.
+
+use super::super::instance::Placed;
+use super::super::tensor::{Feed, Tensor};
+use crate::backend::{Backend, DevPtr, StreamRef};
+use crate::core::returns::ParamReturn;
+use crate::error::{Error, Result};
+
+/// Checks the data fed to `tensors` (the inputs or the grad-outputs of
+/// callable `name`, `what` as the caller's array is called).
+pub(super) fn data(
+    data: Option<&[DevPtr]>,
+    tensors: &[Tensor],
+    what: &str,
+    name: &str,
+) -> Result<()> {
+    let Some(d) = data else { return Ok(()) };
+    let expected = tensors.len();
+    let chained = |i: usize| matches!(tensors[i].feed, Feed::Chained);
+    if let Some(i) =
+        (0..d.len().min(expected)).find(|&i| chained(i) && d[i] != 0 && d[i] != tensors[i].ptr)
+    {
+        return Err(Error::invalid(format!(
+            "{what}[{i}] of callable '{name}' is chained to another callable's buffer (0x{:x}); it takes no other \
+             data: pass that buffer, NULL, or a NULL data array",
+            tensors[i].ptr
+        )));
+    }
+    if d.len() != expected {
+        return Err(Error::invalid(format!(
+            "{} {what} were passed; callable '{name}' has {expected}",
+            d.len()
+        )));
+    }
+    let needed = |i: usize| tensors[i].ptr != 0 && !chained(i);
+    if let Some(i) = (0..d.len()).find(|&i| d[i] == 0 && needed(i)) {
+        return Err(Error::invalid(format!(
+            "{what}[{i}] of callable '{name}' is NULL (pass the whole {what} array as NULL to replay on what the \
+             static buffers hold)"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks the destinations of COPY_INTO / ACCUMULATE_INTO slots: one per
+/// parameter, non-NULL where needed, and ACCUMULATE_INTO destinations
+/// aligned to their element size (the kernels read and write whole
+/// elements).
+pub(super) fn destinations(dsts: Option<&[DevPtr]>, inst: &Placed, name: &str) -> Result<()> {
+    let grads = &inst.param_grads;
+    let n = grads.len();
+    let Some(d) = dsts else {
+        return match grads.iter().position(|t| t.ret.needs_destination()) {
+            Some(i) => Err(Error::invalid(format!(
+                "callable '{name}' has parameters returned by COPY_INTO or ACCUMULATE_INTO (param {i}): pass param_dsts"
+            ))),
+            None => Ok(()),
+        };
+    };
+    if d.len() != n {
+        return Err(Error::invalid(format!(
+            "{} param destinations were passed; callable '{name}' has {n} parameters",
+            d.len()
+        )));
+    }
+    for (i, (t, &dst)) in grads.iter().zip(d).enumerate() {
+        if t.ret.needs_destination() && dst == 0 {
+            return Err(Error::invalid(format!(
+                "param_dsts[{i}] of callable '{name}' is NULL, but that parameter's grad policy ({}) needs a destination",
+                inst.returns.policies[i].map_or("?", |p| p.name())
+            )));
+        }
+        if let ParamReturn::AccumulateInto { dtype } = t.ret {
+            if dst % dtype.size() as DevPtr != 0 {
+                return Err(Error::invalid(format!(
+                    "param_dsts[{i}] of callable '{name}' (0x{dst:x}) is not aligned to its {} element size ({} \
+                     bytes): ACCUMULATE_INTO destinations must be element-aligned",
+                    dtype.name(),
+                    dtype.size()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a replay on a stream that is capturing a graph.
+pub(super) fn streams(
+    backend: &dyn Backend,
+    stream: StreamRef,
+    side: Option<StreamRef>,
+    who: impl Fn() -> String,
+) -> Result<()> {
+    for (s, what) in [(Some(stream), "stream"), (side, "side_stream")] {
+        match s {
+            Some(s) if backend.is_capturing(s)? => {
+                return Err(Error::StreamCapturing(format!(
+                    "{}: args.{what} is capturing a graph. graphed replays cannot be recorded into another \
+                     capture (their clones and copies would outlive what the outer graph can own); replay \
+                     outside the capture, or capture the callables together as a step. Nothing was enqueued",
+                    who()
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}

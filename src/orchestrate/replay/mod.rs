@@ -1,0 +1,266 @@
+//! Replay, in the order of its steps: check everything that can be refused
+//! (`check`), so that a refused call enqueues nothing; take a clone block;
+//! feed the data (rebound tensors are pointed at, the others copied into
+//! their static buffers); launch the graph on the caller's stream (or on a
+//! side stream joined by events); return the parameter grads (`grads`);
+//! stage what the caller gets (`stage`). Results are staged in vectors the
+//! session reuses, so the steady state makes no host allocation. Steps
+//! replay in `step`.
+
+mod check;
+mod stage;
+mod step;
+
+pub(crate) use step::step;
+
+use super::captured::{Captured, LeaseBook, Stage};
+use super::grads::{copy_clones, enqueue_destinations};
+use super::instance::Placed;
+use super::pool::Pool;
+use super::returned::{CloneBlock, Returned};
+use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
+use super::tensor::{Feed, REBIND_ALIGN};
+use crate::backend::{Backend, StreamRef};
+use crate::core::PassKind;
+use crate::error::{Error, Result};
+use stage::Taken;
+use std::sync::Arc;
+
+/// What one replay hands back. `first` holds the outputs (forward) or the
+/// input grads (backward); `second` the parameter grads (backward,
+/// weight-grad, step); `blocks` the clone blocks the CLONE grads live in
+/// (`Returned::block` indexes it). The caller takes the blocks (drains the
+/// vector); any left there are given back at the next replay.
+pub struct Replayed<'a> {
+    pub first: &'a [Returned],
+    pub second: &'a [Returned],
+    pub blocks: &'a mut Vec<Arc<CloneBlock>>,
+}
+
+impl<'a> Replayed<'a> {
+    fn of(stage: &'a mut Stage) -> Replayed<'a> {
+        Replayed {
+            first: &stage.a,
+            second: &stage.b,
+            blocks: &mut stage.blocks,
+        }
+    }
+}
+
+/// What a replay uses of a captured session.
+pub(crate) struct Parts<'a> {
+    /// Identifies the session to its pool.
+    pub key: u64,
+    pub backend: &'a Arc<dyn Backend>,
+    pub opts: &'a SessionOptions,
+    pub callables: &'a [CallableSpec],
+    pub cap: &'a mut Captured,
+    pub counters: &'a Arc<MemCounters>,
+    pub pool: &'a Pool,
+    pub leases: &'a LeaseBook,
+}
+
+/// Replays one pass of (callable, microbatch): forward returns the static
+/// outputs (aliases, valid until the next forward replay of the instance);
+/// backward the input grads (aliases, valid until its next backward) and
+/// the parameter grads per the return plan (all NONE when the callable has
+/// a weight-grad graph, whose replay returns them).
+pub(crate) fn pass<'a>(mut p: Parts<'a>, a: &ReplayArgs, kind: PassKind) -> Result<Replayed<'a>> {
+    run_pass(&mut p, a, kind)?;
+    Ok(Replayed::of(&mut p.cap.stage))
+}
+
+/// Whether a replay of `kind` returns the instance's parameter grads.
+fn returns_params(inst: &Placed, kind: PassKind) -> bool {
+    kind != PassKind::Forward && kind == inst.grad_pass()
+}
+
+/// Everything a replay of `kind` of instance `idx` can be refused for.
+fn check_pass(p: &Parts, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<()> {
+    let inst = &p.cap.instances[idx];
+    let name = &p.callables[inst.callable].name;
+    let who = || {
+        format!(
+            "the {kind} replay of callable '{name}' (microbatch {})",
+            inst.microbatch
+        )
+    };
+    match kind {
+        PassKind::Forward => check::data(a.data, &inst.inputs, "inputs", name)?,
+        PassKind::Backward => check::data(a.data, &inst.grad_outputs, "grad_outputs", name)?,
+        PassKind::Wgrad => {
+            if !inst.has_wgrad() {
+                return Err(Error::invalid(format!(
+                    "callable '{name}' has no weight-grad callback: its parameter grads are returned by backward"
+                )));
+            }
+            if a.data.is_some() {
+                return Err(Error::invalid(
+                    "a weight-grad replay takes no data: pass NULL",
+                ));
+            }
+        }
+    }
+    if returns_params(inst, kind) {
+        check::destinations(a.param_dsts, inst, name)?;
+    }
+    check::streams(p.backend.as_ref(), a.stream, a.side_stream, who)?;
+    // The lease book is locked only around the check and the staging,
+    // never while the caller's code runs (its allocator, its free
+    // function), which may release leases. Only replays acquire, and they
+    // are serialised by the session: a release in between only frees more.
+    if p.opts.strict_leases {
+        p.leases
+            .lock()
+            .check_free(&inst.overwritten[kind.index()], who)?;
+    }
+    let pos = inst.position[kind.index()]
+        .ok_or_else(|| Error::Internal(format!("{} was not captured", who())))?;
+    p.pool.replaying(p.key, pos)
+}
+
+/// The clone block a replay of `kind` returns its CLONE grads in, if any.
+fn take_block(p: &Parts, idx: usize, kind: PassKind, s: StreamRef) -> Result<Taken> {
+    let inst = &p.cap.instances[idx];
+    let clone = &inst.returns.clone;
+    if !returns_params(inst, kind) || clone.count == 0 {
+        return Ok(Taken(None));
+    }
+    Ok(Taken(Some(match (&p.opts.allocator, &inst.ring) {
+        (Some(a), _) => CloneBlock::from_caller(p.backend, a, p.counters, clone.bytes, s)?,
+        (None, Some(ring)) => ring.take(s)?,
+        (None, None) => {
+            return Err(Error::Internal(
+                "a CLONE instance without a clone ring".into(),
+            ))
+        }
+    })))
+}
+
+/// Feeds the data of a forward (inputs) or backward (grad-outputs):
+/// rebound tensors are read where they are (the graphs are pointed at the
+/// caller's aligned data, else back at the static buffer); the others are
+/// copied into their static buffers (those without one take no data).
+fn feed(p: &mut Parts, idx: usize, kind: PassKind, a: &ReplayArgs, s: StreamRef) -> Result<()> {
+    let Some(role) = Placed::fed_role(kind) else {
+        return Ok(());
+    };
+    let backend = p.backend;
+    let tensors = p.cap.instances[idx].tensors_mut(role);
+    for (i, t) in tensors.iter_mut().enumerate() {
+        // check::data made the data as long as the tensors.
+        let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
+        if src == 0 || t.ptr == 0 {
+            if let Feed::Rebound(r) = &mut t.feed {
+                r.bind(t.ptr)?;
+            }
+            continue;
+        }
+        match &mut t.feed {
+            Feed::Rebound(r) if src % REBIND_ALIGN == 0 => r.bind(src)?,
+            Feed::Rebound(r) => {
+                r.bind(t.ptr)?;
+                backend.copy(t.ptr, src, t.bytes, s)?;
+            }
+            Feed::Copied | Feed::Refused(_) => backend.copy(t.ptr, src, t.bytes, s)?,
+            Feed::Chained | Feed::NotFed => {}
+        }
+    }
+    Ok(())
+}
+
+/// Launches the pass (the slot's own graph when the block is a slot
+/// block) and returns the parameter grads it wrote.
+fn launch(
+    p: &mut Parts,
+    idx: usize,
+    kind: PassKind,
+    a: &ReplayArgs,
+    block: &Taken,
+    s: StreamRef,
+) -> Result<()> {
+    let inst = &p.cap.instances[idx];
+    let params = returns_params(inst, kind);
+    // A slot block has its own capture of this pass, which writes the
+    // CLONE grads into it: no copy.
+    let slot_graph = match (&block.0, params) {
+        (Some(b), true) => b.slot.and_then(|k| inst.slot_graph(k)),
+        _ => None,
+    };
+    match slot_graph {
+        Some(g) => g.launch(s)?,
+        None => inst.graph(kind)?.launch(s)?,
+    }
+    if !params {
+        return Ok(());
+    }
+    if let (Some(b), None) = (&block.0, slot_graph) {
+        copy_clones(p.backend.as_ref(), inst, b.ptr, s)?;
+    }
+    // check::destinations made sure these have destinations.
+    let dst = |i: usize| a.param_dsts.map_or(0, |d| d[i]);
+    enqueue_destinations(p.backend.as_ref(), inst, dst, &mut p.cap.stage.acc, s)
+}
+
+/// Enqueues one pass and leaves its results in the stage.
+fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
+    let idx = p.cap.instance_index(a.callable, a.microbatch)?;
+    // The context first: asking about a stream needs it current.
+    let _ctx = p.backend.bind()?;
+    check_pass(p, a, kind, idx)?;
+    let s = match a.side_stream {
+        Some(side) => {
+            p.backend
+                .join(a.stream, side, p.cap.resources.ev_in.raw())?;
+            side
+        }
+        None => a.stream,
+    };
+    let mut block = take_block(p, idx, kind, s)?;
+    feed(p, idx, kind, a, s)?;
+    launch(p, idx, kind, a, &block, s)?;
+    if let Some(side) = a.side_stream {
+        p.backend
+            .join(side, a.stream, p.cap.resources.ev_out.raw())?;
+    }
+    if let Some(b) = &block.0 {
+        b.set_stream(a.stream);
+    }
+    let Captured {
+        instances, stage, ..
+    } = &mut *p.cap;
+    let inst = &instances[idx];
+    stage.a.clear();
+    stage.b.clear();
+    stage::give_back(&mut stage.blocks);
+    let block_ptr = block.0.as_ref().map_or(0, |b| b.ptr);
+    if let Some(b) = block.0.take() {
+        stage.blocks.push(b);
+    }
+    let mut book = p.opts.strict_leases.then(|| p.leases.lock());
+    match kind {
+        PassKind::Forward => stage::aliases(&mut stage.a, &inst.outputs, book.as_deref_mut()),
+        PassKind::Backward => {
+            stage::aliases(&mut stage.a, &inst.grad_inputs, book.as_deref_mut());
+            if returns_params(inst, kind) {
+                stage::params(
+                    inst,
+                    a.param_dsts,
+                    (block_ptr, 0),
+                    book.as_deref_mut(),
+                    &mut stage.b,
+                );
+            } else {
+                stage.b.resize(inst.param_grads.len(), Returned::default());
+            }
+        }
+        PassKind::Wgrad => stage::params(
+            inst,
+            a.param_dsts,
+            (block_ptr, 0),
+            book.as_deref_mut(),
+            &mut stage.b,
+        ),
+    }
+    Ok(())
+}

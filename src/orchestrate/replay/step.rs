@@ -1,0 +1,215 @@
+//! Step replays: one launch of the step's graph, or, with CLONE grads, of
+//! the graph of a clone slot that is free in every callable that returns
+//! clones; when there is none (every slot held by the caller, or no slots
+//! at all), the same passes replayed one by one, with the same results.
+
+use super::super::captured::Captured;
+use super::super::returned::{CloneBlock, Returned};
+use super::super::spec::ReplayArgs;
+use super::{check, run_pass, stage, Parts, Replayed};
+use crate::backend::StreamRef;
+use crate::error::{Error, Result};
+use std::sync::Arc;
+
+/// Replays step `step` on `stream`; returns the parameter grads of its
+/// callables, in order, in `second`.
+pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Replayed<'a>> {
+    let n = p.cap.steps.len();
+    let st = p.cap.steps.get(step as usize).ok_or_else(|| {
+        Error::invalid(format!("step {step} does not exist (the session has {n})"))
+    })?;
+    let who = || format!("the replay of step {step}");
+    let _ctx = p.backend.bind()?;
+    check::streams(p.backend.as_ref(), stream, None, who)?;
+    if p.opts.strict_leases {
+        p.leases.lock().check_free(&st.overwritten, who)?;
+    }
+    // The slot blocks taken, in a vector the replays reuse (empty between
+    // replays, so that the steady state allocates nothing).
+    let mut taken = std::mem::take(&mut p.cap.stage.taken);
+    let chosen = if st.graph.is_some() {
+        None
+    } else {
+        match free_slot(&p, step as usize, stream, &mut taken) {
+            Ok(Some(k)) => Some(k),
+            Ok(None) => {
+                p.cap.stage.taken = taken;
+                return by_pass(p, step as usize, stream);
+            }
+            Err(e) => {
+                p.cap.stage.taken = taken;
+                return Err(e);
+            }
+        }
+    };
+    if let Err(e) = launch(&p, step as usize, chosen, stream) {
+        put_back(&p, step as usize, &mut taken);
+        p.cap.stage.taken = taken;
+        return Err(e);
+    }
+    stage_grads(p, step as usize, taken)
+}
+
+/// Slot blocks taken for a replay that then fails go back to their rings
+/// (the i-th block to the ring of the i-th cloned instance).
+fn put_back(p: &Parts, step: usize, taken: &mut Vec<Arc<CloneBlock>>) {
+    let cloned = &p.cap.steps[step].cloned;
+    for (b, &j) in taken.drain(..).zip(cloned) {
+        if let Some(r) = &p.cap.instances[j].ring {
+            r.put_back(b);
+        }
+    }
+}
+
+/// A slot free in every callable of the step that returns clones, with its
+/// blocks taken into `taken`; None when there is none.
+fn free_slot(
+    p: &Parts,
+    step: usize,
+    stream: StreamRef,
+    taken: &mut Vec<Arc<CloneBlock>>,
+) -> Result<Option<usize>> {
+    let st = &p.cap.steps[step];
+    'slots: for k in 0..st.slots.len() {
+        for &i in &st.cloned {
+            let ring = p.cap.instances[i].ring.as_ref();
+            match ring.map(|r| r.take_slot(k, stream)).transpose() {
+                Ok(Some(Some(b))) => taken.push(b),
+                Ok(_) => {
+                    put_back(p, step, taken);
+                    continue 'slots;
+                }
+                Err(e) => {
+                    put_back(p, step, taken);
+                    return Err(e);
+                }
+            }
+        }
+        return Ok(Some(k));
+    }
+    Ok(None)
+}
+
+/// Launches the step's graph (or slot `chosen`'s), in the pool's order.
+fn launch(p: &Parts, step: usize, chosen: Option<usize>, stream: StreamRef) -> Result<()> {
+    let st = &p.cap.steps[step];
+    let graph = match (&st.graph, chosen) {
+        (Some(g), _) => g,
+        (None, Some(k)) => &st.slots[k],
+        (None, None) => return Err(Error::Internal("a step without a graph".into())),
+    };
+    for pp in &st.passes {
+        let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
+        p.pool.replaying(p.key, pos)?;
+    }
+    graph.launch(stream)
+}
+
+/// Stages every parameter grad of the step's callables, in order; the
+/// blocks in `taken` hold the CLONE ones.
+fn stage_grads(p: Parts<'_>, step: usize, mut taken: Vec<Arc<CloneBlock>>) -> Result<Replayed<'_>> {
+    let Captured {
+        instances,
+        stage,
+        steps,
+        ..
+    } = &mut *p.cap;
+    let st = &steps[step];
+    stage.a.clear();
+    stage.b.clear();
+    stage::give_back(&mut stage.blocks);
+    // Locked after give_back, which may run the caller's free function.
+    let mut book = p.opts.strict_leases.then(|| p.leases.lock());
+    let mut at = 0;
+    for &i in &st.instances {
+        let inst = &instances[i];
+        let np = inst.param_grads.len();
+        let block = match st.cloned.iter().position(|&c| c == i) {
+            Some(k) => (taken[k].ptr, k as u32),
+            None => (0, 0),
+        };
+        let dsts = Some(&st.dsts[at..at + np]);
+        stage::params(inst, dsts, block, book.as_deref_mut(), &mut stage.b);
+        at += np;
+    }
+    stage.blocks.append(&mut taken);
+    stage.taken = taken;
+    Ok(Replayed::of(stage))
+}
+
+/// A step replayed pass by pass (its graphs need a clone slot that is not
+/// free): the same passes, each its own replay, the grads gathered.
+fn by_pass(mut p: Parts<'_>, step: usize, stream: StreamRef) -> Result<Replayed<'_>> {
+    let (passes, dsts, instances) = {
+        let st = &p.cap.steps[step];
+        (st.passes.clone(), st.dsts.clone(), st.instances.clone())
+    };
+    let first: Vec<usize> = instances
+        .iter()
+        .scan(0, |at, &i| {
+            let start = *at;
+            *at += p.cap.instances[i].param_grads.len();
+            Some(start)
+        })
+        .collect();
+    let mut grads: Vec<Vec<Returned>> = vec![Vec::new(); instances.len()];
+    let mut blocks: Vec<Arc<CloneBlock>> = Vec::new();
+    for pp in passes {
+        let k = instances
+            .iter()
+            .position(|&i| i == pp.instance)
+            .unwrap_or(0);
+        let inst = &p.cap.instances[pp.instance];
+        let grad_pass = pp.kind == inst.grad_pass();
+        let np = inst.param_grads.len();
+        let a = ReplayArgs {
+            callable: inst.callable as u32,
+            microbatch: inst.microbatch,
+            stream,
+            side_stream: None,
+            data: None,
+            param_dsts: grad_pass.then(|| &dsts[first[k]..first[k] + np]),
+        };
+        if let Err(e) = run_pass(&mut p, &a, pp.kind) {
+            // Nothing of a failed step reaches the caller: the leases and
+            // blocks of the passes that ran go back.
+            release_leases(&p, grads.iter().flatten());
+            stage::give_back(&mut blocks);
+            return Err(e);
+        }
+        // The step hands out no aliases of outputs or input grads.
+        release_leases(&p, p.cap.stage.a.iter());
+        if grad_pass {
+            let stage = &mut p.cap.stage;
+            let base = blocks.len() as u32;
+            grads[k] = stage
+                .b
+                .iter()
+                .map(|r| Returned {
+                    block: r.block + base,
+                    ..*r
+                })
+                .collect();
+            blocks.append(&mut stage.blocks);
+        }
+    }
+    let stage = &mut p.cap.stage;
+    stage.a.clear();
+    stage.b.clear();
+    stage::give_back(&mut stage.blocks);
+    stage.b.extend(grads.into_iter().flatten());
+    stage.blocks.extend(blocks);
+    Ok(Replayed::of(stage))
+}
+
+/// Releases the strict leases of `returned` (none without strict leases).
+fn release_leases<'r>(p: &Parts, returned: impl Iterator<Item = &'r Returned>) {
+    if !p.opts.strict_leases {
+        return;
+    }
+    let mut l = p.leases.lock();
+    for r in returned.filter(|r| r.lease != 0) {
+        // A lease acquired by this call is held: releasing it cannot fail.
+        let _ = l.release(r.lease);
+    }
+}

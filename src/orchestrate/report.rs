@@ -1,0 +1,197 @@
+//! What a session tells about itself: its figures (memory, graphs,
+//! rebinding, capture time, teardown errors), its static buffers and their
+//! plan, which tensors are rebound, its frozen grad policies.
+
+use super::clock::CaptureTimes;
+use super::session::{Session, State};
+use super::spec::MemCounters;
+use super::tensor::Feed;
+use crate::backend::DevPtr;
+use crate::core::layout::Role;
+use crate::core::plan::Lifetime;
+use crate::core::policy::GradPolicy;
+use crate::error::{Error, Result};
+
+/// Memory and graph figures of a session, from the library's own accounting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub static_bytes: u64,
+    /// The static bytes without reuse, and the least any plan could use.
+    pub static_bytes_without_reuse: u64,
+    pub peak_live_bytes: u64,
+    pub microbatches: u32,
+    pub scratch_bytes: u64,
+    pub pool_bytes: u64,
+    pub clone_bytes_outstanding: u64,
+    pub clone_blocks_outstanding: u64,
+    /// Released clone blocks kept for reuse by later replays.
+    pub clone_bytes_cached: u64,
+    /// Graphs of single passes; of clone slots; of steps.
+    pub graph_count: u32,
+    pub slot_graphs: u32,
+    pub step_graphs: u32,
+    pub callables: u32,
+    pub instances: u32,
+    pub leases_held: u32,
+    pub captured: bool,
+    /// Inputs and grad-outputs rebound at replay, and those asked to be
+    /// rebound that are copied instead (the plan dump says why), over all
+    /// instances.
+    pub inputs_rebound: u32,
+    pub inputs_rebind_refused: u32,
+    /// Node updates one rebind of every rebound buffer costs.
+    pub rebind_nodes: u32,
+    /// Where the last capture's host time went.
+    pub capture_times: CaptureTimes,
+    /// Errors while releasing this session's resources (a reset, a failed
+    /// capture, released clone blocks), each also sent to its log.
+    pub teardown_errors: u64,
+}
+
+impl Session {
+    pub fn stats(&self) -> Stats {
+        let get = MemCounters::get;
+        let mut st = Stats {
+            static_bytes: get(&self.counters.static_bytes),
+            scratch_bytes: get(&self.counters.scratch_bytes),
+            pool_bytes: self.pool.bytes() as u64,
+            clone_bytes_outstanding: get(&self.counters.clone_bytes),
+            clone_blocks_outstanding: get(&self.counters.clone_blocks),
+            clone_bytes_cached: get(&self.counters.clone_cached_bytes),
+            teardown_errors: get(&self.counters.teardown_errors),
+            callables: self.callables.len() as u32,
+            leases_held: self.leases.held() as u32,
+            ..Stats::default()
+        };
+        if let State::Captured(c) = &self.state {
+            st.capture_times = c.times;
+            let (passes, slots, steps) = c.graph_counts();
+            st.static_bytes_without_reuse = c.plan.plan.disjoint_bytes as u64;
+            st.peak_live_bytes = c.plan.plan.peak_live_bytes as u64;
+            st.microbatches = c.by_callable.first().map_or(0, |v| v.len() as u32);
+            st.graph_count = passes as u32;
+            st.slot_graphs = slots as u32;
+            st.step_graphs = steps as u32;
+            st.instances = c.instances.len() as u32;
+            st.captured = true;
+            let fed = c
+                .instances
+                .iter()
+                .flat_map(|i| i.inputs.iter().chain(&i.grad_outputs));
+            for t in fed {
+                match &t.feed {
+                    Feed::Rebound(r) => {
+                        st.inputs_rebound += 1;
+                        st.rebind_nodes += r.nodes() as u32;
+                    }
+                    Feed::Refused(_) => st.inputs_rebind_refused += 1,
+                    _ => {}
+                }
+            }
+        }
+        st
+    }
+
+    /// The static buffers of one role of an instance (0 where absent).
+    pub fn buffers(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<DevPtr>> {
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
+        Ok(inst.tensors(role).iter().map(|t| t.ptr).collect())
+    }
+
+    /// Whether each input (`Role::Input`) or each output's grad-output
+    /// (`Role::GradOutput`) of an instance is rebound at replay (false:
+    /// copied, because it was not asked for or capture refused it).
+    pub fn rebound(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<bool>> {
+        if !matches!(role, Role::Input | Role::GradOutput) {
+            return Err(Error::invalid(format!(
+                "only inputs and grad-outputs are rebound; role is {}",
+                role.name()
+            )));
+        }
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
+        Ok(inst
+            .tensors(role)
+            .iter()
+            .map(|t| t.feed.is_rebound())
+            .collect())
+    }
+
+    /// The frozen grad policy of each parameter of a callable (None where
+    /// it takes no gradient).
+    pub fn policies(&self, callable: u32) -> Result<&[Option<GradPolicy>]> {
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, 0)?];
+        Ok(&inst.returns.policies)
+    }
+
+    /// The static-buffer plan as text: one line per buffer with its
+    /// instance, role, size, offset, memory slot and lifetime (in pass
+    /// positions of the capture order), then what replays do with each
+    /// tensor asked to be rebound.
+    pub fn plan_dump(&self) -> Result<String> {
+        use std::fmt::Write;
+        let cap = self.captured()?;
+        let p = &cap.plan.plan;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "static bytes {} (without reuse {}, peak live {}), {} buffers in {} slots",
+            p.total_bytes,
+            p.disjoint_bytes,
+            p.peak_live_bytes,
+            cap.plan.buffers.len(),
+            p.slot_of.iter().max().map_or(0, |m| m + 1)
+        );
+        let _ = writeln!(
+            out,
+            "callable  microbatch  role             index  bytes       offset      slot  lifetime"
+        );
+        for (i, b) in cap.plan.buffers.iter().enumerate() {
+            let inst = &cap.instances[b.instance];
+            let lt = cap
+                .plan
+                .lifetimes
+                .get(i)
+                .copied()
+                .unwrap_or(Lifetime { start: 0, end: 0 });
+            let _ = writeln!(
+                out,
+                "{:<9} {:<11} {:<16} {:<6} {:<11} {:<11} {:<5} [{}, {}]",
+                self.callables[inst.callable].name,
+                inst.microbatch,
+                b.role.name(),
+                b.index,
+                b.bytes,
+                p.offsets[i],
+                p.slot_of[i],
+                lt.start,
+                lt.end
+            );
+        }
+        for inst in &cap.instances {
+            let name = &self.callables[inst.callable].name;
+            for t in inst.inputs.iter().chain(&inst.grad_outputs) {
+                let what = match &t.feed {
+                    Feed::Rebound(r) => format!("rebound at replay ({} node updates)", r.nodes()),
+                    Feed::Refused(why) => format!("copied at replay: {why}"),
+                    _ => continue,
+                };
+                let _ = writeln!(
+                    out,
+                    "{} of {name} (microbatch {}): {what}",
+                    t.describe(),
+                    inst.microbatch
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// (free, total) device memory as the driver reports it.
+    pub fn device_memory(&self) -> Result<(usize, usize)> {
+        let _ctx = self.backend.bind()?;
+        self.backend.mem_info()
+    }
+}

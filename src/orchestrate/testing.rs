@@ -1,0 +1,162 @@
+//! Fixtures for the orchestration's unit tests: host-backend sessions of
+//! small layers whose callbacks enqueue host copies (which the host
+//! backend's graphs can rebind), so that every step of capture runs
+//! without a GPU.
+
+use super::context::Inputs;
+use super::pool::Pool;
+use super::spec::{
+    CallableSpec, HookPoint, MemCounters, PassCallbacks, PassView, SessionOptions, StepSpec,
+    TensorSpec,
+};
+use crate::backend::host::HostBackend;
+use crate::backend::{Backend, DevPtr};
+use crate::core::dtype::DType;
+use crate::core::policy::{GradPolicy, ParamFlags, ParamSpec};
+use crate::core::schedule::Schedule;
+use crate::core::PassKind;
+use std::sync::Arc;
+
+/// Elements per tensor and parameter of a test layer.
+pub const N: usize = 16;
+pub const BYTES: usize = N * 4;
+
+/// A layer whose forward copies its input to its output and whose
+/// backward (or weight-grad) copies the grad-output to the input's grad
+/// and to every parameter's grad.
+struct CopyLayer {
+    backend: Arc<dyn Backend>,
+    wgrad: bool,
+}
+
+impl CopyLayer {
+    fn copy(&self, dst: DevPtr, src: DevPtr, v: &PassView) -> Result<(), i32> {
+        if dst == 0 || src == 0 {
+            return Ok(());
+        }
+        self.backend.copy(dst, src, BYTES, v.stream).map_err(|_| 1)
+    }
+}
+
+impl PassCallbacks for CopyLayer {
+    fn run(&self, v: &PassView) -> Result<(), i32> {
+        let params = |v: &PassView| -> Result<(), i32> {
+            for &g in v.param_grads {
+                self.copy(g, v.grad_outputs[0], v)?;
+            }
+            Ok(())
+        };
+        match v.pass {
+            PassKind::Forward => self.copy(v.outputs[0], v.inputs[0], v),
+            PassKind::Backward => {
+                self.copy(v.grad_inputs[0], v.grad_outputs[0], v)?;
+                if self.wgrad {
+                    Ok(())
+                } else {
+                    params(v)
+                }
+            }
+            PassKind::Wgrad => params(v),
+        }
+    }
+
+    fn has_wgrad(&self) -> bool {
+        self.wgrad
+    }
+
+    fn hook(&self, _: HookPoint, _: &PassView) -> Result<(), i32> {
+        Ok(())
+    }
+}
+
+fn tensor(requires_grad: bool) -> TensorSpec {
+    TensorSpec {
+        bytes: BYTES,
+        dtype: DType::F32,
+        shape: vec![N as i64],
+        requires_grad,
+        sample: 0,
+        external: false,
+        chained: None,
+        rebind: false,
+    }
+}
+
+/// A host session's parts, owned, to build `Inputs` from.
+pub struct Fixture {
+    pub backend: Arc<dyn Backend>,
+    pub pool: Arc<Pool>,
+    pub opts: SessionOptions,
+    pub callables: Vec<CallableSpec>,
+    pub steps: Vec<StepSpec>,
+    pub counters: Arc<MemCounters>,
+}
+
+impl Fixture {
+    pub fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            backend: &self.backend,
+            pool: &self.pool,
+            opts: &self.opts,
+            callables: &self.callables,
+            steps: &self.steps,
+            counters: &self.counters,
+        }
+    }
+
+    /// The default order of its callables' passes.
+    pub fn schedule(&self) -> Schedule {
+        let wgrad: Vec<bool> = self
+            .callables
+            .iter()
+            .map(|c| c.callbacks.has_wgrad())
+            .collect();
+        Schedule::sequential(&wgrad)
+    }
+
+    /// A layer of this fixture's backend (see `layer`).
+    pub fn layer(&self, name: &str, params: usize, wgrad: bool) -> CallableSpec {
+        CallableSpec {
+            name: name.into(),
+            inputs: vec![tensor(true)],
+            params: (0..params)
+                .map(|j| ParamSpec {
+                    data: 0x1000 * (j as u64 + 1),
+                    bytes: BYTES,
+                    dtype: DType::F32,
+                    requires_grad: true,
+                    flags: ParamFlags::default(),
+                    policy: GradPolicy::Default,
+                })
+                .collect(),
+            outputs: vec![tensor(true)],
+            callbacks: Box::new(CopyLayer {
+                backend: self.backend.clone(),
+                wgrad,
+            }),
+        }
+    }
+}
+
+/// A host session with default options and no callables yet.
+pub fn host() -> Fixture {
+    let backend: Arc<dyn Backend> = HostBackend::new();
+    Fixture {
+        pool: Pool::new(backend.clone()),
+        backend,
+        opts: SessionOptions::default(),
+        callables: Vec::new(),
+        steps: Vec::new(),
+        counters: Arc::new(MemCounters::default()),
+    }
+}
+
+/// A host session of `layers` (name, parameters, weight-grad pass).
+pub fn host_inputs(layers: &[(&str, usize, bool)]) -> Fixture {
+    let mut f = host();
+    f.callables = layers
+        .iter()
+        .map(|&(name, params, wgrad)| f.layer(name, params, wgrad))
+        .collect();
+    f
+}
