@@ -30,25 +30,18 @@ HEAD = """//
 .address_size 64
 """
 
-def kernel(name, shift, body):
+def grid_stride(name, params, regs, loads):
+    """The head of a grid-stride kernel: its parameters, registers, the
+    parameter loads (`loads`, ending with n in %rd3), then %rd4 = the
+    global thread index and %rd6 = the grid's stride."""
+    plist = ",\n".join(f"    .param .u64 {p}" for p in params)
     return f"""
 .visible .entry {name}(
-    .param .u64 p_dst,
-    .param .u64 p_src,
-    .param .u64 p_n
+{plist}
 )
 {{
-    .reg .pred %p<4>;
-    .reg .b16 %h<24>;
-    .reg .b32 %r<64>;
-    .reg .b64 %rd<16>;
-    .reg .f32 %f<40>;
-
-    ld.param.u64 %rd1, [p_dst];
-    ld.param.u64 %rd2, [p_src];
-    ld.param.u64 %rd3, [p_n];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
+{regs}
+{loads}
     mov.u32 %r1, %ctaid.x;
     mov.u32 %r2, %ntid.x;
     mov.u32 %r3, %tid.x;
@@ -57,7 +50,22 @@ def kernel(name, shift, body):
     cvt.u64.u32 %rd5, %r3;
     add.u64 %rd4, %rd4, %rd5;
     mul.wide.u32 %rd6, %r4, %r2;
-LOOP:
+"""
+
+ACC_REGS = """    .reg .pred %p<4>;
+    .reg .b16 %h<24>;
+    .reg .b32 %r<64>;
+    .reg .b64 %rd<16>;
+    .reg .f32 %f<40>;
+"""
+
+def kernel(name, shift, body):
+    loads = """    ld.param.u64 %rd1, [p_dst];
+    ld.param.u64 %rd2, [p_src];
+    ld.param.u64 %rd3, [p_n];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;"""
+    return grid_stride(name, ["p_dst", "p_src", "p_n"], ACC_REGS, loads) + f"""LOOP:
     setp.ge.u64 %p1, %rd4, %rd3;
     @%p1 bra DONE;
     shl.b64 %rd7, %rd4, {shift};
@@ -120,16 +128,21 @@ def f16_word(d, s, out, k):
         f"mov.b32 {out}, {{%h{h+4}, %h{h+5}}};",
     ]
 
-# Reuse of %h registers across words is fine: each word's use is complete
-# before the next word starts; keep indices within %h<24> by cycling k % 3.
-f16x8_lines = [
-    "ld.global.v4.b32 {%r10, %r11, %r12, %r13}, [%rd8];",
-    "ld.global.nc.v4.b32 {%r14, %r15, %r16, %r17}, [%rd9];",
-]
-for k in range(4):
-    f16x8_lines += f16_word(f"%r{10+k}", f"%r{14+k}", f"%r{18+k}", k % 3)
-f16x8_lines.append("st.global.v4.b32 [%rd8], {%r18, %r19, %r20, %r21};")
-f16x8 = ind(f16x8_lines)
+def vec16(word):
+    """A 16-byte vector body: four b32 words of two halves each, added by
+    `word`. Reuse of registers across words is fine: each word's use is
+    complete before the next word starts; indices stay within the declared
+    ranges by cycling k % 3."""
+    lines = [
+        "ld.global.v4.b32 {%r10, %r11, %r12, %r13}, [%rd8];",
+        "ld.global.nc.v4.b32 {%r14, %r15, %r16, %r17}, [%rd9];",
+    ]
+    for k in range(4):
+        lines += word(f"%r{10+k}", f"%r{14+k}", f"%r{18+k}", k % 3)
+    lines.append("st.global.v4.b32 [%rd8], {%r18, %r19, %r20, %r21};")
+    return ind(lines)
+
+f16x8 = vec16(f16_word)
 
 # bf16 ----------------------------------------------------------------------
 def bf16_round(fin, rout, t):
@@ -182,14 +195,7 @@ def bf16_word(d, s, out, k):
         f"or.b32 {out}, %r{t+5}, %r{t+6};",
     ]
 
-bf16x8_lines = [
-    "ld.global.v4.b32 {%r10, %r11, %r12, %r13}, [%rd8];",
-    "ld.global.nc.v4.b32 {%r14, %r15, %r16, %r17}, [%rd9];",
-]
-for k in range(4):
-    bf16x8_lines += bf16_word(f"%r{10+k}", f"%r{14+k}", f"%r{18+k}", k % 3)
-bf16x8_lines.append("st.global.v4.b32 [%rd8], {%r18, %r19, %r20, %r21};")
-bf16x8 = ind(bf16x8_lines)
+bf16x8 = vec16(bf16_word)
 
 BATCH = 160  # descriptors per launch: 160 * 24 bytes fits the 4 KiB parameter space
 
@@ -256,34 +262,18 @@ DONE:
 
 def differ_kernel(name, shift, ty):
     """Sets *flag = 1 when a[i] != b[i] for some i < n (grid-stride)."""
-    return f"""
-.visible .entry {name}(
-    .param .u64 p_a,
-    .param .u64 p_b,
-    .param .u64 p_n,
-    .param .u64 p_flag
-)
-{{
-    .reg .pred %p<4>;
+    regs = """    .reg .pred %p<4>;
     .reg .b32 %r<16>;
     .reg .b64 %rd<16>;
-
-    ld.param.u64 %rd1, [p_a];
+"""
+    loads = """    ld.param.u64 %rd1, [p_a];
     ld.param.u64 %rd2, [p_b];
     ld.param.u64 %rd3, [p_n];
     ld.param.u64 %rd10, [p_flag];
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
-    cvta.to.global.u64 %rd10, %rd10;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd4, %r1, %r2;
-    cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
-    mul.wide.u32 %rd6, %r4, %r2;
-    mov.u32 %r7, 1;
+    cvta.to.global.u64 %rd10, %rd10;"""
+    return grid_stride(name, ["p_a", "p_b", "p_n", "p_flag"], regs, loads) + f"""    mov.u32 %r7, 1;
 LOOP:
     setp.ge.u64 %p1, %rd4, %rd3;
     @%p1 bra DONE;

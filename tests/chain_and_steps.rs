@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use std::ptr::null_mut;
 
 mod common;
-use common::{empty_ref, msg, ok};
+use common::{empty_ref, layer_desc, msg, ok, stats};
 
 const N: usize = 64;
 
@@ -206,15 +206,8 @@ fn add_layer_with(
         policy,
         ..graphed_param_desc_default()
     };
-    let mut d = graphed_callable_desc_default();
-    d.num_inputs = 1;
-    d.inputs = input;
-    d.num_outputs = 1;
-    d.outputs = &output;
-    d.num_params = 1;
-    d.params = &param;
-    d.forward = Some(forward);
-    d.backward = Some(backward);
+    let params = [param];
+    let d = layer_desc(input, &output, &params, Some(forward), Some(backward));
     let mut idx = 0;
     // SAFETY: the descriptor and its arrays are valid locals.
     ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
@@ -288,13 +281,6 @@ fn eager(m: &Model) -> (Vec<f32>, Vec<Vec<f32>>) {
     (acts.pop().unwrap(), grads)
 }
 
-fn stats(s: *mut graphed_session) -> graphed_session_stats {
-    let mut st = graphed_session_stats_default();
-    // SAFETY: an initialised stats struct.
-    ok(unsafe { graphed_session_stats_get(s, &mut st) });
-    st
-}
-
 #[test]
 fn chained_inputs_match_copies_with_fewer_static_bytes() {
     let mut m = Model::new(4);
@@ -352,15 +338,8 @@ fn chaining_is_checked_at_registration() {
         bytes: N * 4,
         ..graphed_param_desc_default()
     };
-    let mut d = graphed_callable_desc_default();
-    d.num_inputs = 1;
-    d.inputs = &input;
-    d.num_outputs = 1;
-    d.outputs = &output;
-    d.num_params = 1;
-    d.params = &param;
-    d.forward = Some(forward);
-    d.backward = Some(backward);
+    let params = [param];
+    let d = layer_desc(&input, &output, &params, Some(forward), Some(backward));
     let mut idx = 0;
     // SAFETY: valid descriptor.
     let st = unsafe { graphed_session_add_callable(s, &d, &mut idx) };

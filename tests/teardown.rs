@@ -11,7 +11,7 @@ use std::ptr::null_mut;
 use std::sync::Mutex;
 
 mod common;
-use common::ok;
+use common::{layer_desc, ok, stats};
 
 /// The log's error-level messages.
 static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
@@ -54,15 +54,7 @@ fn session(name: &str, backward: graphed_pass_fn) -> (*mut graphed_session, Vec<
     let cname = std::ffi::CString::new(name).unwrap();
     cfg.name = cname.as_ptr();
     let mut s = null_mut();
-    let mut d = graphed_callable_desc_default();
-    d.num_inputs = 1;
-    d.inputs = &tensor;
-    d.num_outputs = 1;
-    d.outputs = &tensor;
-    d.num_params = 1;
-    d.params = pdesc.as_ptr();
-    d.forward = Some(nothing);
-    d.backward = backward;
+    let d = layer_desc(&tensor, &tensor, &pdesc, Some(nothing), backward);
     let mut idx = 0;
     // SAFETY: valid pointers to live locals, counts matching the arrays.
     unsafe {
@@ -70,13 +62,6 @@ fn session(name: &str, backward: graphed_pass_fn) -> (*mut graphed_session, Vec<
         ok(graphed_session_add_callable(s, &d, &mut idx));
     }
     (s, param)
-}
-
-fn stats(s: *mut graphed_session) -> graphed_session_stats {
-    let mut st = graphed_session_stats_default();
-    // SAFETY: a live session and an initialised struct.
-    ok(unsafe { graphed_session_stats_get(s, &mut st) });
-    st
 }
 
 fn process_errors() -> (u64, String) {

@@ -271,18 +271,7 @@ mod tests {
     use crate::core::PassKind;
 
     fn placed(f: &Fixture) -> Vec<Placed> {
-        let s = f.inputs();
-        let schedule = f.schedule();
-        let p = plan(&s, &schedule).unwrap();
-        let order: Vec<PassRef> = schedule
-            .passes
-            .iter()
-            .map(|q| PassRef {
-                instance: q.callable,
-                kind: q.kind,
-            })
-            .collect();
-        place(&s, &p, 0x10000, &order).unwrap()
+        f.placed(0x10000)
     }
 
     #[test]

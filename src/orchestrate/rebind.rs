@@ -396,8 +396,6 @@ fn log(s: &Inputs, inst: &Placed, role: Role, index: usize, feed: &Feed) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::instance::PassRef;
-    use super::super::place;
     use super::super::testing::{host_inputs, Fixture, BYTES};
     use super::*;
     use crate::backend::{Graph, Rebinder};
@@ -456,19 +454,8 @@ mod tests {
         f: &Fixture,
         honest: &[bool],
     ) -> (Vec<Placed>, Vec<PassGraphs>, Arc<AtomicUsize>, DeviceMemory) {
-        let s = f.inputs();
-        let schedule = f.schedule();
-        let p = place::plan(&s, &schedule).unwrap();
-        let statics = DeviceMemory::new(&f.backend, p.plan.total_bytes).unwrap();
-        let order: Vec<PassRef> = schedule
-            .passes
-            .iter()
-            .map(|q| PassRef {
-                instance: q.callable,
-                kind: q.kind,
-            })
-            .collect();
-        let placed = place::place(&s, &p, statics.ptr(), &order).unwrap();
+        let statics = DeviceMemory::new(&f.backend, f.static_bytes()).unwrap();
+        let placed = f.placed(statics.ptr());
         let launches = Arc::new(AtomicUsize::new(0));
         let graphs = placed
             .iter()

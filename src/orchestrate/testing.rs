@@ -4,6 +4,8 @@
 //! without a GPU.
 
 use super::context::Inputs;
+use super::instance::{PassRef, Placed};
+use super::place;
 use super::pool::Pool;
 use super::spec::{
     CallableSpec, HookPoint, MemCounters, PassCallbacks, PassView, SessionOptions, StepSpec,
@@ -112,6 +114,33 @@ impl Fixture {
             .map(|c| c.callbacks.has_wgrad())
             .collect();
         Schedule::sequential(&wgrad)
+    }
+
+    /// The default capture order of its passes.
+    pub fn order(&self) -> Vec<PassRef> {
+        self.schedule()
+            .passes
+            .iter()
+            .map(|q| PassRef {
+                instance: q.callable,
+                kind: q.kind,
+            })
+            .collect()
+    }
+
+    /// Its instances placed in a static allocation at `base`.
+    pub fn placed(&self, base: DevPtr) -> Vec<Placed> {
+        let s = self.inputs();
+        let p = place::plan(&s, &self.schedule()).unwrap();
+        place::place(&s, &p, base, &self.order()).unwrap()
+    }
+
+    /// The static bytes its placement needs.
+    pub fn static_bytes(&self) -> usize {
+        place::plan(&self.inputs(), &self.schedule())
+            .unwrap()
+            .plan
+            .total_bytes
     }
 
     /// A layer of this fixture's backend (see `layer`).
