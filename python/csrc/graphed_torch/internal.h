@@ -1,0 +1,250 @@
+// graphed for libtorch, inside: the types and functions the adapter's
+// source files share. Private to the adapter (its API is graphed_torch.h).
+//
+// The adapter's files, one concept each:
+//   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
+//   streams.cpp    the work stream, the private pool routing, clones from PyTorch's allocator
+//   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, leases
+//   schedule.cpp   the pass order of a schedule, the releases of buffer reuse
+//   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
+//   make.cpp       session setup, discovery, registration, capture, reset
+//   autograd.cpp   replays: GraphedCallable and its autograd node, GraphedBackward
+#pragma once
+
+#include "graphed_torch.h"
+
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace graphed_torch {
+
+// "what: GRAPHED_STATUS_NAME: graphed's message".
+inline std::string status_text(graphed_status s, const char* what) {
+    return std::string(what) + ": " + graphed_status_name(s) + ": " + graphed_last_error_message();
+}
+
+inline void check(graphed_status s, const char* what) {
+    if (s != GRAPHED_STATUS_OK) throw std::runtime_error(status_text(s, what));
+}
+
+inline void cuda_check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// ---- tensors (tensors.cpp) ---------------------------------------------------------------
+
+struct Meta {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::kFloat;
+    bool requires_grad = false;
+    // Outputs keep the layout eager gave them (a transposed attention
+    // output, channels_last), so that *_like and strided kernels see what
+    // eager code sees; empty: contiguous. Always dense: numel elements.
+    std::vector<int64_t> strides;
+    size_t bytes() const {
+        size_t n = 1;
+        for (int64_t d : sizes) n *= size_t(d);
+        return n * c10::elementSize(dtype);
+    }
+};
+
+Meta meta_of(const at::Tensor& t);
+// An output's meta: its strides too when it is dense but not contiguous.
+Meta layout_of(const at::Tensor& t);
+// `t` in the layout of `m` (itself when it already is, else a copy).
+at::Tensor in_layout(const at::Tensor& t, const Meta& m);
+// A tensor of layout `m` over memory graphed owns; `deleter` runs when it dies.
+at::Tensor over(void* ptr, const Meta& m, const at::TensorOptions& options,
+                std::function<void(void*)> deleter = [](void*) {});
+at::TensorOptions options_of(at::ScalarType dtype, c10::DeviceIndex device);
+// "shape [2, 3], Float, cuda:0, requires_grad=False", for messages.
+std::string describe(at::IntArrayRef sizes, at::ScalarType dtype, const std::string& device, bool requires_grad);
+std::string describe(const at::Tensor& t);
+// graphed's dtype code; types graphed has no code for travel as bytes (U8,
+// no shape): graphed only copies them. `*exact` says which.
+uint32_t dtype_code(at::ScalarType t, bool* exact);
+// Tensors over the static buffers a callback receives (undefined where a
+// pointer is NULL), requiring grad per `metas` when `with_grad`.
+std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& metas, c10::DeviceIndex device,
+                                    bool with_grad);
+// A tensor over one CLONE grad: its deleter drops the block reference.
+at::Tensor wrap_clone(const graphed_ref& r, const at::Tensor& param, c10::DeviceIndex device);
+
+// ---- PyTorch's CUDA generators, made graph-safe (rng.cpp) -------------------------------------
+
+struct RngStates {
+    struct Entry {
+        at::Generator generator;
+        c10::intrusive_ptr<at::CUDAGeneratorState> state;
+    };
+    std::vector<Entry> entries;
+
+    // What one captured pass draws: per state, the increment, and the device
+    // memory its kernels read seed and offset from ([seed, offset] per state).
+    struct PassDraws {
+        at::Tensor device;
+        std::vector<uint64_t> increments;
+    };
+    std::vector<PassDraws> passes;  // by pass key; empty device: draws nothing
+
+    struct Saved {
+        bool capturing;
+        uint64_t intragraph;
+        at::TensorBase seed, offset;
+    };
+    std::vector<Saved> saved;
+    at::Tensor open_device;
+    bool open = false;
+
+    // Draws graph-safely from `g` too (a CUDA generator of `device`).
+    void add(const at::Generator& g, c10::DeviceIndex device);
+    // Before a capture (outside it): every state draws from this pass's memory.
+    void begin(c10::DeviceIndex device);
+    // After the capture: records what pass `key` drew and restores the states.
+    void end(size_t key);
+    // Before a replay of pass `key` on `stream`: the generators' seeds and
+    // offsets go to the pass's memory and the generators advance by what it
+    // draws, so that every replay draws fresh numbers.
+    void prologue(size_t key, cudaStream_t stream);
+    // Restores every state left open by a failed capture.
+    void abandon();
+
+  private:
+    std::vector<uint64_t> restore();
+};
+
+// The key of one captured pass of one (callable, microbatch) instance.
+inline size_t pass_key(size_t instance, Pass p) { return instance * 3 + uint32_t(p); }
+
+// ---- streams and pools (streams.cpp) ---------------------------------------------------------
+
+// One stream per device for every session's warmup and capture.
+c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device);
+// graphed's clone allocator over PyTorch's caching allocator (ctx: the Shared).
+int32_t torch_alloc(void* ctx, size_t bytes, graphed_stream, void** out);
+void torch_free(void*, void* ptr, size_t, graphed_stream);
+
+// ---- one callable and the session -------------------------------------------------------------
+
+// What forward left for backward, per microbatch.
+struct Tape {
+    std::vector<at::Tensor> inputs;   // the leaves forward received
+    std::vector<at::Tensor> outputs;  // what it returned
+};
+
+struct Callable {
+    Shared* shared = nullptr;
+    size_t index = 0;
+    std::string name;
+    ForwardFn forward;
+    Hook hook;
+    std::vector<at::Tensor> samples;  // until capture ends
+    std::vector<std::string> input_names, param_names;
+    std::vector<Meta> in, out;
+    std::vector<at::Tensor> params;
+    std::vector<uint32_t> flags;
+    std::vector<bool> in_grad;     // the input is registered as taking a grad
+    std::vector<bool> param_grad;  // the parameter is registered as taking a grad
+    bool wgrad = false;            // has a delayed weight-gradient pass
+    bool outputs_known = false;
+    std::vector<Tape> tapes;  // per microbatch
+    // Per microbatch, per input: the graphs read it where it is (rebound).
+    std::vector<std::vector<bool>> rebound;
+    // External buffers handed to graphed, per microbatch.
+    std::vector<std::vector<at::Tensor>> ext_out, ext_gin, ext_pgrad;
+    // Between a pass's pre-hook, callback and post-hook.
+    std::vector<at::Tensor> pass_inputs, pass_outputs, pass_gouts, pass_grads;
+    std::string error;
+    // Registration descriptors.
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<graphed_tensor_desc> tin, tout;
+    std::vector<graphed_param_desc> pdesc;
+
+    bool clone_slot(size_t j) const;
+    std::string input_name(size_t i) const {
+        return i < input_names.size() ? input_names[i] : "input " + std::to_string(i);
+    }
+    // "name (microbatch m): ", the start of every lease's description.
+    std::string who(uint32_t mb) const { return name + " (microbatch " + std::to_string(mb) + "): "; }
+    std::string param_name(size_t j) const {
+        return j < param_names.size() ? param_names[j] : "parameter " + std::to_string(j);
+    }
+    // The forward and backward bodies (callbacks.cpp), shared by discovery
+    // and graphed's callbacks.
+    std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& ins);
+    std::vector<at::Tensor> run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs, bool params,
+                                         bool retain, bool discover);
+    void call_hook(const HookEvent& e) {
+        if (hook) hook(e);
+    }
+};
+
+struct Shared {
+    graphed_session* session = nullptr;
+    c10::DeviceIndex device = 0;
+    Options opts;
+    uint32_t microbatches = 1;
+    std::vector<std::unique_ptr<Callable>> callables;
+    c10::cuda::CUDAStream work = c10::cuda::getDefaultCUDAStream();
+    cudaEvent_t ev_fork = nullptr, ev_join = nullptr, ev_replay = nullptr;
+    c10::MempoolId_t pool{0, 0};
+    int pool_refs = 0;  // beginAllocateToPool calls, each released at reset
+    bool routing = false;
+    RngStates rng;
+    std::vector<std::vector<Release>> releases;  // by capture position
+    size_t capture_position = 0;
+    std::string hook_error;
+    bool is_reset = false;
+    // Strict leases: what each lease still held is, for messages.
+    std::mutex lease_mu;
+    std::unordered_map<uint64_t, std::string> held;
+
+    size_t instance(size_t callable, uint32_t mb) const { return callable * microbatches + mb; }
+
+    // The private pool and the work stream (streams.cpp).
+    void begin_routing();
+    void end_routing();
+    // Runs `fn` with the work stream current, joined to `ext` (graphed's
+    // stream) before and after: under capture the work stream joins it.
+    void on_work_stream(graphed_stream ext, const std::function<void()>& fn);
+
+    // graphed_lease_release never waits for the session and never gets
+    // BUSY, so a tensor's deleter may call it on any thread.
+    void release_lease(uint64_t lease);
+    // A replay met an alias still held (strict leases): AliasHeld naming
+    // the tensors still alive.
+    [[noreturn]] void alias_held(graphed_status s, const char* what, size_t callable, uint32_t mb);
+    // A tensor over static memory; it keeps the session alive, and under
+    // strict leases releases its lease when it dies.
+    at::Tensor wrap_alias(void* ptr, const Meta& m, uint64_t lease, std::string what,
+                          const std::shared_ptr<Shared>& self);
+
+    // With buffer reuse: lets go of what `r` names (schedule.cpp).
+    void release(const Release& r);
+    // Destroys the session and lets go of everything it used (make.cpp).
+    void reset();
+    ~Shared();
+};
+
+// ---- graphed's callbacks (callbacks.cpp) -----------------------------------------------------
+
+// `body` for a callback of `c`: an exception becomes a non-zero return and
+// its message is kept for the capture error.
+int32_t guarded(Callable* c, const std::function<void()>& body);
+int32_t pre_hook(const graphed_pass_ctx* ctx, void* self);
+int32_t post_hook(const graphed_pass_ctx* ctx, void* self);
+int32_t forward_cb(const graphed_pass_ctx* ctx, void* self);
+int32_t backward_cb(const graphed_pass_ctx* ctx, void* self);
+int32_t wgrad_cb(const graphed_pass_ctx* ctx, void* self);
+int32_t session_hook(uint32_t when, void* self);
+
+}  // namespace graphed_torch
