@@ -10,6 +10,9 @@
 #include <pybind11/stl.h>
 
 #include <dlfcn.h>
+#include <graphed.hpp>
+
+#include <optional>
 
 #include "graphed_torch.h"
 
@@ -192,16 +195,25 @@ std::string library_path() {
     return "";
 }
 
+// The driver as graphed sees it; a failure (no driver, no device) is
+// reported, not raised: the status and message of the last failing query.
 py::dict driver() {
     py::dict d;
-    int32_t version = 0;
-    graphed_status s = graphed_driver_version(&version);
-    d["driver_cuda_version"] = s == GRAPHED_STATUS_OK ? py::cast(version) : py::none();
-    uint32_t count = 0;
-    graphed_status c = graphed_device_count(&count);
-    d["device_count"] = c == GRAPHED_STATUS_OK ? count : 0u;
-    d["status"] = graphed_status_name(c == GRAPHED_STATUS_OK ? s : c);
-    d["message"] = c == GRAPHED_STATUS_OK && s == GRAPHED_STATUS_OK ? "" : graphed_last_error_message();
+    std::optional<graphed::Error> failed;
+    try {
+        d["driver_cuda_version"] = graphed::driver_version();
+    } catch (const graphed::Error& e) {
+        d["driver_cuda_version"] = py::none();
+        failed = e;
+    }
+    try {
+        d["device_count"] = graphed::device_count();
+    } catch (const graphed::Error& e) {
+        d["device_count"] = 0u;
+        failed = e;
+    }
+    d["status"] = graphed::status_name(failed ? failed->status() : GRAPHED_STATUS_OK);
+    d["message"] = failed ? failed->message() : std::string();
     return d;
 }
 

@@ -1,7 +1,8 @@
 // graphed for libtorch: make_graphed_callables for functions of tensors (a
 // module's forward), shared by the Python package (graphed.torch) and by
 // libtorch programs. The adapter's sources are graphed_torch/*.cpp (its
-// private header, graphed_torch/internal.h, says what lives where).
+// private header, graphed_torch/internal.h, says what lives where); they
+// call graphed's C API through graphed.hpp.
 //
 // Forward and backward run as libtorch ops inside graphed's callbacks, on one
 // long-lived work stream joined to graphed's capture stream, with PyTorch's

@@ -1,8 +1,8 @@
 // graphed for libtorch: replays. GraphedCallable checks a call's inputs
-// against the samples, replays the forward graph (graphed_forward) and
-// wires the outputs into autograd through GraphedBackward, a node that
+// against the samples, replays the forward graph (graphed::Session::forward)
+// and wires the outputs into autograd through GraphedBackward, a node that
 // replays the backward graph and returns grads per their frozen policies
-// (the refs graphed returns: CLONE, ALIAS or NONE). Also the delayed
+// (the Refs graphed returns: CLONE, ALIAS or NONE). Also the delayed
 // weight-gradient replay (backward_dw) and what a GraphedCallable reports
 // (stats, plan, reset).
 #include "internal.h"
@@ -12,24 +12,18 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
-#include <algorithm>
-
 namespace graphed_torch {
 
 namespace {
 
-graphed_replay_args replay_args(size_t index, uint32_t mb, cudaStream_t stream, cudaStream_t side,
-                                const std::vector<const void*>* data) {
-    graphed_replay_args a = graphed_replay_args_default();
-    a.callable = static_cast<uint32_t>(index);
-    a.microbatch = mb;
-    a.stream = stream;
-    a.side_stream = side;
-    if (data) {
-        a.data = data->data();
-        a.num_data = data->size();
-    }
-    return a;
+// The replay of (index, mb) on `stream` (and on `side`, joined by events,
+// when not NULL), reading `data`.
+graphed::Replay replay_of(size_t index, uint32_t mb, cudaStream_t stream, cudaStream_t side,
+                          const std::vector<const void*>* data) {
+    graphed::Replay r(static_cast<uint32_t>(index), mb);
+    r.stream(stream).side_stream(side);
+    if (data) r.data(*data);
+    return r;
 }
 
 // The backward of one replay, as an autograd node: it replays the backward
@@ -78,29 +72,24 @@ struct GraphedBackward : public torch::autograd::Node {
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
         s.rng.prologue(pass_key(s.instance(index, microbatch), Pass::Backward), cur);
-        graphed_replay_args a = replay_args(index, microbatch, cur, side_stream, &data);
-        std::vector<graphed_ref> gin(c->in.size()), gp(c->params.size());
-        graphed_status st = graphed_backward(s.session, &a, gin.data(), gin.size(), gp.data(), gp.size());
-        if (st == GRAPHED_STATUS_ALIAS_HELD) s.alias_held(st, "graphed_backward", index, microbatch);
-        check(st, "graphed_backward");
+        const graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
+        graphed::Grads g;
+        s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
         torch::autograd::variable_list result;
-        result.reserve(gin.size() + gp.size());
-        for (size_t i = 0; i < gin.size(); ++i)
-            result.push_back(gin[i].kind == GRAPHED_REF_KIND_NONE
+        result.reserve(g.inputs.size() + g.params.size());
+        for (size_t i = 0; i < g.inputs.size(); ++i)
+            result.push_back(g.inputs[i].kind() == GRAPHED_REF_KIND_NONE
                                  ? at::Tensor()
-                                 : s.wrap_alias(gin[i].ptr, c->in[i], gin[i].lease,
-                                                gin[i].lease ? c->who(microbatch) + "the grad of " + c->input_name(i)
-                                                             : std::string(),
-                                                shared));
-        for (size_t j = 0; j < gp.size(); ++j) {
-            switch (gp[j].kind) {
-                case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(gp[j], c->params[j], s.device)); break;
+                                 : s.wrap_alias(
+                                       g.inputs[i], c->in[i],
+                                       [&] { return c->who(microbatch) + "the grad of " + c->input_name(i); }, shared));
+        for (size_t j = 0; j < g.params.size(); ++j) {
+            switch (g.params[j].kind()) {
+                case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(g.params[j], c->params[j], s.device)); break;
                 case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
                 default:
-                    result.push_back(s.wrap_alias(gp[j].ptr, meta_of(c->params[j]), gp[j].lease,
-                                                  gp[j].lease ? c->who(microbatch) + c->param_name(j) + ".grad"
-                                                              : std::string(),
-                                                  shared));
+                    result.push_back(s.wrap_alias(g.params[j], meta_of(c->params[j]),
+                                                  [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; }, shared));
             }
         }
         return result;
@@ -148,18 +137,15 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         side = on.stream->stream();
     }
     s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Forward), launch);
-    graphed_replay_args a = replay_args(index_, microbatch_, launch, side, &data);
-    c10::SmallVector<graphed_ref, 4> refs(c->out.size());
-    graphed_status st = graphed_forward(s.session, &a, refs.data(), refs.size());
-    if (st == GRAPHED_STATUS_ALIAS_HELD) s.alias_held(st, "graphed_forward", index_, microbatch_);
-    check(st, "graphed_forward");
+    const graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
+    std::vector<graphed::Ref> refs;
+    s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
     if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
     for (size_t i = 0; i < refs.size(); ++i)
-        result.push_back(s.wrap_alias(refs[i].ptr, c->out[i], refs[i].lease,
-                                      refs[i].lease ? c->who(microbatch_) + "output " + std::to_string(i) : std::string(),
-                                      shared_));
+        result.push_back(s.wrap_alias(
+            refs[i], c->out[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));
 
     // Autograd: the outputs' grad_fn is a GraphedBackward node whose next
     // edges are the inputs and the parameters, as a custom Function's would.
@@ -192,20 +178,17 @@ void GraphedCallable::backward_dw() const {
     if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Wgrad), cur);
-    graphed_replay_args a = replay_args(index_, microbatch_, cur, nullptr, nullptr);
-    std::vector<graphed_ref> gp(c->params.size());
-    graphed_status st = graphed_backward_wgrad(s.session, &a, gp.data(), gp.size());
-    if (st == GRAPHED_STATUS_ALIAS_HELD) s.alias_held(st, "graphed_backward_wgrad", index_, microbatch_);
-    check(st, "graphed_backward_wgrad");
+    const graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
+    std::vector<graphed::Ref> gp;
+    s.replay(index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
-        if (gp[j].kind == GRAPHED_REF_KIND_NONE) continue;
-        at::Tensor g = gp[j].kind == GRAPHED_REF_KIND_CLONE
+        if (gp[j].kind() == GRAPHED_REF_KIND_NONE) continue;
+        at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE
                            ? wrap_clone(gp[j], c->params[j], s.device)
-                           : s.wrap_alias(gp[j].ptr, meta_of(c->params[j]), gp[j].lease,
-                                          gp[j].lease ? c->who(microbatch_) + c->param_name(j) + ".grad" : std::string(),
-                                          shared_);
+                           : s.wrap_alias(gp[j], meta_of(c->params[j]),
+                                          [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; }, shared_);
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())
             grad.add_(g);
@@ -238,24 +221,13 @@ GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
 uint32_t GraphedCallable::microbatches() const { return shared_->microbatches; }
 
 graphed_session_stats GraphedCallable::stats() const {
-    graphed_session_stats st = graphed_session_stats_default();
-    if (shared_->is_reset) return st;
-    check(graphed_session_stats_get(shared_->session, &st), "graphed_session_stats_get");
-    return st;
+    if (shared_->is_reset) return graphed_session_stats_default();
+    return shared_->session->stats();
 }
 
-// graphed's plan of a captured session, as text.
-std::string GraphedCallable::plan() const {
-    if (shared_->is_reset) return std::string();
-    size_t n = 0;
-    check(graphed_session_plan_dump(shared_->session, nullptr, 0, &n), "graphed_session_plan_dump");
-    std::string text(n + 1, '\0');
-    check(graphed_session_plan_dump(shared_->session, text.data(), text.size(), &n), "graphed_session_plan_dump");
-    text.resize(std::min(n, text.size() - 1));
-    return text;
-}
+std::string GraphedCallable::plan() const { return shared_->is_reset ? std::string() : shared_->session->plan_dump(); }
 
-std::string library_version() { return graphed_version(); }
+std::string library_version() { return graphed::version(); }
 std::string header_version() { return GRAPHED_VERSION_STRING; }
 
 }  // namespace graphed_torch

@@ -109,8 +109,8 @@ HookEvent hook_event(const graphed_pass_ctx* ctx, bool before) {
     return e;
 }
 
-void set_buffer(const graphed_pass_ctx* ctx, uint32_t role, size_t index, const at::Tensor& t) {
-    check(graphed_pass_set_buffer(ctx->capture, role, index, t.data_ptr()), "graphed_pass_set_buffer");
+void set_buffer(const graphed_pass_ctx* ctx, graphed_buffer_role role, size_t index, const at::Tensor& t) {
+    graphed::set_buffer(*ctx, role, index, t.data_ptr());
 }
 
 void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool params) {

@@ -1,5 +1,7 @@
 // graphed for libtorch, inside: the types and functions the adapter's
-// source files share. Private to the adapter (its API is graphed_torch.h).
+// source files share. Private to the adapter (its API is graphed_torch.h);
+// every call into graphed goes through graphed.hpp (graphed::Session,
+// graphed::Ref, graphed::check), whose errors carry the library's message.
 //
 // The adapter's files, one concept each:
 //   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
@@ -15,6 +17,7 @@
 
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <cuda_runtime_api.h>
+#include <graphed.hpp>
 
 #include <functional>
 #include <memory>
@@ -26,15 +29,6 @@
 #include <vector>
 
 namespace graphed_torch {
-
-// "what: GRAPHED_STATUS_NAME: graphed's message".
-inline std::string status_text(graphed_status s, const char* what) {
-    return std::string(what) + ": " + graphed_status_name(s) + ": " + graphed_last_error_message();
-}
-
-inline void check(graphed_status s, const char* what) {
-    if (s != GRAPHED_STATUS_OK) throw std::runtime_error(status_text(s, what));
-}
 
 inline void cuda_check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
@@ -76,8 +70,9 @@ uint32_t dtype_code(at::ScalarType t, bool* exact);
 // pointer is NULL), requiring grad per `metas` when `with_grad`.
 std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& metas, c10::DeviceIndex device,
                                     bool with_grad);
-// A tensor over one CLONE grad: its deleter drops the block reference.
-at::Tensor wrap_clone(const graphed_ref& r, const at::Tensor& param, c10::DeviceIndex device);
+// A tensor over one CLONE grad a replay returned; it holds the clone
+// block's reference (taken from `r`) until it dies.
+at::Tensor wrap_clone(graphed::Ref& r, const at::Tensor& param, c10::DeviceIndex device);
 
 // ---- PyTorch's CUDA generators, made graph-safe (rng.cpp) -------------------------------------
 
@@ -164,10 +159,6 @@ struct Callable {
     // Between a pass's pre-hook, callback and post-hook.
     std::vector<at::Tensor> pass_inputs, pass_outputs, pass_gouts, pass_grads;
     std::string error;
-    // Registration descriptors.
-    std::vector<std::vector<int64_t>> shapes;
-    std::vector<graphed_tensor_desc> tin, tout;
-    std::vector<graphed_param_desc> pdesc;
 
     bool clone_slot(size_t j) const;
     std::string input_name(size_t i) const {
@@ -189,7 +180,7 @@ struct Callable {
 };
 
 struct Shared {
-    graphed_session* session = nullptr;
+    std::optional<graphed::Session> session;  // empty once reset
     c10::DeviceIndex device = 0;
     Options opts;
     uint32_t microbatches = 1;
@@ -217,16 +208,31 @@ struct Shared {
     // stream) before and after: under capture the work stream joins it.
     void on_work_stream(graphed_stream ext, const std::function<void()>& fn);
 
+    // Runs a replay `fn(session)` of (callable, mb); under strict leases an
+    // alias still held becomes AliasHeld naming the tensors still alive.
+    template <class F>
+    void replay(size_t callable, uint32_t mb, F&& fn) {
+        try {
+            fn(*session);
+        } catch (const graphed::Error& e) {
+            if (e.status() == GRAPHED_STATUS_ALIAS_HELD) alias_held(e, callable, mb);
+            throw;
+        }
+    }
+    [[noreturn]] void alias_held(const graphed::Error& e, size_t callable, uint32_t mb);
+
+    // A tensor over an ALIAS a replay returned; it keeps the session alive,
+    // and under strict leases holds the lease (taken from `r`) until it dies.
+    // `what()` describes it in messages (called only for a leased alias).
+    template <class Describe>
+    at::Tensor wrap_alias(graphed::Ref& r, const Meta& m, Describe&& what, const std::shared_ptr<Shared>& self) {
+        if (!r.lease()) return over(r.ptr(), m, options_of(m.dtype, device), [self](void*) {});
+        return wrap_leased(r, m, what(), self);
+    }
+    at::Tensor wrap_leased(graphed::Ref& r, const Meta& m, std::string what, const std::shared_ptr<Shared>& self);
     // graphed_lease_release never waits for the session and never gets
     // BUSY, so a tensor's deleter may call it on any thread.
-    void release_lease(uint64_t lease);
-    // A replay met an alias still held (strict leases): AliasHeld naming
-    // the tensors still alive.
-    [[noreturn]] void alias_held(graphed_status s, const char* what, size_t callable, uint32_t mb);
-    // A tensor over static memory; it keeps the session alive, and under
-    // strict leases releases its lease when it dies.
-    at::Tensor wrap_alias(void* ptr, const Meta& m, uint64_t lease, std::string what,
-                          const std::shared_ptr<Shared>& self);
+    void drop_lease(graphed::Lease& lease);
 
     // With buffer reuse: lets go of what `r` names (schedule.cpp).
     void release(const Release& r);

@@ -105,19 +105,18 @@ void register_callable(Shared& s, Callable& c) {
     c.ext_out.assign(m, {});
     c.ext_gin.assign(m, {});
     c.ext_pgrad.assign(m, {});
-    c.shapes.reserve(c.in.size() + c.out.size());
+    graphed::Callable d;
+    // The shapes the descriptors point to, until registration copies them.
+    std::vector<std::vector<int64_t>> shapes;
+    shapes.reserve(c.in.size() + c.out.size());
     auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external) {
         bool exact = true;
         uint32_t code = dtype_code(meta.dtype, &exact);
-        c.shapes.push_back(exact ? meta.sizes : std::vector<int64_t>{});
-        graphed_tensor_desc t = graphed_tensor_desc_default();
-        t.bytes = meta.bytes();
-        t.dtype = code;
-        t.ndim = uint32_t(c.shapes.back().size());
-        t.shape = c.shapes.back().data();
-        t.requires_grad = requires_grad ? 1u : 0u;
-        t.sample = sample;
-        t.flags = uint32_t(external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE);
+        shapes.push_back(exact ? meta.sizes : std::vector<int64_t>{});
+        graphed_tensor_desc t = graphed::tensor_desc(meta.bytes(), code, requires_grad, sample,
+                                                     external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE);
+        t.ndim = uint32_t(shapes.back().size());
+        t.shape = shapes.back().data();
         return t;
     };
     // Rebinding: inputs and incoming grads are read where they are. Not with
@@ -125,36 +124,23 @@ void register_callable(Shared& s, Callable& c) {
     // autograd no longer keeps them.
     const uint32_t rebind = s.opts.rebind_inputs && !c.wgrad ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
     for (size_t i = 0; i < c.in.size(); ++i) {
-        c.tin.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
-        if (at::isFloatingType(c.in[i].dtype)) c.tin.back().flags |= rebind;
+        d.inputs.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
+        if (at::isFloatingType(c.in[i].dtype)) d.inputs.back().flags |= rebind;
     }
     for (const Meta& meta : c.out) {
-        c.tout.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
-        if (meta.requires_grad && at::isFloatingType(meta.dtype)) c.tout.back().flags |= rebind;
+        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
+        if (meta.requires_grad && at::isFloatingType(meta.dtype)) d.outputs.back().flags |= rebind;
     }
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
-        uint32_t code = dtype_code(p.scalar_type(), &exact);
         const bool grad = c.param_grad[j];
-        uint32_t flags = c.flags[j] | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u);
-        graphed_param_desc pd = graphed_param_desc_default();
-        pd.data = p.data_ptr();
-        pd.bytes = size_t(p.numel()) * size_t(p.element_size());
-        pd.dtype = code;
-        pd.flags = flags;
-        pd.policy = GRAPHED_GRAD_POLICY_DEFAULT;
-        pd.requires_grad = grad ? 1u : 0u;
-        c.pdesc.push_back(pd);
+        // The grad policy is graphed's to decide (frozen at capture).
+        d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
+                                               dtype_code(p.scalar_type(), &exact), GRAPHED_GRAD_POLICY_DEFAULT,
+                                               c.flags[j] | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u), grad));
     }
-    graphed_callable_desc d = graphed_callable_desc_default();
-    d.name = c.name.c_str();
-    d.num_inputs = c.tin.size();
-    d.inputs = c.tin.data();
-    d.num_outputs = c.tout.size();
-    d.outputs = c.tout.data();
-    d.num_params = c.pdesc.size();
-    d.params = c.pdesc.data();
+    d.name = c.name;
     d.forward = forward_cb;
     d.backward = backward_cb;
     d.wgrad = c.wgrad ? wgrad_cb : nullptr;
@@ -162,26 +148,19 @@ void register_callable(Shared& s, Callable& c) {
     d.pre_hook = pre_hook;
     d.post_hook = post_hook;
     d.hook_data = &c;
-    uint32_t index = 0;
-    check(graphed_session_add_callable(s.session, &d, &index), "graphed_session_add_callable");
+    s.session->add_callable(d);
 }
 
 // Which inputs capture verified as rebound (the others are copied).
 void mark_rebound(Shared& s) {
     for (auto& c : s.callables)
-        for (uint32_t m = 0; m < s.microbatches; ++m) {
-            std::vector<uint32_t> on(c->in.size());
-            check(graphed_session_rebound(s.session, uint32_t(c->index), m, GRAPHED_BUFFER_ROLE_INPUT, on.data(),
-                                          on.size()),
-                  "graphed_session_rebound");
-            c->rebound[m].assign(on.begin(), on.end());
-        }
+        for (uint32_t m = 0; m < s.microbatches; ++m)
+            c->rebound[m] = s.session->rebound(uint32_t(c->index), m, GRAPHED_BUFFER_ROLE_INPUT);
 }
 
 // graphed's session config for the options `o` of `s`.
 graphed_session_config config_of(Shared& s, const Options& o) {
-    graphed_session_config cfg = graphed_session_config_default();
-    cfg.backend = GRAPHED_BACKEND_CUDA;
+    graphed_session_config cfg = graphed::session_config(GRAPHED_BACKEND_CUDA);
     cfg.device = s.device;
     cfg.warmup_iterations = uint32_t(std::max(o.num_warmup_iters - 1, 0));
     cfg.clone_param_grads_on_return = o.clone_param_grads_on_return ? 1u : 0u;
@@ -237,8 +216,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     s.pool = o.pool ? *o.pool : at::cuda::graph_pool_handle();
     s.rng.add(at::cuda::detail::getDefaultCUDAGenerator(s.device), s.device);
     for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
-    const graphed_session_config cfg = config_of(s, o);
-    check(graphed_session_create(&cfg, &s.session), "graphed_session_create");
+    s.session.emplace(config_of(s, o));
 
     const std::vector<PassRef> order = pass_order(specs.size(), o.schedule, o.layers_per_chunk);
     uint32_t mbs = 1;
@@ -299,10 +277,15 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     } catch (const std::exception& e) {
         fail(std::string("make_graphed_callables: ") + e.what());
     }
-    graphed_status st = graphed_session_capture(s.session);
+    std::string capture_error;
+    try {
+        s.session->capture();
+    } catch (const graphed::Error& e) {
+        capture_error = e.what();
+    }
     s.end_routing();
     s.rng.abandon();
-    if (st != GRAPHED_STATUS_OK) fail(status_text(st, "graphed_session_capture"));
+    if (!capture_error.empty()) fail(capture_error);
     for (auto& c : s.callables) {
         c->samples.clear();
         if (!o.retain_graph_in_backward)
@@ -320,12 +303,15 @@ void Shared::reset() {
     is_reset = true;
     end_routing();
     rng.abandon();
-    {
-        std::lock_guard<std::mutex> lock(lease_mu);
-        // Waits for the device and destroys the graphs; then the tensors they
-        // used may go, and the private pool with them.
-        graphed_session_destroy(session);
-        session = nullptr;
+    // Waits for the device and destroys the graphs; then the tensors they
+    // used may go, and the private pool with them. A session another call
+    // still uses is destroyed once that call returns.
+    if (session) {
+        try {
+            session->destroy();
+        } catch (const graphed::Error&) {
+        }
+        session.reset();
     }
     for (auto& c : callables) {
         c->tapes.clear();

@@ -89,32 +89,32 @@ std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& 
     return v;
 }
 
-at::Tensor wrap_clone(const graphed_ref& r, const at::Tensor& param, c10::DeviceIndex device) {
-    graphed_buffer* owner = r.owner;
-    return at::from_blob(r.ptr, param.sizes(), [owner](void*) { graphed_buffer_release(owner); },
+at::Tensor wrap_clone(graphed::Ref& r, const at::Tensor& param, c10::DeviceIndex device) {
+    graphed_buffer* owner = r.detach().owner;
+    return at::from_blob(r.ptr(), param.sizes(), [owner](void*) { graphed::Buffer::adopt(owner).reset(); },
                          options_of(param.scalar_type(), device));
 }
 
 // ---- leases ----------------------------------------------------------------------------------
 
-at::Tensor Shared::wrap_alias(void* ptr, const Meta& m, uint64_t lease, std::string what,
-                              const std::shared_ptr<Shared>& self) {
-    if (lease == 0) return over(ptr, m, options_of(m.dtype, device), [self](void*) {});
+at::Tensor Shared::wrap_leased(graphed::Ref& r, const Meta& m, std::string what, const std::shared_ptr<Shared>& self) {
+    auto lease = std::make_shared<graphed::Lease>(std::move(r.lease()));
     {
         std::lock_guard<std::mutex> lock(lease_mu);
-        held[lease] = std::move(what);
+        held[lease->id()] = std::move(what);
     }
-    return over(ptr, m, options_of(m.dtype, device), [self, lease](void*) { self->release_lease(lease); });
+    return over(r.ptr(), m, options_of(m.dtype, device), [self, lease](void*) { self->drop_lease(*lease); });
 }
 
-void Shared::release_lease(uint64_t lease) {
+void Shared::drop_lease(graphed::Lease& lease) {
     std::lock_guard<std::mutex> lock(lease_mu);
-    held.erase(lease);
-    if (session) graphed_lease_release(session, lease);
+    held.erase(lease.id());
+    // After the session is destroyed the release has nothing left to do.
+    lease.reset();
 }
 
-void Shared::alias_held(graphed_status s, const char* what, size_t callable, uint32_t mb) {
-    std::string msg = "graphed: " + status_text(s, what);
+void Shared::alias_held(const graphed::Error& e, size_t callable, uint32_t mb) {
+    std::string msg = std::string("graphed: ") + e.what();
     std::lock_guard<std::mutex> lock(lease_mu);
     const std::string prefix = callables[callable]->who(mb);
     std::vector<std::string> alive;
