@@ -187,7 +187,10 @@ class GraphedCallable {
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& options = {});
 
 // The passes of one iteration in warmup and capture order: (callable,
-// microbatch, pass). The same order graphed derives from the schedule.
+// microbatch, pass), as graphed derives them (graphed_schedule_passes); the
+// callables of chunks with weight-grad steps have weight-grad passes.
+// Throws std::invalid_argument with graphed's message for a schedule that
+// breaks one of its rules.
 struct PassRef {
     uint32_t callable;
     uint32_t microbatch;

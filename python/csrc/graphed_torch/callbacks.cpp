@@ -146,6 +146,8 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
     auto* c = static_cast<Callable*>(self);
     Shared& s = *c->shared;
     return guarded(c, [&] {
+        if (c->policies.empty() && ctx->param_policies)
+            c->policies.assign(ctx->param_policies, ctx->param_policies + ctx->num_params);
         const Pass pass = Pass(ctx->pass);
         const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
         if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs

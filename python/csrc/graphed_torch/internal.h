@@ -7,7 +7,7 @@
 //   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
 //   streams.cpp    the work stream, the private pool routing, clones from PyTorch's allocator
 //   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, leases
-//   schedule.cpp   the pass order of a schedule, the releases of buffer reuse
+//   schedule.cpp   the pass order and shape (from graphed), the releases of buffer reuse
 //   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
 //   make.cpp       session setup, discovery, registration, capture, reset
 //   autograd.cpp   replays: GraphedCallable and its autograd node, GraphedBackward
@@ -128,6 +128,24 @@ c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device);
 int32_t torch_alloc(void* ctx, size_t bytes, graphed_stream, void** out);
 void torch_free(void*, void* ptr, size_t, graphed_stream);
 
+// ---- the schedule (schedule.cpp) -------------------------------------------------------------
+
+// What make_graphed_callables needs of a schedule, from graphed: the passes
+// in warmup and capture order, the microbatch count, which callables get a
+// weight-grad pass, and the shape (empty without a schedule).
+struct SchedulePlan {
+    std::vector<PassRef> order;
+    uint32_t microbatches = 1;
+    std::vector<uint32_t> has_wgrad;  // per callable, 0 or 1
+    graphed::ScheduleShape shape;
+};
+// Throws std::invalid_argument with graphed's message for a schedule that
+// breaks one of its rules.
+SchedulePlan plan_schedule(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
+                           const std::vector<uint32_t>& layers_per_chunk);
+// With buffer reuse: what each pass of `plan.order` lets go of.
+std::vector<std::vector<Release>> releases_of(const SchedulePlan& plan);
+
 // ---- one callable and the session -------------------------------------------------------------
 
 // What forward left for backward, per microbatch.
@@ -151,6 +169,9 @@ struct Callable {
     std::vector<bool> param_grad;  // the parameter is registered as taking a grad
     bool wgrad = false;            // has a delayed weight-gradient pass
     bool outputs_known = false;
+    // The frozen graphed_grad_policy of each parameter, as graphed's
+    // callbacks and hooks receive it (graphed_pass_ctx.param_policies).
+    std::vector<uint32_t> policies;
     std::vector<Tape> tapes;  // per microbatch
     // Per microbatch, per input: the graphs read it where it is (rebound).
     std::vector<std::vector<bool>> rebound;
@@ -160,7 +181,6 @@ struct Callable {
     std::vector<at::Tensor> pass_inputs, pass_outputs, pass_gouts, pass_grads;
     std::string error;
 
-    bool clone_slot(size_t j) const;
     std::string input_name(size_t i) const {
         return i < input_names.size() ? input_names[i] : "input " + std::to_string(i);
     }

@@ -135,7 +135,8 @@ void register_callable(Shared& s, Callable& c) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
         const bool grad = c.param_grad[j];
-        // The grad policy is graphed's to decide (frozen at capture).
+        // The grad policy is graphed's to decide (frozen at capture: see
+        // Callable::policies).
         d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
                                                dtype_code(p.scalar_type(), &exact), GRAPHED_GRAD_POLICY_DEFAULT,
                                                c.flags[j] | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u), grad));
@@ -218,12 +219,9 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
     s.session.emplace(config_of(s, o));
 
-    const std::vector<PassRef> order = pass_order(specs.size(), o.schedule, o.layers_per_chunk);
-    uint32_t mbs = 1;
-    for (const PassRef& p : order) mbs = std::max(mbs, p.microbatch + 1);
-    s.microbatches = mbs;
-    if (o.reuse_buffers && !o.schedule.empty())
-        s.releases = reuse_releases(specs.size(), o.schedule, o.layers_per_chunk);
+    const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
+    s.microbatches = plan.microbatches;
+    if (o.reuse_buffers && !o.schedule.empty()) s.releases = releases_of(plan);
 
     for (size_t i = 0; i < specs.size(); ++i) {
         CallableSpec& sp = specs[i];
@@ -244,8 +242,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
             m.requires_grad = m.requires_grad && o.training;
             c->in.push_back(m);
         }
-        for (const PassRef& p : order)
-            if (p.callable == i && p.pass == Pass::Wgrad) c->wgrad = true;
+        c->wgrad = plan.has_wgrad[i] != 0;
         s.callables.push_back(std::move(c));
     }
 
@@ -272,7 +269,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
             c10::cuda::CUDAStreamGuard guard(s.work);
             if (o.pre_warmup_hook) o.pre_warmup_hook();
         }
-        discover(s, order);
+        discover(s, plan.order);
         for (auto& c : s.callables) register_callable(s, *c);
     } catch (const std::exception& e) {
         fail(std::string("make_graphed_callables: ") + e.what());

@@ -1,8 +1,10 @@
-// graphed for libtorch: the schedule glue. The passes of one iteration in
-// warmup and capture order (pass_order), and, with buffer reuse, what each
-// captured pass lets go of (reuse_releases: Transformer Engine's rules for
-// the buffers the adapter hands to graphed, PyTorch tensors graphed does
-// not plan), and the release itself.
+// graphed for libtorch: the schedule glue. Every rule of a schedule is
+// graphed's: the microbatches and the layers of each chunk
+// (graphed_schedule_shape) and the passes in warmup and capture order
+// (graphed_schedule_passes) come from the library. Derived here from that
+// order: the releases of buffer reuse, Transformer Engine's rules for the
+// buffers the adapter hands to graphed (PyTorch tensors graphed does not
+// plan), and what each release lets go of.
 #include "internal.h"
 
 #include <algorithm>
@@ -11,70 +13,73 @@ namespace graphed_torch {
 
 namespace {
 
-std::vector<uint32_t> resolve_layers(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
-                                     const std::vector<uint32_t>& layers_per_chunk) {
-    uint32_t chunks = 0;
-    for (const auto& st : schedule) chunks = std::max(chunks, st.chunk + 1);
-    if (!layers_per_chunk.empty()) {
-        if (layers_per_chunk.size() != chunks)
-            throw std::invalid_argument("layers_per_chunk has " + std::to_string(layers_per_chunk.size()) +
-                                        " entries; the schedule has " + std::to_string(chunks) + " chunks");
-        size_t total = 0;
-        for (uint32_t l : layers_per_chunk) {
-            if (l == 0) throw std::invalid_argument("layers_per_chunk: every chunk needs at least one layer");
-            total += l;
-        }
-        if (total != num_callables)
-            throw std::invalid_argument("the chunks hold " + std::to_string(total) + " layers in all but there are " +
-                                        std::to_string(num_callables) + " callables; there must be one callable per layer");
-        return layers_per_chunk;
-    }
-    if (chunks == 0 || num_callables % chunks != 0)
-        throw std::invalid_argument(std::to_string(num_callables) + " callables cannot be split evenly into " +
-                                    std::to_string(chunks) + " chunks; give layers_per_chunk");
-    return std::vector<uint32_t>(chunks, uint32_t(num_callables / chunks));
+// The passes graphed runs for `n` callables, in warmup and capture order
+// (no schedule: every forward in order, then every backward in reverse).
+std::vector<PassRef> passes(size_t n, const std::vector<graphed_schedule_step>& steps,
+                            const std::vector<uint32_t>& layers_per_chunk, const std::vector<uint32_t>& has_wgrad) {
+    auto call = [&](graphed_pass_ref* out, size_t capacity, size_t* count) {
+        graphed::check(graphed_schedule_passes(
+            steps.empty() ? nullptr : steps.data(), steps.size(), sizeof(graphed_schedule_step),
+            layers_per_chunk.empty() ? nullptr : layers_per_chunk.data(), layers_per_chunk.size(),
+            has_wgrad.empty() ? nullptr : has_wgrad.data(), uint32_t(n), out, capacity, sizeof(graphed_pass_ref),
+            count));
+    };
+    size_t count = 0;
+    call(nullptr, 0, &count);
+    std::vector<graphed_pass_ref> raw(count);
+    call(raw.data(), raw.size(), &count);
+    std::vector<PassRef> order;
+    order.reserve(count);
+    for (const graphed_pass_ref& p : raw) order.push_back({p.callable, p.microbatch, Pass(p.pass)});
+    return order;
+}
+
+uint32_t callable_count(size_t n) {
+    if (n > UINT32_MAX) throw std::invalid_argument(std::to_string(n) + " callables are more than graphed takes");
+    return uint32_t(n);
 }
 
 }  // namespace
 
-std::vector<PassRef> pass_order(size_t n, const std::vector<graphed_schedule_step>& schedule,
-                                const std::vector<uint32_t>& layers_per_chunk) {
-    std::vector<PassRef> order;
-    if (schedule.empty()) {
-        for (size_t i = 0; i < n; ++i) order.push_back({uint32_t(i), 0, Pass::Forward});
-        for (size_t i = n; i-- > 0;) order.push_back({uint32_t(i), 0, Pass::Backward});
-        return order;
-    }
-    std::vector<uint32_t> layers = resolve_layers(n, schedule, layers_per_chunk);
-    std::vector<uint32_t> prefix(layers.size(), 0);
-    for (size_t c = 1; c < layers.size(); ++c) prefix[c] = prefix[c - 1] + layers[c - 1];
-    std::vector<std::vector<uint32_t>> seen(3, std::vector<uint32_t>(layers.size(), 0));
-    for (const auto& st : schedule) {
-        if (st.pass > GRAPHED_PASS_WGRAD) throw std::invalid_argument("schedule: unknown pass " + std::to_string(st.pass));
-        const uint32_t mb = seen[st.pass][st.chunk]++;
-        const uint32_t L = layers[st.chunk];
-        for (uint32_t k = 0; k < L; ++k) {
-            uint32_t l = st.pass == GRAPHED_PASS_FORWARD ? k : L - 1 - k;
-            order.push_back({prefix[st.chunk] + l, mb, Pass(st.pass)});
+SchedulePlan plan_schedule(size_t n, const std::vector<graphed_schedule_step>& schedule,
+                           const std::vector<uint32_t>& layers_per_chunk) {
+    SchedulePlan p;
+    p.has_wgrad.assign(n, 0);
+    try {
+        if (schedule.empty()) {
+            p.order = passes(callable_count(n), {}, {}, {});
+            return p;
         }
+        p.shape = graphed::schedule_shape(schedule, callable_count(n), layers_per_chunk);
+        p.microbatches = p.shape.microbatches;
+        // The callables of a chunk with weight-grad steps get a weight-grad pass.
+        for (const graphed_schedule_step& st : schedule)
+            if (st.pass == GRAPHED_PASS_WGRAD)
+                for (uint32_t l = 0; l < p.shape.chunk_layers.at(st.chunk); ++l)
+                    p.has_wgrad.at(p.shape.chunk_first[st.chunk] + l) = 1;
+        p.order = passes(n, schedule, layers_per_chunk, p.has_wgrad);
+    } catch (const graphed::Error& e) {
+        throw std::invalid_argument(e.what());
     }
-    return order;
+    return p;
 }
 
-std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<graphed_schedule_step>& schedule,
-                                                 const std::vector<uint32_t>& layers_per_chunk) {
-    if (schedule.empty()) throw std::invalid_argument("buffer reuse needs a schedule");
-    const std::vector<PassRef> order = pass_order(n, schedule, layers_per_chunk);
-    const std::vector<uint32_t> layers = resolve_layers(n, schedule, layers_per_chunk);
+std::vector<PassRef> pass_order(size_t n, const std::vector<graphed_schedule_step>& schedule,
+                                const std::vector<uint32_t>& layers_per_chunk) {
+    return plan_schedule(n, schedule, layers_per_chunk).order;
+}
+
+// ---- buffer reuse ----------------------------------------------------------------------------
+
+std::vector<std::vector<Release>> releases_of(const SchedulePlan& plan) {
+    const std::vector<PassRef>& order = plan.order;
+    const std::vector<uint32_t>& layers = plan.shape.chunk_layers;
     std::vector<uint32_t> chunk_of, layer_of;
     for (uint32_t c = 0; c < layers.size(); ++c)
         for (uint32_t l = 0; l < layers[c]; ++l) {
             chunk_of.push_back(c);
             layer_of.push_back(l);
         }
-    std::vector<bool> has_wgrad(chunk_of.size(), false);
-    for (const PassRef& p : order)
-        if (p.pass == Pass::Wgrad) has_wgrad.at(p.callable) = true;
     std::vector<std::vector<Release>> out(order.size());
     // The input grad of a chunk's first layer is taken by the previous
     // chunk's backward of the same microbatch: it is let go no earlier than
@@ -98,7 +103,8 @@ std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<gra
         }
         if (p.pass != Pass::Backward) continue;
         out[k].push_back({p.callable, p.microbatch, GRAPHED_BUFFER_ROLE_OUTPUT});
-        if (!has_wgrad[p.callable]) out[k].push_back({p.callable, p.microbatch, GRAPHED_BUFFER_ROLE_PARAM_GRADS});
+        if (!plan.has_wgrad.at(p.callable))
+            out[k].push_back({p.callable, p.microbatch, GRAPHED_BUFFER_ROLE_PARAM_GRADS});
         const uint32_t l = layer_of.at(p.callable), L = layers.at(chunk_of.at(p.callable));
         if (l == L - 1) prev_in_step.reset();
         if (prev_in_step) out[k].push_back({prev_in_step->callable, prev_in_step->microbatch, GRAPHED_BUFFER_ROLE_GRAD_INPUT});
@@ -116,8 +122,10 @@ std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<gra
     return out;
 }
 
-bool Callable::clone_slot(size_t j) const {
-    return shared->opts.clone_param_grads_on_return && !(flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
+std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<graphed_schedule_step>& schedule,
+                                                 const std::vector<uint32_t>& layers_per_chunk) {
+    if (schedule.empty()) throw std::invalid_argument("buffer reuse needs a schedule");
+    return releases_of(plan_schedule(n, schedule, layers_per_chunk));
 }
 
 void Shared::release(const Release& r) {
@@ -126,8 +134,10 @@ void Shared::release(const Release& r) {
         case GRAPHED_BUFFER_ROLE_OUTPUT: c.ext_out[r.microbatch].clear(); break;
         case GRAPHED_BUFFER_ROLE_GRAD_INPUT: c.ext_gin[r.microbatch].clear(); break;
         default:
+            // Cloned grads only: an aliased grad is what the replay returns.
             for (size_t j = 0; j < c.ext_pgrad[r.microbatch].size(); ++j)
-                if (c.clone_slot(j)) c.ext_pgrad[r.microbatch][j] = at::Tensor();
+                if (j < c.policies.size() && c.policies[j] == GRAPHED_GRAD_POLICY_CLONE)
+                    c.ext_pgrad[r.microbatch][j] = at::Tensor();
     }
 }
 
