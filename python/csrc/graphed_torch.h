@@ -214,6 +214,22 @@ struct Release {
 std::vector<std::vector<Release>> reuse_releases(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
                                                  const std::vector<uint32_t>& layers_per_chunk);
 
+// A pipeline schedule in Transformer Engine's `_order` notation (c: the
+// forward of chunk c, counted from 1; -c: its backward; -c - 0.5: its
+// weight-grad), as graphed reads it for `num_callables` callables split
+// over the chunks per `layers_per_chunk` (empty: evenly): its steps, its
+// microbatches and the layers of each chunk (graphed_schedule_from_te_order,
+// graphed_schedule_shape). Throws std::invalid_argument with graphed's
+// message for a schedule that breaks one of its rules.
+struct Schedule {
+    std::vector<graphed_schedule_step> steps;
+    uint32_t microbatches = 0;
+    std::vector<uint32_t> layers_per_chunk;  // per chunk
+    std::vector<uint32_t> chunk_first;       // the first callable of each chunk
+};
+Schedule schedule_from_te_order(const std::vector<double>& order, size_t num_callables,
+                                const std::vector<uint32_t>& layers_per_chunk = {});
+
 // The loaded graphed library's version, and the header's.
 std::string library_version();
 std::string header_version();

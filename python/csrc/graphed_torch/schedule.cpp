@@ -1,6 +1,7 @@
 // graphed for libtorch: the schedule glue. Every rule of a schedule is
-// graphed's: the microbatches and the layers of each chunk
-// (graphed_schedule_shape) and the passes in warmup and capture order
+// graphed's: the steps from Transformer Engine's `_order` notation
+// (graphed_schedule_from_te_order), the microbatches and the layers of each
+// chunk (graphed_schedule_shape) and the passes in warmup and capture order
 // (graphed_schedule_passes) come from the library. Derived here from that
 // order: the releases of buffer reuse, Transformer Engine's rules for the
 // buffers the adapter hands to graphed (PyTorch tensors graphed does not
@@ -67,6 +68,21 @@ SchedulePlan plan_schedule(size_t n, const std::vector<graphed_schedule_step>& s
 std::vector<PassRef> pass_order(size_t n, const std::vector<graphed_schedule_step>& schedule,
                                 const std::vector<uint32_t>& layers_per_chunk) {
     return plan_schedule(n, schedule, layers_per_chunk).order;
+}
+
+Schedule schedule_from_te_order(const std::vector<double>& order, size_t num_callables,
+                                const std::vector<uint32_t>& layers_per_chunk) {
+    Schedule s;
+    try {
+        s.steps = graphed::schedule_from_te_order(order);
+        graphed::ScheduleShape shape = graphed::schedule_shape(s.steps, callable_count(num_callables), layers_per_chunk);
+        s.microbatches = shape.microbatches;
+        s.layers_per_chunk = std::move(shape.chunk_layers);
+        s.chunk_first = std::move(shape.chunk_first);
+    } catch (const graphed::Error& e) {
+        throw std::invalid_argument(e.what());
+    }
+    return s;
 }
 
 // ---- buffer reuse ----------------------------------------------------------------------------
