@@ -195,10 +195,7 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
             }
             s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
         }
-        c->pass_inputs.clear();
-        c->pass_outputs.clear();
-        c->pass_gouts.clear();
-        c->pass_grads.clear();
+        c->end_pass();
     });
 }
 

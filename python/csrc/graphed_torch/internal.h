@@ -197,6 +197,13 @@ struct Callable {
     void call_hook(const HookEvent& e) {
         if (hook) hook(e);
     }
+    // Lets go of what a pass's hooks and callback shared.
+    void end_pass() {
+        pass_inputs.clear();
+        pass_outputs.clear();
+        pass_gouts.clear();
+        pass_grads.clear();
+    }
 };
 
 struct Shared {

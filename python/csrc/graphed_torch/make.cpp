@@ -315,10 +315,7 @@ void Shared::reset() {
         c->ext_out.clear();
         c->ext_gin.clear();
         c->ext_pgrad.clear();
-        c->pass_inputs.clear();
-        c->pass_outputs.clear();
-        c->pass_gouts.clear();
-        c->pass_grads.clear();
+        c->end_pass();
         c->samples.clear();
     }
     rng.passes.clear();
