@@ -75,7 +75,8 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="graphed._torch_ext",
-            sources=[str(p.relative_to(HERE)) for p in sorted((HERE / "csrc").glob("*.cpp"))],
+            # The Python extension (csrc/extension.cpp) and the adapter (csrc/graphed_torch/).
+            sources=[str(p.relative_to(HERE)) for p in sorted((HERE / "csrc").glob("**/*.cpp"))],
             include_dirs=[str(HERE / "csrc")],
             libraries=["graphed"],
             extra_compile_args={"cxx": ["-O2", "-Wall", "-Wno-unused-function"]},

@@ -10,6 +10,9 @@
 #include <pybind11/stl.h>
 
 #include <dlfcn.h>
+#include <graphed.hpp>
+
+#include <optional>
 
 #include "graphed_torch.h"
 
@@ -122,6 +125,32 @@ graphed_torch::Options options_of(const py::dict& d) {
     return o;
 }
 
+// Transformer Engine's `_order` as graphed reads it for `num_callables`
+// callables (graphed_torch::schedule_from_te_order): its steps as (pass,
+// chunk) pairs, microbatches, layers per chunk and each chunk's first
+// callable. A schedule that breaks one of graphed's rules raises ValueError
+// with graphed's message.
+py::dict schedule(const std::vector<double>& order, const std::vector<int64_t>& layers_per_chunk,
+                  size_t num_callables) {
+    std::vector<uint32_t> layers;
+    for (size_t i = 0; i < layers_per_chunk.size(); ++i) {
+        const int64_t n = layers_per_chunk[i];
+        if (n < 0 || n > int64_t(UINT32_MAX))
+            throw py::value_error("layers_per_chunk[" + std::to_string(i) + "] is " + std::to_string(n) +
+                                  ": not a number of layers");
+        layers.push_back(uint32_t(n));
+    }
+    graphed_torch::Schedule s = graphed_torch::schedule_from_te_order(order, num_callables, layers);
+    py::list steps;
+    for (const graphed_schedule_step& st : s.steps) steps.append(py::make_tuple(st.pass, st.chunk));
+    py::dict d;
+    d["steps"] = steps;
+    d["microbatches"] = s.microbatches;
+    d["layers_per_chunk"] = s.layers_per_chunk;
+    d["chunk_first"] = s.chunk_first;
+    return d;
+}
+
 // One tuple of sample inputs per callable. Returns, per callable, its graphs
 // for every microbatch: result[callable][microbatch].
 py::list make(py::list specs, py::dict options) {
@@ -205,16 +234,25 @@ std::string library_path() {
     return "";
 }
 
+// The driver as graphed sees it; a failure (no driver, no device) is
+// reported, not raised: the status and message of the last failing query.
 py::dict driver() {
     py::dict d;
-    int32_t version = 0;
-    graphed_status s = graphed_driver_version(&version);
-    d["driver_cuda_version"] = s == GRAPHED_STATUS_OK ? py::cast(version) : py::none();
-    uint32_t count = 0;
-    graphed_status c = graphed_device_count(&count);
-    d["device_count"] = c == GRAPHED_STATUS_OK ? count : 0u;
-    d["status"] = graphed_status_name(c == GRAPHED_STATUS_OK ? s : c);
-    d["message"] = c == GRAPHED_STATUS_OK && s == GRAPHED_STATUS_OK ? "" : graphed_last_error_message();
+    std::optional<graphed::Error> failed;
+    try {
+        d["driver_cuda_version"] = graphed::driver_version();
+    } catch (const graphed::Error& e) {
+        d["driver_cuda_version"] = py::none();
+        failed = e;
+    }
+    try {
+        d["device_count"] = graphed::device_count();
+    } catch (const graphed::Error& e) {
+        d["device_count"] = 0u;
+        failed = e;
+    }
+    d["status"] = graphed::status_name(failed ? failed->status() : GRAPHED_STATUS_OK);
+    d["message"] = failed ? failed->message() : std::string();
     return d;
 }
 
@@ -255,6 +293,8 @@ PYBIND11_MODULE(_torch_ext, m) {
             return v;
         },
         "The passes of one iteration in capture order: (callable, microbatch, pass).");
+    m.def("schedule", &schedule, py::arg("order"), py::arg("layers_per_chunk"), py::arg("num_callables"),
+          "Transformer Engine's _order as graphed reads it: steps, microbatches, layers_per_chunk, chunk_first.");
     m.def(
         "reuse_releases",
         [](size_t n, const std::vector<std::pair<uint32_t, uint32_t>>& steps, const std::vector<uint32_t>& layers) {

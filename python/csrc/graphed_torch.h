@@ -1,7 +1,8 @@
 // graphed for libtorch: make_graphed_callables for functions of tensors (a
 // module's forward), shared by the Python package (graphed.torch) and by
-// libtorch programs. This file and graphed_torch.cpp are the only places
-// that call graphed's C API (include/graphed.h).
+// libtorch programs. The adapter's sources are graphed_torch/*.cpp (its
+// private header, graphed_torch/internal.h, says what lives where); they
+// call graphed's C API through graphed.hpp.
 //
 // Forward and backward run as libtorch ops inside graphed's callbacks, on one
 // long-lived work stream joined to graphed's capture stream, with PyTorch's
@@ -186,7 +187,10 @@ class GraphedCallable {
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& options = {});
 
 // The passes of one iteration in warmup and capture order: (callable,
-// microbatch, pass). The same order graphed derives from the schedule.
+// microbatch, pass), as graphed derives them (graphed_schedule_passes); the
+// callables of chunks with weight-grad steps have weight-grad passes.
+// Throws std::invalid_argument with graphed's message for a schedule that
+// breaks one of its rules.
 struct PassRef {
     uint32_t callable;
     uint32_t microbatch;
@@ -209,6 +213,22 @@ struct Release {
 // One list per entry of pass_order(num_callables, schedule, layers_per_chunk).
 std::vector<std::vector<Release>> reuse_releases(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
                                                  const std::vector<uint32_t>& layers_per_chunk);
+
+// A pipeline schedule in Transformer Engine's `_order` notation (c: the
+// forward of chunk c, counted from 1; -c: its backward; -c - 0.5: its
+// weight-grad), as graphed reads it for `num_callables` callables split
+// over the chunks per `layers_per_chunk` (empty: evenly): its steps, its
+// microbatches and the layers of each chunk (graphed_schedule_from_te_order,
+// graphed_schedule_shape). Throws std::invalid_argument with graphed's
+// message for a schedule that breaks one of its rules.
+struct Schedule {
+    std::vector<graphed_schedule_step> steps;
+    uint32_t microbatches = 0;
+    std::vector<uint32_t> layers_per_chunk;  // per chunk
+    std::vector<uint32_t> chunk_first;       // the first callable of each chunk
+};
+Schedule schedule_from_te_order(const std::vector<double>& order, size_t num_callables,
+                                const std::vector<uint32_t>& layers_per_chunk = {});
 
 // The loaded graphed library's version, and the header's.
 std::string library_version();

@@ -2,7 +2,7 @@
 needs a GPU (torch on the CPU)."""
 import pytest
 
-from _support import needs_torch, torch
+from _support import needs_extension, needs_torch, torch
 
 pytestmark = needs_torch
 
@@ -70,6 +70,7 @@ def test_fp8_is_refused():
         gt.make_graphed_callables(lin(), x(), enabled=True)
 
 
+@needs_extension  # the schedule that maps sample_args to microbatches is graphed's
 def test_other_microbatches_must_match_the_first():
     with pytest.raises(ValueError, match="sample_args\\[1\\]"):
         gt.make_graphed_callables((lin(),), (x(), (torch.zeros(3, 4, requires_grad=True),)), _order=[1, 1, -1, -1])

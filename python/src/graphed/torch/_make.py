@@ -9,7 +9,7 @@ import torch
 from . import _hooks, _options, _rng
 from ._binding import Binding, Outputs
 from ._callable import GraphedCallable, Session
-from ._schedule import from_order
+from ._schedule import check_order, from_order
 
 DELAYED_WGRAD = 1  # GRAPHED_PARAM_FLAGS_DELAYED_WGRAD
 
@@ -167,11 +167,8 @@ def make_graphed_callables(
                 f"Expected sample_args to have the same length as callables, but got {len(sample_args)} "
                 f"sample_args for {len(callables)} callables"
             )
-        schedule = None
-        entries = [(k, 0) for k in range(len(callables))]
     else:
-        schedule = from_order(_order, _num_layers_per_chunk, len(callables), len(sample_args))
-        entries = schedule.entries()
+        layers_per_chunk = check_order(_order, _num_layers_per_chunk, len(callables), len(sample_args))
     if len(sample_kwargs) != len(sample_args):
         raise ValueError(
             f"sample_kwargs and sample_args must have the same length, but got {len(sample_kwargs)} sample_kwargs "
@@ -185,6 +182,13 @@ def make_graphed_callables(
     for fn in callables:
         _module_checks(fn)
     hooks = _hooks.canonicalize(len(callables), capture_time_hooks)
+    if _order is None:
+        schedule = None
+        entries = [(k, 0) for k in range(len(callables))]
+    else:
+        # The schedule graphed derives (and checks by its own rules).
+        schedule = from_order(_order, layers_per_chunk, len(callables), extension())
+        entries = schedule.entries()
 
     # graphed captures one signature per callable: its first microbatch's.
     first = {}

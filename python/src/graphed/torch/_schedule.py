@@ -1,7 +1,10 @@
 """Transformer Engine's interleaved pipeline schedule (`_order`,
-`_num_layers_per_chunk`) as graphed's schedule steps, with Transformer
-Engine's checks and messages, and the mapping between its sample_args
-entries and graphed's (callable, microbatch) instances. Pure Python: no torch.
+`_num_layers_per_chunk`): Transformer Engine's checks of those arguments,
+with its messages (`check_order`, pure Python: no torch), then the schedule
+as graphed reads it (`from_order`: its steps, microbatches and the layers of
+each chunk, from the library through the compiled extension, which checks
+graphed's own rules), and the mapping between Transformer Engine's
+sample_args entries and graphed's (callable, microbatch) instances.
 
 In `_order`, chunks count from 1: `c` is a forward of chunk c, `-c` a
 backward, `-c - 0.5` a delayed weight-gradient step. graphed numbers chunks
@@ -18,7 +21,6 @@ class Schedule(NamedTuple):
     layers_per_chunk: List[int]
     microbatches: int
     prefix: List[int]  # first callable of each chunk
-    wgrad_chunks: List[int]  # chunks (from 0) with weight-grad steps
 
     @property
     def chunks(self) -> int:
@@ -44,13 +46,16 @@ def _is_wgrad(value) -> bool:
     return math.ceil(value) != value
 
 
-def from_order(
+def check_order(
     order: Sequence[Union[int, float]],
     num_layers_per_chunk: Optional[Union[int, Sequence[int]]],
     num_callables: int,
     num_sample_args: int,
-) -> Schedule:
-    """Validates Transformer Engine's `_order` and converts it."""
+) -> Optional[List[int]]:
+    """Checks `_order` and `_num_layers_per_chunk` against the callables and
+    sample_args as Transformer Engine does, with its messages. Returns
+    `_num_layers_per_chunk` as one int per chunk, or None when it is not
+    given (graphed then splits the callables evenly)."""
     order = list(order)
     if not order:
         raise ValueError("_order is empty")
@@ -92,18 +97,16 @@ def from_order(
                 f"{num_sample_args} sample_args cannot be split into {chunks} chunks x {microbatches} microbatches; "
                 "give _num_layers_per_chunk"
             )
-        layers = [num_sample_args // chunks // microbatches] * chunks
+        layers, given = [num_sample_args // chunks // microbatches] * chunks, None
     elif isinstance(num_layers_per_chunk, int):
-        layers = [num_layers_per_chunk] * chunks
+        layers = given = [num_layers_per_chunk] * chunks
     else:
-        layers = [int(n) for n in num_layers_per_chunk]
+        layers = given = [int(n) for n in num_layers_per_chunk]
         if len(layers) != chunks:
             raise ValueError(
                 "If _num_layers_per_chunk is provided, it must be an integer or a list of "
                 f"{chunks} integers, but got {list(num_layers_per_chunk)}."
             )
-    if any(n < 1 for n in layers):
-        raise ValueError(f"_num_layers_per_chunk: every chunk needs at least one layer, got {layers}")
     total = sum(layers)
     if num_callables != total:
         raise ValueError(
@@ -111,22 +114,21 @@ def from_order(
         )
     if num_sample_args != total * microbatches:
         raise ValueError(f"Expected {total * microbatches} args tuple, but got {num_sample_args}.")
-
-    steps = []
-    for value in order:
-        if value > 0:
-            steps.append((FORWARD, int(value) - 1))
-        elif _is_wgrad(value):
-            steps.append((WGRAD, -math.ceil(value) - 1))
-        else:
-            steps.append((BACKWARD, -int(value) - 1))
-    for c in range(chunks):
-        dgrad = sum(1 for p, k in steps if p == BACKWARD and k == c)
-        wg = sum(1 for p, k in steps if p == WGRAD and k == c)
+    for c in range(1, chunks + 1):
+        dgrad = sum(1 for value in order if value == -c)
+        wg = sum(1 for value in order if _is_wgrad(value) and math.ceil(value) == -c)
         if wg and wg != dgrad:
-            raise RuntimeError(
-                f"Number of wgrad graph({wg}) doesn't match number of dgrad graphs ({dgrad}) for chunk {c + 1}."
-            )
-    prefix = [sum(layers[:c]) for c in range(chunks)]
-    wgrad_chunks = sorted({k for p, k in steps if p == WGRAD})
-    return Schedule(steps, layers, microbatches, prefix, wgrad_chunks)
+            raise RuntimeError(f"Number of wgrad graph({wg}) doesn't match number of dgrad graphs ({dgrad}) for chunk {c}.")
+    return given
+
+
+def from_order(order, layers_per_chunk: Optional[List[int]], num_callables: int, library) -> Schedule:
+    """The schedule graphed derives from `_order` (checked by check_order)
+    for `num_callables` callables split per `layers_per_chunk` (None:
+    evenly): `library` is the compiled extension, which asks graphed
+    (graphed_schedule_from_te_order, graphed_schedule_shape); a schedule
+    that breaks one of graphed's rules raises ValueError with its message."""
+    s = library.schedule([float(value) for value in order], layers_per_chunk or [], num_callables)
+    return Schedule(
+        [tuple(step) for step in s["steps"]], list(s["layers_per_chunk"]), s["microbatches"], list(s["chunk_first"])
+    )

@@ -1,0 +1,233 @@
+// graphed for libtorch: replays. GraphedCallable checks a call's inputs
+// against the samples, replays the forward graph (graphed::Session::forward)
+// and wires the outputs into autograd through GraphedBackward, a node that
+// replays the backward graph and returns grads per their frozen policies
+// (the Refs graphed returns: CLONE, ALIAS or NONE). Also the delayed
+// weight-gradient replay (backward_dw) and what a GraphedCallable reports
+// (stats, plan, reset).
+#include "internal.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+namespace graphed_torch {
+
+namespace {
+
+// The replay of (index, mb) on `stream` (and on `side`, joined by events,
+// when not NULL), reading `data`.
+graphed::Replay replay_of(size_t index, uint32_t mb, cudaStream_t stream, cudaStream_t side,
+                          const std::vector<const void*>* data) {
+    graphed::Replay r(static_cast<uint32_t>(index), mb);
+    r.stream(stream).side_stream(side);
+    if (data) r.data(*data);
+    return r;
+}
+
+// The backward of one replay, as an autograd node: it replays the backward
+// graph and returns grads per the frozen policies. It holds the session
+// while the autograd graph that may call it exists.
+struct GraphedBackward : public torch::autograd::Node {
+    std::shared_ptr<Shared> shared;
+    size_t index = 0;
+    uint32_t microbatch = 0;
+    std::optional<c10::cuda::CUDAStream> side;
+
+    // Inputs the graphs read in place (rebound), kept until the backward,
+    // with their version counters at the forward.
+    std::vector<std::pair<at::Tensor, uint32_t>> held;
+
+    std::string name() const override { return "GraphedBackward"; }
+
+    void release_variables() override { held.clear(); }
+
+    torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+        Shared& s = *shared;
+        if (s.is_reset) throw std::runtime_error("graphed: backward of a callable whose session was reset");
+        Callable* c = s.callables[index].get();
+        for (size_t i = 0; i < held.size(); ++i)
+            if (held[i].first.defined() && held[i].first._version() != held[i].second)
+                throw std::runtime_error(
+                    "graphed callable '" + c->name + "': " + c->input_name(i) +
+                    " was modified in place after the forward; its graphs read it where it is (rebind_inputs=True), "
+                    "so its backward would use the new values. Modify a copy, or pass rebind_inputs=False to copy "
+                    "inputs into the graph's own buffers.");
+        std::vector<at::Tensor> contiguous;
+        std::vector<const void*> data;
+        contiguous.reserve(c->out.size());
+        size_t k = 0;
+        for (size_t i = 0; i < c->out.size(); ++i) {
+            if (!c->out[i].requires_grad) {
+                data.push_back(nullptr);
+                continue;
+            }
+            const at::Tensor& g = grads[k++];
+            // In the output's layout: the graph reads its grad that way.
+            const Meta& m = c->out[i];
+            contiguous.push_back(in_layout(g.defined() ? g : at::zeros(m.sizes, options_of(m.dtype, s.device)), m));
+            data.push_back(contiguous.back().data_ptr());
+        }
+        cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
+        cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
+        s.rng.prologue(pass_key(s.instance(index, microbatch), Pass::Backward), cur);
+        const graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
+        graphed::Grads g;
+        s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
+        torch::autograd::variable_list result;
+        result.reserve(g.inputs.size() + g.params.size());
+        for (size_t i = 0; i < g.inputs.size(); ++i)
+            result.push_back(g.inputs[i].kind() == GRAPHED_REF_KIND_NONE
+                                 ? at::Tensor()
+                                 : s.wrap_alias(
+                                       g.inputs[i], c->in[i],
+                                       [&] { return c->who(microbatch) + "the grad of " + c->input_name(i); }, shared));
+        for (size_t j = 0; j < g.params.size(); ++j) {
+            switch (g.params[j].kind()) {
+                case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(g.params[j], c->params[j], s.device)); break;
+                case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
+                default:
+                    result.push_back(s.wrap_alias(g.params[j], meta_of(c->params[j]),
+                                                  [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; }, shared));
+            }
+        }
+        return result;
+    }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor>& inputs, const ReplayOn& on) const {
+    Shared& s = *shared_;
+    Callable* c = s.callables[index_].get();
+    if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
+    if (inputs.size() != c->in.size())
+        throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->in.size()) +
+                                    " tensor inputs, got " + std::to_string(inputs.size()));
+    // requires_grad matters when a backward may follow.
+    const bool grad_mode = s.opts.training && at::GradMode::is_enabled();
+    // What the graphs read: each input, or its contiguous copy.
+    c10::SmallVector<at::Tensor, 8> read;
+    std::vector<const void*> data(inputs.size());
+    bool needs_grad = false;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+        const at::Tensor& x = inputs[i];
+        const Meta& m = c->in[i];
+        if (!x.defined()) throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is None");
+        const bool rg = x.requires_grad();
+        if (x.sizes() != at::IntArrayRef(m.sizes) || x.scalar_type() != m.dtype || !x.is_cuda() ||
+            x.device().index() != s.device || (grad_mode && rg != m.requires_grad))
+            throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is " + describe(x) +
+                                        "; it was captured with " +
+                                        describe(m.sizes, m.dtype, "cuda:" + std::to_string(s.device),
+                                                 grad_mode ? m.requires_grad : rg));
+        needs_grad = needs_grad || rg;
+        read.push_back(x.is_contiguous() ? x : x.contiguous());
+        data[i] = read.back().data_ptr();
+    }
+    cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
+    cudaStream_t launch = cur, side = nullptr;
+    const bool other = on.stream && on.stream->stream() != cur;
+    if (other && on.join_event) {
+        cuda_check(cudaEventRecord(s.ev_replay, cur), "cudaEventRecord");
+        cuda_check(cudaStreamWaitEvent(on.stream->stream(), s.ev_replay, 0), "cudaStreamWaitEvent");
+        launch = on.stream->stream();
+    } else if (other) {
+        side = on.stream->stream();
+    }
+    s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Forward), launch);
+    const graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
+    std::vector<graphed::Ref> refs;
+    s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
+    if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
+    std::vector<at::Tensor> result;
+    result.reserve(refs.size());
+    for (size_t i = 0; i < refs.size(); ++i)
+        result.push_back(s.wrap_alias(
+            refs[i], c->out[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));
+
+    // Autograd: the outputs' grad_fn is a GraphedBackward node whose next
+    // edges are the inputs and the parameters, as a custom Function's would.
+    for (const at::Tensor& p : c->params) needs_grad = needs_grad || p.requires_grad();
+    if (grad_mode && needs_grad) {
+        auto node = std::shared_ptr<GraphedBackward>(new GraphedBackward(), torch::autograd::deleteNode);
+        node->shared = shared_;
+        node->index = index_;
+        node->microbatch = microbatch_;
+        if (other) node->side = on.stream;
+        // Rebound inputs are read by the backward where they are: kept
+        // alive until then, with their versions (as autograd's saved
+        // tensors are).
+        if (s.opts.rebind_inputs) {
+            const std::vector<bool>& rebound = c->rebound[microbatch_];
+            for (size_t i = 0; i < read.size(); ++i)
+                node->held.emplace_back(rebound[i] ? read[i] : at::Tensor(), rebound[i] ? read[i]._version() : 0u);
+        }
+        node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
+        for (size_t i = 0; i < result.size(); ++i)
+            if (c->out[i].requires_grad) torch::autograd::set_history(result[i], node);
+    }
+    return result;
+}
+
+void GraphedCallable::backward_dw() const {
+    Shared& s = *shared_;
+    Callable* c = s.callables[index_].get();
+    if (!c->wgrad) return;
+    if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
+    cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
+    s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Wgrad), cur);
+    const graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
+    std::vector<graphed::Ref> gp;
+    s.replay(index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
+    // Accumulated into param.grad as AccumulateGrad would.
+    at::NoGradGuard no_grad;
+    for (size_t j = 0; j < gp.size(); ++j) {
+        if (gp[j].kind() == GRAPHED_REF_KIND_NONE) continue;
+        at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE
+                           ? wrap_clone(gp[j], c->params[j], s.device)
+                           : s.wrap_alias(gp[j], meta_of(c->params[j]),
+                                          [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; }, shared_);
+        at::Tensor& grad = c->params[j].mutable_grad();
+        if (grad.defined())
+            grad.add_(g);
+        else
+            grad = g;
+    }
+}
+
+bool GraphedCallable::has_backward_dw() const { return shared_->callables[index_]->wgrad; }
+
+void GraphedCallable::reset() const {
+    c10::cuda::CUDAGuard guard(shared_->device);
+    shared_->reset();
+}
+
+bool GraphedCallable::is_reset() const { return shared_->is_reset; }
+
+const std::vector<at::Tensor>& GraphedCallable::params() const { return shared_->callables[index_]->params; }
+
+std::string GraphedCallable::input_name(size_t i) const { return shared_->callables[index_]->input_name(i); }
+
+GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
+    if (microbatch >= shared_->microbatches)
+        throw std::out_of_range("graphed callable '" + shared_->callables[index_]->name + "' has " +
+                                std::to_string(shared_->microbatches) + " microbatch(es), not " +
+                                std::to_string(microbatch + 1));
+    return GraphedCallable(shared_, index_, microbatch);
+}
+
+uint32_t GraphedCallable::microbatches() const { return shared_->microbatches; }
+
+graphed_session_stats GraphedCallable::stats() const {
+    if (shared_->is_reset) return graphed_session_stats_default();
+    return shared_->session->stats();
+}
+
+std::string GraphedCallable::plan() const { return shared_->is_reset ? std::string() : shared_->session->plan_dump(); }
+
+std::string library_version() { return graphed::version(); }
+std::string header_version() { return GRAPHED_VERSION_STRING; }
+
+}  // namespace graphed_torch

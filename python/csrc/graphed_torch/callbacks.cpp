@@ -1,0 +1,245 @@
+// graphed for libtorch: graphed's callbacks. The forward and backward
+// bodies (libtorch ops on the work stream; shared with discovery), the
+// forward, backward and weight-grad callbacks that run them during warmup
+// and capture and hand their outputs and grads to graphed as external
+// buffers, and the hooks around each pass (the user's hooks, graph-safe
+// generators and the private pool around each capture, buffer reuse's
+// releases after it).
+#include "internal.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/autograd.h>
+
+namespace graphed_torch {
+
+// ---- forward and backward bodies, shared by discovery and the callbacks -----------------
+
+std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins) {
+    at::AutoGradMode mode(shared->opts.training);
+    std::vector<at::Tensor> outs = forward(ins);
+    if (outputs_known && outs.size() != out.size())
+        throw std::runtime_error("callable '" + name + "' returned " + std::to_string(outs.size()) + " outputs; it returned " +
+                                 std::to_string(out.size()) + " in the first warmup iteration");
+    for (size_t i = 0; i < outs.size(); ++i) {
+        if (!outs[i].defined()) throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is None");
+        if (!outs[i].is_cuda() || outs[i].device().index() != shared->device)
+            throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is on " +
+                                     outs[i].device().str() + ", not cuda:" + std::to_string(shared->device));
+        if (outputs_known && (outs[i].sizes() != at::IntArrayRef(out[i].sizes) || outs[i].scalar_type() != out[i].dtype ||
+                              outs[i].requires_grad() != out[i].requires_grad))
+            throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is " + describe(outs[i]) +
+                                     "; in the first warmup iteration it was " +
+                                     describe(out[i].sizes, out[i].dtype, outs[i].device().str(), out[i].requires_grad));
+        // The first warmup iteration's layout (dense), later ones in it.
+        if (outputs_known)
+            outs[i] = in_layout(outs[i], out[i]);
+        else if (!outs[i].is_non_overlapping_and_dense())
+            outs[i] = outs[i].contiguous();
+    }
+    return outs;
+}
+
+// Grads of the registered inputs (`inputs`) and parameters (`params`) from
+// the tape; during discovery, of every input and parameter that requires
+// grad. Returns one entry per input, then per parameter (undefined: none).
+std::vector<at::Tensor> Callable::run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs,
+                                               bool params_too, bool retain, bool discover) {
+    std::vector<at::Tensor> result(in.size() + params.size());
+    std::vector<at::Tensor> roots, grads_in, wrt;
+    std::vector<size_t> slot;
+    for (size_t i = 0; i < out.size(); ++i)
+        if (out[i].requires_grad) {
+            roots.push_back(tape.outputs.at(i));
+            grads_in.push_back(gouts.at(i));
+        }
+    if (inputs)
+        for (size_t i = 0; i < in.size(); ++i)
+            if (discover ? in[i].requires_grad : bool(in_grad[i])) {
+                wrt.push_back(tape.inputs.at(i));
+                slot.push_back(i);
+            }
+    if (params_too)
+        for (size_t j = 0; j < params.size(); ++j)
+            if (discover ? params[j].requires_grad() : bool(param_grad[j])) {
+                wrt.push_back(params[j]);
+                slot.push_back(in.size() + j);
+            }
+    if (roots.empty() || wrt.empty()) {
+        if (!retain) tape = Tape();
+        return result;
+    }
+    std::vector<at::Tensor> grads = torch::autograd::grad(roots, wrt, grads_in, retain, /*create_graph=*/false,
+                                                          /*allow_unused=*/true);
+    for (size_t k = 0; k < grads.size(); ++k) {
+        size_t s = slot[k];
+        if (grads[k].defined()) {
+            result[s] = grads[k].contiguous();
+        } else if (!discover) {
+            std::string who = s < in.size() ? "input '" + input_name(s) + "'" : "parameter '" + param_name(s - in.size()) + "'";
+            throw std::runtime_error("callable '" + name + "': " + who +
+                                     " got no gradient in this pass, but got one in the first warmup iteration "
+                                     "(the inputs and parameters that take grads must not change between iterations)");
+        }
+    }
+    if (!retain) tape = Tape();
+    return result;
+}
+
+// ---- graphed's callbacks ---------------------------------------------------------------------
+
+int32_t guarded(Callable* c, const std::function<void()>& body) {
+    try {
+        body();
+        return 0;
+    } catch (const std::exception& e) {
+        c->error = e.what();
+        return 1;
+    }
+}
+
+namespace {
+
+// The hook event of the pass `ctx` describes, before or after it.
+HookEvent hook_event(const graphed_pass_ctx* ctx, bool before) {
+    HookEvent e;
+    e.before = before;
+    e.pass = Pass(ctx->pass);
+    e.capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
+    e.microbatch = ctx->microbatch;
+    return e;
+}
+
+void set_buffer(const graphed_pass_ctx* ctx, graphed_buffer_role role, size_t index, const at::Tensor& t) {
+    graphed::set_buffer(*ctx, role, index, t.data_ptr());
+}
+
+void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool params) {
+    Shared& s = *c->shared;
+    const uint32_t mb = ctx->microbatch;
+    const bool retain = (inputs && c->wgrad) || s.opts.retain_graph_in_backward;
+    s.on_work_stream(ctx->stream, [&] {
+        c->pass_grads = c->run_backward(c->tapes[mb], c->pass_gouts, inputs, params, retain, false);
+        if (ctx->phase != GRAPHED_PHASE_CAPTURE) return;
+        if (inputs)
+            for (size_t i = 0; i < c->in.size(); ++i)
+                if (c->in_grad[i]) {
+                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_GRAD_INPUT, i, c->pass_grads[i]);
+                    c->ext_gin[mb].push_back(c->pass_grads[i]);
+                }
+        if (params) {
+            c->ext_pgrad[mb].assign(c->params.size(), at::Tensor());
+            for (size_t j = 0; j < c->params.size(); ++j)
+                if (c->param_grad[j]) {
+                    const at::Tensor& g = c->pass_grads[c->in.size() + j];
+                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_PARAM_GRADS, j, g);
+                    c->ext_pgrad[mb][j] = g;
+                }
+        }
+    });
+}
+
+}  // namespace
+
+// Before each pass (outside capture): the user's hook, then, for a capture,
+// graph-safe generators and the private pool.
+int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
+    auto* c = static_cast<Callable*>(self);
+    Shared& s = *c->shared;
+    return guarded(c, [&] {
+        if (c->policies.empty() && ctx->param_policies)
+            c->policies.assign(ctx->param_policies, ctx->param_policies + ctx->num_params);
+        const Pass pass = Pass(ctx->pass);
+        const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
+        if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs
+        HookEvent e = hook_event(ctx, true);
+        if (pass == Pass::Forward) {
+            c->pass_inputs = wrap_static(ctx->inputs, c->in, s.device, s.opts.training);
+            e.inputs = &c->pass_inputs;
+        } else {
+            c->pass_gouts = wrap_static(ctx->grad_outputs, c->out, s.device, false);
+            e.grad_outputs = &c->pass_gouts;
+        }
+        if (c->hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
+        if (capture) {
+            s.rng.begin(s.device);
+            s.begin_routing();
+        }
+    });
+}
+
+// After each pass (outside capture): what the capture made stays in the pool,
+// generators go back to eager use, buffers consumed are let go (reuse), then
+// the user's hook.
+int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
+    auto* c = static_cast<Callable*>(self);
+    Shared& s = *c->shared;
+    return guarded(c, [&] {
+        const Pass pass = Pass(ctx->pass);
+        const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
+        if (!s.opts.training && pass != Pass::Forward) return;
+        if (capture) {
+            s.end_routing();
+            s.rng.end(pass_key(s.instance(c->index, ctx->microbatch), pass));
+            if (s.opts.reuse_buffers && s.capture_position < s.releases.size())
+                for (const Release& r : s.releases[s.capture_position]) s.release(r);
+            ++s.capture_position;
+        }
+        if (c->hook) {
+            HookEvent e = hook_event(ctx, false);
+            if (pass == Pass::Forward) {
+                e.inputs = &c->pass_inputs;
+                e.outputs = &c->pass_outputs;
+            } else {
+                e.grad_outputs = &c->pass_gouts;
+                e.grads = &c->pass_grads;
+            }
+            s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
+        }
+        c->end_pass();
+    });
+}
+
+int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
+    auto* c = static_cast<Callable*>(self);
+    Shared& s = *c->shared;
+    return guarded(c, [&] {
+        const uint32_t mb = ctx->microbatch;
+        s.on_work_stream(ctx->stream, [&] {
+            std::vector<at::Tensor> outs = c->run_forward(c->pass_inputs);
+            if (ctx->phase == GRAPHED_PHASE_CAPTURE) {
+                for (size_t i = 0; i < outs.size(); ++i) {
+                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_OUTPUT, i, outs[i]);
+                    c->ext_out[mb].push_back(outs[i].detach());
+                }
+            }
+            c->tapes[mb] = Tape{c->pass_inputs, outs};
+            c->pass_outputs = std::move(outs);
+        });
+    });
+}
+
+int32_t backward_cb(const graphed_pass_ctx* ctx, void* self) {
+    auto* c = static_cast<Callable*>(self);
+    if (!c->shared->opts.training) return 0;
+    return guarded(c, [&] { backward_body(ctx, c, true, !c->wgrad); });
+}
+
+int32_t wgrad_cb(const graphed_pass_ctx* ctx, void* self) {
+    auto* c = static_cast<Callable*>(self);
+    return guarded(c, [&] { backward_body(ctx, c, false, true); });
+}
+
+int32_t session_hook(uint32_t when, void* self) {
+    auto* s = static_cast<Shared*>(self);
+    if (when != 1 || !s->opts.post_warmup_hook) return 0;
+    try {
+        c10::cuda::CUDAStreamGuard guard(s->work);
+        s->opts.post_warmup_hook();
+        return 0;
+    } catch (const std::exception& e) {
+        s->hook_error = e.what();
+        return 1;
+    }
+}
+
+}  // namespace graphed_torch

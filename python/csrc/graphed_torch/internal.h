@@ -1,0 +1,283 @@
+// graphed for libtorch, inside: the types and functions the adapter's
+// source files share. Private to the adapter (its API is graphed_torch.h);
+// every call into graphed goes through graphed.hpp (graphed::Session,
+// graphed::Ref, graphed::check), whose errors carry the library's message.
+//
+// The adapter's files, one concept each:
+//   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
+//   streams.cpp    the work stream, the private pool routing, clones from PyTorch's allocator
+//   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, leases
+//   schedule.cpp   the pass order and shape (from graphed), the releases of buffer reuse
+//   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
+//   make.cpp       session setup, discovery, registration, capture, reset
+//   autograd.cpp   replays: GraphedCallable and its autograd node, GraphedBackward
+#pragma once
+
+#include "graphed_torch.h"
+
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <cuda_runtime_api.h>
+#include <graphed.hpp>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace graphed_torch {
+
+inline void cuda_check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// ---- tensors (tensors.cpp) ---------------------------------------------------------------
+
+struct Meta {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::kFloat;
+    bool requires_grad = false;
+    // Outputs keep the layout eager gave them (a transposed attention
+    // output, channels_last), so that *_like and strided kernels see what
+    // eager code sees; empty: contiguous. Always dense: numel elements.
+    std::vector<int64_t> strides;
+    size_t bytes() const {
+        size_t n = 1;
+        for (int64_t d : sizes) n *= size_t(d);
+        return n * c10::elementSize(dtype);
+    }
+};
+
+Meta meta_of(const at::Tensor& t);
+// An output's meta: its strides too when it is dense but not contiguous.
+Meta layout_of(const at::Tensor& t);
+// `t` in the layout of `m` (itself when it already is, else a copy).
+at::Tensor in_layout(const at::Tensor& t, const Meta& m);
+// A tensor of layout `m` over memory graphed owns; `deleter` runs when it dies.
+at::Tensor over(void* ptr, const Meta& m, const at::TensorOptions& options,
+                std::function<void(void*)> deleter = [](void*) {});
+at::TensorOptions options_of(at::ScalarType dtype, c10::DeviceIndex device);
+// "shape [2, 3], Float, cuda:0, requires_grad=False", for messages.
+std::string describe(at::IntArrayRef sizes, at::ScalarType dtype, const std::string& device, bool requires_grad);
+std::string describe(const at::Tensor& t);
+// graphed's dtype code; types graphed has no code for travel as bytes (U8,
+// no shape): graphed only copies them. `*exact` says which.
+uint32_t dtype_code(at::ScalarType t, bool* exact);
+// Tensors over the static buffers a callback receives (undefined where a
+// pointer is NULL), requiring grad per `metas` when `with_grad`.
+std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& metas, c10::DeviceIndex device,
+                                    bool with_grad);
+// A tensor over one CLONE grad a replay returned; it holds the clone
+// block's reference (taken from `r`) until it dies.
+at::Tensor wrap_clone(graphed::Ref& r, const at::Tensor& param, c10::DeviceIndex device);
+
+// ---- PyTorch's CUDA generators, made graph-safe (rng.cpp) -------------------------------------
+
+struct RngStates {
+    struct Entry {
+        at::Generator generator;
+        c10::intrusive_ptr<at::CUDAGeneratorState> state;
+    };
+    std::vector<Entry> entries;
+
+    // What one captured pass draws: per state, the increment, and the device
+    // memory its kernels read seed and offset from ([seed, offset] per state).
+    struct PassDraws {
+        at::Tensor device;
+        std::vector<uint64_t> increments;
+    };
+    std::vector<PassDraws> passes;  // by pass key; empty device: draws nothing
+
+    struct Saved {
+        bool capturing;
+        uint64_t intragraph;
+        at::TensorBase seed, offset;
+    };
+    std::vector<Saved> saved;
+    at::Tensor open_device;
+    bool open = false;
+
+    // Draws graph-safely from `g` too (a CUDA generator of `device`).
+    void add(const at::Generator& g, c10::DeviceIndex device);
+    // Before a capture (outside it): every state draws from this pass's memory.
+    void begin(c10::DeviceIndex device);
+    // After the capture: records what pass `key` drew and restores the states.
+    void end(size_t key);
+    // Before a replay of pass `key` on `stream`: the generators' seeds and
+    // offsets go to the pass's memory and the generators advance by what it
+    // draws, so that every replay draws fresh numbers.
+    void prologue(size_t key, cudaStream_t stream);
+    // Restores every state left open by a failed capture.
+    void abandon();
+
+  private:
+    std::vector<uint64_t> restore();
+};
+
+// The key of one captured pass of one (callable, microbatch) instance.
+inline size_t pass_key(size_t instance, Pass p) { return instance * 3 + uint32_t(p); }
+
+// ---- streams and pools (streams.cpp) ---------------------------------------------------------
+
+// One stream per device for every session's warmup and capture.
+c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device);
+// graphed's clone allocator over PyTorch's caching allocator (ctx: the Shared).
+int32_t torch_alloc(void* ctx, size_t bytes, graphed_stream, void** out);
+void torch_free(void*, void* ptr, size_t, graphed_stream);
+
+// ---- the schedule (schedule.cpp) -------------------------------------------------------------
+
+// What make_graphed_callables needs of a schedule, from graphed: the passes
+// in warmup and capture order, the microbatch count, which callables get a
+// weight-grad pass, and the shape (empty without a schedule).
+struct SchedulePlan {
+    std::vector<PassRef> order;
+    uint32_t microbatches = 1;
+    std::vector<uint32_t> has_wgrad;  // per callable, 0 or 1
+    graphed::ScheduleShape shape;
+};
+// Throws std::invalid_argument with graphed's message for a schedule that
+// breaks one of its rules.
+SchedulePlan plan_schedule(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
+                           const std::vector<uint32_t>& layers_per_chunk);
+// With buffer reuse: what each pass of `plan.order` lets go of.
+std::vector<std::vector<Release>> releases_of(const SchedulePlan& plan);
+
+// ---- one callable and the session -------------------------------------------------------------
+
+// What forward left for backward, per microbatch.
+struct Tape {
+    std::vector<at::Tensor> inputs;   // the leaves forward received
+    std::vector<at::Tensor> outputs;  // what it returned
+};
+
+struct Callable {
+    Shared* shared = nullptr;
+    size_t index = 0;
+    std::string name;
+    ForwardFn forward;
+    Hook hook;
+    std::vector<at::Tensor> samples;  // until capture ends
+    std::vector<std::string> input_names, param_names;
+    std::vector<Meta> in, out;
+    std::vector<at::Tensor> params;
+    std::vector<uint32_t> flags;
+    std::vector<bool> in_grad;     // the input is registered as taking a grad
+    std::vector<bool> param_grad;  // the parameter is registered as taking a grad
+    bool wgrad = false;            // has a delayed weight-gradient pass
+    bool outputs_known = false;
+    // The frozen graphed_grad_policy of each parameter, as graphed's
+    // callbacks and hooks receive it (graphed_pass_ctx.param_policies).
+    std::vector<uint32_t> policies;
+    std::vector<Tape> tapes;  // per microbatch
+    // Per microbatch, per input: the graphs read it where it is (rebound).
+    std::vector<std::vector<bool>> rebound;
+    // External buffers handed to graphed, per microbatch.
+    std::vector<std::vector<at::Tensor>> ext_out, ext_gin, ext_pgrad;
+    // Between a pass's pre-hook, callback and post-hook.
+    std::vector<at::Tensor> pass_inputs, pass_outputs, pass_gouts, pass_grads;
+    std::string error;
+
+    std::string input_name(size_t i) const {
+        return i < input_names.size() ? input_names[i] : "input " + std::to_string(i);
+    }
+    // "name (microbatch m): ", the start of every lease's description.
+    std::string who(uint32_t mb) const { return name + " (microbatch " + std::to_string(mb) + "): "; }
+    std::string param_name(size_t j) const {
+        return j < param_names.size() ? param_names[j] : "parameter " + std::to_string(j);
+    }
+    // The forward and backward bodies (callbacks.cpp), shared by discovery
+    // and graphed's callbacks.
+    std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& ins);
+    std::vector<at::Tensor> run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs, bool params,
+                                         bool retain, bool discover);
+    void call_hook(const HookEvent& e) {
+        if (hook) hook(e);
+    }
+    // Lets go of what a pass's hooks and callback shared.
+    void end_pass() {
+        pass_inputs.clear();
+        pass_outputs.clear();
+        pass_gouts.clear();
+        pass_grads.clear();
+    }
+};
+
+struct Shared {
+    std::optional<graphed::Session> session;  // empty once reset
+    c10::DeviceIndex device = 0;
+    Options opts;
+    uint32_t microbatches = 1;
+    std::vector<std::unique_ptr<Callable>> callables;
+    c10::cuda::CUDAStream work = c10::cuda::getDefaultCUDAStream();
+    cudaEvent_t ev_fork = nullptr, ev_join = nullptr, ev_replay = nullptr;
+    c10::MempoolId_t pool{0, 0};
+    int pool_refs = 0;  // beginAllocateToPool calls, each released at reset
+    bool routing = false;
+    RngStates rng;
+    std::vector<std::vector<Release>> releases;  // by capture position
+    size_t capture_position = 0;
+    std::string hook_error;
+    bool is_reset = false;
+    // Strict leases: what each lease still held is, for messages.
+    std::mutex lease_mu;
+    std::unordered_map<uint64_t, std::string> held;
+
+    size_t instance(size_t callable, uint32_t mb) const { return callable * microbatches + mb; }
+
+    // The private pool and the work stream (streams.cpp).
+    void begin_routing();
+    void end_routing();
+    // Runs `fn` with the work stream current, joined to `ext` (graphed's
+    // stream) before and after: under capture the work stream joins it.
+    void on_work_stream(graphed_stream ext, const std::function<void()>& fn);
+
+    // Runs a replay `fn(session)` of (callable, mb); under strict leases an
+    // alias still held becomes AliasHeld naming the tensors still alive.
+    template <class F>
+    void replay(size_t callable, uint32_t mb, F&& fn) {
+        try {
+            fn(*session);
+        } catch (const graphed::Error& e) {
+            if (e.status() == GRAPHED_STATUS_ALIAS_HELD) alias_held(e, callable, mb);
+            throw;
+        }
+    }
+    [[noreturn]] void alias_held(const graphed::Error& e, size_t callable, uint32_t mb);
+
+    // A tensor over an ALIAS a replay returned; it keeps the session alive,
+    // and under strict leases holds the lease (taken from `r`) until it dies.
+    // `what()` describes it in messages (called only for a leased alias).
+    template <class Describe>
+    at::Tensor wrap_alias(graphed::Ref& r, const Meta& m, Describe&& what, const std::shared_ptr<Shared>& self) {
+        if (!r.lease()) return over(r.ptr(), m, options_of(m.dtype, device), [self](void*) {});
+        return wrap_leased(r, m, what(), self);
+    }
+    at::Tensor wrap_leased(graphed::Ref& r, const Meta& m, std::string what, const std::shared_ptr<Shared>& self);
+    // graphed_lease_release never waits for the session and never gets
+    // BUSY, so a tensor's deleter may call it on any thread.
+    void drop_lease(graphed::Lease& lease);
+
+    // With buffer reuse: lets go of what `r` names (schedule.cpp).
+    void release(const Release& r);
+    // Destroys the session and lets go of everything it used (make.cpp).
+    void reset();
+    ~Shared();
+};
+
+// ---- graphed's callbacks (callbacks.cpp) -----------------------------------------------------
+
+// `body` for a callback of `c`: an exception becomes a non-zero return and
+// its message is kept for the capture error.
+int32_t guarded(Callable* c, const std::function<void()>& body);
+int32_t pre_hook(const graphed_pass_ctx* ctx, void* self);
+int32_t post_hook(const graphed_pass_ctx* ctx, void* self);
+int32_t forward_cb(const graphed_pass_ctx* ctx, void* self);
+int32_t backward_cb(const graphed_pass_ctx* ctx, void* self);
+int32_t wgrad_cb(const graphed_pass_ctx* ctx, void* self);
+int32_t session_hook(uint32_t when, void* self);
+
+}  // namespace graphed_torch

@@ -1,0 +1,335 @@
+// graphed for libtorch: make_graphed_callables. Session setup (device, work
+// stream, pool, generators, graphed's session config), discovery (the first
+// warmup iteration, run here to learn the outputs and which inputs and
+// parameters get grads), registration of each callable with graphed,
+// capture, and reset (the session and everything it used let go).
+#include "internal.h"
+
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+namespace graphed_torch {
+
+namespace {
+
+void validate_specs(const std::vector<CallableSpec>& specs, c10::DeviceIndex device) {
+    for (const CallableSpec& s : specs) {
+        for (size_t i = 0; i < s.sample_inputs.size(); ++i) {
+            const at::Tensor& x = s.sample_inputs[i];
+            std::string who = "callable '" + s.name + "': " +
+                              (i < s.input_names.size() ? s.input_names[i] : "input " + std::to_string(i));
+            if (!x.defined()) throw std::invalid_argument(who + " is None");
+            if (!x.is_cuda() || x.device().index() != device)
+                throw std::invalid_argument(who + " is on " + x.device().str() + "; every sample must be on cuda:" +
+                                            std::to_string(device));
+        }
+        for (const at::Tensor& p : s.params)
+            if (!p.is_cuda() || p.device().index() != device)
+                throw std::invalid_argument("callable '" + s.name + "': a parameter is on " + p.device().str() +
+                                            ", not cuda:" + std::to_string(device));
+    }
+}
+
+// The first warmup iteration, run by the adapter in capture order on the
+// samples: it learns each callable's outputs and which inputs and
+// parameters get grads, before the callables are registered.
+void discover(Shared& s, const std::vector<PassRef>& order) {
+    std::vector<std::vector<Tape>> tapes(s.callables.size(), std::vector<Tape>(s.microbatches));
+    std::vector<std::vector<std::vector<at::Tensor>>> gouts(s.callables.size(),
+                                                            std::vector<std::vector<at::Tensor>>(s.microbatches));
+    for (auto& c : s.callables) {
+        c->in_grad.assign(c->in.size(), false);
+        c->param_grad.assign(c->params.size(), false);
+    }
+    c10::cuda::CUDAStreamGuard guard(s.work);
+    for (const PassRef& p : order) {
+        Callable* c = s.callables[p.callable].get();
+        HookEvent e;
+        e.pass = p.pass;
+        e.microbatch = p.microbatch;
+        if (p.pass == Pass::Forward) {
+            std::vector<at::Tensor> ins;
+            for (size_t i = 0; i < c->samples.size(); ++i)
+                ins.push_back(s.opts.training ? c->samples[i].clone().requires_grad_(c->in[i].requires_grad)
+                                              : c->samples[i].clone());
+            e.inputs = &ins;
+            c->call_hook(e);
+            std::vector<at::Tensor> outs = c->run_forward(ins);
+            if (!c->outputs_known) {
+                for (const at::Tensor& y : outs) c->out.push_back(layout_of(y));
+                c->outputs_known = true;
+            }
+            e.before = false;
+            e.outputs = &outs;
+            c->call_hook(e);
+            tapes[p.callable][p.microbatch] = Tape{ins, outs};
+            continue;
+        }
+        if (!s.opts.training) continue;
+        auto& go = gouts[p.callable][p.microbatch];
+        if (p.pass == Pass::Backward) {
+            go.clear();
+            for (const Meta& m : c->out)
+                go.push_back(m.requires_grad ? in_layout(at::zeros(m.sizes, options_of(m.dtype, s.device)), m) : at::Tensor());
+        }
+        e.grad_outputs = &go;
+        c->call_hook(e);
+        Tape& tape = tapes[p.callable][p.microbatch];
+        const bool inputs = p.pass == Pass::Backward, params = p.pass == Pass::Wgrad || !c->wgrad;
+        std::vector<at::Tensor> grads =
+            c->run_backward(tape, go, inputs, params, (inputs && c->wgrad) || s.opts.retain_graph_in_backward, true);
+        for (size_t i = 0; inputs && i < c->in.size(); ++i) {
+            if (grads[i].defined()) {
+                c->in_grad[i] = true;
+            } else if (c->in[i].requires_grad && !s.opts.allow_unused_input) {
+                throw std::runtime_error("callable '" + c->name + "': " + c->input_name(i) +
+                                         " requires grad but got no gradient in the first warmup iteration; pass "
+                                         "allow_unused_input=True to accept that (its grad is then None)");
+            }
+        }
+        for (size_t j = 0; params && j < c->params.size(); ++j)
+            if (grads[c->in.size() + j].defined()) c->param_grad[j] = true;
+        e.before = false;
+        e.grads = &grads;
+        c->call_hook(e);
+    }
+}
+
+void register_callable(Shared& s, Callable& c) {
+    const uint32_t m = s.microbatches;
+    c.tapes.assign(m, Tape());
+    c.ext_out.assign(m, {});
+    c.ext_gin.assign(m, {});
+    c.ext_pgrad.assign(m, {});
+    graphed::Callable d;
+    // The shapes the descriptors point to, until registration copies them.
+    std::vector<std::vector<int64_t>> shapes;
+    shapes.reserve(c.in.size() + c.out.size());
+    auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external) {
+        bool exact = true;
+        uint32_t code = dtype_code(meta.dtype, &exact);
+        shapes.push_back(exact ? meta.sizes : std::vector<int64_t>{});
+        graphed_tensor_desc t = graphed::tensor_desc(meta.bytes(), code, requires_grad, sample,
+                                                     external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE);
+        t.ndim = uint32_t(shapes.back().size());
+        t.shape = shapes.back().data();
+        return t;
+    };
+    // Rebinding: inputs and incoming grads are read where they are. Not with
+    // a delayed weight-grad pass, which reads them after the backward, when
+    // autograd no longer keeps them.
+    const uint32_t rebind = s.opts.rebind_inputs && !c.wgrad ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
+    for (size_t i = 0; i < c.in.size(); ++i) {
+        d.inputs.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
+        if (at::isFloatingType(c.in[i].dtype)) d.inputs.back().flags |= rebind;
+    }
+    for (const Meta& meta : c.out) {
+        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
+        if (meta.requires_grad && at::isFloatingType(meta.dtype)) d.outputs.back().flags |= rebind;
+    }
+    for (size_t j = 0; j < c.params.size(); ++j) {
+        const at::Tensor& p = c.params[j];
+        bool exact = true;
+        const bool grad = c.param_grad[j];
+        // The grad policy is graphed's to decide (frozen at capture: see
+        // Callable::policies).
+        d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
+                                               dtype_code(p.scalar_type(), &exact), GRAPHED_GRAD_POLICY_DEFAULT,
+                                               c.flags[j] | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u), grad));
+    }
+    d.name = c.name;
+    d.forward = forward_cb;
+    d.backward = backward_cb;
+    d.wgrad = c.wgrad ? wgrad_cb : nullptr;
+    d.user_data = &c;
+    d.pre_hook = pre_hook;
+    d.post_hook = post_hook;
+    d.hook_data = &c;
+    s.session->add_callable(d);
+}
+
+// Which inputs capture verified as rebound (the others are copied).
+void mark_rebound(Shared& s) {
+    for (auto& c : s.callables)
+        for (uint32_t m = 0; m < s.microbatches; ++m)
+            c->rebound[m] = s.session->rebound(uint32_t(c->index), m, GRAPHED_BUFFER_ROLE_INPUT);
+}
+
+// graphed's session config for the options `o` of `s`.
+graphed_session_config config_of(Shared& s, const Options& o) {
+    graphed_session_config cfg = graphed::session_config(GRAPHED_BACKEND_CUDA);
+    cfg.device = s.device;
+    cfg.warmup_iterations = uint32_t(std::max(o.num_warmup_iters - 1, 0));
+    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return ? 1u : 0u;
+    cfg.strict_leases = o.strict_leases ? 1u : 0u;
+    // Warmup and capture on the work stream itself, so that the joins around
+    // each callback are no-ops (the legacy default stream cannot capture:
+    // then graphed's own stream, joined as before).
+    if (s.work.stream() != nullptr) cfg.capture_stream = s.work.stream();
+    // Clone slots capture the grad pass again without its hooks, so without
+    // the private pool routed: off here (clones then copy out of the graph's
+    // buffers, as with torch's allocator).
+    cfg.clone_slots = 0;
+    if (o.clones_from_torch_allocator) {
+        cfg.clone_alloc = torch_alloc;
+        cfg.clone_free = torch_free;
+        cfg.allocator_ctx = &s;
+    }
+    cfg.warmup_hook = session_hook;
+    cfg.warmup_hook_data = &s;
+    if (!o.schedule.empty()) {
+        cfg.schedule = o.schedule.data();
+        cfg.num_schedule_steps = o.schedule.size();
+        if (!o.layers_per_chunk.empty()) {
+            cfg.layers_per_chunk = o.layers_per_chunk.data();
+            cfg.num_layers_per_chunk = o.layers_per_chunk.size();
+        }
+    }
+    cfg.reuse_buffers = o.reuse_buffers ? 1u : 0u;
+    return cfg;
+}
+
+}  // namespace
+
+std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& o) {
+    if (specs.empty()) throw std::invalid_argument("make_graphed_callables: no callables");
+    auto shared = std::make_shared<Shared>();
+    Shared& s = *shared;
+    s.opts = o;
+    s.device = c10::cuda::current_device();
+    for (const CallableSpec& sp : specs)
+        if (!sp.sample_inputs.empty() && sp.sample_inputs[0].defined() && sp.sample_inputs[0].is_cuda()) {
+            s.device = sp.sample_inputs[0].device().index();
+            break;
+        }
+    validate_specs(specs, s.device);
+    c10::cuda::CUDAGuard device_guard(s.device);
+    s.work = o.capture_stream ? *o.capture_stream : default_work_stream(s.device);
+    if (s.work.device_index() != s.device)
+        throw std::invalid_argument("capture_stream is on cuda:" + std::to_string(s.work.device_index()) +
+                                    ", the samples on cuda:" + std::to_string(s.device));
+    for (cudaEvent_t* e : {&s.ev_fork, &s.ev_join, &s.ev_replay})
+        cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    s.pool = o.pool ? *o.pool : at::cuda::graph_pool_handle();
+    s.rng.add(at::cuda::detail::getDefaultCUDAGenerator(s.device), s.device);
+    for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
+    s.session.emplace(config_of(s, o));
+
+    const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
+    s.microbatches = plan.microbatches;
+    if (o.reuse_buffers && !o.schedule.empty()) s.releases = releases_of(plan);
+
+    for (size_t i = 0; i < specs.size(); ++i) {
+        CallableSpec& sp = specs[i];
+        auto c = std::make_unique<Callable>();
+        c->shared = &s;
+        c->index = i;
+        c->name = sp.name.empty() ? "callable_" + std::to_string(i) : sp.name;
+        c->forward = std::move(sp.forward);
+        c->hook = std::move(sp.hook);
+        c->input_names = std::move(sp.input_names);
+        c->param_names = std::move(sp.param_names);
+        c->params = std::move(sp.params);
+        c->flags = std::move(sp.param_flags);
+        c->flags.resize(c->params.size(), GRAPHED_PARAM_FLAGS_NONE);
+        for (const at::Tensor& x : sp.sample_inputs) {
+            c->samples.push_back(x.detach().contiguous());
+            Meta m = meta_of(x);
+            m.requires_grad = m.requires_grad && o.training;
+            c->in.push_back(m);
+        }
+        c->wgrad = plan.has_wgrad[i] != 0;
+        s.callables.push_back(std::move(c));
+    }
+
+    auto fail = [&](std::string msg) {
+        bool rng = false;
+        for (auto& c : s.callables)
+            if (!c->error.empty()) {
+                msg += "\n  callable '" + c->name + "': " + c->error;
+                rng = rng || c->error.find("not in capture mode") != std::string::npos;
+            }
+        if (rng)
+            msg += "\n  (a callable draws random numbers from a CUDA generator graphed was not told about: pass it "
+                   "in generators=, or register it with graphed.torch.register_generator, so that its numbers are "
+                   "drawn afresh at every replay)";
+        if (!s.hook_error.empty()) msg += "\n  post_warmup_hook: " + s.hook_error;
+        s.reset();
+        throw std::runtime_error(msg);
+    };
+    try {
+        // Lazy initialisation stays out of the captures, as in torch.
+        c10::cuda::device_synchronize();
+        s.work.synchronize();
+        {
+            c10::cuda::CUDAStreamGuard guard(s.work);
+            if (o.pre_warmup_hook) o.pre_warmup_hook();
+        }
+        discover(s, plan.order);
+        for (auto& c : s.callables) register_callable(s, *c);
+    } catch (const std::exception& e) {
+        fail(std::string("make_graphed_callables: ") + e.what());
+    }
+    std::string capture_error;
+    try {
+        s.session->capture();
+    } catch (const graphed::Error& e) {
+        capture_error = e.what();
+    }
+    s.end_routing();
+    s.rng.abandon();
+    if (!capture_error.empty()) fail(capture_error);
+    for (auto& c : s.callables) {
+        c->samples.clear();
+        if (!o.retain_graph_in_backward)
+            for (Tape& t : c->tapes) t = Tape();
+        c->rebound.assign(s.microbatches, std::vector<bool>(c->in.size(), false));
+    }
+    if (o.rebind_inputs) mark_rebound(s);
+    std::vector<GraphedCallable> out;
+    for (size_t i = 0; i < s.callables.size(); ++i) out.emplace_back(shared, i);
+    return out;
+}
+
+void Shared::reset() {
+    if (is_reset) return;
+    is_reset = true;
+    end_routing();
+    rng.abandon();
+    // Waits for the device and destroys the graphs; then the tensors they
+    // used may go, and the private pool with them. A session another call
+    // still uses is destroyed once that call returns.
+    if (session) {
+        try {
+            session->destroy();
+        } catch (const graphed::Error&) {
+        }
+        session.reset();
+    }
+    for (auto& c : callables) {
+        c->tapes.clear();
+        c->ext_out.clear();
+        c->ext_gin.clear();
+        c->ext_pgrad.clear();
+        c->end_pass();
+        c->samples.clear();
+    }
+    rng.passes.clear();
+    for (; pool_refs > 0; --pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+}
+
+Shared::~Shared() {
+    try {
+        reset();
+    } catch (...) {
+    }
+    if (ev_fork) cudaEventDestroy(ev_fork);
+    if (ev_join) cudaEventDestroy(ev_join);
+    if (ev_replay) cudaEventDestroy(ev_replay);
+}
+
+}  // namespace graphed_torch

@@ -1,0 +1,132 @@
+// graphed for libtorch: PyTorch's CUDA generators, made graph-safe around
+// graphed's captures and replays (RngStates).
+//
+// Under stream capture, CUDAGeneratorImpl::philox_cuda_state hands kernels
+// pointers to a seed and an offset in device memory (seed_extragraph_,
+// offset_extragraph_) plus an offset inside the graph, and adds each op's
+// increment to offset_intragraph_; it requires `capturing_`. torch's
+// CUDAGraph sets this up around its own captures (capture_prologue) and, at
+// each replay, writes the generator's current seed and offset to that memory
+// and advances the offset by the graph's total (replay_prologue). graphed
+// captures with its own stream capture, so the adapter does the same around
+// graphed's captures and replays, with the public fields of
+// CUDAGeneratorState (its methods are not exported from libtorch_cuda) and
+// device memory of its own per captured pass. The generator keeps its state
+// object in a private member; the explicit instantiation below is the
+// standard-conforming way to name it.
+#include "internal.h"
+
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <algorithm>
+
+namespace graphed_torch {
+
+namespace {
+
+template <typename Tag, typename Tag::type M>
+struct Expose {
+    friend typename Tag::type member(Tag) { return M; }
+};
+struct GeneratorStateMember {
+    using type = c10::intrusive_ptr<at::CUDAGeneratorState> at::CUDAGeneratorImpl::*;
+    friend type member(GeneratorStateMember);
+};
+template struct Expose<GeneratorStateMember, &at::CUDAGeneratorImpl::state_>;
+
+c10::intrusive_ptr<at::CUDAGeneratorState> state_of(const at::Generator& g) {
+    return g.get<at::CUDAGeneratorImpl>()->*member(GeneratorStateMember{});
+}
+
+}  // namespace
+
+void RngStates::add(const at::Generator& g, c10::DeviceIndex device) {
+    if (!g.defined()) return;
+    if (g.device().type() != at::kCUDA)
+        throw std::invalid_argument("generators: " + g.device().str() + " is not a CUDA generator");
+    // A generator made for "cuda" has no index: it is the current device's.
+    const c10::DeviceIndex index = g.device().has_index() ? g.device().index() : c10::cuda::current_device();
+    if (index != device)
+        throw std::invalid_argument("generators: a generator of cuda:" + std::to_string(index) +
+                                    " cannot draw inside graphs of cuda:" + std::to_string(device));
+    auto s = state_of(g);
+    for (const Entry& e : entries)
+        if (e.state.get() == s.get()) return;
+    entries.push_back({g, std::move(s)});
+}
+
+void RngStates::begin(c10::DeviceIndex device) {
+    if (entries.empty() || open) return;
+    open_device = at::empty({int64_t(2 * entries.size())}, options_of(at::kLong, device));
+    saved.clear();
+    for (size_t i = 0; i < entries.size(); ++i) {
+        at::CUDAGeneratorState* s = entries[i].state.get();
+        saved.push_back({s->capturing_, uint64_t(s->offset_intragraph_), s->seed_extragraph_, s->offset_extragraph_});
+        s->seed_extragraph_ = open_device.narrow(0, int64_t(2 * i), 1);
+        s->offset_extragraph_ = open_device.narrow(0, int64_t(2 * i + 1), 1);
+        s->offset_intragraph_ = 0;
+        s->capturing_ = true;
+    }
+    open = true;
+}
+
+// Puts the states back as they were before begin(); returns what each drew.
+std::vector<uint64_t> RngStates::restore() {
+    std::vector<uint64_t> drawn;
+    for (size_t i = 0; i < entries.size(); ++i) {
+        at::CUDAGeneratorState* s = entries[i].state.get();
+        drawn.push_back(uint64_t(s->offset_intragraph_));
+        s->capturing_ = saved[i].capturing;
+        s->offset_intragraph_ = saved[i].intragraph;
+        s->seed_extragraph_ = saved[i].seed;
+        s->offset_extragraph_ = saved[i].offset;
+    }
+    open = false;
+    return drawn;
+}
+
+void RngStates::end(size_t key) {
+    if (!open) return;
+    PassDraws d;
+    d.increments = restore();
+    bool draws = std::any_of(d.increments.begin(), d.increments.end(), [](uint64_t x) { return x != 0; });
+    if (draws) {
+        d.device = open_device;
+        if (passes.size() <= key) passes.resize(key + 1);
+        passes[key] = std::move(d);
+    }
+    open_device = at::Tensor();
+}
+
+// The seed and offset each state has now go to the pass's memory, and the
+// states advance by what the pass draws, so every replay draws fresh
+// numbers, in the order eager execution would.
+void RngStates::prologue(size_t key, cudaStream_t stream) {
+    if (key >= passes.size() || !passes[key].device.defined()) return;
+    PassDraws& d = passes[key];
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone)
+        throw std::runtime_error(
+            "graphed: a graph that draws random numbers cannot be replayed on a stream that is being captured "
+            "(its generator state is written before each replay)");
+    c10::SmallVector<int64_t, 8> host(2 * entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+        std::lock_guard<std::mutex> lock(entries[i].generator.mutex());
+        at::CUDAGeneratorState* s = entries[i].state.get();
+        host[2 * i] = int64_t(s->seed_);
+        host[2 * i + 1] = int64_t(s->philox_offset_per_thread_);
+        s->philox_offset_per_thread_ += d.increments[i];
+    }
+    // Pageable source: the driver stages it before returning.
+    cuda_check(cudaMemcpyAsync(d.device.data_ptr(), host.data(), host.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                               stream),
+               "cudaMemcpyAsync (generator state)");
+}
+
+void RngStates::abandon() {
+    if (open) restore();
+    open_device = at::Tensor();
+}
+
+}  // namespace graphed_torch

@@ -1,0 +1,78 @@
+// graphed for libtorch: streams and pools. The long-lived work stream the
+// passes run on, joined to graphed's stream; PyTorch's caching allocator
+// routed into the session's private graph pool during each capture (as
+// at::cuda::CUDAGraph does); and graphed's clone allocator over PyTorch's
+// caching allocator, so that cloned grads are ordinary PyTorch memory.
+#include "internal.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <map>
+
+namespace graphed_torch {
+
+// One stream per device for every session's warmup and capture, so that
+// libraries that cache per-stream state (cuBLAS workspaces) keep one.
+c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device) {
+    static std::mutex mu;
+    static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = streams.find(device);
+    if (it == streams.end()) {
+        // Its own stream (not one of PyTorch's pooled ones, which other code
+        // may share), kept for the life of the process.
+        c10::cuda::CUDAGuard guard(device);
+        cudaStream_t raw = nullptr;
+        cuda_check(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+        it = streams.emplace(device, c10::cuda::getStreamFromExternal(raw, device)).first;
+    }
+    return it->second;
+}
+
+void Shared::begin_routing() {
+    c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, pool,
+                                                         [s = work.stream()](cudaStream_t st) { return st == s; });
+    ++pool_refs;
+    routing = true;
+}
+
+void Shared::end_routing() {
+    if (routing) {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+        routing = false;
+    }
+}
+
+void Shared::on_work_stream(graphed_stream ext, const std::function<void()>& fn) {
+    auto s = static_cast<cudaStream_t>(ext);
+    cuda_check(cudaEventRecord(ev_fork, s), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(work.stream(), ev_fork, 0), "cudaStreamWaitEvent");
+    struct Join {
+        Shared* sh;
+        cudaStream_t s;
+        ~Join() {
+            if (cudaEventRecord(sh->ev_join, sh->work.stream()) == cudaSuccess) cudaStreamWaitEvent(s, sh->ev_join, 0);
+        }
+    } join{this, s};
+    c10::cuda::CUDAStreamGuard guard(work);
+    fn();
+}
+
+int32_t torch_alloc(void* ctx, size_t bytes, graphed_stream, void** out) {
+    try {
+        // On the caller's current stream, where the grads are used: graphed
+        // may write them on a side stream, which the caller's stream joins.
+        // (Called during replays only, while the session lives.)
+        const c10::DeviceIndex device = static_cast<Shared*>(ctx)->device;
+        *out = c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes,
+                                                                      c10::cuda::getCurrentCUDAStream(device).stream());
+        return *out ? 0 : 1;
+    } catch (...) {
+        return 1;
+    }
+}
+
+void torch_free(void*, void* ptr, size_t, graphed_stream) { c10::cuda::CUDACachingAllocator::raw_delete(ptr); }
+
+}  // namespace graphed_torch

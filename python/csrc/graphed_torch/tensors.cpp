@@ -1,0 +1,132 @@
+// graphed for libtorch: tensors. Each tensor's facts (Meta: shape, dtype,
+// requires_grad, layout) and graphed's dtype codes; PyTorch tensors over the
+// static buffers graphed's callbacks receive and over the outputs and grads
+// its replays return (a CLONE grad holds its clone block, a leased ALIAS its
+// lease); and the message that names the aliases still alive when a replay
+// would overwrite them (strict leases).
+#include "internal.h"
+
+#include <algorithm>
+
+namespace graphed_torch {
+
+Meta meta_of(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type(), t.requires_grad()}; }
+
+Meta layout_of(const at::Tensor& t) {
+    Meta m = meta_of(t);
+    if (!t.is_contiguous() && t.is_non_overlapping_and_dense()) m.strides = t.strides().vec();
+    return m;
+}
+
+at::Tensor in_layout(const at::Tensor& t, const Meta& m) {
+    if (m.strides.empty()) return t.contiguous();
+    if (t.strides() == at::IntArrayRef(m.strides)) return t;
+    return at::empty_strided(m.sizes, m.strides, t.options()).copy_(t);
+}
+
+at::Tensor over(void* ptr, const Meta& m, const at::TensorOptions& options, std::function<void(void*)> deleter) {
+    if (m.strides.empty()) return at::from_blob(ptr, m.sizes, std::move(deleter), options);
+    return at::from_blob(ptr, m.sizes, m.strides, std::move(deleter), options);
+}
+
+at::TensorOptions options_of(at::ScalarType dtype, c10::DeviceIndex device) {
+    return at::TensorOptions().dtype(dtype).device(at::Device(at::kCUDA, device));
+}
+
+namespace {
+
+// Plain string building: no iostreams in the extension (an ostringstream
+// crashed inside operator<<(long) on the GPU machine's build, in this very
+// error path).
+std::string shape_text(at::IntArrayRef sizes) {
+    std::string o = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        if (i) o += ", ";
+        o += std::to_string(sizes[i]);
+    }
+    return o + "]";
+}
+
+}  // namespace
+
+std::string describe(at::IntArrayRef sizes, at::ScalarType dtype, const std::string& device, bool requires_grad) {
+    return "shape " + shape_text(sizes) + ", " + c10::toString(dtype) + ", " + device +
+           ", requires_grad=" + (requires_grad ? "True" : "False");
+}
+
+std::string describe(const at::Tensor& t) {
+    return describe(t.sizes(), t.scalar_type(), t.device().str(), t.requires_grad());
+}
+
+uint32_t dtype_code(at::ScalarType t, bool* exact) {
+    *exact = true;
+    switch (t) {
+        case at::kFloat: return GRAPHED_DTYPE_F32;
+        case at::kHalf: return GRAPHED_DTYPE_F16;
+        case at::kBFloat16: return GRAPHED_DTYPE_BF16;
+        case at::kDouble: return GRAPHED_DTYPE_F64;
+        case at::kChar: return GRAPHED_DTYPE_I8;
+        case at::kByte: return GRAPHED_DTYPE_U8;
+        case at::kInt: return GRAPHED_DTYPE_I32;
+        case at::kLong: return GRAPHED_DTYPE_I64;
+        case at::kBool: return GRAPHED_DTYPE_BOOL;
+        default: *exact = false; return GRAPHED_DTYPE_U8;
+    }
+}
+
+std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& metas, c10::DeviceIndex device,
+                                    bool with_grad) {
+    std::vector<at::Tensor> v;
+    v.reserve(metas.size());
+    for (size_t i = 0; i < metas.size(); ++i) {
+        if (!ptrs || !ptrs[i]) {  // no such buffer (the grad of an output without grad)
+            v.emplace_back();
+            continue;
+        }
+        at::Tensor t = over(ptrs[i], metas[i], options_of(metas[i].dtype, device));
+        v.push_back(with_grad ? t.requires_grad_(metas[i].requires_grad) : t);
+    }
+    return v;
+}
+
+at::Tensor wrap_clone(graphed::Ref& r, const at::Tensor& param, c10::DeviceIndex device) {
+    graphed_buffer* owner = r.detach().owner;
+    return at::from_blob(r.ptr(), param.sizes(), [owner](void*) { graphed::Buffer::adopt(owner).reset(); },
+                         options_of(param.scalar_type(), device));
+}
+
+// ---- leases ----------------------------------------------------------------------------------
+
+at::Tensor Shared::wrap_leased(graphed::Ref& r, const Meta& m, std::string what, const std::shared_ptr<Shared>& self) {
+    auto lease = std::make_shared<graphed::Lease>(std::move(r.lease()));
+    {
+        std::lock_guard<std::mutex> lock(lease_mu);
+        held[lease->id()] = std::move(what);
+    }
+    return over(r.ptr(), m, options_of(m.dtype, device), [self, lease](void*) { self->drop_lease(*lease); });
+}
+
+void Shared::drop_lease(graphed::Lease& lease) {
+    std::lock_guard<std::mutex> lock(lease_mu);
+    held.erase(lease.id());
+    // After the session is destroyed the release has nothing left to do.
+    lease.reset();
+}
+
+void Shared::alias_held(const graphed::Error& e, size_t callable, uint32_t mb) {
+    std::string msg = std::string("graphed: ") + e.what();
+    std::lock_guard<std::mutex> lock(lease_mu);
+    const std::string prefix = callables[callable]->who(mb);
+    std::vector<std::string> alive;
+    for (auto& [lease, name] : held)
+        if (name.rfind(prefix, 0) == 0) alive.push_back(name);
+    std::sort(alive.begin(), alive.end());
+    if (!alive.empty()) {
+        msg += "\nStill alive:";
+        for (auto& n : alive) msg += "\n  " + n;
+    }
+    msg += "\nDrop them (del, or zero_grad(set_to_none=True)) or take a copy (.clone()) before the next replay.";
+    throw AliasHeld(msg);
+}
+
+}  // namespace graphed_torch
