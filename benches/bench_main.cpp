@@ -544,7 +544,7 @@ void capture_table(kit::Device& dev, bench::Tools& tools, int layers, int width,
               "reference captures the same eager step by hand into one graph (stream capture, instantiate, "
               "upload), without warmup.\n\n"
            << "| variant | total | plan | warmup | record | instantiate | upload | slots | steps | rebind plan | "
-              "rebind verify | graphs |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+              "rebind verify | graphs | templates kept |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     kit::Mlp hand(dev, layers, batch, width, 21);
     Buffer x = hand.tensor(kit::random_floats(size_t(batch) * width, 22));
     Buffer t = hand.tensor(kit::random_floats(size_t(batch) * width, 23, 0.1f));
@@ -582,7 +582,7 @@ void capture_table(kit::Device& dev, bench::Tools& tools, int layers, int width,
                << ms(st.capture_instantiate_ns) << " | " << ms(st.capture_upload_ns) << " | "
                << ms(st.capture_slots_ns) << " | " << ms(st.capture_steps_ns) << " | "
                << ms(st.capture_rebind_plan_ns) << " | " << ms(st.capture_rebind_verify_ns) << " | "
-               << st.graph_count + st.slot_graphs + st.step_graphs << " |\n";
+               << st.graph_count + st.slot_graphs + st.step_graphs << " | " << st.templates_kept << " |\n";
         std::printf("capture %s: %.2f ms\n", v.name, wall);
     }
     std::vector<double> hand_ms;
@@ -597,7 +597,7 @@ void capture_table(kit::Device& dev, bench::Tools& tools, int layers, int width,
     }
     if (!hand_ms.empty())
         report << "| one graph captured by hand from the same kernels (no warmup) | "
-               << fmt("%.2f", bench::median(hand_ms)) << " | | | | | | | | | | 1 |\n";
+               << fmt("%.2f", bench::median(hand_ms)) << " | | | | | | | | | | 1 | |\n";
 }
 
 void memory_table(kit::Device& dev, const std::vector<int>& layer_counts, int width, int batch,

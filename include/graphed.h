@@ -1025,6 +1025,11 @@ typedef struct graphed_session_stats {
    * and the last one's text.
    */
   uint64_t teardown_errors;
+  /**
+   * Graph templates kept after capture: those rebinding plans need (the
+   * others are released once capture has verified the rebinds).
+   */
+  uint32_t templates_kept;
 } graphed_session_stats;
 
 /**

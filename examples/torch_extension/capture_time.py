@@ -72,10 +72,11 @@ def main():
     say()
     say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host time of the whole call, median of "
         f"{a.rounds} rounds (variants interleaved, fresh copies of the blocks each time); phases of the median "
-        "graphed call in ms.")
+        "graphed call in ms; the graph templates it keeps (those rebinding plans need).")
     say()
-    say("| blocks | variant | seconds | vs torch | package | " + " | ".join(PHASES) + " | rebound / refused |")
-    say("|---|---|---|---|---|" + "---|" * len(PHASES) + "---|")
+    say("| blocks | variant | seconds | vs torch | package | " + " | ".join(PHASES)
+        + " | rebound / refused | templates kept / graphs |")
+    say("|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|")
     for n in [int(x) for x in a.blocks.split(",")]:
         base = [Block(a.embd, a.heads, a.dropout).cuda() for _ in range(n)]
         x = torch.randn(a.batch, a.seq, a.embd, device="cuda")
@@ -98,12 +99,14 @@ def main():
             seconds, stats = rs[len(rs) // 2]
             row = f"| {n} | {name} | {seconds:.3f} | {seconds / torch_s:.2f}x |"
             if stats is None:
-                row += " |" + " |" * len(PHASES) + " |"
+                row += " |" + " |" * len(PHASES) + " | |"
             else:
                 lib = stats["capture_ns"] / 1e9
                 row += f" {1e3 * (seconds - lib):.0f} |"
                 row += "".join(f" {stats['capture_' + p + '_ns'] / 1e6:.0f} |" for p in PHASES)
                 row += f" {stats['inputs_rebound']} / {stats['inputs_rebind_refused']} |"
+                graphs = stats["graph_count"] + stats["slot_graphs"] + stats["step_graphs"]
+                row += f" {stats['templates_kept']} / {graphs} |"
             say(row)
             results[f"{n}/{name}"] = {"seconds": seconds, "runs": [s for s, _ in rs], "stats": stats}
         del base

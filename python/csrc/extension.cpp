@@ -225,6 +225,7 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["capture_rebind_plan_ns"] = st.capture_rebind_plan_ns;
     d["capture_rebind_verify_ns"] = st.capture_rebind_verify_ns;
     d["teardown_errors"] = st.teardown_errors;
+    d["templates_kept"] = st.templates_kept;
     return d;
 }
 

@@ -87,8 +87,11 @@ pub trait Graph: Send {
     fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan>;
 
     /// Lets the captured template go once no new plan will be asked for
-    /// (plans made before keep what they need).
-    fn release_template(&mut self) {}
+    /// (plans made before keep what they need); returns whether a plan
+    /// still keeps it.
+    fn release_template(&mut self) -> bool {
+        false
+    }
 }
 
 /// What [`Graph::rebinder`] found for a range.

@@ -85,6 +85,9 @@ pub struct graphed_session_stats {
     /// session's log; graphed_teardown_errors() has the process's count
     /// and the last one's text.
     pub teardown_errors: u64,
+    /// Graph templates kept after capture: those rebinding plans need (the
+    /// others are released once capture has verified the rebinds).
+    pub templates_kept: u32,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -134,6 +137,7 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         capture_rebind_plan_ns: 0,
         capture_rebind_verify_ns: 0,
         teardown_errors: 0,
+        templates_kept: 0,
     }
 }
 
@@ -181,6 +185,7 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             capture_rebind_plan_ns: st.capture_times.rebind_plan,
             capture_rebind_verify_ns: st.capture_times.rebind_verify,
             teardown_errors: st.teardown_errors,
+            templates_kept: st.capture_times.templates_kept as u32,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.

@@ -1,6 +1,7 @@
 //! Where a capture's host time goes, by phase: each phase's time is added
 //! up over the capture, so that a slow capture can be explained (and
-//! compared with torch's) from the session's stats.
+//! compared with torch's) from the session's stats; and how many graph
+//! templates it keeps.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,9 @@ pub struct CaptureTimes {
     pub rebind_plan: u64,
     /// Verifying rebinds: replays, copies, comparisons.
     pub rebind_verify: u64,
+    /// Graph templates kept after capture (those rebinding plans need; the
+    /// others are released).
+    pub templates_kept: usize,
 }
 
 /// Which phase a span of time is added to.

@@ -285,14 +285,15 @@ impl Verifier<'_> {
 
 /// Decides every tensor asked to be rebound, instance by instance (see the
 /// module comment), and lets the graphs' templates go where no plan needs
-/// them. `stream` is idle.
+/// them; returns how many a plan keeps. `stream` is idle.
 pub(crate) fn resolve(
     s: &Inputs,
     placed: &mut [Placed],
     graphs: &mut [PassGraphs],
     stream: StreamRef,
     times: &mut CaptureTimes,
-) -> Result<()> {
+) -> Result<usize> {
+    let mut kept = 0;
     let mut ws: Option<Workspace> = None;
     for (inst, g) in placed.iter_mut().zip(graphs.iter_mut()) {
         let wanted = asked(s, inst);
@@ -303,14 +304,12 @@ pub(crate) fn resolve(
                 inst.tensors_mut(role)[index].feed = feed;
             }
         }
-        for g in g.passes.iter_mut().flatten() {
-            g.release_template();
-        }
-        for slot in &mut g.slots {
-            slot.graph.release_template();
+        let slots = g.slots.iter_mut().map(|s| &mut s.graph);
+        for graph in g.passes.iter_mut().flatten().chain(slots) {
+            kept += graph.release_template() as usize;
         }
     }
-    Ok(())
+    Ok(kept)
 }
 
 /// The feeds of the tensors of `inst` in `wanted`.

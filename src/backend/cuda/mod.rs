@@ -425,8 +425,10 @@ impl Graph for CudaGraph {
         )
     }
 
-    fn release_template(&mut self) {
-        self.template = None;
+    fn release_template(&mut self) -> bool {
+        self.template
+            .take()
+            .is_some_and(|t| Arc::strong_count(&t) > 1)
     }
 }
 

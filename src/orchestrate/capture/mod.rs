@@ -113,7 +113,8 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     synced?;
 
     // 4. Verify the rebinds.
-    rebind::resolve(s, &mut placed, &mut recorded.graphs, side.raw(), &mut times)?;
+    times.templates_kept =
+        rebind::resolve(s, &mut placed, &mut recorded.graphs, side.raw(), &mut times)?;
     warn_aliases(s, &placed);
 
     // 5. Build the captured state whole.
