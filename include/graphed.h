@@ -1495,8 +1495,10 @@ graphed_status graphed_schedule_from_te_order(const double *order,
  * per callable) have a weight-grad callback: with `steps` (NULL and 0: no
  * schedule) the schedule's expansion, else every forward in registration
  * order, then every backward in reverse, each weight-grad after its
- * backward. Writes min(count, capacity) passes to `passes` (NULL: none)
- * and the count to `*count_out`.
+ * backward. Writes min(count, capacity) passes to `passes` (NULL: none,
+ * and `capacity` is not read) and the count to `*count_out`. A capacity
+ * whose bytes (capacity * pass_size) overflow is INVALID_ARGUMENT, as
+ * every array length.
  *
  * # Safety
  * The arrays must hold the counts stated; `passes` must have room for
@@ -1520,7 +1522,8 @@ graphed_status graphed_schedule_passes(const struct graphed_schedule_step *steps
  * (room for `chunk_capacity` entries each, at least the chunk count), the
  * number of layers (callables) of each chunk and the first callable of
  * each. `layers_per_chunk` as in the session config (NULL: split evenly).
- * The schedule's rules are checked as at capture.
+ * The schedule's rules are checked as at capture. A `chunk_capacity` whose
+ * bytes overflow is INVALID_ARGUMENT, as every array length.
  *
  * # Safety
  * `steps` must hold `num_steps` elements of `step_size` bytes;

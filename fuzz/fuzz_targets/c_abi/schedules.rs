@@ -50,7 +50,12 @@ pub fn op_schedule_helpers() {
     let mut layers = [0xeeu32; 8];
     let mut firsts = [0xeeu32; 8];
     let ncall = i.below(6) as u32;
-    let cap = i.below(9);
+    // The arrays hold 8; a pick of 8 is a capacity whose bytes overflow
+    // (refused whenever the arrays are given).
+    let cap = match i.below(9) {
+        8 => usize::MAX,
+        c => c,
+    };
     let want_arrays = i.chance(128);
     // SAFETY: the steps just written; outputs are locals.
     let r = unsafe {
@@ -77,6 +82,9 @@ pub fn op_schedule_helpers() {
         )
     };
     post(r, "graphed_schedule_shape");
+    if want_arrays && cap == usize::MAX {
+        assert_ne!(r, S::Ok, "a chunk capacity of SIZE_MAX was accepted");
+    }
     if r == S::Ok {
         assert!(chunks >= 1 && mbs >= 1);
         if want_arrays {
@@ -109,7 +117,13 @@ pub fn op_schedule_passes() {
     } else {
         Vec::new()
     };
-    let cap = i.below(12);
+    // A pick of 11 is a capacity whose bytes overflow: refused whenever
+    // there is an array (`out` then holds 11 passes).
+    let (cap, room) = match i.below(12) {
+        11 => (usize::MAX / i.pick(&[1, 8, 12]), 11),
+        c => (c, c),
+    };
+    let huge_cap = cap != room;
     let pass_size = i.pick(&[12usize, 12, 12, 16, 8, 13]);
     let passes_null = i.chance(40);
     let count_null = i.chance(8);
@@ -122,11 +136,11 @@ pub fn op_schedule_passes() {
         2 => (split.as_ptr(), 1),
         _ => (null(), 0),
     };
-    let mut out = vec![0xabu8; cap * pass_size.max(12) + 16];
+    let mut out = vec![0xabu8; room * pass_size.max(12) + 16];
     let mut count = 0x77usize;
     mark();
     // SAFETY: every array holds the stated count; `out` has room for `cap`
-    // passes of `pass_size` bytes.
+    // passes of `pass_size` bytes, or `cap` is one the call refuses.
     let r = unsafe {
         graphed_schedule_passes(
             if sched { steps.as_ptr().cast() } else { null() },
@@ -160,10 +174,10 @@ pub fn op_schedule_passes() {
             want.push((c, 2));
         }
     }
-    // The element size is checked whenever there is an array; its
-    // alignment only when something is written.
-    let bad_size =
-        !passes_null && (pass_size < 12 || (pass_size % 4 != 0 && want.len().min(cap) > 0));
+    // The element size is checked whenever there is an array, and the
+    // array as its capacity describes it: the alignment of its elements
+    // when it has any, its bytes fitting in memory.
+    let bad_size = !passes_null && (pass_size < 12 || (pass_size % 4 != 0 && cap > 0) || huge_cap);
     if count_null {
         assert_eq!(r, S::NullPointer);
     } else if huge {
