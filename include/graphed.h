@@ -1157,7 +1157,11 @@ graphed_status graphed_buffer_release(struct graphed_buffer *buffer);
  * graphed_buffer_release, ordered on `stream` instead: the block's memory
  * is given back after the work enqueued there so far (and not after that
  * of the stream it was returned on). For a clone used and released on
- * another stream, or whose return stream is gone.
+ * another stream, or whose return stream is gone. `stream` is NULL or a
+ * stream of the block's backend: on the host backend, anything but a
+ * host stream is GRAPHED_STATUS_INVALID_ARGUMENT (a destroyed one
+ * GRAPHED_STATUS_USE_AFTER_DESTROY), as for a replay, and the reference
+ * is kept.
  */
 graphed_status graphed_buffer_release_on(struct graphed_buffer *buffer, graphed_stream stream);
 

@@ -447,3 +447,68 @@ fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
     });
     assert_eq!((chunks, mbs, layers[0], first[0]), (1, 1, 1, 0));
 }
+
+/// A host session with one CLONE parameter, captured, and the owner of the
+/// clone block one backward returned (one reference).
+fn one_clone_block() -> (*mut graphed_session, *mut graphed_buffer) {
+    let s = session(
+        host(false),
+        1,
+        graphed_grad_policy::Clone as u32,
+        Some(noop),
+    );
+    ok(graphed_session_capture(s));
+    let a = graphed_replay_args_default();
+    let mut gp = [empty_ref()];
+    // SAFETY: args and room for the refs (no inputs, one parameter).
+    ok(unsafe { graphed_backward(s, &a, null_mut(), 0, gp.as_mut_ptr(), 1) });
+    assert_eq!(gp[0].kind, graphed_ref_kind::Clone as u32);
+    (s, gp[0].owner)
+}
+
+/// On the host backend a stream is NULL or a host stream: a replay refuses
+/// any other pointer (INVALID_ARGUMENT), and so does
+/// graphed_buffer_release_on, which drops nothing then. It used to
+/// accept any pointer and drop the reference.
+#[test]
+fn release_on_refuses_what_is_not_a_host_stream_and_drops_nothing() {
+    let (s, owner) = one_clone_block();
+    let mut a = graphed_replay_args_default();
+    let mut out = [empty_ref()];
+    let mut local = 0u64;
+    let not_streams = [
+        0x1234usize,
+        &mut local as *mut u64 as usize,
+        s as usize, // a handle, but a session's
+    ];
+    for bad in not_streams {
+        a.stream = bad as graphed_stream;
+        // SAFETY: args and room for one ref.
+        let st = unsafe { graphed_forward(s, &a, out.as_mut_ptr(), 1) };
+        assert_eq!(st, S::InvalidArgument, "forward on 0x{bad:x}: {}", msg());
+        let st = graphed_buffer_release_on(owner, bad as graphed_stream);
+        assert_eq!(st, S::InvalidArgument, "release_on 0x{bad:x}: {}", msg());
+        assert!(
+            msg().starts_with("graphed_buffer_release_on: "),
+            "{}",
+            msg()
+        );
+        assert!(
+            msg().contains("not a stream of the host backend"),
+            "{}",
+            msg()
+        );
+    }
+    let mut st = graphed_session_stats_default();
+    // SAFETY: a full stats struct.
+    ok(unsafe { graphed_session_stats_get(s, &mut st) });
+    assert_eq!(
+        st.clone_blocks_outstanding, 1,
+        "the refused releases dropped nothing"
+    );
+    // The block's one reference is still there, and NULL is still the
+    // default stream.
+    ok(graphed_buffer_release_on(owner, null_mut()));
+    assert_eq!(graphed_buffer_release(owner), S::UseAfterDestroy);
+    ok(graphed_session_destroy(s));
+}

@@ -36,6 +36,32 @@ pub fn op_buffer() {
         }
         _ => (forged(), S::InvalidArgument, None),
     };
+    if let (false, Some(a)) = (retain, at) {
+        // Before a live block's release, graphed_buffer_release_on with
+        // what is not a host stream (a heap address, a session handle) is
+        // refused and keeps the reference. Decided by the model's state,
+        // not by input bytes, so that the decoding stays.
+        let local = 0u64;
+        let not_stream = if a % 2 == 0 {
+            &local as *const u64 as usize
+        } else {
+            let sess = wd.blocks.borrow()[a].sess;
+            wd.sessions.borrow()[sess].h
+        };
+        mark();
+        let r = graphed_buffer_release_on(h as *mut graphed_buffer, not_stream as graphed_stream);
+        expect(
+            r,
+            &[S::InvalidArgument],
+            "graphed_buffer_release_on",
+            "not a host stream",
+        );
+        assert!(
+            msg().contains("not a stream of the host backend"),
+            "{}",
+            msg()
+        );
+    }
     mark();
     let r = if retain {
         graphed_buffer_retain(h as *mut graphed_buffer)
@@ -122,7 +148,8 @@ pub fn op_lease() {
 }
 
 /// graphed_buffer_release_on: the block given back ordered on another
-/// stream (NULL: the default one, or a host stream a capture made).
+/// stream (NULL: the default one, or a host stream a capture made), or
+/// refused for what is not a host stream (forged, stale).
 pub fn op_release_on() {
     let wd = w();
     let i = &wd.input;
@@ -141,10 +168,12 @@ pub fn op_release_on() {
         }
         _ => (0, S::Ok, None),
     };
-    // The stream is only used when the last reference goes.
+    // A live block's stream is checked before its reference goes, last or
+    // not: on the host backend it is NULL or a host stream (capturing or
+    // not); anything else is refused and the reference kept.
     let last = at.is_some_and(|a| wd.blocks.borrow()[a].refs == 1);
-    if last && want == S::Ok {
-        if let Some(e) = stream_err {
+    if at.is_some() {
+        if let Some(e) = stream_err.filter(|&e| e != S::StreamCapturing) {
             want = e;
         }
     }
