@@ -910,10 +910,11 @@ typedef struct graphed_session_config {
   uint32_t clone_slots;
   /**
    * Optional: run warmup and capture on this stream of yours (a
-   * CUstream, not the legacy default stream; CUDA only) instead of one
-   * the session makes, so that work your callbacks enqueue elsewhere on
-   * it (a framework's current stream) needs no join. NULL: the session's
-   * own.
+   * CUstream you created; CUDA only) instead of one the session makes,
+   * so that work your callbacks enqueue elsewhere on it (a framework's
+   * current stream) needs no join. NULL: the session's own. The default
+   * streams (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are
+   * GRAPHED_STATUS_INVALID_ARGUMENT at graphed_session_create.
    */
   graphed_stream capture_stream;
 } graphed_session_config;

@@ -512,3 +512,30 @@ fn release_on_refuses_what_is_not_a_host_stream_and_drops_nothing() {
     assert_eq!(graphed_buffer_release(owner), S::UseAfterDestroy);
     ok(graphed_session_destroy(s));
 }
+
+/// The legacy default stream (CU_STREAM_LEGACY, 0x1) and the per-thread
+/// default stream (CU_STREAM_PER_THREAD, 0x2) cannot be a session's
+/// capture stream: CUDA cannot capture the legacy stream, and callbacks
+/// never receive a default stream. Both are refused when the session is
+/// created, naming the stream, on every backend (the CUDA backend took
+/// them and failed at capture with a driver error).
+#[test]
+fn a_default_stream_as_capture_stream_is_refused_at_create() {
+    for (raw, name) in [(1usize, "CU_STREAM_LEGACY"), (2, "CU_STREAM_PER_THREAD")] {
+        for backend in [graphed_backend::Host, graphed_backend::Cuda] {
+            let mut c = graphed_session_config_default();
+            c.backend = backend as u32;
+            c.capture_stream = raw as graphed_stream;
+            let mut s = null_mut();
+            // SAFETY: a valid config and out pointer.
+            let st = unsafe { graphed_session_create(&c, &mut s) };
+            assert_eq!(st, S::InvalidArgument, "{name}: {}", msg());
+            assert!(
+                msg().contains(&format!("config.capture_stream is {name}")),
+                "{}",
+                msg()
+            );
+            assert!(s.is_null());
+        }
+    }
+}

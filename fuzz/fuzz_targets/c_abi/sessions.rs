@@ -262,6 +262,15 @@ pub fn op_create() {
             // SAFETY: 4 bytes past the start still leave room for the struct.
             cfg_ptr = unsafe { cfg_ptr.add(4) }
         }
+        // CUDA's legacy and per-thread default streams as capture stream
+        // (refused with the config, on every backend), and a stream of the
+        // caller's (refused by the host backend, which makes its own).
+        7 => cfg.capture_stream = 1 as graphed_stream,
+        8 => cfg.capture_stream = 2 as graphed_stream,
+        9 => {
+            cfg.capture_stream =
+                wd.kept_streams.borrow().first().map_or(0x1000, |k| k.h) as graphed_stream
+        }
         _ => {}
     }
     if shape == 0 || shape == 1 {
@@ -304,6 +313,8 @@ pub fn op_create() {
         || cfg.capture_mode > 2
         || cfg.log_level > 3
         || cfg.clone_slots > 16
+        || shape == 7
+        || shape == 8
     {
         first(&mut want, Some(S::InvalidArgument));
     }
@@ -315,6 +326,9 @@ pub fn op_create() {
     let cuda = cfg.backend == 0;
     if cuda {
         first(&mut want, Some(S::NoDriver));
+    }
+    if shape == 9 {
+        first(&mut want, Some(S::InvalidArgument));
     }
     if cfg.reuse_buffers == 1 && steps_buf.is_empty() && sched_err.is_none() {
         first(&mut want, Some(S::InvalidSchedule));
