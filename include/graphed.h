@@ -159,6 +159,12 @@ enum graphed_status
    * enqueued.
    */
   GRAPHED_STATUS_STREAM_CAPTURING = 19,
+  /**
+   * The call combines features that do not work together (for example,
+   * a step in a session with a pipeline schedule); the message names
+   * them. Nothing was changed.
+   */
+  GRAPHED_STATUS_INCOMPATIBLE = 20,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1627,7 +1633,10 @@ struct graphed_step_desc graphed_step_desc_default(void);
  * one graph: every forward in order, then every backward in reverse (each
  * weight-grad right after its backward), each grad pass followed by its
  * COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
- * around these captures. Per-callable replays keep working.
+ * around these captures. Per-callable replays keep working. Steps do not
+ * go with a pipeline schedule nor with callables that have external
+ * buffers: GRAPHED_STATUS_INCOMPATIBLE (also at capture, for a callable
+ * flagged external after the step was declared).
  *
  * # Safety
  * `desc` must point to a graphed_step_desc initialised by its _default()

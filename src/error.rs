@@ -75,6 +75,11 @@ pub enum Error {
     #[error("{0}")]
     Unsupported(String),
 
+    /// The call combines features that do not work together; the message
+    /// names them.
+    #[error("{0}")]
+    Incompatible(String),
+
     #[error("{0}")]
     Busy(String),
 

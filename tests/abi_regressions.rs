@@ -451,12 +451,7 @@ fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
 /// A host session with one CLONE parameter, captured, and the owner of the
 /// clone block one backward returned (one reference).
 fn one_clone_block() -> (*mut graphed_session, *mut graphed_buffer) {
-    let s = session(
-        host(false),
-        1,
-        graphed_grad_policy::Clone as u32,
-        Some(noop),
-    );
+    let s = session(host(false), 1, graphed_grad_policy::Clone as u32, Some(noop));
     ok(graphed_session_capture(s));
     let a = graphed_replay_args_default();
     let mut gp = [empty_ref()];
@@ -502,10 +497,7 @@ fn release_on_refuses_what_is_not_a_host_stream_and_drops_nothing() {
     let mut st = graphed_session_stats_default();
     // SAFETY: a full stats struct.
     ok(unsafe { graphed_session_stats_get(s, &mut st) });
-    assert_eq!(
-        st.clone_blocks_outstanding, 1,
-        "the refused releases dropped nothing"
-    );
+    assert_eq!(st.clone_blocks_outstanding, 1, "the refused releases dropped nothing");
     // The block's one reference is still there, and NULL is still the
     // default stream.
     ok(graphed_buffer_release_on(owner, null_mut()));
@@ -538,4 +530,46 @@ fn a_default_stream_as_capture_stream_is_refused_at_create() {
             assert!(s.is_null());
         }
     }
+}
+
+/// Steps do not go with a pipeline schedule nor with callables whose
+/// callbacks provide buffers: that refusal is INCOMPATIBLE (the call
+/// combines features that do not work together), not UNSUPPORTED (which
+/// says the backend or build lacks something).
+#[test]
+fn steps_over_a_schedule_or_external_buffers_are_incompatible() {
+    let steps = [
+        graphed_schedule_step { pass: 0, chunk: 0 },
+        graphed_schedule_step { pass: 1, chunk: 0 },
+    ];
+    let mut c = host(false);
+    c.schedule = steps.as_ptr();
+    c.num_schedule_steps = steps.len();
+    let scheduled = session(c, 1, 0, Some(noop));
+    let plain = session(host(false), 1, 0, Some(noop));
+    ok(graphed_session_set_param_flags(
+        plain,
+        0,
+        0,
+        graphed_param_flags::ExternalGrad as u32,
+    ));
+    let callables = [0u32];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 1;
+    for (s, words) in [
+        (scheduled, "pipeline schedule"),
+        (plain, "has external buffers"),
+    ] {
+        let mut idx = 77;
+        // SAFETY: a valid descriptor and out pointer.
+        let st = unsafe { graphed_session_add_step(s, &d, &mut idx) };
+        assert_eq!(st, S::Incompatible, "{}", msg());
+        assert!(msg().contains(words), "{}", msg());
+        assert_eq!(idx, 77);
+        ok(graphed_session_destroy(s));
+    }
+    // SAFETY: a static string.
+    let name = unsafe { std::ffi::CStr::from_ptr(graphed_status_name(20)) };
+    assert_eq!(name.to_str().unwrap(), "GRAPHED_STATUS_INCOMPATIBLE");
 }

@@ -66,11 +66,15 @@ pub enum graphed_status {
     /// replays cannot be recorded into another capture. Nothing was
     /// enqueued.
     StreamCapturing = 19,
+    /// The call combines features that do not work together (for example,
+    /// a step in a session with a pipeline schedule); the message names
+    /// them. Nothing was changed.
+    Incompatible = 20,
 }
 
 /// Every status, in code order. Kept next to the enum so that a new code
 /// cannot be added without a name.
-pub(crate) const ALL_STATUSES: [(graphed_status, &str); 20] = [
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 21] = [
     (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
     (
         graphed_status::InvalidArgument,
@@ -118,6 +122,10 @@ pub(crate) const ALL_STATUSES: [(graphed_status, &str); 20] = [
         graphed_status::StreamCapturing,
         "GRAPHED_STATUS_STREAM_CAPTURING\0",
     ),
+    (
+        graphed_status::Incompatible,
+        "GRAPHED_STATUS_INCOMPATIBLE\0",
+    ),
 ];
 
 const UNKNOWN_STATUS: &str = "GRAPHED_STATUS_UNKNOWN\0";
@@ -142,6 +150,7 @@ impl From<&Error> for graphed_status {
             Error::InvalidSchedule(_) => graphed_status::InvalidSchedule,
             Error::ScratchExhausted(_) => graphed_status::ScratchExhausted,
             Error::Unsupported(_) => graphed_status::Unsupported,
+            Error::Incompatible(_) => graphed_status::Incompatible,
             Error::Busy(_) => graphed_status::Busy,
             Error::UseAfterDestroy(_) => graphed_status::UseAfterDestroy,
             Error::Internal(_) => graphed_status::Internal,

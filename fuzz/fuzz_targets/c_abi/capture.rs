@@ -74,7 +74,7 @@ pub fn op_capture(t: Target) {
             St::Open if s.callables.is_empty() => Some(S::WrongState),
             // A flag set after the step was declared made a callable of it
             // external: refused before anything runs.
-            St::Open if step_has_external(s) => Some(S::Unsupported),
+            St::Open if step_has_external(s) => Some(S::Incompatible),
             St::Open => match schedule_fits(s) {
                 Some(false) => Some(S::InvalidSchedule),
                 None => {

@@ -176,7 +176,7 @@ pub fn op_add_step() {
         }
         first(
             &mut want,
-            (!matches!(sched, Some(None))).then_some(S::Unsupported),
+            (!matches!(sched, Some(None))).then_some(S::Incompatible),
         );
         first(&mut want, cs.is_empty().then_some(S::InvalidArgument));
         for (k, &c) in cs.iter().enumerate() {
@@ -189,7 +189,7 @@ pub fn op_add_step() {
                 first(&mut want, Some(S::InvalidArgument));
             }
             let external = callable_is_external(&calls[c as usize]);
-            first(&mut want, external.then_some(S::Unsupported));
+            first(&mut want, external.then_some(S::Incompatible));
         }
         first(
             &mut want,
