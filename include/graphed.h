@@ -1151,6 +1151,22 @@ extern "C" {
 #endif // __cplusplus
 
 /**
+ * The name of a status code as written in this header
+ * ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
+ * safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
+ * is static; never free it.
+ */
+const char *graphed_status_name(uint32_t code);
+
+/**
+ * The message of the most recent call on this thread that did not return
+ * GRAPHED_STATUS_OK: it names the function, the argument or object at
+ * fault, and what was expected. Empty if no call on this thread has failed.
+ * Valid until the next failing graphed call on this thread; never free it.
+ */
+const char *graphed_last_error_message(void);
+
+/**
  * Drops one reference to a block of returned clones; the last one gives
  * the memory back, ordered after the work already enqueued on the stream
  * the clones were returned on (that stream must still exist; synchronize
@@ -1599,22 +1615,6 @@ graphed_status graphed_session_capture(struct graphed_session *session);
  * GRAPHED_STATUS_SESSION_RESET; clones already returned stay valid.
  */
 graphed_status graphed_session_reset(struct graphed_session *session);
-
-/**
- * The name of a status code as written in this header
- * ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
- * safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
- * is static; never free it.
- */
-const char *graphed_status_name(uint32_t code);
-
-/**
- * The message of the most recent call on this thread that did not return
- * GRAPHED_STATUS_OK: it names the function, the argument or object at
- * fault, and what was expected. Empty if no call on this thread has failed.
- * Valid until the next failing graphed call on this thread; never free it.
- */
-const char *graphed_last_error_message(void);
 
 /**
  * The library's version as "MAJOR.MINOR.PATCH"; it matches the

@@ -451,7 +451,12 @@ fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
 /// A host session with one CLONE parameter, captured, and the owner of the
 /// clone block one backward returned (one reference).
 fn one_clone_block() -> (*mut graphed_session, *mut graphed_buffer) {
-    let s = session(host(false), 1, graphed_grad_policy::Clone as u32, Some(noop));
+    let s = session(
+        host(false),
+        1,
+        graphed_grad_policy::Clone as u32,
+        Some(noop),
+    );
     ok(graphed_session_capture(s));
     let a = graphed_replay_args_default();
     let mut gp = [empty_ref()];
@@ -497,7 +502,10 @@ fn release_on_refuses_what_is_not_a_host_stream_and_drops_nothing() {
     let mut st = graphed_session_stats_default();
     // SAFETY: a full stats struct.
     ok(unsafe { graphed_session_stats_get(s, &mut st) });
-    assert_eq!(st.clone_blocks_outstanding, 1, "the refused releases dropped nothing");
+    assert_eq!(
+        st.clone_blocks_outstanding, 1,
+        "the refused releases dropped nothing"
+    );
     // The block's one reference is still there, and NULL is still the
     // default stream.
     ok(graphed_buffer_release_on(owner, null_mut()));

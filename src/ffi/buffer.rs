@@ -5,17 +5,12 @@
 
 use super::boundary::boundary;
 use super::callback::graphed_stream;
-use super::handles::id;
+use super::handles::{graphed_buffer, id};
 use super::status::graphed_status;
 use crate::backend::{host, BackendKind, StreamRef};
 use crate::core::handle::{self, Kind};
 use crate::error::{Error, Result};
 use crate::orchestrate::CloneBlock;
-
-/// Opaque: a block of returned clones (graphed_ref.owner).
-pub struct graphed_buffer {
-    _private: [u8; 0],
-}
 
 /// Drops one reference to a block of returned clones; the last one gives
 /// the memory back, ordered after the work already enqueued on the stream

@@ -5,8 +5,8 @@
 use super::args::{arg_str, assert_header, CStruct};
 use super::callback::graphed_stream;
 use super::enums::{decode_bool, graphed_backend, graphed_capture_mode, graphed_log_level};
+use super::handles::graphed_session;
 use super::schedule::{graphed_schedule_step, read_schedule, ScheduleFields};
-use super::session::graphed_session;
 use crate::backend::{BackendKind, DevPtr, StreamRef};
 use crate::error::{Error, Result};
 use crate::orchestrate::{CloneAllocator, HookPoint, LogLevel, SessionOptions};

@@ -6,11 +6,11 @@
 //!
 //! | file | concept |
 //! |---|---|
-//! | `boundary` | the panic boundary and the thread-local message |
+//! | `boundary` | the panic boundary, the thread-local message, the status names |
 //! | `args` | C pointers, arrays and caller-filled structs into Rust values |
-//! | `status` | status codes, their names, the version |
+//! | `status` | status codes and their names, the version |
 //! | `enums` | the C enums and their conversion to the Rust ones |
-//! | `handles` | handles (ids from the handle table) to pinned objects |
+//! | `handles` | the opaque handle types; handles (ids from the handle table) to pinned objects |
 //! | `config` | the session config and the callbacks it carries |
 //! | `session` | create, destroy, capture, reset |
 //! | `callable` | tensor, parameter and callable descriptors; registration |
@@ -39,12 +39,14 @@ mod session;
 mod status;
 mod step;
 
+pub use boundary::{graphed_last_error_message, graphed_status_name};
 pub use buffer::*;
 pub use callable::*;
 pub use callback::*;
 pub use config::*;
 pub use device::*;
 pub use enums::*;
+pub use handles::*;
 pub use host::*;
 pub use query::*;
 pub use replay::*;

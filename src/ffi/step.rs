@@ -5,8 +5,9 @@
 use super::args::{arg_out, arg_slice, assert_header, read_struct, CStruct};
 use super::boundary::boundary;
 use super::callback::graphed_stream;
+use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
-use super::session::{graphed_session, session};
+use super::session::session;
 use super::status::graphed_status;
 use crate::backend::StreamRef;
 use std::ffi::c_void;
