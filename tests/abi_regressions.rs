@@ -1,6 +1,7 @@
-//! Minimal reproducers of C ABI bugs found by the fuzz target
-//! (fuzz/fuzz_targets/c_abi.rs), on the host backend, kept as regression
-//! tests. Each test states the contract it checks.
+//! Minimal reproducers of C ABI bugs, on the host backend, kept as
+//! regression tests: those the fuzz target (fuzz/fuzz_targets/c_abi.rs)
+//! found, and gaps of the boundary found by tests written apart from it.
+//! Each test states the contract it checks.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
