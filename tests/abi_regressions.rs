@@ -358,14 +358,16 @@ fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
     ];
     let step_size = std::mem::size_of::<graphed_schedule_step>();
     let pass_size = std::mem::size_of::<graphed_pass_ref>();
-    let mut passes = [graphed_pass_ref {
-        callable: 7,
-        microbatch: 7,
-        pass: 7,
-    }; 4];
-    for (cap, size) in [(usize::MAX, pass_size), (usize::MAX / 2, 16)] {
+    // Each call writes into fresh outputs of 4 elements, set to 7.
+    let passes_with = |cap: usize, size: usize| {
+        let mut out = [graphed_pass_ref {
+            callable: 7,
+            microbatch: 7,
+            pass: 7,
+        }; 4];
         let mut count = 7usize;
-        // SAFETY: a local array; the capacity is a lie the call must refuse.
+        // SAFETY: room for 4 passes; a larger capacity is a lie the call
+        // must refuse.
         let st = unsafe {
             graphed_schedule_passes(
                 steps.as_ptr(),
@@ -375,22 +377,19 @@ fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
                 0,
                 std::ptr::null(),
                 1,
-                passes.as_mut_ptr(),
+                out.as_mut_ptr(),
                 cap,
                 size,
                 &mut count,
             )
         };
-        assert_eq!(st, S::InvalidArgument, "capacity {cap}: {}", msg());
-        assert!(msg().contains("passes: "), "{}", msg());
-        assert!(msg().contains("do not fit in memory"), "{}", msg());
-        assert_eq!(count, 7, "nothing written");
-        assert!(passes.iter().all(|p| p.callable == 7), "nothing written");
-    }
-    let (mut chunks, mut mbs) = (7u32, 7u32);
-    let (mut layers, mut first) = ([7u32; 4], [7u32; 4]);
-    for cap in [usize::MAX, usize::MAX / 4 + 1] {
-        // SAFETY: local arrays; the capacity is a lie the call must refuse.
+        (st, count, out[0].callable)
+    };
+    let shape_with = |cap: usize| {
+        let (mut chunks, mut mbs) = (7u32, 7u32);
+        let (mut layers, mut first) = ([7u32; 4], [7u32; 4]);
+        // SAFETY: room for 4 chunks; a larger capacity is a lie the call
+        // must refuse.
         let st = unsafe {
             graphed_schedule_shape(
                 steps.as_ptr(),
@@ -406,47 +405,28 @@ fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
                 cap,
             )
         };
+        (st, [chunks, mbs, layers[0], first[0]])
+    };
+    for (cap, size) in [(usize::MAX, pass_size), (usize::MAX / 2, 16)] {
+        let (st, count, first) = passes_with(cap, size);
+        assert_eq!(st, S::InvalidArgument, "capacity {cap}: {}", msg());
+        assert!(msg().contains("passes: "), "{}", msg());
+        assert!(msg().contains("do not fit in memory"), "{}", msg());
+        assert_eq!((count, first), (7, 7), "nothing written");
+    }
+    for cap in [usize::MAX, usize::MAX / 4 + 1] {
+        let (st, outs) = shape_with(cap);
         assert_eq!(st, S::InvalidArgument, "capacity {cap}: {}", msg());
         assert!(msg().contains("do not fit in memory"), "{}", msg());
-        assert_eq!((chunks, mbs), (7, 7), "nothing written");
-        assert_eq!((layers, first), ([7; 4], [7; 4]), "nothing written");
+        assert_eq!(outs, [7; 4], "nothing written");
     }
     // The true capacities are accepted.
-    let mut count = 0usize;
-    // SAFETY: room for 4 passes.
-    ok(unsafe {
-        graphed_schedule_passes(
-            steps.as_ptr(),
-            2,
-            step_size,
-            std::ptr::null(),
-            0,
-            std::ptr::null(),
-            1,
-            passes.as_mut_ptr(),
-            passes.len(),
-            pass_size,
-            &mut count,
-        )
-    });
-    assert_eq!(count, 2);
-    // SAFETY: room for 4 chunks.
-    ok(unsafe {
-        graphed_schedule_shape(
-            steps.as_ptr(),
-            2,
-            step_size,
-            std::ptr::null(),
-            0,
-            1,
-            &mut chunks,
-            &mut mbs,
-            layers.as_mut_ptr(),
-            first.as_mut_ptr(),
-            layers.len(),
-        )
-    });
-    assert_eq!((chunks, mbs, layers[0], first[0]), (1, 1, 1, 0));
+    let (st, count, first) = passes_with(4, pass_size);
+    ok(st);
+    assert_eq!((count, first), (2, 0));
+    let (st, outs) = shape_with(4);
+    ok(st);
+    assert_eq!(outs, [1, 1, 1, 0]);
 }
 
 /// A host session with one CLONE parameter, captured, and the owner of the
