@@ -12,6 +12,10 @@
 //   Sizes...                       sizes past 2^48, sums that would wrap
 //   SharedPoolOrder...             sessions sharing a pool, out of order
 //   DestroyWhileInUse...           destroy racing a call, and from a callback
+//   DefaultStreams...              CUDA's default streams as a capture stream
+//   ReleaseOnAForeignStream...     a clone released on what is not a host stream
+//   StepsWithIncompatible...       steps over a schedule or external buffers
+//   ScheduleCapacities...          output capacities whose bytes overflow
 #include "layer_fixture.hpp"
 #include "scale_layer.hpp"
 
@@ -662,6 +666,101 @@ TEST_P(AbiRegression, DestroyWhileInUseIsBusy) {
     EXPECT_EQ(1u, s2.stats().captured);
     expect_replays_right(s2, 1);
     s2.destroy();
+}
+
+// ---- (i) boundary gaps ---------------------------------------------------------------
+
+// The legacy and per-thread default streams are refused at create, by name,
+// before any backend is opened: callbacks never receive a default stream,
+// and CUDA cannot capture the legacy one.
+TEST_P(AbiRegression, DefaultStreamsAreNoCaptureStream) {
+    const std::pair<uintptr_t, const char*> defaults[] = {{1, "config.capture_stream is CU_STREAM_LEGACY"},
+                                                          {2, "config.capture_stream is CU_STREAM_PER_THREAD"}};
+    for (const auto& [raw, text] : defaults) {
+        graphed_session_config c = config();
+        c.capture_stream = reinterpret_cast<graphed_stream>(raw);
+        graphed_session* s = nullptr;
+        EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_create(&c, &s), text));
+        EXPECT_EQ(nullptr, s);
+    }
+}
+
+// On the host backend, graphed_buffer_release_on takes NULL or a host
+// stream, as a replay does; anything else is refused and the reference kept.
+TEST_P(AbiRegression, ReleaseOnAForeignStreamIsRefused) {
+    if (GetParam() != kit::Backend::Host) GTEST_SKIP() << "host streams are the host backend's";
+    graphed::Session s = captured(config());
+    Step st = step(s, 0);
+    graphed_buffer* owner = st.g.params[0].owner().get();
+    ASSERT_NE(nullptr, owner);
+    const uint64_t blocks = s.stats().clone_blocks_outstanding;
+    int local = 0;
+    for (uintptr_t bad : {uintptr_t(0x1234), reinterpret_cast<uintptr_t>(&local), reinterpret_cast<uintptr_t>(s.get())}) {
+        SCOPED_TRACE(testing::Message() << "stream 0x" << std::hex << bad);
+        auto* stream = reinterpret_cast<graphed_stream>(bad);
+        EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_buffer_release_on(owner, stream),
+                               "graphed_buffer_release_on: "));
+        EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_buffer_release_on(owner, stream),
+                               "not a stream of the host backend"));
+        graphed_ref out[1] = {};
+        graphed_replay_args a = graphed_replay_args_default();
+        a.stream = stream;
+        EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_forward(s.get(), &a, out, 1),
+                               "not a stream of the host backend"));
+    }
+    EXPECT_EQ(blocks, s.stats().clone_blocks_outstanding) << "nothing was released";
+    EXPECT_EQ(eager_wgrad(0), read(st.g.params[0])) << "the clone is intact";
+    release(st);
+    expect_replays_right(s, 1);
+}
+
+// A step over a scheduled session, or over a callable whose callbacks
+// provide buffers, combines features that do not work together:
+// GRAPHED_STATUS_INCOMPATIBLE, naming them.
+TEST_P(AbiRegression, StepsWithIncompatibleFeaturesAreRefused) {
+    const graphed_schedule_step order[] = {{GRAPHED_PASS_FORWARD, 0}, {GRAPHED_PASS_BACKWARD, 0}};
+    graphed_session_config c = config();
+    c.schedule = order;
+    c.num_schedule_steps = 2;
+    graphed::Session scheduled(c);
+    scheduled.add_callable(layer.callable(x[0].get(), true));
+    graphed::Session external(config());
+    external.add_callable(layer.callable(x[0].get(), true));
+    external.set_param_flags(0, 0, GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD);
+    const uint32_t callables[] = {0};
+    graphed_step_desc d = graphed_step_desc_default();
+    d.callables = callables;
+    d.num_callables = 1;
+    uint32_t index = 77;
+    EXPECT_TRUE(fails_with(GRAPHED_STATUS_INCOMPATIBLE, graphed_session_add_step(scheduled.get(), &d, &index),
+                           "pipeline schedule"));
+    EXPECT_TRUE(fails_with(GRAPHED_STATUS_INCOMPATIBLE, graphed_session_add_step(external.get(), &d, &index),
+                           "has external buffers"));
+    EXPECT_EQ(77u, index);
+    EXPECT_STREQ("GRAPHED_STATUS_INCOMPATIBLE", graphed_status_name(GRAPHED_STATUS_INCOMPATIBLE));
+}
+
+// The schedule helpers' output capacities are array lengths: one whose bytes
+// overflow is refused as every other, and nothing is written.
+TEST(AbiRegressionHelpers, ScheduleCapacitiesWhoseBytesOverflowAreRefused) {
+    const graphed_schedule_step order[] = {{GRAPHED_PASS_FORWARD, 0}, {GRAPHED_PASS_BACKWARD, 0}};
+    graphed_pass_ref passes[4] = {};
+    size_t count = 7;
+    EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT,
+                           graphed_schedule_passes(order, 2, sizeof(graphed_schedule_step), nullptr, 0, nullptr, 1,
+                                                   passes, SIZE_MAX, sizeof(graphed_pass_ref), &count),
+                           "do not fit in memory"));
+    EXPECT_EQ(7u, count);
+    uint32_t chunks = 7, microbatches = 7, layers[4] = {7, 7, 7, 7}, first[4] = {7, 7, 7, 7};
+    EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT,
+                           graphed_schedule_shape(order, 2, sizeof(graphed_schedule_step), nullptr, 0, 1, &chunks,
+                                                  &microbatches, layers, first, SIZE_MAX),
+                           "do not fit in memory"));
+    EXPECT_EQ(7u, chunks);
+    EXPECT_EQ(7u, layers[0]);
+    EXPECT_EQ(GRAPHED_STATUS_OK, graphed_schedule_passes(order, 2, sizeof(graphed_schedule_step), nullptr, 0, nullptr,
+                                                         1, passes, 4, sizeof(graphed_pass_ref), &count));
+    EXPECT_EQ(2u, count);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AbiRegression, backends(), BackendName());

@@ -24,7 +24,7 @@ TEST(Version, MatchesHeaderMacros) {
 }
 
 TEST(Status, NamesAreDenseAndPrefixed) {
-    for (uint32_t code = GRAPHED_STATUS_OK; code <= GRAPHED_STATUS_STREAM_CAPTURING; ++code) {
+    for (uint32_t code = GRAPHED_STATUS_OK; code <= GRAPHED_STATUS_INCOMPATIBLE; ++code) {
         const std::string name = graphed_status_name(code);
         EXPECT_EQ(0u, name.rfind("GRAPHED_STATUS_", 0)) << code;
         EXPECT_NE("GRAPHED_STATUS_UNKNOWN", name) << code;
@@ -35,10 +35,11 @@ TEST(Status, NamesAreDenseAndPrefixed) {
     EXPECT_STREQ("GRAPHED_STATUS_BAD_STRUCT", graphed_status_name(GRAPHED_STATUS_BAD_STRUCT));
     EXPECT_STREQ("GRAPHED_STATUS_INTERNAL", graphed_status_name(GRAPHED_STATUS_INTERNAL));
     EXPECT_STREQ("GRAPHED_STATUS_STREAM_CAPTURING", graphed_status_name(GRAPHED_STATUS_STREAM_CAPTURING));
+    EXPECT_STREQ("GRAPHED_STATUS_INCOMPATIBLE", graphed_status_name(GRAPHED_STATUS_INCOMPATIBLE));
 }
 
 TEST(Status, UnknownCodesHaveAnAnswer) {
-    EXPECT_STREQ("GRAPHED_STATUS_UNKNOWN", graphed_status_name(GRAPHED_STATUS_STREAM_CAPTURING + 1));
+    EXPECT_STREQ("GRAPHED_STATUS_UNKNOWN", graphed_status_name(GRAPHED_STATUS_INCOMPATIBLE + 1));
     EXPECT_STREQ("GRAPHED_STATUS_UNKNOWN", graphed_status_name(0xFFFFFFFFu));
 }
 

@@ -8,6 +8,14 @@
  * are opaque ids (never addresses) and every create has a destroy that
  * accepts NULL; every struct the caller fills starts with its size and a
  * magic that its _default() function sets, so initialise each with it.
+ *
+ * Layout: the magics and enums, then the structs and callback types, then
+ * the functions, each part in the order a caller meets the API: the
+ * conventions (version, status names, the last error message); the session
+ * (config, create, destroy, capture, reset); callables (descriptors,
+ * registration); what callbacks receive and call (scratch, external
+ * buffers); replays (refs, leases) and steps; returned clone blocks;
+ * queries; helpers (schedules, devices, the host backend's streams).
  */
 
 #ifndef GRAPHED_H
@@ -25,6 +33,11 @@
 
 
 /**
+ * The magic graphed_session_config_default() sets.
+ */
+#define GRAPHED_SESSION_CONFIG_MAGIC 1735524353
+
+/**
  * The magics the _default() functions set.
  */
 #define GRAPHED_TENSOR_DESC_MAGIC 1735524355
@@ -32,16 +45,6 @@
 #define GRAPHED_PARAM_DESC_MAGIC 1735524356
 
 #define GRAPHED_CALLABLE_DESC_MAGIC 1735524354
-
-/**
- * The magic graphed_session_config_default() sets.
- */
-#define GRAPHED_SESSION_CONFIG_MAGIC 1735524353
-
-/**
- * The magic graphed_session_stats_default() sets.
- */
-#define GRAPHED_SESSION_STATS_MAGIC 1735524358
 
 /**
  * The magic graphed_replay_args_default() sets.
@@ -54,6 +57,11 @@
 #define GRAPHED_STEP_DESC_MAGIC 1735524359
 
 #define GRAPHED_STEP_ARGS_MAGIC 1735524360
+
+/**
+ * The magic graphed_session_stats_default() sets.
+ */
+#define GRAPHED_SESSION_STATS_MAGIC 1735524358
 
 /**
  * The result of every graphed call. Dense, starting at 0 = OK; codes are
@@ -159,79 +167,18 @@ enum graphed_status
    * enqueued.
    */
   GRAPHED_STATUS_STREAM_CAPTURING = 19,
+  /**
+   * The call combines features that do not work together (for example,
+   * a step in a session with a pipeline schedule); the message names
+   * them. Nothing was changed.
+   */
+  GRAPHED_STATUS_INCOMPATIBLE = 20,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
 typedef enum graphed_status graphed_status;
 #else
 typedef uint32_t graphed_status;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
- * Element type of a tensor.
- */
-enum graphed_dtype
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  GRAPHED_DTYPE_F32 = 0,
-  GRAPHED_DTYPE_F16 = 1,
-  GRAPHED_DTYPE_BF16 = 2,
-  GRAPHED_DTYPE_F64 = 3,
-  GRAPHED_DTYPE_I8 = 4,
-  GRAPHED_DTYPE_U8 = 5,
-  GRAPHED_DTYPE_I32 = 6,
-  GRAPHED_DTYPE_I64 = 7,
-  GRAPHED_DTYPE_BOOL = 8,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum graphed_dtype graphed_dtype;
-#else
-typedef uint32_t graphed_dtype;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
- * How a parameter gradient is returned.
- */
-enum graphed_grad_policy
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  /**
-   * No explicit choice: decided at capture (CLONE; ALIAS for
-   * delayed-wgrad parameters and when the session opts out of clones).
-   */
-  GRAPHED_GRAD_POLICY_DEFAULT = 0,
-  /**
-   * A fresh buffer the caller owns (release its `owner` with
-   * graphed_buffer_release).
-   */
-  GRAPHED_GRAD_POLICY_CLONE = 1,
-  /**
-   * The static buffer itself: valid until this callable's next backward
-   * (or weight-grad) replay overwrites it.
-   */
-  GRAPHED_GRAD_POLICY_ALIAS = 2,
-  /**
-   * Copied into a caller buffer given at replay; no allocation.
-   */
-  GRAPHED_GRAD_POLICY_COPY_INTO = 3,
-  /**
-   * Added into a caller buffer given at replay (f32, f16, bf16; the
-   * buffer aligned to the element size).
-   */
-  GRAPHED_GRAD_POLICY_ACCUMULATE_INTO = 4,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum graphed_grad_policy graphed_grad_policy;
-#else
-typedef uint32_t graphed_grad_policy;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -312,108 +259,28 @@ typedef uint32_t graphed_log_level;
 #endif // __cplusplus
 
 /**
- * A pass of a callable.
+ * Element type of a tensor.
  */
-enum graphed_pass
+enum graphed_dtype
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  GRAPHED_PASS_FORWARD = 0,
-  GRAPHED_PASS_BACKWARD = 1,
-  /**
-   * The delayed weight-gradient pass.
-   */
-  GRAPHED_PASS_WGRAD = 2,
+  GRAPHED_DTYPE_F32 = 0,
+  GRAPHED_DTYPE_F16 = 1,
+  GRAPHED_DTYPE_BF16 = 2,
+  GRAPHED_DTYPE_F64 = 3,
+  GRAPHED_DTYPE_I8 = 4,
+  GRAPHED_DTYPE_U8 = 5,
+  GRAPHED_DTYPE_I32 = 6,
+  GRAPHED_DTYPE_I64 = 7,
+  GRAPHED_DTYPE_BOOL = 8,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
-typedef enum graphed_pass graphed_pass;
+typedef enum graphed_dtype graphed_dtype;
 #else
-typedef uint32_t graphed_pass;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
- * Whether a callback runs eagerly (warmup) or is being captured.
- */
-enum graphed_phase
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  GRAPHED_PHASE_WARMUP = 0,
-  GRAPHED_PHASE_CAPTURE = 1,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum graphed_phase graphed_phase;
-#else
-typedef uint32_t graphed_phase;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
- * What a graphed_ref is.
- */
-enum graphed_ref_kind
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  /**
-   * Nothing is returned for this slot (no gradient, or returned by
-   * another call).
-   */
-  GRAPHED_REF_KIND_NONE = 0,
-  /**
-   * The static buffer itself; valid until the replay that overwrites it.
-   */
-  GRAPHED_REF_KIND_ALIAS = 1,
-  /**
-   * An owned copy; release `owner` with graphed_buffer_release.
-   */
-  GRAPHED_REF_KIND_CLONE = 2,
-  /**
-   * Copied into the caller's buffer.
-   */
-  GRAPHED_REF_KIND_COPY_INTO = 3,
-  /**
-   * Added into the caller's buffer.
-   */
-  GRAPHED_REF_KIND_ACCUMULATE_INTO = 4,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum graphed_ref_kind graphed_ref_kind;
-#else
-typedef uint32_t graphed_ref_kind;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
- * The static buffers of a role (graphed_session_buffers,
- * graphed_pass_set_buffer).
- */
-enum graphed_buffer_role
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  GRAPHED_BUFFER_ROLE_INPUT = 0,
-  GRAPHED_BUFFER_ROLE_OUTPUT = 1,
-  GRAPHED_BUFFER_ROLE_GRAD_OUTPUT = 2,
-  GRAPHED_BUFFER_ROLE_GRAD_INPUT = 3,
-  /**
-   * One entry per parameter: its slot in the parameter-grad slab.
-   */
-  GRAPHED_BUFFER_ROLE_PARAM_GRADS = 4,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum graphed_buffer_role graphed_buffer_role;
-#else
-typedef uint32_t graphed_buffer_role;
+typedef uint32_t graphed_dtype;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -491,6 +358,153 @@ typedef uint32_t graphed_param_flags;
 #endif // __cplusplus
 
 /**
+ * How a parameter gradient is returned.
+ */
+enum graphed_grad_policy
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No explicit choice: decided at capture (CLONE; ALIAS for
+   * delayed-wgrad parameters and when the session opts out of clones).
+   */
+  GRAPHED_GRAD_POLICY_DEFAULT = 0,
+  /**
+   * A fresh buffer the caller owns (release its `owner` with
+   * graphed_buffer_release).
+   */
+  GRAPHED_GRAD_POLICY_CLONE = 1,
+  /**
+   * The static buffer itself: valid until this callable's next backward
+   * (or weight-grad) replay overwrites it.
+   */
+  GRAPHED_GRAD_POLICY_ALIAS = 2,
+  /**
+   * Copied into a caller buffer given at replay; no allocation.
+   */
+  GRAPHED_GRAD_POLICY_COPY_INTO = 3,
+  /**
+   * Added into a caller buffer given at replay (f32, f16, bf16; the
+   * buffer aligned to the element size).
+   */
+  GRAPHED_GRAD_POLICY_ACCUMULATE_INTO = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_grad_policy graphed_grad_policy;
+#else
+typedef uint32_t graphed_grad_policy;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * A pass of a callable.
+ */
+enum graphed_pass
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_PASS_FORWARD = 0,
+  GRAPHED_PASS_BACKWARD = 1,
+  /**
+   * The delayed weight-gradient pass.
+   */
+  GRAPHED_PASS_WGRAD = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_pass graphed_pass;
+#else
+typedef uint32_t graphed_pass;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Whether a callback runs eagerly (warmup) or is being captured.
+ */
+enum graphed_phase
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_PHASE_WARMUP = 0,
+  GRAPHED_PHASE_CAPTURE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_phase graphed_phase;
+#else
+typedef uint32_t graphed_phase;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * The static buffers of a role (graphed_session_buffers,
+ * graphed_pass_set_buffer).
+ */
+enum graphed_buffer_role
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_BUFFER_ROLE_INPUT = 0,
+  GRAPHED_BUFFER_ROLE_OUTPUT = 1,
+  GRAPHED_BUFFER_ROLE_GRAD_OUTPUT = 2,
+  GRAPHED_BUFFER_ROLE_GRAD_INPUT = 3,
+  /**
+   * One entry per parameter: its slot in the parameter-grad slab.
+   */
+  GRAPHED_BUFFER_ROLE_PARAM_GRADS = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_buffer_role graphed_buffer_role;
+#else
+typedef uint32_t graphed_buffer_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a graphed_ref is.
+ */
+enum graphed_ref_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Nothing is returned for this slot (no gradient, or returned by
+   * another call).
+   */
+  GRAPHED_REF_KIND_NONE = 0,
+  /**
+   * The static buffer itself; valid until the replay that overwrites it.
+   */
+  GRAPHED_REF_KIND_ALIAS = 1,
+  /**
+   * An owned copy; release `owner` with graphed_buffer_release.
+   */
+  GRAPHED_REF_KIND_CLONE = 2,
+  /**
+   * Copied into the caller's buffer.
+   */
+  GRAPHED_REF_KIND_COPY_INTO = 3,
+  /**
+   * Added into the caller's buffer.
+   */
+  GRAPHED_REF_KIND_ACCUMULATE_INTO = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_ref_kind graphed_ref_kind;
+#else
+typedef uint32_t graphed_ref_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Opaque: a block of returned clones (graphed_ref.owner).
  */
 typedef struct graphed_buffer graphed_buffer;
@@ -518,6 +532,160 @@ typedef struct graphed_session graphed_session;
  * default stream on CUDA; immediate execution on the host).
  */
 typedef void *graphed_stream;
+
+/**
+ * Allocates `bytes` of device memory for returned clones, ordered on
+ * `stream`; writes the pointer to `*ptr_out` and returns 0.
+ */
+typedef int32_t (*graphed_alloc_fn)(void *ctx, size_t bytes, graphed_stream stream, void **ptr_out);
+
+/**
+ * Frees memory from the matching graphed_alloc_fn, ordered on `stream`.
+ */
+typedef void (*graphed_free_fn)(void *ctx, void *ptr, size_t bytes, graphed_stream stream);
+
+/**
+ * Receives log messages (`level` is a graphed_log_level value).
+ */
+typedef void (*graphed_log_fn)(void *ctx, uint32_t level, const char *message);
+
+/**
+ * A session hook (before / after warmup): `when` is 0 before, 1 after.
+ * Return 0; anything else aborts capture with GRAPHED_STATUS_CALLBACK_FAILED.
+ */
+typedef int32_t (*graphed_session_hook_fn)(uint32_t when, void *user_data);
+
+/**
+ * One step of a pipeline schedule. Arrays of steps are passed with their
+ * element size (sizeof(graphed_schedule_step)), so the struct can grow.
+ */
+typedef struct graphed_schedule_step {
+  /**
+   * A graphed_pass value: FORWARD, BACKWARD or WGRAD.
+   */
+  uint32_t pass;
+  /**
+   * The model chunk, from 0.
+   */
+  uint32_t chunk;
+} graphed_schedule_step;
+
+/**
+ * Session configuration. Initialise with graphed_session_config_default(),
+ * then set the fields you need.
+ */
+typedef struct graphed_session_config {
+  /**
+   * sizeof(graphed_session_config) as the caller was built; set by the
+   * _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_SESSION_CONFIG_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * A graphed_backend value (default GRAPHED_BACKEND_CUDA).
+   */
+  uint32_t backend;
+  /**
+   * CUDA device ordinal (default 0).
+   */
+  int32_t device;
+  /**
+   * Eager iterations before capture (default 3). At least 1 when
+   * callbacks use the scratch allocator.
+   */
+  uint32_t warmup_iterations;
+  /**
+   * A graphed_capture_mode value (default GRAPHED_CAPTURE_MODE_GLOBAL).
+   */
+  uint32_t capture_mode;
+  /**
+   * 1 (the default): parameter grads are returned as owned clones. 0:
+   * aliases of static buffers that the next backward overwrites.
+   */
+  uint32_t clone_param_grads_on_return;
+  /**
+   * 1: a replay that would overwrite a held alias fails (default 0).
+   */
+  uint32_t strict_leases;
+  /**
+   * 1: static buffers whose lifetimes do not overlap share memory (needs
+   * a schedule; default 0). Outputs are then valid only until their
+   * backward, and input grads until the next backward replay.
+   */
+  uint32_t reuse_buffers;
+  /**
+   * Names the session in messages (copied; NULL: "session").
+   */
+  const char *name;
+  /**
+   * Optional allocator for returned clones (both or neither).
+   */
+  graphed_alloc_fn clone_alloc;
+  graphed_free_fn clone_free;
+  void *allocator_ctx;
+  /**
+   * Optional log callback, and the most verbose level it receives
+   * (a graphed_log_level value, default GRAPHED_LOG_LEVEL_WARN).
+   */
+  graphed_log_fn log;
+  void *log_ctx;
+  uint32_t log_level;
+  /**
+   * Optional hook before (when = 0) and after (when = 1) warmup.
+   */
+  graphed_session_hook_fn warmup_hook;
+  void *warmup_hook_data;
+  /**
+   * Optional: share the scratch pool of this other session (same backend
+   * and device). Sessions sharing a pool are replayed one whole
+   * iteration at a time, in capture order (enforced).
+   */
+  struct graphed_session *share_pool_with;
+  /**
+   * Optional pipeline schedule: `num_schedule_steps` steps of
+   * `schedule_step_size` bytes each (forward, backward or weight-grad of
+   * a chunk), in the order they run. Copied. NULL: one microbatch,
+   * forwards in registration order, then backwards in reverse.
+   */
+  const struct graphed_schedule_step *schedule;
+  size_t num_schedule_steps;
+  /**
+   * sizeof(graphed_schedule_step); set by the _default() function.
+   */
+  size_t schedule_step_size;
+  /**
+   * Optional number of layers (callables, in registration order) of each
+   * chunk; NULL: the callables split evenly over the chunks.
+   */
+  const uint32_t *layers_per_chunk;
+  size_t num_layers_per_chunk;
+  /**
+   * Clone slots per callable (default 2, at most 16; 0 turns them off):
+   * the pass that writes parameter grads is also captured once per slot,
+   * writing its CLONE grads straight into that slot's block, so replays
+   * return owned grads without a copy while a slot is free (one is free
+   * again once the caller released its grads). With every slot held, a
+   * replay copies into another block. Needs no caller allocator and no
+   * external buffers in that pass; costs one block of the callable's
+   * CLONE bytes per slot. The slot captures run the pass callback again
+   * without the per-pass hooks: state a pre hook sets up for capture (a
+   * framework's private memory pool) is not there, so such a caller sets
+   * 0 or sets that state up for the whole of graphed_session_capture.
+   */
+  uint32_t clone_slots;
+  /**
+   * Optional: run warmup and capture on this stream of yours (a
+   * CUstream you created; CUDA only) instead of one the session makes,
+   * so that work your callbacks enqueue elsewhere on it (a framework's
+   * current stream) needs no join. NULL: the session's own. The default
+   * streams (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are
+   * GRAPHED_STATUS_INVALID_ARGUMENT at graphed_session_create.
+   */
+  graphed_stream capture_stream;
+} graphed_session_config;
 
 /**
  * A static input or output of a callable. Initialise each with
@@ -766,162 +934,132 @@ typedef struct graphed_callable_desc {
 } graphed_callable_desc;
 
 /**
- * Allocates `bytes` of device memory for returned clones, ordered on
- * `stream`; writes the pointer to `*ptr_out` and returns 0.
+ * Arguments of a replay call. Initialise with graphed_replay_args_default().
  */
-typedef int32_t (*graphed_alloc_fn)(void *ctx, size_t bytes, graphed_stream stream, void **ptr_out);
-
-/**
- * Frees memory from the matching graphed_alloc_fn, ordered on `stream`.
- */
-typedef void (*graphed_free_fn)(void *ctx, void *ptr, size_t bytes, graphed_stream stream);
-
-/**
- * Receives log messages (`level` is a graphed_log_level value).
- */
-typedef void (*graphed_log_fn)(void *ctx, uint32_t level, const char *message);
-
-/**
- * A session hook (before / after warmup): `when` is 0 before, 1 after.
- * Return 0; anything else aborts capture with GRAPHED_STATUS_CALLBACK_FAILED.
- */
-typedef int32_t (*graphed_session_hook_fn)(uint32_t when, void *user_data);
-
-/**
- * One step of a pipeline schedule. Arrays of steps are passed with their
- * element size (sizeof(graphed_schedule_step)), so the struct can grow.
- */
-typedef struct graphed_schedule_step {
+typedef struct graphed_replay_args {
   /**
-   * A graphed_pass value: FORWARD, BACKWARD or WGRAD.
-   */
-  uint32_t pass;
-  /**
-   * The model chunk, from 0.
-   */
-  uint32_t chunk;
-} graphed_schedule_step;
-
-/**
- * Session configuration. Initialise with graphed_session_config_default(),
- * then set the fields you need.
- */
-typedef struct graphed_session_config {
-  /**
-   * sizeof(graphed_session_config) as the caller was built; set by the
-   * _default() function.
+   * sizeof(graphed_replay_args); set by the _default() function.
    */
   size_t struct_size;
   /**
-   * GRAPHED_SESSION_CONFIG_MAGIC; set by the _default() function.
+   * GRAPHED_REPLAY_ARGS_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  uint32_t callable;
+  /**
+   * 0 unless the session has a pipeline schedule.
+   */
+  uint32_t microbatch;
+  /**
+   * The caller's stream; the replay is ordered on it. It must not be
+   * capturing a graph (GRAPHED_STATUS_STREAM_CAPTURING).
+   */
+  graphed_stream stream;
+  /**
+   * Optional: launch there instead, synced with `stream` by events.
+   */
+  graphed_stream side_stream;
+  /**
+   * New data to copy into the static inputs (forward) or grad-outputs
+   * (backward), one device pointer per input/output; an entry equal to
+   * the static buffer is not copied. NULL array: replay on what the
+   * static buffers hold.
+   */
+  const void *const *data;
+  size_t num_data;
+  /**
+   * Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
+   * per parameter (NULL entries for other slots); NULL array when the
+   * callable has no such slot. ACCUMULATE_INTO destinations are aligned
+   * to their element size.
+   */
+  void *const *param_dsts;
+  size_t num_param_dsts;
+  /**
+   * The element size of the graphed_ref arrays the call writes:
+   * sizeof(graphed_ref); set by the _default() function.
+   */
+  size_t ref_size;
+} graphed_replay_args;
+
+/**
+ * One output or gradient handed back by a replay.
+ */
+typedef struct graphed_ref {
+  /**
+   * Device pointer (NULL when kind is GRAPHED_REF_KIND_NONE).
+   */
+  void *ptr;
+  size_t bytes;
+  /**
+   * A graphed_ref_kind value.
+   */
+  uint32_t kind;
+  /**
+   * CLONE: one reference to the block holding the clone; release it
+   * with graphed_buffer_release. NULL otherwise.
+   */
+  struct graphed_buffer *owner;
+  /**
+   * ALIAS under strict leases: release with graphed_lease_release when
+   * done with the alias. 0 otherwise.
+   */
+  uint64_t lease;
+} graphed_ref;
+
+/**
+ * A step to declare. Initialise with graphed_step_desc_default().
+ */
+typedef struct graphed_step_desc {
+  /**
+   * sizeof(graphed_step_desc); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_STEP_DESC_MAGIC; set by the _default() function.
    */
   uint32_t magic;
   /**
-   * A graphed_backend value (default GRAPHED_BACKEND_CUDA).
+   * The callables of the step, each once, in registration order (none
+   * with external buffers; the session has no pipeline schedule).
    */
-  uint32_t backend;
+  const uint32_t *callables;
+  size_t num_callables;
   /**
-   * CUDA device ordinal (default 0).
+   * One destination per parameter of the step's callables, in order:
+   * where COPY_INTO and ACCUMULATE_INTO grads go at every replay (fixed
+   * at capture; NULL entries for other policies). NULL array when no
+   * parameter needs one.
    */
-  int32_t device;
-  /**
-   * Eager iterations before capture (default 3). At least 1 when
-   * callbacks use the scratch allocator.
-   */
-  uint32_t warmup_iterations;
-  /**
-   * A graphed_capture_mode value (default GRAPHED_CAPTURE_MODE_GLOBAL).
-   */
-  uint32_t capture_mode;
-  /**
-   * 1 (the default): parameter grads are returned as owned clones. 0:
-   * aliases of static buffers that the next backward overwrites.
-   */
-  uint32_t clone_param_grads_on_return;
-  /**
-   * 1: a replay that would overwrite a held alias fails (default 0).
-   */
-  uint32_t strict_leases;
-  /**
-   * 1: static buffers whose lifetimes do not overlap share memory (needs
-   * a schedule; default 0). Outputs are then valid only until their
-   * backward, and input grads until the next backward replay.
-   */
-  uint32_t reuse_buffers;
-  /**
-   * Names the session in messages (copied; NULL: "session").
-   */
-  const char *name;
-  /**
-   * Optional allocator for returned clones (both or neither).
-   */
-  graphed_alloc_fn clone_alloc;
-  graphed_free_fn clone_free;
-  void *allocator_ctx;
-  /**
-   * Optional log callback, and the most verbose level it receives
-   * (a graphed_log_level value, default GRAPHED_LOG_LEVEL_WARN).
-   */
-  graphed_log_fn log;
-  void *log_ctx;
-  uint32_t log_level;
-  /**
-   * Optional hook before (when = 0) and after (when = 1) warmup.
-   */
-  graphed_session_hook_fn warmup_hook;
-  void *warmup_hook_data;
-  /**
-   * Optional: share the scratch pool of this other session (same backend
-   * and device). Sessions sharing a pool are replayed one whole
-   * iteration at a time, in capture order (enforced).
-   */
-  struct graphed_session *share_pool_with;
-  /**
-   * Optional pipeline schedule: `num_schedule_steps` steps of
-   * `schedule_step_size` bytes each (forward, backward or weight-grad of
-   * a chunk), in the order they run. Copied. NULL: one microbatch,
-   * forwards in registration order, then backwards in reverse.
-   */
-  const struct graphed_schedule_step *schedule;
-  size_t num_schedule_steps;
-  /**
-   * sizeof(graphed_schedule_step); set by the _default() function.
-   */
-  size_t schedule_step_size;
-  /**
-   * Optional number of layers (callables, in registration order) of each
-   * chunk; NULL: the callables split evenly over the chunks.
-   */
-  const uint32_t *layers_per_chunk;
-  size_t num_layers_per_chunk;
-  /**
-   * Clone slots per callable (default 2, at most 16; 0 turns them off):
-   * the pass that writes parameter grads is also captured once per slot,
-   * writing its CLONE grads straight into that slot's block, so replays
-   * return owned grads without a copy while a slot is free (one is free
-   * again once the caller released its grads). With every slot held, a
-   * replay copies into another block. Needs no caller allocator and no
-   * external buffers in that pass; costs one block of the callable's
-   * CLONE bytes per slot. The slot captures run the pass callback again
-   * without the per-pass hooks: state a pre hook sets up for capture (a
-   * framework's private memory pool) is not there, so such a caller sets
-   * 0 or sets that state up for the whole of graphed_session_capture.
-   */
-  uint32_t clone_slots;
-  /**
-   * Optional: run warmup and capture on this stream of yours (a
-   * CUstream, not the legacy default stream; CUDA only) instead of one
-   * the session makes, so that work your callbacks enqueue elsewhere on
-   * it (a framework's current stream) needs no join. NULL: the session's
-   * own.
-   */
-  graphed_stream capture_stream;
-} graphed_session_config;
+  void *const *param_dsts;
+  size_t num_param_dsts;
+} graphed_step_desc;
 
 /**
- * A host task: `fn(user_data)`.
+ * Arguments of a step replay. Initialise with graphed_step_args_default().
  */
-typedef void (*graphed_host_task_fn)(void *user_data);
+typedef struct graphed_step_args {
+  /**
+   * sizeof(graphed_step_args); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_STEP_ARGS_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * The step, as graphed_session_add_step returned it.
+   */
+  uint32_t step;
+  /**
+   * The caller's stream; the step is ordered on it (not capturing).
+   */
+  graphed_stream stream;
+  /**
+   * sizeof(graphed_ref); set by the _default() function.
+   */
+  size_t ref_size;
+} graphed_step_args;
 
 /**
  * Memory and graph figures of a session (library accounting).
@@ -1033,80 +1171,6 @@ typedef struct graphed_session_stats {
 } graphed_session_stats;
 
 /**
- * Arguments of a replay call. Initialise with graphed_replay_args_default().
- */
-typedef struct graphed_replay_args {
-  /**
-   * sizeof(graphed_replay_args); set by the _default() function.
-   */
-  size_t struct_size;
-  /**
-   * GRAPHED_REPLAY_ARGS_MAGIC; set by the _default() function.
-   */
-  uint32_t magic;
-  uint32_t callable;
-  /**
-   * 0 unless the session has a pipeline schedule.
-   */
-  uint32_t microbatch;
-  /**
-   * The caller's stream; the replay is ordered on it. It must not be
-   * capturing a graph (GRAPHED_STATUS_STREAM_CAPTURING).
-   */
-  graphed_stream stream;
-  /**
-   * Optional: launch there instead, synced with `stream` by events.
-   */
-  graphed_stream side_stream;
-  /**
-   * New data to copy into the static inputs (forward) or grad-outputs
-   * (backward), one device pointer per input/output; an entry equal to
-   * the static buffer is not copied. NULL array: replay on what the
-   * static buffers hold.
-   */
-  const void *const *data;
-  size_t num_data;
-  /**
-   * Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
-   * per parameter (NULL entries for other slots); NULL array when the
-   * callable has no such slot. ACCUMULATE_INTO destinations are aligned
-   * to their element size.
-   */
-  void *const *param_dsts;
-  size_t num_param_dsts;
-  /**
-   * The element size of the graphed_ref arrays the call writes:
-   * sizeof(graphed_ref); set by the _default() function.
-   */
-  size_t ref_size;
-} graphed_replay_args;
-
-/**
- * One output or gradient handed back by a replay.
- */
-typedef struct graphed_ref {
-  /**
-   * Device pointer (NULL when kind is GRAPHED_REF_KIND_NONE).
-   */
-  void *ptr;
-  size_t bytes;
-  /**
-   * A graphed_ref_kind value.
-   */
-  uint32_t kind;
-  /**
-   * CLONE: one reference to the block holding the clone; release it
-   * with graphed_buffer_release. NULL otherwise.
-   */
-  struct graphed_buffer *owner;
-  /**
-   * ALIAS under strict leases: release with graphed_lease_release when
-   * done with the alias. 0 otherwise.
-   */
-  uint64_t lease;
-} graphed_ref;
-
-/**
  * One pass of a schedule, in capture order (graphed_schedule_passes).
  */
 typedef struct graphed_pass_ref {
@@ -1119,85 +1183,88 @@ typedef struct graphed_pass_ref {
 } graphed_pass_ref;
 
 /**
- * A step to declare. Initialise with graphed_step_desc_default().
+ * A host task: `fn(user_data)`.
  */
-typedef struct graphed_step_desc {
-  /**
-   * sizeof(graphed_step_desc); set by the _default() function.
-   */
-  size_t struct_size;
-  /**
-   * GRAPHED_STEP_DESC_MAGIC; set by the _default() function.
-   */
-  uint32_t magic;
-  /**
-   * The callables of the step, each once, in registration order (none
-   * with external buffers; the session has no pipeline schedule).
-   */
-  const uint32_t *callables;
-  size_t num_callables;
-  /**
-   * One destination per parameter of the step's callables, in order:
-   * where COPY_INTO and ACCUMULATE_INTO grads go at every replay (fixed
-   * at capture; NULL entries for other policies). NULL array when no
-   * parameter needs one.
-   */
-  void *const *param_dsts;
-  size_t num_param_dsts;
-} graphed_step_desc;
-
-/**
- * Arguments of a step replay. Initialise with graphed_step_args_default().
- */
-typedef struct graphed_step_args {
-  /**
-   * sizeof(graphed_step_args); set by the _default() function.
-   */
-  size_t struct_size;
-  /**
-   * GRAPHED_STEP_ARGS_MAGIC; set by the _default() function.
-   */
-  uint32_t magic;
-  /**
-   * The step, as graphed_session_add_step returned it.
-   */
-  uint32_t step;
-  /**
-   * The caller's stream; the step is ordered on it (not capturing).
-   */
-  graphed_stream stream;
-  /**
-   * sizeof(graphed_ref); set by the _default() function.
-   */
-  size_t ref_size;
-} graphed_step_args;
+typedef void (*graphed_host_task_fn)(void *user_data);
 
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
 
 /**
- * Drops one reference to a block of returned clones; the last one gives
- * the memory back, ordered after the work already enqueued on the stream
- * the clones were returned on (that stream must still exist; synchronize
- * other streams that used the clones with it first, as with PyTorch's
- * record_stream). NULL is a no-op. Safe from any thread at any time; a
- * released block gives GRAPHED_STATUS_USE_AFTER_DESTROY.
+ * The library's version as "MAJOR.MINOR.PATCH"; it matches the
+ * GRAPHED_VERSION_* macros of the header the library was built with. Static.
  */
-graphed_status graphed_buffer_release(struct graphed_buffer *buffer);
+const char *graphed_version(void);
 
 /**
- * graphed_buffer_release, ordered on `stream` instead: the block's memory
- * is given back after the work enqueued there so far (and not after that
- * of the stream it was returned on). For a clone used and released on
- * another stream, or whose return stream is gone.
+ * The name of a status code as written in this header
+ * ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
+ * safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
+ * is static; never free it.
  */
-graphed_status graphed_buffer_release_on(struct graphed_buffer *buffer, graphed_stream stream);
+const char *graphed_status_name(uint32_t code);
 
 /**
- * Adds one reference to a block of returned clones.
+ * The message of the most recent call on this thread that did not return
+ * GRAPHED_STATUS_OK: it names the function, the argument or object at
+ * fault, and what was expected. Empty if no call on this thread has failed.
+ * Valid until the next failing graphed call on this thread; never free it.
  */
-graphed_status graphed_buffer_retain(struct graphed_buffer *buffer);
+const char *graphed_last_error_message(void);
+
+/**
+ * The default session config: CUDA device 0, 3 warmup iterations, global
+ * capture mode, clones on return, no strict leases, no callbacks.
+ */
+struct graphed_session_config graphed_session_config_default(void);
+
+/**
+ * Creates a session. On the CUDA backend this retains the device's
+ * primary context (the one the CUDA runtime and PyTorch use).
+ * Destroy it with graphed_session_destroy.
+ *
+ * # Safety
+ * `config` must be NULL or point to a graphed_session_config initialised
+ * by graphed_session_config_default(); `session_out` NULL or writable.
+ */
+graphed_status graphed_session_create(const struct graphed_session_config *config,
+                                      struct graphed_session **session_out);
+
+/**
+ * Destroys a session: waits for the device, destroys its graphs and frees
+ * its static buffers and scratch (a pool shared with another session
+ * lives on with it). Clones already returned stay valid until released.
+ * NULL is a no-op. A session in use by another call (another thread, or
+ * the session's own callback) is not destroyed: GRAPHED_STATUS_BUSY. A
+ * destroyed session gives GRAPHED_STATUS_USE_AFTER_DESTROY.
+ */
+graphed_status graphed_session_destroy(struct graphed_session *session);
+
+/**
+ * Destroys a session once no call is using it: the handle is gone at once
+ * (a later use reports GRAPHED_STATUS_USE_AFTER_DESTROY), and the session
+ * is destroyed when the last call in progress on it returns, or now when
+ * there is none (what a C++ destructor wants). NULL is a no-op.
+ */
+graphed_status graphed_session_destroy_when_idle(struct graphed_session *session);
+
+/**
+ * Warms up and captures every registered callable (see docs/design.md):
+ * warmup iterations eagerly on a side stream, then one graph per pass,
+ * instantiated and uploaded. On failure (a callback's non-zero return, an
+ * illegal call under capture, a driver error) everything the attempt
+ * made is released, the message names the callable and pass, and the
+ * session can be captured again.
+ */
+graphed_status graphed_session_capture(struct graphed_session *session);
+
+/**
+ * Releases the session's graphs, static buffers and scratch (waiting for
+ * the device first). Every later replay or capture returns
+ * GRAPHED_STATUS_SESSION_RESET; clones already returned stay valid.
+ */
+graphed_status graphed_session_reset(struct graphed_session *session);
 
 /**
  * A tensor descriptor with its size and magic set: f32, no bytes yet, no
@@ -1286,56 +1353,143 @@ graphed_status graphed_pass_set_buffer(struct graphed_capture *capture,
                                        void *ptr);
 
 /**
- * The default session config: CUDA device 0, 3 warmup iterations, global
- * capture mode, clones on return, no strict leases, no callbacks.
+ * Replay arguments for callable 0, microbatch 0, the default stream, no
+ * data (replay on the static buffers) and no destinations.
  */
-struct graphed_session_config graphed_session_config_default(void);
+struct graphed_replay_args graphed_replay_args_default(void);
 
 /**
- * Writes the number of CUDA devices to `*count_out`.
- *
- * Never aborts: on a machine without the NVIDIA driver it returns
- * GRAPHED_STATUS_NO_DRIVER, with a driver but no device
- * GRAPHED_STATUS_NO_DEVICE (a count of zero is reported that way too), and
- * leaves `*count_out` untouched in both cases.
- *
- * # Safety
- * `count_out` must be NULL or writable.
- */
-graphed_status graphed_device_count(uint32_t *count_out);
-
-/**
- * Writes the CUDA version of the installed driver to `*version_out`, as
- * 1000 * major + 10 * minor (13000 for CUDA 13.0). GRAPHED_STATUS_NO_DRIVER
- * when there is no driver.
+ * Replays the forward graph of (args->callable, args->microbatch) on
+ * args->stream, after copying args->data into the static inputs. Writes
+ * one GRAPHED_REF_KIND_ALIAS ref per output to `outputs`
+ * (`num_outputs` must equal the callable's output count): the static
+ * outputs, valid until the next forward replay of the same instance.
  *
  * # Safety
- * `version_out` must be NULL or writable.
+ * `args` must point to a graphed_replay_args initialised by its
+ * _default() function; `outputs` must have room for `num_outputs` refs of
+ * args->ref_size bytes.
  */
-graphed_status graphed_driver_version(int32_t *version_out);
+graphed_status graphed_forward(struct graphed_session *session,
+                               const struct graphed_replay_args *args,
+                               struct graphed_ref *outputs,
+                               size_t num_outputs);
 
 /**
- * Enqueues `task(user_data)` on a host-backend stream (the ctx->stream of a
- * host session's callback; NULL runs it now). Outside capture it runs
- * immediately; under capture it is recorded and every replay runs it again
- * with the same `user_data`, which must therefore stay valid as long as
- * the session's graphs exist. Not for CUDA streams.
+ * Replays the backward graph of (args->callable, args->microbatch) after
+ * copying args->data into the static grad-outputs. Writes one ref per
+ * input to `input_grads` (ALIAS, valid until the next backward replay of
+ * the instance; NONE for inputs without requires_grad) and one per
+ * parameter to `param_grads`, each per its frozen policy: CLONE (an owned
+ * copy: release `owner` with graphed_buffer_release), ALIAS, COPY_INTO or
+ * ACCUMULATE_INTO (into args->param_dsts[i]), NONE (no grad, or a callable
+ * with a weight-grad callback, whose grads graphed_backward_wgrad returns).
  *
  * # Safety
- * `task` must be safe to call with `user_data` whenever the stream runs.
+ * As graphed_forward; the arrays must have room for the stated counts.
  */
-graphed_status graphed_host_enqueue(graphed_stream stream,
-                                    graphed_host_task_fn task,
-                                    void *user_data);
+graphed_status graphed_backward(struct graphed_session *session,
+                                const struct graphed_replay_args *args,
+                                struct graphed_ref *input_grads,
+                                size_t num_input_grads,
+                                struct graphed_ref *param_grads,
+                                size_t num_param_grads);
 
 /**
- * Waits for a host stream (NULL: every host stream). Host work runs as it
- * is enqueued, so this only enforces capture rules: called on a capturing
- * stream (or with NULL while any stream captures) it invalidates that
- * capture and returns GRAPHED_STATUS_CAPTURE_INVALIDATED, as a device
- * synchronize does under CUDA stream capture.
+ * Replays the weight-grad graph of a callable registered with a wgrad
+ * callback, and writes its parameter grads (per policy) to `param_grads`.
+ *
+ * # Safety
+ * As graphed_backward.
  */
-graphed_status graphed_host_synchronize(graphed_stream stream);
+graphed_status graphed_backward_wgrad(struct graphed_session *session,
+                                      const struct graphed_replay_args *args,
+                                      struct graphed_ref *param_grads,
+                                      size_t num_param_grads);
+
+/**
+ * Releases a strict-mode lease (the `lease` of an ALIAS ref): the alias
+ * is no longer used, so the replay that overwrites it may run. Never
+ * GRAPHED_STATUS_BUSY: it does not wait for calls in progress on the
+ * session, so it is safe from any thread (a tensor's deleter) at any time.
+ */
+graphed_status graphed_lease_release(struct graphed_session *session, uint64_t lease);
+
+/**
+ * An empty step descriptor with its size and magic set.
+ */
+struct graphed_step_desc graphed_step_desc_default(void);
+
+/**
+ * Declares a step before capture; writes its index to `*step_out`. At
+ * capture the step's callables are captured once more, back to back, as
+ * one graph: every forward in order, then every backward in reverse (each
+ * weight-grad right after its backward), each grad pass followed by its
+ * COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
+ * around these captures. Per-callable replays keep working. Steps do not
+ * go with a pipeline schedule nor with callables that have external
+ * buffers: GRAPHED_STATUS_INCOMPATIBLE (also at capture, for a callable
+ * flagged external after the step was declared).
+ *
+ * # Safety
+ * `desc` must point to a graphed_step_desc initialised by its _default()
+ * function whose arrays hold the counts it states.
+ */
+graphed_status graphed_session_add_step(struct graphed_session *session,
+                                        const struct graphed_step_desc *desc,
+                                        uint32_t *step_out);
+
+/**
+ * Step replay arguments for step 0 on the default stream.
+ */
+struct graphed_step_args graphed_step_args_default(void);
+
+/**
+ * Replays a step with one graph launch on args->stream. The step's
+ * callables read what their static buffers hold: fill the first inputs
+ * (graphed_session_buffers) or chain them; there is no copy-in. Writes
+ * one ref per parameter of the step's callables, in order, to
+ * `param_grads` (`num_param_grads` must be their total): per policy, as
+ * graphed_backward does. CLONE grads come from a clone slot free in every
+ * callable; when none is, the step replays pass by pass (same results,
+ * one launch per pass).
+ *
+ * # Safety
+ * `args` must point to a graphed_step_args initialised by its _default()
+ * function; `param_grads` must have room for `num_param_grads` refs of
+ * args->ref_size bytes.
+ */
+graphed_status graphed_step_replay(struct graphed_session *session,
+                                   const struct graphed_step_args *args,
+                                   struct graphed_ref *param_grads,
+                                   size_t num_param_grads);
+
+/**
+ * Drops one reference to a block of returned clones; the last one gives
+ * the memory back, ordered after the work already enqueued on the stream
+ * the clones were returned on (that stream must still exist; synchronize
+ * other streams that used the clones with it first, as with PyTorch's
+ * record_stream). NULL is a no-op. Safe from any thread at any time; a
+ * released block gives GRAPHED_STATUS_USE_AFTER_DESTROY.
+ */
+graphed_status graphed_buffer_release(struct graphed_buffer *buffer);
+
+/**
+ * graphed_buffer_release, ordered on `stream` instead: the block's memory
+ * is given back after the work enqueued there so far (and not after that
+ * of the stream it was returned on). For a clone used and released on
+ * another stream, or whose return stream is gone. `stream` is NULL or a
+ * stream of the block's backend: on the host backend, anything but a
+ * host stream is GRAPHED_STATUS_INVALID_ARGUMENT (a destroyed one
+ * GRAPHED_STATUS_USE_AFTER_DESTROY), as for a replay, and the reference
+ * is kept.
+ */
+graphed_status graphed_buffer_release_on(struct graphed_buffer *buffer, graphed_stream stream);
+
+/**
+ * Adds one reference to a block of returned clones.
+ */
+graphed_status graphed_buffer_retain(struct graphed_buffer *buffer);
 
 /**
  * A zeroed stats struct with its size and magic set.
@@ -1463,69 +1617,6 @@ graphed_status graphed_session_device_memory(struct graphed_session *session,
 graphed_status graphed_backend_available(uint32_t backend);
 
 /**
- * Replay arguments for callable 0, microbatch 0, the default stream, no
- * data (replay on the static buffers) and no destinations.
- */
-struct graphed_replay_args graphed_replay_args_default(void);
-
-/**
- * Replays the forward graph of (args->callable, args->microbatch) on
- * args->stream, after copying args->data into the static inputs. Writes
- * one GRAPHED_REF_KIND_ALIAS ref per output to `outputs`
- * (`num_outputs` must equal the callable's output count): the static
- * outputs, valid until the next forward replay of the same instance.
- *
- * # Safety
- * `args` must point to a graphed_replay_args initialised by its
- * _default() function; `outputs` must have room for `num_outputs` refs of
- * args->ref_size bytes.
- */
-graphed_status graphed_forward(struct graphed_session *session,
-                               const struct graphed_replay_args *args,
-                               struct graphed_ref *outputs,
-                               size_t num_outputs);
-
-/**
- * Replays the backward graph of (args->callable, args->microbatch) after
- * copying args->data into the static grad-outputs. Writes one ref per
- * input to `input_grads` (ALIAS, valid until the next backward replay of
- * the instance; NONE for inputs without requires_grad) and one per
- * parameter to `param_grads`, each per its frozen policy: CLONE (an owned
- * copy: release `owner` with graphed_buffer_release), ALIAS, COPY_INTO or
- * ACCUMULATE_INTO (into args->param_dsts[i]), NONE (no grad, or a callable
- * with a weight-grad callback, whose grads graphed_backward_wgrad returns).
- *
- * # Safety
- * As graphed_forward; the arrays must have room for the stated counts.
- */
-graphed_status graphed_backward(struct graphed_session *session,
-                                const struct graphed_replay_args *args,
-                                struct graphed_ref *input_grads,
-                                size_t num_input_grads,
-                                struct graphed_ref *param_grads,
-                                size_t num_param_grads);
-
-/**
- * Replays the weight-grad graph of a callable registered with a wgrad
- * callback, and writes its parameter grads (per policy) to `param_grads`.
- *
- * # Safety
- * As graphed_backward.
- */
-graphed_status graphed_backward_wgrad(struct graphed_session *session,
-                                      const struct graphed_replay_args *args,
-                                      struct graphed_ref *param_grads,
-                                      size_t num_param_grads);
-
-/**
- * Releases a strict-mode lease (the `lease` of an ALIAS ref): the alias
- * is no longer used, so the replay that overwrites it may run. Never
- * GRAPHED_STATUS_BUSY: it does not wait for calls in progress on the
- * session, so it is safe from any thread (a tensor's deleter) at any time.
- */
-graphed_status graphed_lease_release(struct graphed_session *session, uint64_t lease);
-
-/**
  * Converts Transformer Engine's `_order` notation into schedule steps:
  * `c` is the forward of chunk c (chunks numbered from 1 there), `-c` its
  * backward and `-c - 0.5` its delayed weight-gradient. Writes `num_order`
@@ -1546,8 +1637,10 @@ graphed_status graphed_schedule_from_te_order(const double *order,
  * per callable) have a weight-grad callback: with `steps` (NULL and 0: no
  * schedule) the schedule's expansion, else every forward in registration
  * order, then every backward in reverse, each weight-grad after its
- * backward. Writes min(count, capacity) passes to `passes` (NULL: none)
- * and the count to `*count_out`.
+ * backward. Writes min(count, capacity) passes to `passes` (NULL: none,
+ * and `capacity` is not read) and the count to `*count_out`. A capacity
+ * whose bytes (capacity * pass_size) overflow is INVALID_ARGUMENT, as
+ * every array length.
  *
  * # Safety
  * The arrays must hold the counts stated; `passes` must have room for
@@ -1571,7 +1664,8 @@ graphed_status graphed_schedule_passes(const struct graphed_schedule_step *steps
  * (room for `chunk_capacity` entries each, at least the chunk count), the
  * number of layers (callables) of each chunk and the first callable of
  * each. `layers_per_chunk` as in the session config (NULL: split evenly).
- * The schedule's rules are checked as at capture.
+ * The schedule's rules are checked as at capture. A `chunk_capacity` whose
+ * bytes overflow is INVALID_ARGUMENT, as every array length.
  *
  * # Safety
  * `steps` must hold `num_steps` elements of `step_size` bytes;
@@ -1591,119 +1685,50 @@ graphed_status graphed_schedule_shape(const struct graphed_schedule_step *steps,
                                       size_t chunk_capacity);
 
 /**
- * Creates a session. On the CUDA backend this retains the device's
- * primary context (the one the CUDA runtime and PyTorch use).
- * Destroy it with graphed_session_destroy.
+ * Writes the number of CUDA devices to `*count_out`.
+ *
+ * Never aborts: on a machine without the NVIDIA driver it returns
+ * GRAPHED_STATUS_NO_DRIVER, with a driver but no device
+ * GRAPHED_STATUS_NO_DEVICE (a count of zero is reported that way too), and
+ * leaves `*count_out` untouched in both cases.
  *
  * # Safety
- * `config` must be NULL or point to a graphed_session_config initialised
- * by graphed_session_config_default(); `session_out` NULL or writable.
+ * `count_out` must be NULL or writable.
  */
-graphed_status graphed_session_create(const struct graphed_session_config *config,
-                                      struct graphed_session **session_out);
+graphed_status graphed_device_count(uint32_t *count_out);
 
 /**
- * Destroys a session: waits for the device, destroys its graphs and frees
- * its static buffers and scratch (a pool shared with another session
- * lives on with it). Clones already returned stay valid until released.
- * NULL is a no-op. A session in use by another call (another thread, or
- * the session's own callback) is not destroyed: GRAPHED_STATUS_BUSY. A
- * destroyed session gives GRAPHED_STATUS_USE_AFTER_DESTROY.
- */
-graphed_status graphed_session_destroy(struct graphed_session *session);
-
-/**
- * Destroys a session once no call is using it: the handle is gone at once
- * (a later use reports GRAPHED_STATUS_USE_AFTER_DESTROY), and the session
- * is destroyed when the last call in progress on it returns, or now when
- * there is none (what a C++ destructor wants). NULL is a no-op.
- */
-graphed_status graphed_session_destroy_when_idle(struct graphed_session *session);
-
-/**
- * Warms up and captures every registered callable (see docs/design.md):
- * warmup iterations eagerly on a side stream, then one graph per pass,
- * instantiated and uploaded. On failure (a callback's non-zero return, an
- * illegal call under capture, a driver error) everything the attempt
- * made is released, the message names the callable and pass, and the
- * session can be captured again.
- */
-graphed_status graphed_session_capture(struct graphed_session *session);
-
-/**
- * Releases the session's graphs, static buffers and scratch (waiting for
- * the device first). Every later replay or capture returns
- * GRAPHED_STATUS_SESSION_RESET; clones already returned stay valid.
- */
-graphed_status graphed_session_reset(struct graphed_session *session);
-
-/**
- * The name of a status code as written in this header
- * ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
- * safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
- * is static; never free it.
- */
-const char *graphed_status_name(uint32_t code);
-
-/**
- * The message of the most recent call on this thread that did not return
- * GRAPHED_STATUS_OK: it names the function, the argument or object at
- * fault, and what was expected. Empty if no call on this thread has failed.
- * Valid until the next failing graphed call on this thread; never free it.
- */
-const char *graphed_last_error_message(void);
-
-/**
- * The library's version as "MAJOR.MINOR.PATCH"; it matches the
- * GRAPHED_VERSION_* macros of the header the library was built with. Static.
- */
-const char *graphed_version(void);
-
-/**
- * An empty step descriptor with its size and magic set.
- */
-struct graphed_step_desc graphed_step_desc_default(void);
-
-/**
- * Declares a step before capture; writes its index to `*step_out`. At
- * capture the step's callables are captured once more, back to back, as
- * one graph: every forward in order, then every backward in reverse (each
- * weight-grad right after its backward), each grad pass followed by its
- * COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
- * around these captures. Per-callable replays keep working.
+ * Writes the CUDA version of the installed driver to `*version_out`, as
+ * 1000 * major + 10 * minor (13000 for CUDA 13.0). GRAPHED_STATUS_NO_DRIVER
+ * when there is no driver.
  *
  * # Safety
- * `desc` must point to a graphed_step_desc initialised by its _default()
- * function whose arrays hold the counts it states.
+ * `version_out` must be NULL or writable.
  */
-graphed_status graphed_session_add_step(struct graphed_session *session,
-                                        const struct graphed_step_desc *desc,
-                                        uint32_t *step_out);
+graphed_status graphed_driver_version(int32_t *version_out);
 
 /**
- * Step replay arguments for step 0 on the default stream.
- */
-struct graphed_step_args graphed_step_args_default(void);
-
-/**
- * Replays a step with one graph launch on args->stream. The step's
- * callables read what their static buffers hold: fill the first inputs
- * (graphed_session_buffers) or chain them; there is no copy-in. Writes
- * one ref per parameter of the step's callables, in order, to
- * `param_grads` (`num_param_grads` must be their total): per policy, as
- * graphed_backward does. CLONE grads come from a clone slot free in every
- * callable; when none is, the step replays pass by pass (same results,
- * one launch per pass).
+ * Enqueues `task(user_data)` on a host-backend stream (the ctx->stream of a
+ * host session's callback; NULL runs it now). Outside capture it runs
+ * immediately; under capture it is recorded and every replay runs it again
+ * with the same `user_data`, which must therefore stay valid as long as
+ * the session's graphs exist. Not for CUDA streams.
  *
  * # Safety
- * `args` must point to a graphed_step_args initialised by its _default()
- * function; `param_grads` must have room for `num_param_grads` refs of
- * args->ref_size bytes.
+ * `task` must be safe to call with `user_data` whenever the stream runs.
  */
-graphed_status graphed_step_replay(struct graphed_session *session,
-                                   const struct graphed_step_args *args,
-                                   struct graphed_ref *param_grads,
-                                   size_t num_param_grads);
+graphed_status graphed_host_enqueue(graphed_stream stream,
+                                    graphed_host_task_fn task,
+                                    void *user_data);
+
+/**
+ * Waits for a host stream (NULL: every host stream). Host work runs as it
+ * is enqueued, so this only enforces capture rules: called on a capturing
+ * stream (or with NULL while any stream captures) it invalidates that
+ * capture and returns GRAPHED_STATUS_CAPTURE_INVALIDATED, as a device
+ * synchronize does under CUDA stream capture.
+ */
+graphed_status graphed_host_synchronize(graphed_stream stream);
 
 #ifdef __cplusplus
 }  // extern "C"

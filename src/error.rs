@@ -13,9 +13,9 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
 
-    /// A struct the caller passes was not set up by its `_default()`
-    /// function: the message says what is wrong with it.
-    #[error("{what} {detail} (initialise it with its _default() function, then set the fields you need)")]
+    /// A struct the caller passes was not set up as its layer requires:
+    /// `detail` says what is wrong with it and how to set it up.
+    #[error("{what} {detail}")]
     BadStruct { what: String, detail: String },
 
     #[error("no CUDA driver: {0}")]
@@ -74,6 +74,11 @@ pub enum Error {
 
     #[error("{0}")]
     Unsupported(String),
+
+    /// The call combines features that do not work together; the message
+    /// names them.
+    #[error("{0}")]
+    Incompatible(String),
 
     #[error("{0}")]
     Busy(String),

@@ -1,6 +1,7 @@
-//! Minimal reproducers of C ABI bugs found by the fuzz target
-//! (fuzz/fuzz_targets/c_abi.rs), on the host backend, kept as regression
-//! tests. Each test states the contract it checks.
+//! Minimal reproducers of C ABI bugs, on the host backend, kept as
+//! regression tests: those the fuzz target (fuzz/fuzz_targets/c_abi.rs)
+//! found, and gaps of the boundary found by tests written apart from it.
+//! Each test states the contract it checks.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
@@ -343,4 +344,221 @@ fn schedule_passes_and_the_config_refuse_the_same_schedules() {
         )
     });
     assert_eq!(count, 2);
+}
+
+/// An output capacity is an array length like any other: one whose bytes
+/// overflow is INVALID_ARGUMENT, as every other array of the boundary.
+/// graphed_schedule_passes and graphed_schedule_shape checked only the
+/// elements they wrote, so a capacity of SIZE_MAX was accepted (OK).
+#[test]
+fn schedule_helpers_refuse_capacities_whose_bytes_overflow() {
+    let steps = [
+        graphed_schedule_step { pass: 0, chunk: 0 },
+        graphed_schedule_step { pass: 1, chunk: 0 },
+    ];
+    let step_size = std::mem::size_of::<graphed_schedule_step>();
+    let pass_size = std::mem::size_of::<graphed_pass_ref>();
+    // Each call writes into fresh outputs of 4 elements, set to 7.
+    let passes_with = |cap: usize, size: usize| {
+        let mut out = [graphed_pass_ref {
+            callable: 7,
+            microbatch: 7,
+            pass: 7,
+        }; 4];
+        let mut count = 7usize;
+        // SAFETY: room for 4 passes; a larger capacity is a lie the call
+        // must refuse.
+        let st = unsafe {
+            graphed_schedule_passes(
+                steps.as_ptr(),
+                2,
+                step_size,
+                std::ptr::null(),
+                0,
+                std::ptr::null(),
+                1,
+                out.as_mut_ptr(),
+                cap,
+                size,
+                &mut count,
+            )
+        };
+        (st, count, out[0].callable)
+    };
+    let shape_with = |cap: usize| {
+        let (mut chunks, mut mbs) = (7u32, 7u32);
+        let (mut layers, mut first) = ([7u32; 4], [7u32; 4]);
+        // SAFETY: room for 4 chunks; a larger capacity is a lie the call
+        // must refuse.
+        let st = unsafe {
+            graphed_schedule_shape(
+                steps.as_ptr(),
+                2,
+                step_size,
+                std::ptr::null(),
+                0,
+                1,
+                &mut chunks,
+                &mut mbs,
+                layers.as_mut_ptr(),
+                first.as_mut_ptr(),
+                cap,
+            )
+        };
+        (st, [chunks, mbs, layers[0], first[0]])
+    };
+    for (cap, size) in [(usize::MAX, pass_size), (usize::MAX / 2, 16)] {
+        let (st, count, first) = passes_with(cap, size);
+        assert_eq!(st, S::InvalidArgument, "capacity {cap}: {}", msg());
+        assert!(msg().contains("passes: "), "{}", msg());
+        assert!(msg().contains("do not fit in memory"), "{}", msg());
+        assert_eq!((count, first), (7, 7), "nothing written");
+    }
+    for cap in [usize::MAX, usize::MAX / 4 + 1] {
+        let (st, outs) = shape_with(cap);
+        assert_eq!(st, S::InvalidArgument, "capacity {cap}: {}", msg());
+        assert!(msg().contains("do not fit in memory"), "{}", msg());
+        assert_eq!(outs, [7; 4], "nothing written");
+    }
+    // The true capacities are accepted.
+    let (st, count, first) = passes_with(4, pass_size);
+    ok(st);
+    assert_eq!((count, first), (2, 0));
+    let (st, outs) = shape_with(4);
+    ok(st);
+    assert_eq!(outs, [1, 1, 1, 0]);
+}
+
+/// A host session with one CLONE parameter, captured, and the owner of the
+/// clone block one backward returned (one reference).
+fn one_clone_block() -> (*mut graphed_session, *mut graphed_buffer) {
+    let s = session(
+        host(false),
+        1,
+        graphed_grad_policy::Clone as u32,
+        Some(noop),
+    );
+    ok(graphed_session_capture(s));
+    let a = graphed_replay_args_default();
+    let mut gp = [empty_ref()];
+    // SAFETY: args and room for the refs (no inputs, one parameter).
+    ok(unsafe { graphed_backward(s, &a, null_mut(), 0, gp.as_mut_ptr(), 1) });
+    assert_eq!(gp[0].kind, graphed_ref_kind::Clone as u32);
+    (s, gp[0].owner)
+}
+
+/// On the host backend a stream is NULL or a host stream: a replay refuses
+/// any other pointer (INVALID_ARGUMENT), and so does
+/// graphed_buffer_release_on, which drops nothing then. It used to
+/// accept any pointer and drop the reference.
+#[test]
+fn release_on_refuses_what_is_not_a_host_stream_and_drops_nothing() {
+    let (s, owner) = one_clone_block();
+    let mut a = graphed_replay_args_default();
+    let mut out = [empty_ref()];
+    let mut local = 0u64;
+    let not_streams = [
+        0x1234usize,
+        &mut local as *mut u64 as usize,
+        s as usize, // a handle, but a session's
+    ];
+    for bad in not_streams {
+        a.stream = bad as graphed_stream;
+        // SAFETY: args and room for one ref.
+        let st = unsafe { graphed_forward(s, &a, out.as_mut_ptr(), 1) };
+        assert_eq!(st, S::InvalidArgument, "forward on 0x{bad:x}: {}", msg());
+        let st = graphed_buffer_release_on(owner, bad as graphed_stream);
+        assert_eq!(st, S::InvalidArgument, "release_on 0x{bad:x}: {}", msg());
+        assert!(
+            msg().starts_with("graphed_buffer_release_on: "),
+            "{}",
+            msg()
+        );
+        assert!(
+            msg().contains("not a stream of the host backend"),
+            "{}",
+            msg()
+        );
+    }
+    let mut st = graphed_session_stats_default();
+    // SAFETY: a full stats struct.
+    ok(unsafe { graphed_session_stats_get(s, &mut st) });
+    assert_eq!(
+        st.clone_blocks_outstanding, 1,
+        "the refused releases dropped nothing"
+    );
+    // The block's one reference is still there, and NULL is still the
+    // default stream.
+    ok(graphed_buffer_release_on(owner, null_mut()));
+    assert_eq!(graphed_buffer_release(owner), S::UseAfterDestroy);
+    ok(graphed_session_destroy(s));
+}
+
+/// The legacy default stream (CU_STREAM_LEGACY, 0x1) and the per-thread
+/// default stream (CU_STREAM_PER_THREAD, 0x2) cannot be a session's
+/// capture stream: CUDA cannot capture the legacy stream, and callbacks
+/// never receive a default stream. Both are refused when the session is
+/// created, naming the stream, on every backend (the CUDA backend took
+/// them and failed at capture with a driver error).
+#[test]
+fn a_default_stream_as_capture_stream_is_refused_at_create() {
+    for (raw, name) in [(1usize, "CU_STREAM_LEGACY"), (2, "CU_STREAM_PER_THREAD")] {
+        for backend in [graphed_backend::Host, graphed_backend::Cuda] {
+            let mut c = graphed_session_config_default();
+            c.backend = backend as u32;
+            c.capture_stream = raw as graphed_stream;
+            let mut s = null_mut();
+            // SAFETY: a valid config and out pointer.
+            let st = unsafe { graphed_session_create(&c, &mut s) };
+            assert_eq!(st, S::InvalidArgument, "{name}: {}", msg());
+            assert!(
+                msg().contains(&format!("config.capture_stream is {name}")),
+                "{}",
+                msg()
+            );
+            assert!(s.is_null());
+        }
+    }
+}
+
+/// Steps do not go with a pipeline schedule nor with callables whose
+/// callbacks provide buffers: that refusal is INCOMPATIBLE (the call
+/// combines features that do not work together), not UNSUPPORTED (which
+/// says the backend or build lacks something).
+#[test]
+fn steps_over_a_schedule_or_external_buffers_are_incompatible() {
+    let steps = [
+        graphed_schedule_step { pass: 0, chunk: 0 },
+        graphed_schedule_step { pass: 1, chunk: 0 },
+    ];
+    let mut c = host(false);
+    c.schedule = steps.as_ptr();
+    c.num_schedule_steps = steps.len();
+    let scheduled = session(c, 1, 0, Some(noop));
+    let plain = session(host(false), 1, 0, Some(noop));
+    ok(graphed_session_set_param_flags(
+        plain,
+        0,
+        0,
+        graphed_param_flags::ExternalGrad as u32,
+    ));
+    let callables = [0u32];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 1;
+    for (s, words) in [
+        (scheduled, "pipeline schedule"),
+        (plain, "has external buffers"),
+    ] {
+        let mut idx = 77;
+        // SAFETY: a valid descriptor and out pointer.
+        let st = unsafe { graphed_session_add_step(s, &d, &mut idx) };
+        assert_eq!(st, S::Incompatible, "{}", msg());
+        assert!(msg().contains(words), "{}", msg());
+        assert_eq!(idx, 77);
+        ok(graphed_session_destroy(s));
+    }
+    // SAFETY: a static string.
+    let name = unsafe { std::ffi::CStr::from_ptr(graphed_status_name(20)) };
+    assert_eq!(name.to_str().unwrap(), "GRAPHED_STATUS_INCOMPATIBLE");
 }

@@ -788,7 +788,7 @@ fn a_step_whose_callable_turned_external_after_declaration_is_refused_at_capture
     ));
     assert_eq!(
         graphed_session_capture(s),
-        graphed_status::Unsupported,
+        graphed_status::Incompatible,
         "{}",
         msg()
     );

@@ -141,6 +141,15 @@ fn lookup(stream: StreamRef) -> Result<Arc<HostStream>> {
     })
 }
 
+/// Checks that `stream` is 0 or a live host stream, as the functions that
+/// order work on it do, without touching it.
+pub fn check_stream(stream: StreamRef) -> Result<()> {
+    if stream.0 != 0 {
+        lookup(stream)?;
+    }
+    Ok(())
+}
+
 /// Runs `task` on `stream`: now, or recorded when the stream is capturing.
 fn submit(stream: StreamRef, task: Task) -> Result<()> {
     if stream.0 == 0 {

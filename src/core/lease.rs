@@ -97,8 +97,8 @@ impl Leases {
             if s.held {
                 return Err(Error::AliasHeld(format!(
                     "{} would overwrite {}, an alias handed out by replay {} that is still held \
-                     (lease 0x{:x}); nothing was replayed. Release it with graphed_lease_release once \
-                     you are done with it, or take that grad as CLONE or COPY_INTO",
+                     (lease 0x{:x}); nothing was replayed. Release its lease once you are done with \
+                     it, or take that grad as CLONE or COPY_INTO",
                     what(),
                     s.name,
                     s.generation,
@@ -186,6 +186,9 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("param 1 grad of callable 'a'"), "{msg}");
         assert!(msg.contains("replay 1"), "{msg}");
+        // The operation, not the C function (the C boundary names its own).
+        assert!(msg.contains("Release its lease once"), "{msg}");
+        assert!(!msg.contains("graphed_"), "{msg}");
         // A replay that writes other buffers is not blocked.
         l.check_free(&l.slots_in(&[3]), || "forward".into())
             .unwrap();

@@ -121,6 +121,17 @@ pub(crate) unsafe fn arg_slice<'a, T>(
     Ok(unsafe { std::slice::from_raw_parts(p, len) })
 }
 
+/// A struct the caller did not set up with its `_default()` function:
+/// `detail` says what is wrong, and the message adds how to set it up.
+fn bad_struct(what: String, detail: String) -> Error {
+    Error::BadStruct {
+        what,
+        detail: format!(
+            "{detail} (initialise it with its _default() function, then set the fields you need)"
+        ),
+    }
+}
+
 /// Checks the header of the struct at `p`; returns its `struct_size`.
 ///
 /// # Safety
@@ -135,24 +146,24 @@ unsafe fn header<T: CStruct>(p: *const u8, what: &dyn Fn() -> String) -> Result<
         )
     };
     if magic != T::MAGIC {
-        return Err(Error::BadStruct {
-            what: what(),
-            detail: format!(
+        return Err(bad_struct(
+            what(),
+            format!(
                 "is not an initialised {} (its magic field is 0x{magic:08x}, not 0x{:08x})",
                 T::NAME,
                 T::MAGIC
             ),
-        });
+        ));
     }
     if size < T::MIN_SIZE {
-        return Err(Error::BadStruct {
-            what: what(),
-            detail: format!(
+        return Err(bad_struct(
+            what(),
+            format!(
                 "has struct_size {size}; the smallest {} is {} bytes",
                 T::NAME,
                 T::MIN_SIZE
             ),
-        });
+        ));
     }
     Ok(size)
 }
@@ -216,13 +227,13 @@ pub(crate) unsafe fn read_array<T: CStruct>(
             // SAFETY: element i is there per the contract.
             let size = unsafe { header::<T>(e, &|| format!("{what}[{i}]")) }?;
             if size != stride {
-                return Err(Error::BadStruct {
-                    what: format!("{what}[{i}]"),
-                    detail: format!(
+                return Err(bad_struct(
+                    format!("{what}[{i}]"),
+                    format!(
                         "has struct_size {size} but {what}[0] has {stride}: the elements of an array all have \
                          the size of the array's element type"
                     ),
-                });
+                ));
             }
             // SAFETY: `size` bytes of element i.
             Ok(unsafe { copy_over_defaults(e, size) })

@@ -1,7 +1,8 @@
-//! The panic boundary every export runs in, and the thread-local message
-//! of the last failing call.
+//! The panic boundary every export runs in, and what a failing call leaves
+//! on its thread: the message, read with graphed_last_error_message, and
+//! its status, named by graphed_status_name.
 
-use super::status::graphed_status;
+use super::status::{self, graphed_status, UNKNOWN_STATUS};
 use crate::error::Result;
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
@@ -16,10 +17,6 @@ pub(crate) fn set_last_error(msg: String) {
     // Interior NULs cannot cross into C; replace them rather than lose the text.
     let msg = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
     LAST_ERROR.with(|m| *m.borrow_mut() = msg);
-}
-
-pub(crate) fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|m| m.borrow().as_ptr())
 }
 
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
@@ -65,5 +62,55 @@ pub(crate) fn boundary_value<T>(func: &'static str, fallback: T, f: impl FnOnce(
             ));
             fallback
         }
+    }
+}
+
+/// The name of a status code as written in this header
+/// ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
+/// safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
+/// is static; never free it.
+#[no_mangle]
+pub extern "C" fn graphed_status_name(code: u32) -> *const c_char {
+    boundary_value(
+        "graphed_status_name",
+        UNKNOWN_STATUS.as_ptr().cast(),
+        || status::name(code).as_ptr().cast(),
+    )
+}
+
+/// The message of the most recent call on this thread that did not return
+/// GRAPHED_STATUS_OK: it names the function, the argument or object at
+/// fault, and what was expected. Empty if no call on this thread has failed.
+/// Valid until the next failing graphed call on this thread; never free it.
+#[no_mangle]
+pub extern "C" fn graphed_last_error_message() -> *const c_char {
+    boundary_value("graphed_last_error_message", c"".as_ptr(), || {
+        LAST_ERROR.with(|m| m.borrow().as_ptr())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    #[test]
+    fn status_names_are_the_tables() {
+        for code in [0, 19, 20, 21, 1000, u32::MAX] {
+            // SAFETY: graphed_status_name returns a static NUL-terminated string.
+            let got = unsafe { CStr::from_ptr(graphed_status_name(code)) };
+            assert_eq!(got.to_bytes_with_nul(), status::name(code).as_bytes());
+        }
+    }
+
+    #[test]
+    fn a_failing_call_leaves_its_message() {
+        let st = boundary("graphed_test_export", || {
+            Err(crate::Error::invalid("x is 2"))
+        });
+        assert_eq!(st, graphed_status::InvalidArgument);
+        // SAFETY: a NUL-terminated thread-local string.
+        let m = unsafe { CStr::from_ptr(graphed_last_error_message()) };
+        assert_eq!(m.to_str().unwrap(), "graphed_test_export: x is 2");
     }
 }

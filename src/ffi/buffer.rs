@@ -5,17 +5,12 @@
 
 use super::boundary::boundary;
 use super::callback::graphed_stream;
-use super::handles::id;
+use super::handles::{graphed_buffer, id};
 use super::status::graphed_status;
-use crate::backend::StreamRef;
+use crate::backend::{host, BackendKind, StreamRef};
 use crate::core::handle::{self, Kind};
 use crate::error::{Error, Result};
 use crate::orchestrate::CloneBlock;
-
-/// Opaque: a block of returned clones (graphed_ref.owner).
-pub struct graphed_buffer {
-    _private: [u8; 0],
-}
 
 /// Drops one reference to a block of returned clones; the last one gives
 /// the memory back, ordered after the work already enqueued on the stream
@@ -31,7 +26,11 @@ pub extern "C" fn graphed_buffer_release(buffer: *mut graphed_buffer) -> graphed
 /// graphed_buffer_release, ordered on `stream` instead: the block's memory
 /// is given back after the work enqueued there so far (and not after that
 /// of the stream it was returned on). For a clone used and released on
-/// another stream, or whose return stream is gone.
+/// another stream, or whose return stream is gone. `stream` is NULL or a
+/// stream of the block's backend: on the host backend, anything but a
+/// host stream is GRAPHED_STATUS_INVALID_ARGUMENT (a destroyed one
+/// GRAPHED_STATUS_USE_AFTER_DESTROY), as for a replay, and the reference
+/// is kept.
 #[no_mangle]
 pub extern "C" fn graphed_buffer_release_on(
     buffer: *mut graphed_buffer,
@@ -49,7 +48,11 @@ fn release(buffer: *mut graphed_buffer, stream: Option<StreamRef>) -> Result<()>
         return Ok(());
     }
     if let Some(s) = stream {
-        handle::get::<CloneBlock>(Kind::Buffer, id(buffer))?.set_stream(s);
+        let block = handle::get::<CloneBlock>(Kind::Buffer, id(buffer))?;
+        if block.backend_kind() == BackendKind::Host {
+            host::check_stream(s)?;
+        }
+        block.set_stream(s);
     }
     match handle::release(Kind::Buffer, id(buffer))? {
         Some(last) => last

@@ -8,7 +8,8 @@ use super::callback::{graphed_pass_fn, CCallbacks};
 use super::enums::{
     decode_bool, graphed_dtype, graphed_grad_policy, graphed_param_flags, graphed_tensor_flags,
 };
-use super::session::{graphed_session, session};
+use super::handles::graphed_session;
+use super::session::session;
 use super::status::graphed_status;
 use crate::backend::DevPtr;
 use crate::core::policy::ParamSpec;

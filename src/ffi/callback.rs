@@ -7,7 +7,7 @@
 use super::args::arg_out;
 use super::boundary::boundary;
 use super::enums::{graphed_buffer_role, graphed_grad_policy, graphed_pass, graphed_phase};
-use super::handles::{get, ptr};
+use super::handles::{get, graphed_capture, graphed_scratch, ptr};
 use super::status::graphed_status;
 use crate::backend::DevPtr;
 use crate::core::handle::{Kind, Scoped};
@@ -23,18 +23,6 @@ use std::mem::size_of;
 /// stream on the host backend. NULL is the default stream (the legacy
 /// default stream on CUDA; immediate execution on the host).
 pub type graphed_stream = *mut c_void;
-
-/// Opaque: the scratch allocator a callback gets (graphed_scratch_alloc,
-/// graphed_scratch_free). Valid only during that call.
-pub struct graphed_scratch {
-    _private: [u8; 0],
-}
-
-/// Opaque: where a callback under capture hands over its external buffers
-/// (graphed_pass_set_buffer). Valid only during that call.
-pub struct graphed_capture {
-    _private: [u8; 0],
-}
 
 /// What a forward, backward or weight-grad callback (and a per-callable
 /// hook) receives. Every array and pointer is valid during the call only;

@@ -5,8 +5,8 @@
 use super::args::{arg_str, assert_header, CStruct};
 use super::callback::graphed_stream;
 use super::enums::{decode_bool, graphed_backend, graphed_capture_mode, graphed_log_level};
+use super::handles::graphed_session;
 use super::schedule::{graphed_schedule_step, read_schedule, ScheduleFields};
-use super::session::graphed_session;
 use crate::backend::{BackendKind, DevPtr, StreamRef};
 use crate::error::{Error, Result};
 use crate::orchestrate::{CloneAllocator, HookPoint, LogLevel, SessionOptions};
@@ -113,10 +113,11 @@ pub struct graphed_session_config {
     /// 0 or sets that state up for the whole of graphed_session_capture.
     pub clone_slots: u32,
     /// Optional: run warmup and capture on this stream of yours (a
-    /// CUstream, not the legacy default stream; CUDA only) instead of one
-    /// the session makes, so that work your callbacks enqueue elsewhere on
-    /// it (a framework's current stream) needs no join. NULL: the session's
-    /// own.
+    /// CUstream you created; CUDA only) instead of one the session makes,
+    /// so that work your callbacks enqueue elsewhere on it (a framework's
+    /// current stream) needs no join. NULL: the session's own. The default
+    /// streams (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are
+    /// GRAPHED_STATUS_INVALID_ARGUMENT at graphed_session_create.
     pub capture_stream: graphed_stream,
 }
 
@@ -221,6 +222,22 @@ pub(crate) struct Config {
     pub options: SessionOptions,
 }
 
+/// The caller's capture stream: NULL (the session's own) or a stream the
+/// caller made. CUDA's default streams are refused by name: callbacks
+/// never receive one, and CUDA cannot capture the legacy one.
+fn capture_stream(s: graphed_stream) -> Result<Option<StreamRef>> {
+    let name = match s as usize {
+        0 => return Ok(None),
+        1 => "CU_STREAM_LEGACY (0x1), the legacy default stream",
+        2 => "CU_STREAM_PER_THREAD (0x2), the per-thread default stream",
+        raw => return Ok(Some(StreamRef(raw))),
+    };
+    Err(Error::invalid(format!(
+        "config.capture_stream is {name}: warmup and capture run on a stream of their own, never on a \
+         default stream; pass a stream you created, or NULL for one the session makes"
+    )))
+}
+
 /// Checks a config and converts it into session options.
 pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
     let allocator: Option<Arc<dyn CloneAllocator>> = match (cfg.clone_alloc, cfg.clone_free) {
@@ -288,8 +305,7 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             log,
             log_level: graphed_log_level::decode(cfg.log_level, "config.log_level")?,
             warmup_hook,
-            capture_stream: (!cfg.capture_stream.is_null())
-                .then_some(StreamRef(cfg.capture_stream as usize)),
+            capture_stream: capture_stream(cfg.capture_stream)?,
             clone_slots: match cfg.clone_slots {
                 n @ 0..=16 => n,
                 n => {

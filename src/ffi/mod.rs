@@ -4,47 +4,54 @@
 //! turns the outcome into a `graphed_status` plus the thread's last error
 //! message. No logic lives here, and nothing below this module knows C.
 //!
-//! | file | concept |
-//! |---|---|
-//! | `boundary` | the panic boundary and the thread-local message |
-//! | `args` | C pointers, arrays and caller-filled structs into Rust values |
-//! | `status` | status codes, their names, the version |
-//! | `enums` | the C enums and their conversion to the Rust ones |
-//! | `handles` | handles (ids from the handle table) to pinned objects |
-//! | `config` | the session config and the callbacks it carries |
-//! | `session` | create, destroy, capture, reset |
-//! | `callable` | tensor, parameter and callable descriptors; registration |
-//! | `callback` | what callbacks receive and the exports they call |
-//! | `replay` | forward, backward, weight-grad replays and leases |
-//! | `buffer` | returned clone blocks |
-//! | `query` | stats, buffers, policies, the plan dump, device memory |
-//! | `schedule` | schedule steps and the helpers that derive them |
-//! | `step` | steps: callables replayed as one graph |
-//! | `device`, `host` | device discovery; host-backend streams |
+//! The modules are declared in the order a caller meets the API, which is
+//! the order of the generated header (cbindgen reads them in this order):
+//! its conventions first, then the session, callables, callbacks, replays
+//! and steps, returned clone blocks, queries, and the helpers. The
+//! comments keep rustfmt from sorting them.
 
-mod args;
-mod boundary;
-mod buffer;
-mod callable;
-mod callback;
-mod config;
-mod device;
-mod enums;
-mod handles;
-mod host;
-mod query;
-mod replay;
-mod schedule;
-mod session;
+// Status codes and their names, the version.
 mod status;
+// The panic boundary, the thread-local message, the status names.
+mod boundary;
+// C pointers, arrays and caller-filled structs into Rust values.
+mod args;
+// The C enums and their conversion to the Rust ones.
+mod enums;
+// The opaque handle types; handles (ids from the handle table) to pinned
+// objects.
+mod handles;
+// The session config and the callbacks it carries.
+mod config;
+// Create, destroy, capture, reset.
+mod session;
+// Tensor, parameter and callable descriptors; registration.
+mod callable;
+// What callbacks receive and the exports they call.
+mod callback;
+// Forward, backward, weight-grad replays; returned refs and leases.
+mod replay;
+// Steps: callables replayed as one graph.
 mod step;
+// Returned clone blocks.
+mod buffer;
+// Stats, buffers, policies, the plan dump, device memory.
+mod query;
+// Schedule steps and the helpers that derive them.
+mod schedule;
+// Device discovery.
+mod device;
+// Host-backend streams.
+mod host;
 
+pub use boundary::{graphed_last_error_message, graphed_status_name};
 pub use buffer::*;
 pub use callable::*;
 pub use callback::*;
 pub use config::*;
 pub use device::*;
 pub use enums::*;
+pub use handles::*;
 pub use host::*;
 pub use query::*;
 pub use replay::*;

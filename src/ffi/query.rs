@@ -6,7 +6,8 @@
 use super::args::{arg_out, assert_header, check_out_array, write_struct, CStruct};
 use super::boundary::boundary;
 use super::enums::{graphed_backend, graphed_buffer_role, graphed_grad_policy};
-use super::session::{graphed_session, session};
+use super::handles::graphed_session;
+use super::session::session;
 use super::status::graphed_status;
 use crate::backend;
 use crate::core::policy::GradPolicy;

@@ -5,11 +5,10 @@
 
 use super::args::{arg_slice, assert_header, check_out_array, read_struct, write_element, CStruct};
 use super::boundary::boundary;
-use super::buffer::graphed_buffer;
 use super::callback::graphed_stream;
 use super::enums::graphed_ref_kind;
-use super::handles::ptr;
-use super::session::{graphed_session, session};
+use super::handles::{graphed_buffer, graphed_session, ptr};
+use super::session::session;
 use super::status::graphed_status;
 use crate::backend::{DevPtr, StreamRef};
 use crate::core::handle::{self, Kind};

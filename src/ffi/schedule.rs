@@ -195,8 +195,10 @@ pub struct graphed_pass_ref {
 /// per callable) have a weight-grad callback: with `steps` (NULL and 0: no
 /// schedule) the schedule's expansion, else every forward in registration
 /// order, then every backward in reverse, each weight-grad after its
-/// backward. Writes min(count, capacity) passes to `passes` (NULL: none)
-/// and the count to `*count_out`.
+/// backward. Writes min(count, capacity) passes to `passes` (NULL: none,
+/// and `capacity` is not read) and the count to `*count_out`. A capacity
+/// whose bytes (capacity * pass_size) overflow is INVALID_ARGUMENT, as
+/// every array length.
 ///
 /// # Safety
 /// The arrays must hold the counts stated; `passes` must have room for
@@ -251,21 +253,22 @@ pub unsafe extern "C" fn graphed_schedule_passes(
         };
         let count = schedule.passes.len();
         if !passes.is_null() {
-            let k = count.min(capacity);
+            // The whole array the caller describes, not only what is written.
             check_out_array(
                 passes,
-                k,
+                capacity,
                 pass_size,
                 size_of::<graphed_pass_ref>(),
                 "passes",
             )?;
-            for (i, p) in schedule.passes.iter().take(k).enumerate() {
+            for (i, p) in schedule.passes.iter().take(capacity).enumerate() {
                 let r = graphed_pass_ref {
                     callable: p.callable as u32,
                     microbatch: p.microbatch as u32,
                     pass: graphed_pass::encode(p.kind),
                 };
-                // SAFETY: checked: room for k elements of pass_size bytes.
+                // SAFETY: checked: room for `capacity` elements of
+                // pass_size bytes, and i < capacity.
                 unsafe { write_element(passes, pass_size, i, &r) };
             }
         }
@@ -280,7 +283,8 @@ pub unsafe extern "C" fn graphed_schedule_passes(
 /// (room for `chunk_capacity` entries each, at least the chunk count), the
 /// number of layers (callables) of each chunk and the first callable of
 /// each. `layers_per_chunk` as in the session config (NULL: split evenly).
-/// The schedule's rules are checked as at capture.
+/// The schedule's rules are checked as at capture. A `chunk_capacity` whose
+/// bytes overflow is INVALID_ARGUMENT, as every array length.
 ///
 /// # Safety
 /// `steps` must hold `num_steps` elements of `step_size` bytes;
@@ -317,14 +321,14 @@ pub unsafe extern "C" fn graphed_schedule_shape(
         if want_arrays {
             let a = arg_out(chunk_layers_out, "chunk_layers_out")?;
             let b = arg_out(chunk_first_out, "chunk_first_out")?;
+            check_out_array(a, chunk_capacity, 4, 4, "chunk_layers_out")?;
+            check_out_array(b, chunk_capacity, 4, 4, "chunk_first_out")?;
             if chunk_capacity < shape.chunks {
                 return Err(Error::invalid(format!(
                     "chunk_capacity is {chunk_capacity}; the schedule has {} chunks",
                     shape.chunks
                 )));
             }
-            check_out_array(a, shape.chunks, 4, 4, "chunk_layers_out")?;
-            check_out_array(b, shape.chunks, 4, 4, "chunk_first_out")?;
             for c in 0..shape.chunks {
                 // SAFETY: checked, room for chunk_capacity >= chunks values;
                 // counts fit u32 (they sum to num_callables).

@@ -6,18 +6,13 @@
 use super::args::{arg_out, read_struct};
 use super::boundary::boundary;
 use super::config::{convert, graphed_session_config};
-use super::handles::{get, id, ptr};
+use super::handles::{get, graphed_session, id, ptr};
 use super::status::graphed_status;
 use crate::backend;
 use crate::core::handle::{self, Kind};
 use crate::error::Result;
 use crate::orchestrate::{Session, SessionCell};
 use std::sync::Arc;
-
-/// Opaque session handle.
-pub struct graphed_session {
-    _private: [u8; 0],
-}
 
 /// The live session behind a handle, pinned for the call.
 pub(crate) fn session(p: *mut graphed_session) -> Result<Arc<SessionCell>> {

@@ -1,7 +1,7 @@
-//! Status codes, their names, the thread's last error message and the
-//! library version: the conventions every other export relies on.
+//! Status codes and their names, and the library version: the conventions
+//! every other export relies on. `boundary` turns errors into these codes,
+//! and exports what a failing call leaves: its message and its code's name.
 
-use super::boundary::{boundary_value, last_error_ptr};
 use crate::error::Error;
 use std::ffi::c_char;
 
@@ -66,11 +66,15 @@ pub enum graphed_status {
     /// replays cannot be recorded into another capture. Nothing was
     /// enqueued.
     StreamCapturing = 19,
+    /// The call combines features that do not work together (for example,
+    /// a step in a session with a pipeline schedule); the message names
+    /// them. Nothing was changed.
+    Incompatible = 20,
 }
 
 /// Every status, in code order. Kept next to the enum so that a new code
 /// cannot be added without a name.
-pub(crate) const ALL_STATUSES: [(graphed_status, &str); 20] = [
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 21] = [
     (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
     (
         graphed_status::InvalidArgument,
@@ -118,9 +122,14 @@ pub(crate) const ALL_STATUSES: [(graphed_status, &str); 20] = [
         graphed_status::StreamCapturing,
         "GRAPHED_STATUS_STREAM_CAPTURING\0",
     ),
+    (
+        graphed_status::Incompatible,
+        "GRAPHED_STATUS_INCOMPATIBLE\0",
+    ),
 ];
 
-const UNKNOWN_STATUS: &str = "GRAPHED_STATUS_UNKNOWN\0";
+/// The name of every code the table does not hold.
+pub(crate) const UNKNOWN_STATUS: &str = "GRAPHED_STATUS_UNKNOWN\0";
 
 impl From<&Error> for graphed_status {
     fn from(e: &Error) -> Self {
@@ -142,6 +151,7 @@ impl From<&Error> for graphed_status {
             Error::InvalidSchedule(_) => graphed_status::InvalidSchedule,
             Error::ScratchExhausted(_) => graphed_status::ScratchExhausted,
             Error::Unsupported(_) => graphed_status::Unsupported,
+            Error::Incompatible(_) => graphed_status::Incompatible,
             Error::Busy(_) => graphed_status::Busy,
             Error::UseAfterDestroy(_) => graphed_status::UseAfterDestroy,
             Error::Internal(_) => graphed_status::Internal,
@@ -150,32 +160,13 @@ impl From<&Error> for graphed_status {
     }
 }
 
-/// The name of a status code as written in this header
-/// ("GRAPHED_STATUS_OK", ...). Takes a plain integer so that any value is
-/// safe to pass: an unknown code gives "GRAPHED_STATUS_UNKNOWN". The string
-/// is static; never free it.
-#[no_mangle]
-pub extern "C" fn graphed_status_name(code: u32) -> *const c_char {
-    boundary_value(
-        "graphed_status_name",
-        UNKNOWN_STATUS.as_ptr().cast(),
-        || {
-            let name = ALL_STATUSES
-                .get(code as usize)
-                .map(|(_, n)| *n)
-                .unwrap_or(UNKNOWN_STATUS);
-            name.as_ptr().cast()
-        },
-    )
-}
-
-/// The message of the most recent call on this thread that did not return
-/// GRAPHED_STATUS_OK: it names the function, the argument or object at
-/// fault, and what was expected. Empty if no call on this thread has failed.
-/// Valid until the next failing graphed call on this thread; never free it.
-#[no_mangle]
-pub extern "C" fn graphed_last_error_message() -> *const c_char {
-    boundary_value("graphed_last_error_message", c"".as_ptr(), last_error_ptr)
+/// The NUL-terminated name of a status code as the header spells it; an
+/// unknown code gives "GRAPHED_STATUS_UNKNOWN".
+pub(crate) fn name(code: u32) -> &'static str {
+    ALL_STATUSES
+        .get(code as usize)
+        .map(|(_, n)| *n)
+        .unwrap_or(UNKNOWN_STATUS)
 }
 
 /// The library's version as "MAJOR.MINOR.PATCH"; it matches the
@@ -192,18 +183,12 @@ mod tests {
 
     #[test]
     fn names_are_dense_and_match_codes() {
-        for (i, (status, name)) in ALL_STATUSES.iter().enumerate() {
-            assert_eq!(*status as u32, i as u32, "{name} is out of order");
-            // SAFETY: graphed_status_name returns a static NUL-terminated string.
-            let got = unsafe { CStr::from_ptr(graphed_status_name(i as u32)) };
-            assert_eq!(got.to_bytes_with_nul(), name.as_bytes());
+        for (i, (status, n)) in ALL_STATUSES.iter().enumerate() {
+            assert_eq!(*status as u32, i as u32, "{n} is out of order");
+            assert_eq!(name(i as u32), *n);
         }
-        // SAFETY: as above.
-        let unknown = unsafe { CStr::from_ptr(graphed_status_name(ALL_STATUSES.len() as u32)) };
-        assert_eq!(unknown.to_str().unwrap(), "GRAPHED_STATUS_UNKNOWN");
-        // SAFETY: as above.
-        let huge = unsafe { CStr::from_ptr(graphed_status_name(u32::MAX)) };
-        assert_eq!(huge.to_str().unwrap(), "GRAPHED_STATUS_UNKNOWN");
+        assert_eq!(name(ALL_STATUSES.len() as u32), UNKNOWN_STATUS);
+        assert_eq!(name(u32::MAX), UNKNOWN_STATUS);
     }
 
     #[test]

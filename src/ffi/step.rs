@@ -5,8 +5,9 @@
 use super::args::{arg_out, arg_slice, assert_header, read_struct, CStruct};
 use super::boundary::boundary;
 use super::callback::graphed_stream;
+use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
-use super::session::{graphed_session, session};
+use super::session::session;
 use super::status::graphed_status;
 use crate::backend::StreamRef;
 use std::ffi::c_void;
@@ -65,7 +66,10 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
 /// one graph: every forward in order, then every backward in reverse (each
 /// weight-grad right after its backward), each grad pass followed by its
 /// COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
-/// around these captures. Per-callable replays keep working.
+/// around these captures. Per-callable replays keep working. Steps do not
+/// go with a pipeline schedule nor with callables that have external
+/// buffers: GRAPHED_STATUS_INCOMPATIBLE (also at capture, for a callable
+/// flagged external after the step was declared).
 ///
 /// # Safety
 /// `desc` must point to a graphed_step_desc initialised by its _default()

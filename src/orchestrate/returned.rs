@@ -116,6 +116,12 @@ impl CloneBlock {
         StreamRef(self.stream.load(Ordering::Relaxed))
     }
 
+    /// The backend the block's memory belongs to: a stream its release is
+    /// ordered on must be one of that backend's.
+    pub fn backend_kind(&self) -> crate::backend::BackendKind {
+        self.backend.kind()
+    }
+
     /// The caller released the last reference: a ring block goes back to
     /// its ring (after the work enqueued on its stream, through its event);
     /// any other block is freed, in that stream's order.

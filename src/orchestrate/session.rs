@@ -275,7 +275,7 @@ impl Session {
     pub fn add_step(&mut self, callables: Vec<u32>, param_dsts: Option<&[DevPtr]>) -> Result<u32> {
         self.open("declaring a step")?;
         if self.opts.schedule.is_some() {
-            return Err(Error::Unsupported(
+            return Err(Error::Incompatible(
                 "steps are for sessions without a pipeline schedule (one microbatch per callable)"
                     .into(),
             ));

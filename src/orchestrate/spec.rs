@@ -119,7 +119,7 @@ impl CallableSpec {
 
     /// Why a step cannot hold this callable, as an error.
     pub fn step_refusal(&self) -> Error {
-        Error::Unsupported(format!(
+        Error::Incompatible(format!(
             "callable '{}' has external buffers; a step captures its callables back to back and \
              cannot take buffers provided by callbacks",
             self.name

@@ -1,0 +1,368 @@
+//! Capture: the status the model expects of a capture attempt, and what a
+//! successful one must show (static buffers, rebound slots, the plan dump).
+
+use super::*;
+
+/// Whether the model knows the schedule fits the callables, and the
+/// microbatches it gives.
+pub fn schedule_fits(s: &Sess) -> Option<bool> {
+    let sched = s.sched.as_ref()?;
+    let n = s.callables.len();
+    Some(match sched {
+        None => true,
+        Some(sc) => {
+            let layers: Vec<usize> = match &sc.layers {
+                Some(l) => {
+                    if l.iter().map(|&x| x as usize).sum::<usize>() != n {
+                        return Some(false);
+                    }
+                    l.iter().map(|&x| x as usize).collect()
+                }
+                None => {
+                    if n == 0 || n % sc.chunks != 0 {
+                        return Some(false);
+                    }
+                    vec![n / sc.chunks; sc.chunks]
+                }
+            };
+            if sc.wgrad {
+                layers.iter().all(|&l| l == 1) && s.callables.iter().all(|c| c.wgrad)
+            } else {
+                s.callables.iter().all(|c| !c.wgrad)
+            }
+        }
+    })
+}
+
+/// Whether capture must allocate a static buffer no allocator here grants.
+pub fn huge(s: &Sess) -> bool {
+    const H: usize = 1 << 40;
+    s.callables.iter().any(|c| {
+        c.inputs
+            .iter()
+            .any(|t| t.bytes >= H || (t.grad && !t.external && t.bytes >= H))
+            || c.outputs
+                .iter()
+                .any(|t| t.bytes >= H && (!t.external || t.grad))
+            || c.params
+                .iter()
+                .any(|p| p.grad && !p.external && p.bytes >= H)
+    })
+}
+
+/// Records the failure the running capture of `sess` must report (the first
+/// one wins).
+pub fn decide(sess: usize, e: graphed_status) {
+    let mut fs = w().frames.borrow_mut();
+    if let Some(f) = fs.iter_mut().rev().find(|f| f.sess == sess) {
+        f.first.get_or_insert(e);
+    }
+}
+
+pub fn op_capture(t: Target) {
+    let wd = w();
+    let mut want = t.lock();
+    let mut pre_only = false;
+    let mut lenient_sched = false;
+    if want.is_none() {
+        let Target::Live(k) = t else { unreachable!() };
+        let ss = wd.sessions.borrow();
+        let s = &ss[k];
+        want = match s.st {
+            St::Captured => Some(S::WrongState),
+            St::Reset => Some(S::SessionReset),
+            St::Open if s.callables.is_empty() => Some(S::WrongState),
+            // A flag set after the step was declared made a callable of it
+            // external: refused before anything runs.
+            St::Open if step_has_external(s) => Some(S::Incompatible),
+            St::Open => match schedule_fits(s) {
+                Some(false) => Some(S::InvalidSchedule),
+                None => {
+                    lenient_sched = true;
+                    huge(s).then_some(S::OutOfMemory)
+                }
+                Some(true) => huge(s).then_some(S::OutOfMemory),
+            },
+        };
+        pre_only = want.is_some();
+    }
+    let attempt = wd.attempts.get() + 1;
+    wd.attempts.set(attempt);
+    let k = match t {
+        Target::Live(k) => Some(k),
+        _ => None,
+    };
+    let _pin = k.filter(|_| !pre_only).map(pin);
+    if let (Some(k), false) = (k, pre_only) {
+        wd.frames.borrow_mut().push(Frame {
+            sess: k,
+            attempt,
+            stream: 0,
+            capturing: false,
+            invalidated: false,
+            scratch_fail: false,
+            irregular: false,
+            first: None,
+            said: None,
+            ran: false,
+        });
+    }
+    wd.depth.set(wd.depth.get() + 1);
+    trace!("capture {t:?} want {want:?}");
+    mark();
+    let st = graphed_session_capture(t.ptr());
+    trace!("capture {t:?} -> {st:?}");
+    wd.depth.set(wd.depth.get() - 1);
+    let frame = if let (Some(_), false) = (k, pre_only) {
+        wd.frames.borrow_mut().pop()
+    } else {
+        None
+    };
+    if let Some(f) = &frame {
+        assert_eq!(f.attempt, attempt, "capture frames out of order");
+    }
+    match (&frame, want) {
+        (_, Some(e)) => {
+            if lenient_sched {
+                expect(
+                    st,
+                    &[e, S::InvalidSchedule],
+                    "graphed_session_capture",
+                    "capture",
+                )
+            } else {
+                expect(st, &[e], "graphed_session_capture", "capture before warmup")
+            }
+        }
+        (Some(f), None) => {
+            let bad_step = k.is_some_and(step_lacks_destination);
+            let mut ok: Vec<graphed_status> = match f.first {
+                Some(e) => vec![e],
+                // A step's destinations are checked when it is captured,
+                // after every pass.
+                None if bad_step => vec![S::InvalidArgument],
+                // The measured scratch arena may be too large to allocate.
+                None => vec![S::Ok, S::OutOfMemory],
+            };
+            if lenient_sched && !f.ran {
+                ok.push(S::InvalidSchedule);
+            }
+            if waived("scratch-failed-request-sizes-arena") {
+                ok.push(S::OutOfMemory);
+            }
+            expect(st, &ok, "graphed_session_capture", "capture outcome");
+            if st == S::CallbackFailed {
+                let m = msg();
+                match &f.said {
+                    Some(t) => assert!(
+                        m.contains(t.as_str()),
+                        "the callback's message is missing: {m}"
+                    ),
+                    None => assert!(
+                        !m.contains("fuzz callback says"),
+                        "another callback's message: {m}"
+                    ),
+                }
+            }
+            if st == S::OutOfMemory
+                && f.first.is_none()
+                && !waived("scratch-failed-request-sizes-arena")
+            {
+                // Only a real arena that large may fail: a refused scratch
+                // request must not size it.
+                panic!("capture failed with OUT_OF_MEMORY though every scratch request it kept was small: {}", msg());
+            }
+        }
+        (None, None) => unreachable!(),
+    }
+    // A session destroyed (when idle) by its own callback is gone now.
+    if st == S::Ok && k.is_some_and(|k| wd.sessions.borrow()[k].alive) {
+        let k = k.unwrap();
+        {
+            let mut ss = wd.sessions.borrow_mut();
+            let s = &mut ss[k];
+            s.st = St::Captured;
+            s.live_attempt = Some(attempt);
+        }
+        after_capture(k);
+    }
+    if let Some(k) = k {
+        forget_if_gone(k);
+    }
+}
+
+/// Queries a captured session and checks it against the model.
+pub fn after_capture(k: usize) {
+    let wd = w();
+    let (h, callables, clone, mb_model) = {
+        let s = &wd.sessions.borrow()[k];
+        (
+            s.h as *mut graphed_session,
+            s.callables.clone(),
+            s.clone,
+            s.mb,
+        )
+    };
+    let mut st = graphed_session_stats_default();
+    // SAFETY: a full stats struct.
+    let r = unsafe { graphed_session_stats_get(h, &mut st) };
+    expect(r, &[S::Ok], "graphed_session_stats_get", "after capture");
+    assert_eq!(st.captured, 1);
+    let mb = st.microbatches;
+    assert!(mb >= 1);
+    if mb_model != 0 {
+        assert_eq!(mb, mb_model, "microbatches");
+    }
+    wd.sessions.borrow_mut()[k].mb = mb;
+    let n = callables.len() as u32;
+    assert_eq!(st.callables, n);
+    assert_eq!(st.instances, n * mb);
+    let wg = callables.iter().filter(|c| c.wgrad).count() as u32;
+    assert_eq!(st.graph_count, (2 * n + wg) * mb, "graph count");
+    assert_eq!(st.step_graphs, step_graphs(k), "step graphs");
+    for (c, cl) in callables.iter().enumerate() {
+        let mut pol = vec![0xeeu32; cl.params.len()];
+        // SAFETY: room for the stated count.
+        let r = unsafe { graphed_session_param_policies(h, c as u32, pol.as_mut_ptr(), pol.len()) };
+        expect(
+            r,
+            &[S::Ok],
+            "graphed_session_param_policies",
+            "after capture",
+        );
+        for (p, got) in cl.params.iter().zip(&pol) {
+            assert_eq!(*got, p.resolved(clone), "frozen policy of {p:?}");
+        }
+        for m in 0..mb {
+            for role in 0..5u32 {
+                let (count, exists): (usize, Box<dyn Fn(usize) -> bool>) = match role {
+                    0 => (cl.inputs.len(), Box::new(|_| true)),
+                    1 => (cl.outputs.len(), Box::new(|_| true)),
+                    2 => (cl.outputs.len(), Box::new(|j| cl.outputs[j].grad)),
+                    3 => (cl.inputs.len(), Box::new(|j| cl.inputs[j].grad)),
+                    _ => (cl.params.len(), Box::new(|j| cl.params[j].grad)),
+                };
+                let mut ptrs = vec![0x77usize; count];
+                // SAFETY: room for `count` pointers.
+                let r = unsafe {
+                    graphed_session_buffers(h, c as u32, m, role, ptrs.as_mut_ptr().cast(), count)
+                };
+                expect(r, &[S::Ok], "graphed_session_buffers", "after capture");
+                for (j, &p) in ptrs.iter().enumerate() {
+                    assert_eq!(
+                        p != 0,
+                        exists(j),
+                        "buffer {j} of role {role} of callable {c} mb {m}: 0x{p:x}"
+                    );
+                    let ext = match role {
+                        1 => cl.outputs[j].external,
+                        3 => cl.inputs[j].external && cl.inputs[j].grad,
+                        4 => cl.params[j].external && cl.params[j].grad,
+                        _ => false,
+                    };
+                    if ext {
+                        let e = wd
+                            .ext
+                            .borrow()
+                            .get(&(
+                                k,
+                                c,
+                                m,
+                                [0, ROLE_OUT, 0, ROLE_GIN, ROLE_PARAM][role as usize],
+                                j,
+                            ))
+                            .copied();
+                        assert_eq!(
+                            Some(p),
+                            e,
+                            "external buffer returned is not the one provided"
+                        );
+                    } else if p != 0 {
+                        assert_eq!(p % 256, 0, "static buffer 0x{p:x} is not 256-aligned");
+                    }
+                }
+            }
+        }
+    }
+    rebound_check(h, &callables, mb);
+    plan_dump_check(h, true);
+}
+
+/// The host backend rebinds nothing (its tasks are opaque): every input and
+/// grad-output reads 0, other roles and wrong counts are refused.
+pub fn rebound_check(h: *mut graphed_session, callables: &[Callable], mb: u32) {
+    let i = &w().input;
+    for (c, cl) in callables.iter().enumerate() {
+        for m in 0..mb {
+            let role = i.below(6) as u32;
+            let count = match role {
+                0 => cl.inputs.len(),
+                2 => cl.outputs.len(),
+                _ => i.below(4),
+            };
+            let wrong = i.below(8) == 0;
+            let count = if wrong { count + 1 } else { count };
+            let mut on = vec![0xeeu32; count + 1];
+            // SAFETY: room for `count` values (and one more, to see past it).
+            let r =
+                unsafe { graphed_session_rebound(h, c as u32, m, role, on.as_mut_ptr(), count) };
+            if role == 0 || role == 2 {
+                if wrong {
+                    expect(
+                        r,
+                        &[S::InvalidArgument],
+                        "graphed_session_rebound",
+                        "wrong count",
+                    );
+                } else {
+                    expect(r, &[S::Ok], "graphed_session_rebound", "after capture");
+                    assert!(on[..count].iter().all(|&v| v == 0), "host rebound: {on:?}");
+                }
+            } else {
+                expect(
+                    r,
+                    &[S::InvalidArgument],
+                    "graphed_session_rebound",
+                    "role never rebound",
+                );
+            }
+            if r != S::Ok {
+                assert!(
+                    on.iter().all(|&v| v == 0xee),
+                    "a refused query wrote: {on:?}"
+                );
+            }
+            assert_eq!(on[count], 0xee, "wrote past count");
+        }
+    }
+}
+
+pub fn plan_dump_check(h: *mut graphed_session, captured: bool) {
+    let i = &w().input;
+    let mut len = 0xdeadusize;
+    // SAFETY: NULL buffer asks for the length.
+    let r = unsafe { graphed_session_plan_dump(h, null_mut(), 0, &mut len) };
+    post(r, "graphed_session_plan_dump");
+    if !captured || r != S::Ok {
+        assert_eq!(len, 0xdead);
+        return;
+    }
+    let cap = match i.below(4) {
+        0 => 1,
+        1 => len / 2 + 1,
+        _ => len + 1,
+    };
+    let mut buf = vec![0xa5u8; cap + 16];
+    let mut len2 = 0;
+    // SAFETY: buf has cap + 16 bytes.
+    let r = unsafe { graphed_session_plan_dump(h, buf.as_mut_ptr().cast(), cap, &mut len2) };
+    expect(r, &[S::Ok], "graphed_session_plan_dump", "dump");
+    assert_eq!(len2, len);
+    let n = len.min(cap - 1);
+    assert_eq!(buf[n], 0, "plan dump not NUL-terminated");
+    assert!(
+        buf[cap..].iter().all(|&b| b == 0xa5),
+        "plan dump wrote past its capacity"
+    );
+    assert!(!buf[..n].contains(&0));
+}

@@ -1,0 +1,411 @@
+//! Queries: stats, buffers, policies, rebound slots, the plan dump, device
+//! memory, callable arity, the driver version, status names, the version.
+
+use super::*;
+
+pub fn op_stats() {
+    let wd = w();
+    let i = &wd.input;
+    let t = target();
+    let mut buf = vec![0u64; size_of::<graphed_session_stats>() / 8 + 4];
+    let mut st = graphed_session_stats_default();
+    let mut struct_err = None;
+    match i.below(8) {
+        0 => {
+            st.magic = 0;
+            struct_err = Some(S::BadStruct);
+        }
+        1 => {
+            st.struct_size = 100;
+            struct_err = Some(S::BadStruct);
+        }
+        2 => st.struct_size = size_of::<graphed_session_stats>() + 16,
+        3 => struct_err = Some(S::NullPointer),
+        _ => {}
+    }
+    // SAFETY: buf holds the struct.
+    unsafe { (buf.as_mut_ptr() as *mut graphed_session_stats).write(st) };
+    let p: *mut graphed_session_stats = if struct_err == Some(S::NullPointer) {
+        null_mut()
+    } else {
+        buf.as_mut_ptr().cast()
+    };
+    let want = t.lock().or(struct_err).unwrap_or(S::Ok);
+    let before = buf.clone();
+    mark();
+    // SAFETY: p is NULL or a stats struct with spare room.
+    let r = unsafe { graphed_session_stats_get(t.ptr(), p) };
+    expect(r, &[want], "graphed_session_stats_get", "stats");
+    if r != S::Ok {
+        assert_eq!(buf, before, "stats written on failure");
+        return;
+    }
+    // SAFETY: the struct graphed filled.
+    let got = unsafe { (buf.as_ptr() as *const graphed_session_stats).read() };
+    assert_eq!(got.struct_size, st.struct_size, "stats header overwritten");
+    assert!(
+        buf[size_of::<graphed_session_stats>() / 8..]
+            .iter()
+            .all(|&x| x == 0),
+        "stats written past the struct"
+    );
+    let Target::Live(k) = t else { unreachable!() };
+    check_stats(k, &got);
+}
+
+pub fn check_stats(k: usize, got: &graphed_session_stats) {
+    let wd = w();
+    let s = &wd.sessions.borrow()[k];
+    assert_eq!(
+        got.captured,
+        (s.st == St::Captured) as u32,
+        "stats.captured"
+    );
+    assert_eq!(got.callables as usize, s.callables.len(), "stats.callables");
+    let blocks = wd.blocks.borrow().iter().filter(|b| b.sess == k).count() as u64;
+    assert_eq!(
+        got.clone_blocks_outstanding, blocks,
+        "stats.clone_blocks_outstanding"
+    );
+    if s.strict {
+        let held = wd.leases.borrow().iter().filter(|l| l.sess == k).count() as u32;
+        assert_eq!(got.leases_held, held, "stats.leases_held");
+    } else {
+        assert_eq!(got.leases_held, 0);
+    }
+    if s.st != St::Captured {
+        // Nothing of a failed capture, or of a reset one, stays behind.
+        assert_eq!((got.graph_count, got.instances), (0, 0));
+        assert_eq!(
+            (got.static_bytes, got.scratch_bytes),
+            (0, 0),
+            "static or scratch bytes of a session that is not captured"
+        );
+    }
+}
+
+pub fn op_query() {
+    let wd = w();
+    let i = &wd.input;
+    let t = target();
+    let model = if let Target::Live(k) = t {
+        let s = &wd.sessions.borrow()[k];
+        Some((s.st, s.callables.clone(), s.mb))
+    } else {
+        None
+    };
+    let state_err = |st: St| match st {
+        St::Open => Some(S::WrongState),
+        St::Reset => Some(S::SessionReset),
+        St::Captured => None,
+    };
+    match i.below(5) {
+        0 => {
+            let role = i.pick(&[0u32, 1, 2, 3, 4, 5, 99]);
+            let c = i.below(3) as u32;
+            let m = i.below(3) as u32;
+            let count = i.below(4);
+            let mut ptrs = vec![0x99usize; count + 1];
+            let mut p = ptrs.as_mut_ptr() as *mut *mut c_void;
+            let fault = i.below(6);
+            if fault == 0 {
+                p = null_mut();
+            } else if fault == 1 {
+                // SAFETY: 1 byte into the array, which has a spare element.
+                p = unsafe { (p as *mut u8).add(1) as *mut *mut c_void };
+            }
+            let mut want = t.lookup();
+            if want.is_none() && role > 4 {
+                want = Some(S::InvalidArgument);
+            }
+            want = want.or(t.lock());
+            if want.is_none() {
+                let (st, cls, mb) = model.clone().unwrap();
+                want = state_err(st);
+                if want.is_none() {
+                    match cls.get(c as usize) {
+                        Some(cl) if m < mb => {
+                            let n = match role {
+                                0 | 3 => cl.inputs.len(),
+                                1 | 2 => cl.outputs.len(),
+                                _ => cl.params.len(),
+                            };
+                            if n != count {
+                                want = Some(S::InvalidArgument);
+                            } else if n > 0 && fault == 0 {
+                                want = Some(S::NullPointer);
+                            } else if n > 0 && fault == 1 {
+                                want = Some(S::InvalidArgument);
+                            }
+                        }
+                        _ => want = Some(S::InvalidArgument),
+                    }
+                }
+            }
+            mark();
+            // SAFETY: p has room for count pointers or is refused.
+            let r = unsafe { graphed_session_buffers(t.ptr(), c, m, role, p, count) };
+            expect(
+                r,
+                &[want.unwrap_or(S::Ok)],
+                "graphed_session_buffers",
+                "query",
+            );
+            if r != S::Ok && fault > 1 {
+                assert!(
+                    ptrs.iter().all(|&x| x == 0x99),
+                    "buffers written on failure"
+                );
+            }
+        }
+        1 => {
+            let c = i.below(3) as u32;
+            let count = i.below(4);
+            let mut pol = vec![0xeeu32; count + 1];
+            let mut want = t.lock();
+            if want.is_none() {
+                let (st, cls, _) = model.clone().unwrap();
+                want = state_err(st);
+                if want.is_none() {
+                    want = match cls.get(c as usize) {
+                        None => Some(S::InvalidArgument),
+                        Some(cl) if cl.params.len() != count => Some(S::InvalidArgument),
+                        _ => None,
+                    };
+                }
+            }
+            mark();
+            // SAFETY: room for count values.
+            let r = unsafe { graphed_session_param_policies(t.ptr(), c, pol.as_mut_ptr(), count) };
+            expect(
+                r,
+                &[want.unwrap_or(S::Ok)],
+                "graphed_session_param_policies",
+                "query",
+            );
+            if r != S::Ok {
+                assert!(pol.iter().all(|&x| x == 0xee));
+            }
+        }
+        2 => {
+            let null_len = i.chance(40);
+            let mut want = t.lookup();
+            if want.is_none() && null_len {
+                want = Some(S::NullPointer);
+            }
+            want = want.or(t.lock());
+            if want.is_none() {
+                want = state_err(model.as_ref().unwrap().0);
+            }
+            if null_len || want.is_some() {
+                let mut len = 0x77usize;
+                mark();
+                // SAFETY: NULL buffer.
+                let r = unsafe {
+                    graphed_session_plan_dump(
+                        t.ptr(),
+                        null_mut(),
+                        0,
+                        if null_len { null_mut() } else { &mut len },
+                    )
+                };
+                expect(
+                    r,
+                    &[want.unwrap_or(S::Ok)],
+                    "graphed_session_plan_dump",
+                    "query",
+                );
+                assert_eq!(len, 0x77);
+            } else {
+                plan_dump_check(t.ptr(), true);
+            }
+        }
+        3 => {
+            // graphed_session_rebound on any target, in any state, with any
+            // role, index, count and output pointer.
+            let role = i.pick(&[0u32, 2, 0, 2, 1, 3, 4, 5, 99]);
+            let c = i.below(3) as u32;
+            let m = i.below(3) as u32;
+            let count = i.below(4);
+            let mut on = vec![0xeeu32; count + 1];
+            let mut p = on.as_mut_ptr();
+            let fault = i.below(6);
+            if fault == 0 {
+                p = null_mut();
+            } else if fault == 1 {
+                // SAFETY: 1 byte into the array, which has a spare element.
+                p = unsafe { (p as *mut u8).add(1) as *mut u32 };
+            }
+            let mut want = t.lookup();
+            if want.is_none() && role > 4 {
+                want = Some(S::InvalidArgument);
+            }
+            want = want.or(t.lock());
+            if want.is_none() {
+                let (st, cls, mb) = model.clone().unwrap();
+                want = state_err(st);
+                if want.is_none() {
+                    want = match (cls.get(c as usize), role) {
+                        (Some(cl), 0 | 2) if m < mb => {
+                            let n = if role == 0 {
+                                cl.inputs.len()
+                            } else {
+                                cl.outputs.len()
+                            };
+                            if n != count {
+                                Some(S::InvalidArgument)
+                            } else if n > 0 && fault == 0 {
+                                Some(S::NullPointer)
+                            } else if n > 0 && fault == 1 {
+                                Some(S::InvalidArgument)
+                            } else {
+                                None
+                            }
+                        }
+                        // An unknown callable or microbatch, or a role that
+                        // is never rebound.
+                        _ => Some(S::InvalidArgument),
+                    };
+                }
+            }
+            mark();
+            // SAFETY: p has room for count values, or is refused.
+            let r = unsafe { graphed_session_rebound(t.ptr(), c, m, role, p, count) };
+            expect(
+                r,
+                &[want.unwrap_or(S::Ok)],
+                "graphed_session_rebound",
+                "query",
+            );
+            if fault > 1 {
+                // The host backend rebinds nothing: 0 on success, untouched
+                // on failure; never past count.
+                let v = if r == S::Ok { 0 } else { 0xee };
+                assert!(on[..count].iter().all(|&x| x == v), "rebound: {on:?}");
+                assert_eq!(on[count], 0xee, "wrote past count");
+            }
+        }
+        _ => {
+            let mut f = 0x11usize;
+            let mut tot = 0x22usize;
+            let null_f = i.chance(40);
+            let want = t
+                .lookup()
+                .or(null_f.then_some(S::NullPointer))
+                .or(t.lock())
+                .unwrap_or(S::Unsupported);
+            mark();
+            // SAFETY: locals or NULL.
+            let r = unsafe {
+                graphed_session_device_memory(
+                    t.ptr(),
+                    if null_f { null_mut() } else { &mut f },
+                    &mut tot,
+                )
+            };
+            expect(r, &[want], "graphed_session_device_memory", "host");
+            assert_eq!((f, tot), (0x11, 0x22));
+        }
+    }
+}
+
+pub fn op_misc() {
+    let i = &w().input;
+    let code = i.pick(&[0u32, 3, 19, 20, 1000, u32::MAX]);
+    let last = S::Incompatible as u32;
+    // SAFETY: static string.
+    let name = unsafe { CStr::from_ptr(graphed_status_name(code)) }
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(name == "GRAPHED_STATUS_UNKNOWN", code > last);
+    // SAFETY: static string.
+    let v = unsafe { CStr::from_ptr(graphed_version()) };
+    assert!(!v.to_bytes().is_empty());
+    let b = i.pick(&[0u32, 1, 2, u32::MAX]);
+    let r = graphed_backend_available(b);
+    post(r, "graphed_backend_available");
+    match b {
+        1 => assert_eq!(r, S::Ok),
+        0 => assert!(matches!(r, S::Ok | S::NoDriver | S::NoDevice)),
+        _ => assert_eq!(r, S::InvalidArgument),
+    }
+    let mut n = 0xffu32;
+    // SAFETY: a local.
+    let r = unsafe { graphed_device_count(&mut n) };
+    post(r, "graphed_device_count");
+    if r != S::Ok {
+        assert_eq!(n, 0xff);
+    }
+}
+
+pub fn op_arity() {
+    let wd = w();
+    let i = &wd.input;
+    let t = target();
+    let calls = match t {
+        Target::Live(k) => Some(wd.sessions.borrow()[k].callables.clone()),
+        _ => None,
+    };
+    let n = calls.as_ref().map_or(0, |c| c.len());
+    let c = if n > 0 && !i.chance(40) {
+        i.below(n) as u32
+    } else {
+        i.pick(&[n as u32, u32::MAX])
+    };
+    let null_at = if i.chance(30) { Some(i.below(3)) } else { None };
+    let mut outs = [0x77usize; 3];
+    let ptrs: Vec<*mut usize> = (0..3)
+        .map(|j| {
+            if null_at == Some(j) {
+                null_mut()
+            } else {
+                &mut outs[j] as *mut usize
+            }
+        })
+        .collect();
+    let mut want = None;
+    first(&mut want, t.lookup());
+    first(&mut want, null_at.map(|_| S::NullPointer));
+    first(&mut want, t.lock());
+    if calls.is_some() {
+        first(&mut want, ((c as usize) >= n).then_some(S::InvalidArgument));
+    }
+    mark();
+    // SAFETY: each pointer is NULL or a local.
+    let r = unsafe { graphed_session_callable_arity(t.ptr(), c, ptrs[0], ptrs[1], ptrs[2]) };
+    expect(
+        r,
+        &[want.unwrap_or(S::Ok)],
+        "graphed_session_callable_arity",
+        "arity",
+    );
+    if r == S::Ok {
+        let cl = &calls.unwrap()[c as usize];
+        assert_eq!(outs, [cl.inputs.len(), cl.params.len(), cl.outputs.len()]);
+    } else {
+        assert!(
+            (0..3).all(|j| null_at == Some(j) || outs[j] == 0x77),
+            "arity written on failure"
+        );
+    }
+}
+
+pub fn op_driver_version() {
+    let null = w().input.chance(60);
+    let mut v = 0x5a5a_i32;
+    mark();
+    // SAFETY: NULL or a local.
+    let r = unsafe { graphed_driver_version(if null { null_mut() } else { &mut v }) };
+    post(r, "graphed_driver_version");
+    if null {
+        assert_eq!(r, S::NullPointer);
+    } else {
+        assert!(matches!(r, S::Ok | S::NoDriver), "{r:?}");
+    }
+    if r == S::Ok {
+        assert!(v >= 1000, "driver version {v}");
+    } else {
+        assert_eq!(v, 0x5a5a, "driver version written on failure");
+    }
+}

@@ -1,0 +1,257 @@
+//! The model: what the target knows of every session, callable, step,
+//! clone block, lease and in-callback handle, and the harness memory the
+//! callbacks write (seeded bytes, so that one replay's results can be told
+//! from another's).
+
+use super::*;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum St {
+    Open,
+    Captured,
+    Reset,
+}
+
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    pub bytes: usize,
+    pub grad: bool,
+    pub external: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Param {
+    pub bytes: usize,
+    pub dtype: u32,
+    pub grad: bool,
+    pub delayed: bool,
+    pub external: bool,
+    pub policy: u32,
+}
+
+impl Param {
+    /// The policy capture freezes (0: no gradient).
+    pub fn resolved(&self, clone: bool) -> u32 {
+        match (self.grad, self.policy) {
+            (false, _) => 0,
+            (true, 0) if self.delayed || !clone => 2,
+            (true, 0) => 1,
+            (true, p) => p,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Callable {
+    pub inputs: Vec<Tensor>,
+    pub outputs: Vec<Tensor>,
+    pub params: Vec<Param>,
+    pub wgrad: bool,
+}
+
+/// A schedule the model understands: all forwards, then all backwards
+/// (each followed by its weight-grad when `wgrad`).
+#[derive(Clone, Debug)]
+pub struct Sched {
+    pub chunks: usize,
+    pub mb: usize,
+    pub wgrad: bool,
+    pub layers: Option<Vec<u32>>,
+}
+
+pub struct Sess {
+    pub h: usize,
+    pub alive: bool,
+    pub st: St,
+    pub strict: bool,
+    pub clone: bool,
+    pub reuse: bool,
+    pub warmup: u32,
+    /// None: a fuzzed schedule of unknown validity (or none: Some(default)).
+    pub sched: Option<Option<Sched>>,
+    pub mb: u32,
+    pub pool: usize,
+    pub callables: Vec<Callable>,
+    pub custom_alloc: bool,
+    pub clone_slots: u32,
+    /// The capture attempt whose graphs (and side stream) are live.
+    pub live_attempt: Option<u64>,
+    /// Steps declared (graphed_session_add_step), in order.
+    pub steps: Vec<StepModel>,
+}
+
+/// A declared step: its callables, and one destination per parameter of
+/// theirs, in order (0: none).
+#[derive(Clone, Debug)]
+pub struct StepModel {
+    pub callables: Vec<usize>,
+    pub dsts: Vec<usize>,
+}
+
+/// A capture call in progress.
+pub struct Frame {
+    pub sess: usize,
+    pub attempt: u64,
+    pub stream: usize,
+    /// A callback (not a hook) of the capture phase is running: the stream
+    /// is capturing.
+    pub capturing: bool,
+    pub invalidated: bool,
+    pub scratch_fail: bool,
+    /// Something made this capture's scratch requests differ between
+    /// iterations, or froze the tape: plain requests may then be refused.
+    pub irregular: bool,
+    pub first: Option<graphed_status>,
+    /// What the callback that decided `first` said with
+    /// graphed_callback_fail_message, when `first` is CALLBACK_FAILED.
+    pub said: Option<String>,
+    pub ran: bool,
+}
+
+pub struct HeldBlock {
+    pub owner: usize,
+    pub refs: usize,
+    pub sess: usize,
+    pub grads: Vec<(usize, usize, u8)>,
+}
+
+pub struct Lease {
+    pub sess: usize,
+    pub token: u64,
+    /// (callable, microbatch, what: 0 output, 1 grad input, 2 param, index)
+    pub slot: (usize, u32, u8, usize),
+}
+
+/// A handle a callback kept past its call.
+pub struct Kept {
+    pub h: usize,
+    pub live: bool,
+}
+
+pub struct KeptStream {
+    pub h: usize,
+    pub sess: usize,
+    pub attempt: u64,
+}
+
+/// The user data of a host task recorded by a callback.
+pub struct Fill {
+    pub targets: Vec<(usize, usize, u8)>,
+    pub sess: usize,
+    pub action: u8,
+}
+
+/// The user data of a callback or hook.
+pub struct Cb {
+    pub sess: usize,
+    pub callable: usize,
+    pub scratch: usize,
+    pub hook: bool,
+}
+
+/// The user data of a session's allocator, log and warmup hook.
+pub struct SessCtx {
+    pub sess: usize,
+    pub log_level: u32,
+}
+
+pub struct World {
+    pub input: Input,
+    pub sessions: RefCell<Vec<Sess>>,
+    pub mem: RefCell<Vec<Box<[u64]>>>,
+    pub fills: RefCell<Vec<Box<Fill>>>,
+    pub cbs: RefCell<Vec<Box<Cb>>>,
+    pub ctxs: RefCell<Vec<Box<SessCtx>>>,
+    pub ext: RefCell<HashMap<(usize, usize, u32, u32, usize), usize>>,
+    pub blocks: RefCell<Vec<HeldBlock>>,
+    pub stale_blocks: RefCell<Vec<usize>>,
+    pub leases: RefCell<Vec<Lease>>,
+    pub stale_leases: RefCell<Vec<(usize, u64)>>,
+    pub kept_scratch: RefCell<Vec<Kept>>,
+    pub kept_capture: RefCell<Vec<Kept>>,
+    pub kept_streams: RefCell<Vec<KeptStream>>,
+    pub allocs: RefCell<HashMap<usize, (usize, usize, Box<[u64]>)>>,
+    pub frames: RefCell<Vec<Frame>>,
+    /// Sessions pinned by a call in progress (innermost last).
+    pub pinned: RefCell<Vec<usize>>,
+    pub attempts: Cell<u64>,
+    pub depth: Cell<u32>,
+    pub pools: Cell<usize>,
+}
+
+thread_local! {
+    pub static WORLD: Cell<*const World> = const { Cell::new(null()) };
+}
+
+pub fn w() -> &'static World {
+    let p = WORLD.with(|c| c.get());
+    assert!(
+        !p.is_null(),
+        "a graphed callback ran outside the fuzz input that registered it"
+    );
+    // SAFETY: set for the duration of one input; the World outlives every
+    // session (all are destroyed before it drops).
+    unsafe { &*p }
+}
+
+/// What the replays' host tasks write is `seed ^ EPOCH`, so that a replay's
+/// results can be told from an earlier one's.
+pub static EPOCH: AtomicU8 = AtomicU8::new(0);
+
+pub fn waived(name: &str) -> bool {
+    static W: OnceLock<Vec<String>> = OnceLock::new();
+    W.get_or_init(|| {
+        std::env::var("GRAPHED_FUZZ_WAIVE")
+            .unwrap_or_default()
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .collect()
+    })
+    .iter()
+    .any(|s| s == name)
+}
+
+pub const ROLE_OUT: u32 = 1;
+pub const ROLE_GIN: u32 = 3;
+pub const ROLE_PARAM: u32 = 4;
+pub const ROLE_SCRATCH: u32 = 9;
+
+pub fn seed(s: usize, c: usize, mb: u32, role: u32, i: usize) -> u8 {
+    (s.wrapping_mul(131) + c * 31 + mb as usize * 17 + role as usize * 7 + i * 3 + 1) as u8
+}
+
+pub fn dtype_size(d: u32) -> usize {
+    match d {
+        0 | 6 => 4,
+        1 | 2 => 2,
+        3 | 7 => 8,
+        _ => 1,
+    }
+}
+
+/// Harness "device" memory: a fresh heap block (so that ASan sees its
+/// bounds), kept until the end of the input. `off` bytes past 8-alignment.
+pub fn mem(bytes: usize, off: usize) -> usize {
+    let words = (bytes + off).div_ceil(8).max(1);
+    let b = vec![0u64; words].into_boxed_slice();
+    let p = b.as_ptr() as usize + off;
+    w().mem.borrow_mut().push(b);
+    p
+}
+
+pub fn ext_mem(s: usize, c: usize, mb: u32, role: u32, i: usize, bytes: usize) -> usize {
+    if let Some(&p) = w().ext.borrow().get(&(s, c, mb, role, i)) {
+        return p;
+    }
+    let p = mem(bytes, 0);
+    w().ext.borrow_mut().insert((s, c, mb, role, i), p);
+    p
+}
+
+pub fn all_bytes(p: usize, n: usize, b: u8) -> bool {
+    // SAFETY: callers pass buffers the library or the harness keeps alive
+    // with at least `n` bytes.
+    unsafe { std::slice::from_raw_parts(p as *const u8, n) }
+        .iter()
+        .all(|&x| x == b)
+}
