@@ -188,7 +188,7 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
         if st.capture.is_some() {
             hit = true;
             st.invalidated.get_or_insert_with(|| {
-                "graphed_host_synchronize was called while the stream was capturing \
+                "the stream was synchronized while it was capturing \
                  (the host counterpart of a device synchronize under stream capture)"
                     .to_string()
             });
@@ -196,7 +196,7 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
     }
     if hit {
         Err(Error::IllegalUnderCapture(
-            "graphed_host_synchronize is not allowed while a stream is capturing; the capture is invalidated".into(),
+            "synchronizing is not allowed while a stream is capturing; the capture is invalidated".into(),
         ))
     } else {
         Ok(())
@@ -233,7 +233,7 @@ impl Graph for HostGraph {
             match *t {
                 Task::User(_) => {
                     return Ok(RebindPlan::Refused(
-                        "the graph runs host tasks (graphed_host_enqueue) whose data is opaque: where they \
+                        "the graph runs host tasks whose data is opaque: where they \
                          read the input cannot be seen"
                             .into(),
                     ))
