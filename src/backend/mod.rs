@@ -214,8 +214,10 @@ pub trait Backend: Send + Sync {
     /// (free, total) device memory as the driver reports it.
     fn mem_info(&self) -> Result<(usize, usize)>;
 
-    /// Synchronous copies between host memory and device memory (outside
-    /// capture; they wait for the device).
+    /// Copies between host memory and device memory, outside capture.
+    /// `download` returns once the data is on the host; `upload` may
+    /// return before it has landed on the device (CUDA's pageable copies),
+    /// so work on other streams that reads it waits for the device first.
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()>;
     fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()>;
 }

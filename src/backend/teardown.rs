@@ -41,19 +41,30 @@ pub fn check(what: &str, r: crate::error::Result<()>) {
 }
 
 /// Runs `f` and returns, with its result, the teardown errors recorded on
-/// this thread meanwhile (also those of nested collections' callers).
+/// this thread meanwhile (those of a collection nested inside stay with
+/// it). On a thread whose locals are being destroyed nothing is collected;
+/// the count and the last message still hold every error. When `f`
+/// unwinds, what it collected is lost with it (also but for those).
 pub fn collect<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
-    struct Open;
+    struct Open(bool);
     impl Drop for Open {
         fn drop(&mut self) {
             // Pops this collection even when `f` unwinds.
-            let _ = COLLECTING.try_with(|c| c.borrow_mut().pop());
+            if self.0 {
+                let _ = COLLECTING.try_with(|c| c.borrow_mut().pop());
+            }
         }
     }
-    COLLECTING.with(|c| c.borrow_mut().push(Vec::new()));
-    let open = Open;
+    let open = Open(
+        COLLECTING
+            .try_with(|c| c.borrow_mut().push(Vec::new()))
+            .is_ok(),
+    );
     let out = f();
-    let errors = COLLECTING.with(|c| c.borrow_mut().last_mut().map(std::mem::take));
+    let errors = COLLECTING
+        .try_with(|c| c.borrow_mut().last_mut().map(std::mem::take))
+        .ok()
+        .flatten();
     drop(open);
     (out, errors.unwrap_or_default())
 }

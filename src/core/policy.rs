@@ -98,19 +98,41 @@ impl ParamSpec {
     }
 }
 
-/// The policy of one parameter slot: `None` when the parameter takes no
-/// gradient. An explicit policy wins; then delayed-wgrad parameters alias;
-/// then the session option (clone by default, alias when opted out).
-pub fn resolve(clone_param_grads_on_return: bool, p: &ParamSpec) -> Option<GradPolicy> {
+/// What decided a parameter slot's policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decided {
+    /// The parameter's own policy.
+    Explicit,
+    /// A delayed weight-gradient parameter: its grad aliases.
+    DelayedWgrad,
+    /// The session's option (`clone_param_grads_on_return`).
+    Session,
+}
+
+/// The policy of one parameter slot and what decided it: `None` when the
+/// parameter takes no gradient. An explicit policy wins; then delayed-wgrad
+/// parameters alias; then the session option (clone by default, alias when
+/// opted out).
+pub fn resolve_why(
+    clone_param_grads_on_return: bool,
+    p: &ParamSpec,
+) -> Option<(GradPolicy, Decided)> {
     if !p.requires_grad {
         return None;
     }
     Some(match p.policy {
-        GradPolicy::Default if p.delayed_wgrad() => GradPolicy::Alias,
-        GradPolicy::Default if !clone_param_grads_on_return => GradPolicy::Alias,
-        GradPolicy::Default => GradPolicy::Clone,
-        explicit => explicit,
+        GradPolicy::Default if p.delayed_wgrad() => (GradPolicy::Alias, Decided::DelayedWgrad),
+        GradPolicy::Default if !clone_param_grads_on_return => {
+            (GradPolicy::Alias, Decided::Session)
+        }
+        GradPolicy::Default => (GradPolicy::Clone, Decided::Session),
+        explicit => (explicit, Decided::Explicit),
     })
+}
+
+/// The policy of one parameter slot (see `resolve_why`).
+pub fn resolve(clone_param_grads_on_return: bool, p: &ParamSpec) -> Option<GradPolicy> {
+    resolve_why(clone_param_grads_on_return, p).map(|(policy, _)| policy)
 }
 
 /// The frozen policies of one callable's parameters, one per parameter in

@@ -31,6 +31,34 @@ impl ParamReturn {
             ParamReturn::CopyInto | ParamReturn::AccumulateInto { .. }
         )
     }
+
+    /// Why `dst` (0: none) cannot take this grad, if it cannot: a grad
+    /// copied or accumulated needs one, and an accumulated one needs it
+    /// aligned to its element size (the kernels read and write whole
+    /// elements). The text follows the destination's name.
+    pub fn destination_problem(self, dst: u64) -> Option<String> {
+        let name = match self {
+            ParamReturn::CopyInto => "COPY_INTO",
+            ParamReturn::AccumulateInto { .. } => "ACCUMULATE_INTO",
+            _ => return None,
+        };
+        if dst == 0 {
+            return Some(format!(
+                "is NULL, but that parameter's grad policy ({name}) needs a destination"
+            ));
+        }
+        match self {
+            ParamReturn::AccumulateInto { dtype } if dst % dtype.size() as u64 != 0 => {
+                Some(format!(
+                "(0x{dst:x}) is not aligned to its {} element size ({} bytes): ACCUMULATE_INTO \
+                 destinations must be element-aligned",
+                dtype.name(),
+                dtype.size()
+            ))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The return plan of one instance.

@@ -107,12 +107,13 @@ impl Resources {
 pub(crate) struct Captured {
     pub backend: Arc<dyn Backend>,
     pub counters: Arc<MemCounters>,
+    /// Dropped before the instances whose blocks and buffers they use.
+    pub steps: Vec<CapturedStep>,
     pub instances: Vec<Instance>,
     /// Instance index by [callable][microbatch].
     pub by_callable: Vec<Vec<usize>>,
     /// Every pass, in capture order.
     pub order: Vec<PassRef>,
-    pub steps: Vec<CapturedStep>,
     pub plan: PlanRecord,
     /// Where the capture's host time went.
     pub times: CaptureTimes,
@@ -160,7 +161,7 @@ impl Drop for Captured {
         }
         MemCounters::sub(&self.counters.static_bytes, self.resources.statics_bytes());
         MemCounters::sub(&self.counters.scratch_bytes, self.resources.arena_bytes());
-        // The fields drop next, in order: the graphs (instances, steps)
+        // The fields drop next, in order: the graphs (steps, instances)
         // before the memory they use (resources).
     }
 }

@@ -167,11 +167,6 @@ impl PassGraphs {
             .chain(slots)
     }
 
-    /// The pass graphs, in pass order.
-    pub fn in_order(&self) -> impl Iterator<Item = &dyn Graph> {
-        self.passes.iter().flatten().map(|g| g.as_ref())
-    }
-
     pub fn count(&self) -> usize {
         self.passes.iter().flatten().count()
     }

@@ -28,12 +28,15 @@ use crate::backend::{Backend, DevPtr, DeviceMemory, RebindPlan, StreamRef};
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
 use crate::core::size;
-use crate::error::Result;
+use crate::core::ALIGN;
+use crate::error::{Error, Result};
 use std::sync::Arc;
 
 /// Bytes of pattern made on the host per dtype; larger buffers are filled
-/// by copying it over and over on the device.
-const CHUNK: usize = 64 << 10;
+/// by copying it over and over on the device. Not a power of two, so that
+/// the pattern's period lines up with no stride a kernel is likely to use;
+/// a multiple of every verified element size.
+const CHUNK: usize = 98_296;
 
 /// The dtypes rebinding is verified with (floating point: a pattern of
 /// ordinary values, no NaN or infinity that a kernel could treat apart).
@@ -80,6 +83,8 @@ struct Candidate {
 enum Planned {
     Candidate(Candidate),
     Refused(Role, usize, String),
+    /// Another callable's buffer, used in place: it keeps its feed.
+    InPlace(Role, usize),
 }
 
 /// The tensors of `inst` whose registration asks for rebinding.
@@ -103,7 +108,7 @@ fn plan(inst: &Placed, graphs: &PassGraphs, role: Role, index: usize) -> Result<
     let t = &inst.tensors(role)[index];
     let refused = |why: &str| Ok(Planned::Refused(role, index, why.to_string()));
     match t.feed {
-        Feed::Chained => return refused("it is another callable's buffer, read in place"),
+        Feed::Chained => return Ok(Planned::InPlace(role, index)),
         Feed::NotFed => return refused("it has no static buffer (no grad flows to this output)"),
         _ => {}
     }
@@ -142,7 +147,8 @@ fn plan(inst: &Placed, graphs: &PassGraphs, role: Role, index: usize) -> Result<
 
 /// Device memory verification works in: per verified dtype two pattern
 /// chunks (A fills grad-outputs, B the buffers moved away from), a flag,
-/// and room for one instance's results and moved buffers.
+/// and room for one instance's results and two copies of each buffer
+/// verified.
 struct Workspace {
     memory: DeviceMemory,
     /// Where room starts.
@@ -150,10 +156,12 @@ struct Workspace {
 }
 
 impl Workspace {
+    /// A workspace with `room` bytes of room; its patterns are on the
+    /// device when it returns.
     fn new(backend: &Arc<dyn Backend>, room: usize) -> Result<Workspace> {
         const WHAT: &str = "the rebinding verification's workspace";
         let patterns = 2 * CHUNK * VERIFIED.len();
-        let total = size::add(size::add(patterns, 256, WHAT)?, room, WHAT)?;
+        let total = size::add(size::add(patterns, ALIGN, WHAT)?, room, WHAT)?;
         let memory = DeviceMemory::new(backend, total)?;
         for (d, &dtype) in VERIFIED.iter().enumerate() {
             for k in 0..2 {
@@ -161,7 +169,10 @@ impl Workspace {
                 backend.upload(at, &pattern(dtype, CHUNK, 7 + 92 * k as u32))?;
             }
         }
-        let room = memory.ptr() + (patterns + 256) as DevPtr;
+        // A copy from pageable host memory may return before it has landed;
+        // the capture stream is not ordered after it.
+        backend.synchronize_all()?;
+        let room = memory.ptr() + (patterns + ALIGN) as DevPtr;
         Ok(Workspace { memory, room })
     }
 
@@ -172,7 +183,7 @@ impl Workspace {
     }
 
     fn flag(&self) -> DevPtr {
-        self.room - 256
+        self.room - ALIGN as DevPtr
     }
 
     /// Bytes of room.
@@ -181,11 +192,38 @@ impl Workspace {
     }
 }
 
-/// The room one verification of `inst` with candidates of `bytes` needs.
-fn room(inst: &Placed, bytes: impl Iterator<Item = usize>) -> usize {
-    let aligned = |n: usize| n.div_ceil(256) * 256;
-    let results: usize = inst.results().iter().map(|&(_, n)| aligned(n)).sum();
-    results + bytes.map(aligned).sum::<usize>()
+/// The results an instance's graphs write that verification compares:
+/// outputs, input and parameter grads, and its clone slots' blocks.
+fn results(inst: &Placed, graphs: &PassGraphs) -> Vec<(DevPtr, usize)> {
+    let mut v = inst.results();
+    let clone = inst.returns.clone.bytes;
+    v.extend(graphs.slots.iter().map(|s| (s.block, clone)));
+    v
+}
+
+/// The room one verification of `inst` with candidates of `bytes` needs:
+/// its results, and two copies of each candidate.
+fn room(results: &[(DevPtr, usize)], bytes: impl Iterator<Item = usize>) -> Result<usize> {
+    const WHAT: &str = "the rebinding verification's workspace";
+    let mut total = 0usize;
+    for n in results.iter().map(|&(_, n)| n) {
+        total = size::add(total, size::aligned(n, WHAT)?, WHAT)?;
+    }
+    for n in bytes {
+        total = size::add(total, 2 * size::aligned(n, WHAT)?, WHAT)?;
+    }
+    Ok(total)
+}
+
+/// Places in the workspace's room, one after the other.
+struct Room(DevPtr);
+
+impl Room {
+    fn take(&mut self, n: usize) -> DevPtr {
+        let p = self.0;
+        self.0 += n.div_ceil(ALIGN) as DevPtr * ALIGN as DevPtr;
+        p
+    }
 }
 
 /// One verification on the capture stream.
@@ -193,6 +231,7 @@ struct Verifier<'a> {
     backend: &'a dyn Backend,
     stream: StreamRef,
     ws: &'a Workspace,
+    results: &'a [(DevPtr, usize)],
 }
 
 impl Verifier<'_> {
@@ -215,12 +254,20 @@ impl Verifier<'_> {
         Ok(())
     }
 
-    fn run(&self, graphs: &PassGraphs) -> Result<()> {
-        graphs.in_order().try_for_each(|g| g.launch(self.stream))
+    /// Every graph of the instance, passes in order then the clone slots,
+    /// on grad-outputs holding pattern A.
+    fn run(&self, inst: &Placed, graphs: &PassGraphs) -> Result<()> {
+        for t in inst.grad_outputs.iter().filter(|t| t.ptr != 0) {
+            self.fill(t.ptr, t.bytes, t.dtype, 0)?;
+        }
+        graphs.all().try_for_each(|g| g.launch(self.stream))
     }
 
     /// Whether the instance's graphs give the same results with every
-    /// candidate moved to a copy of its data as when copying.
+    /// candidate moved to a copy of its data as when copying, and leave
+    /// that copy as they found it. Every experiment starts from the data
+    /// the static buffers hold when it is called, and puts it back, with
+    /// the graphs pointing at the static buffers again, whatever happens.
     fn same(
         &self,
         inst: &Placed,
@@ -228,55 +275,57 @@ impl Verifier<'_> {
         cands: &mut [&mut Candidate],
     ) -> Result<bool> {
         let (b, s) = (self.backend, self.stream);
-        for t in inst.grad_outputs.iter().filter(|t| t.ptr != 0) {
-            self.fill(t.ptr, t.bytes, t.dtype, 0)?;
-        }
-        self.run(graphs)?;
-        let mut at = self.ws.room;
-        let mut next = |n: usize| {
-            let p = at;
-            at += (n.div_ceil(256) * 256) as DevPtr;
-            p
-        };
-        let results: Vec<(DevPtr, DevPtr, usize)> = inst
-            .results()
-            .into_iter()
-            .map(|(p, n)| (p, next(n), n))
+        let mut room = Room(self.ws.room);
+        let snaps: Vec<DevPtr> = self.results.iter().map(|&(_, n)| room.take(n)).collect();
+        // Per candidate: its data before anything ran, and the copy the
+        // rebound run reads.
+        let copies: Vec<(DevPtr, DevPtr)> = cands
+            .iter()
+            .map(|c| (room.take(c.bytes), room.take(c.bytes)))
             .collect();
-        for &(p, snap, n) in &results {
-            b.copy(snap, p, n, s)?;
-        }
-        let moved: Vec<DevPtr> = cands.iter().map(|c| next(c.bytes)).collect();
-        for (c, &other) in cands.iter().zip(&moved) {
-            b.copy(other, c.ptr, c.bytes, s)?;
-            self.fill(c.ptr, c.bytes, c.dtype, 1)?;
-        }
-        // Updates take effect for later launches only: the copying run
-        // already enqueued reads the static buffers.
-        let rebound = cands
-            .iter_mut()
-            .zip(&moved)
-            .try_for_each(|(c, &other)| c.rebinding.bind(other))
-            .and_then(|()| self.run(graphs));
-        let compared = rebound.and_then(|()| {
+        let experiment = |cands: &mut [&mut Candidate]| -> Result<()> {
+            for (c, &(orig, _)) in cands.iter().zip(&copies) {
+                b.copy(orig, c.ptr, c.bytes, s)?;
+            }
+            self.run(inst, graphs)?;
+            for (&(p, n), &snap) in self.results.iter().zip(&snaps) {
+                b.copy(snap, p, n, s)?;
+            }
+            for (c, &(orig, moved)) in cands.iter().zip(&copies) {
+                b.copy(moved, orig, c.bytes, s)?;
+                self.fill(c.ptr, c.bytes, c.dtype, 1)?;
+            }
+            // Updates take effect for later launches only: the copying run
+            // already enqueued reads the static buffers.
+            for (c, &(_, moved)) in cands.iter_mut().zip(&copies) {
+                c.rebinding.bind(moved)?;
+            }
+            self.run(inst, graphs)?;
             b.zero(self.ws.flag(), 4, s)?;
-            results
-                .iter()
-                .try_for_each(|&(p, snap, n)| b.differ(p, snap, n, self.ws.flag(), s))
-        });
-        // Whatever happened, the graphs point back at the static buffers,
-        // which get their data back.
+            for (&(p, n), &snap) in self.results.iter().zip(&snaps) {
+                b.differ(p, snap, n, self.ws.flag(), s)?;
+            }
+            // A graph that writes what it is fed would write the caller's
+            // data once rebound.
+            for (c, &(orig, moved)) in cands.iter().zip(&copies) {
+                b.differ(moved, orig, c.bytes, self.ws.flag(), s)?;
+            }
+            Ok(())
+        };
+        let ran = experiment(cands);
+        // Back to the static buffers and their data, on every path.
         let mut restored = Ok(());
-        for (c, &other) in cands.iter_mut().zip(&moved) {
+        for (c, &(orig, _)) in cands.iter_mut().zip(&copies) {
             let r = c
                 .rebinding
                 .bind(c.ptr)
-                .and_then(|()| b.copy(c.ptr, other, c.bytes, s));
+                .and_then(|()| b.copy(c.ptr, orig, c.bytes, s));
             restored = restored.and(r);
         }
-        compared?;
+        let synced = b.synchronize(s);
+        ran?;
         restored?;
-        b.synchronize(s)?;
+        synced?;
         let mut flag = [0u8; 4];
         b.download(&mut flag, self.ws.flag())?;
         Ok(u32::from_ne_bytes(flag) == 0)
@@ -312,7 +361,12 @@ pub(crate) fn resolve(
     Ok(kept)
 }
 
-/// The feeds of the tensors of `inst` in `wanted`.
+const MOVED: &str = "a rebound replay at capture gave other results than a copying one, or wrote \
+                     the data it was fed: some kernel reads the buffer through memory, writes it in \
+                     place, or is not deterministic";
+
+/// The feeds of the tensors of `inst` in `wanted` (tensors read in place
+/// keep theirs, with a message).
 fn decide(
     s: &Inputs,
     inst: &Placed,
@@ -334,46 +388,92 @@ fn decide(
         match p {
             Planned::Candidate(c) => cands.push(c),
             Planned::Refused(role, i, why) => out.push((role, i, Feed::Refused(why))),
+            Planned::InPlace(role, i) => log_in_place(s, inst, role, i),
         }
     }
     if cands.is_empty() {
         return Ok(out);
     }
-    times.time(Span::RebindVerify, |_| {
-        let need = room(inst, cands.iter().map(|c| c.bytes));
+    let results = results(inst, graphs);
+    let kept = times.time(Span::RebindVerify, |_| -> Result<Result<Vec<bool>, String>> {
+        let need = room(&results, cands.iter().map(|c| c.bytes))?;
         if !ws.as_ref().is_some_and(|w| w.room_bytes() >= need) {
             *ws = None;
-            *ws = Some(Workspace::new(s.backend, need)?);
+            match Workspace::new(s.backend, need) {
+                Ok(w) => *ws = Some(w),
+                Err(e) => {
+                    return Ok(Err(format!(
+                        "verifying it needs {need} bytes of device memory, which could not be had: {e}"
+                    )))
+                }
+            }
         }
         let Some(ws) = ws.as_ref() else {
-            return Ok(());
+            return Err(Error::Internal("no verification workspace".into()));
         };
         let v = Verifier {
             backend: s.backend.as_ref(),
             stream,
             ws,
+            results: &results,
         };
-        let together = v.same(inst, graphs, &mut cands.iter_mut().collect::<Vec<_>>())?;
-        for mut c in cands.drain(..) {
-            // Together they agree; else each alone says which differs.
-            let alone = together || v.same(inst, graphs, &mut [&mut c])?;
-            out.push(if alone {
-                (c.role, c.index, Feed::Rebound(c.rebinding))
-            } else {
-                (
-                    c.role,
-                    c.index,
-                    Feed::Refused(
-                        "a rebound replay at capture gave other results than a copying one: some \
-                         kernel reads the buffer through memory (or is not deterministic)"
-                            .into(),
-                    ),
-                )
-            });
-        }
-        Ok(())
+        verify(&v, inst, graphs, &mut cands).map(Ok)
     })?;
+    for (i, c) in cands.into_iter().enumerate() {
+        let feed = match &kept {
+            Ok(k) if k[i] => Feed::Rebound(c.rebinding),
+            Ok(_) => Feed::Refused(MOVED.into()),
+            Err(why) => Feed::Refused(why.clone()),
+        };
+        out.push((c.role, c.index, feed));
+    }
     Ok(out)
+}
+
+/// Which candidates to keep: all when they agree together; else each is
+/// tried alone, and those that agree alone are tried together again (what
+/// replays bind together must agree together), all refused when they do not.
+fn verify(
+    v: &Verifier,
+    inst: &Placed,
+    graphs: &PassGraphs,
+    cands: &mut [Candidate],
+) -> Result<Vec<bool>> {
+    let mut all: Vec<&mut Candidate> = cands.iter_mut().collect();
+    if v.same(inst, graphs, &mut all)? {
+        return Ok(vec![true; cands.len()]);
+    }
+    if cands.len() == 1 {
+        return Ok(vec![false]);
+    }
+    let mut keep = Vec::with_capacity(cands.len());
+    for c in cands.iter_mut() {
+        keep.push(v.same(inst, graphs, &mut [c])?);
+    }
+    let n = keep.iter().filter(|&&k| k).count();
+    if n >= 2 && n < cands.len() {
+        let mut kept: Vec<&mut Candidate> = cands
+            .iter_mut()
+            .zip(&keep)
+            .filter(|(_, &k)| k)
+            .map(|(c, _)| c)
+            .collect();
+        if !v.same(inst, graphs, &mut kept)? {
+            keep.iter_mut().for_each(|k| *k = false);
+        }
+    }
+    Ok(keep)
+}
+
+fn log_in_place(s: &Inputs, inst: &Placed, role: Role, index: usize) {
+    let (name, mb) = (&s.callables[inst.callable].name, inst.microbatch);
+    let what = inst.tensors(role)[index].describe();
+    s.log(LogLevel::Info, || {
+        format!(
+            "{what} of callable '{name}' (microbatch {mb}) is another callable's buffer, used in place: \
+             it is never copied, so rebinding does not apply"
+        )
+    });
 }
 
 fn log(s: &Inputs, inst: &Placed, role: Role, index: usize, feed: &Feed) {
@@ -410,6 +510,8 @@ mod tests {
         src: Arc<AtomicU64>,
         dst: DevPtr,
         honest: bool,
+        /// Zeroes its input after reading it (an in-place writer).
+        writes_input: bool,
         launches: Arc<AtomicUsize>,
     }
 
@@ -433,8 +535,12 @@ mod tests {
     impl Graph for CopyGraph {
         fn launch(&self, stream: StreamRef) -> Result<()> {
             self.launches.fetch_add(1, Relaxed);
-            self.backend
-                .copy(self.dst, self.src.load(Relaxed), BYTES, stream)
+            let src = self.src.load(Relaxed);
+            self.backend.copy(self.dst, src, BYTES, stream)?;
+            if self.writes_input {
+                self.backend.zero(src, BYTES, stream)?;
+            }
+            Ok(())
         }
         fn rebinder(&self, base: DevPtr, _bytes: usize) -> Result<RebindPlan> {
             if base != self.src.load(Relaxed) {
@@ -452,6 +558,7 @@ mod tests {
     fn setup(
         f: &Fixture,
         honest: &[bool],
+        writes_input: bool,
     ) -> (Vec<Placed>, Vec<PassGraphs>, Arc<AtomicUsize>, DeviceMemory) {
         let statics = DeviceMemory::new(&f.backend, f.static_bytes()).unwrap();
         let placed = f.placed(statics.ptr());
@@ -467,6 +574,7 @@ mod tests {
                     src: Arc::new(AtomicU64::new(inst.inputs[0].ptr)),
                     dst: inst.outputs[0].ptr,
                     honest,
+                    writes_input,
                     launches: launches.clone(),
                 }) as Box<dyn Graph>);
                 g
@@ -475,18 +583,22 @@ mod tests {
         (placed, graphs, launches, statics)
     }
 
-    fn resolved(f: &Fixture, honest: &[bool]) -> (Vec<Placed>, usize) {
-        let (mut placed, mut graphs, launches, _statics) = setup(f, honest);
+    /// The placed instances after `resolve`, the launches it made, and
+    /// their static memory (kept alive for the caller to read).
+    fn resolved(f: &Fixture, honest: &[bool]) -> (Vec<Placed>, usize, DeviceMemory) {
+        resolved_with(f, honest, false)
+    }
+
+    fn resolved_with(
+        f: &Fixture,
+        honest: &[bool],
+        writes_input: bool,
+    ) -> (Vec<Placed>, usize, DeviceMemory) {
+        let (mut placed, mut graphs, launches, statics) = setup(f, honest, writes_input);
         let mut times = CaptureTimes::default();
-        resolve(
-            &f.inputs(),
-            &mut placed,
-            &mut graphs,
-            StreamRef(0),
-            &mut times,
-        )
-        .unwrap();
-        (placed, launches.load(Relaxed))
+        let s = f.inputs();
+        resolve(&s, &mut placed, &mut graphs, StreamRef(0), &mut times).unwrap();
+        (placed, launches.load(Relaxed), statics)
     }
 
     #[test]
@@ -495,15 +607,15 @@ mod tests {
         for c in &mut f.callables {
             c.inputs[0].rebind = true;
         }
-        let (placed, launches) = resolved(&f, &[true, false]);
+        let (placed, launches, _statics) = resolved(&f, &[true, false]);
         assert!(placed[0].inputs[0].feed.is_rebound());
         let Feed::Refused(why) = &placed[1].inputs[0].feed else {
             panic!("the sneaky graph reads the static buffer")
         };
         assert!(why.contains("other results"), "{why}");
-        // The honest instance: one copying and one rebound replay of its
-        // one graph. The sneaky one: the same together, then again alone.
-        assert_eq!(launches, 2 + 4);
+        // One copying and one rebound replay of each instance's graph: with
+        // one tensor, "together" is "alone".
+        assert_eq!(launches, 2 + 2);
         // The graphs point back at the static buffers, which hold their data.
         let mut back = [0u8; BYTES];
         f.backend
@@ -518,7 +630,7 @@ mod tests {
         f.callables[0].inputs[0].rebind = true;
         // Its grad-output is read by no graph here: refused before any replay.
         f.callables[0].outputs[0].rebind = true;
-        let (placed, launches) = resolved(&f, &[true]);
+        let (placed, launches, _statics) = resolved(&f, &[true]);
         assert!(placed[0].inputs[0].feed.is_rebound());
         let Feed::Refused(why) = &placed[0].grad_outputs[0].feed else {
             panic!("no graph reads the grad-output")
@@ -536,14 +648,34 @@ mod tests {
         f.callables[0].outputs[0].rebind = true;
         f.callables[2].inputs[0].chained = Some((1, 0));
         f.callables[2].inputs[0].rebind = true;
-        let (placed, launches) = resolved(&f, &[true, true, true]);
+        let (placed, launches, _statics) = resolved(&f, &[true, true, true]);
         let why = |feed: &Feed| match feed {
             Feed::Refused(w) => w.clone(),
             _ => panic!("refused"),
         };
         assert!(why(&placed[0].inputs[0].feed).contains("floating-point"));
         assert!(why(&placed[0].grad_outputs[0].feed).contains("no static buffer"));
-        assert!(why(&placed[2].inputs[0].feed).contains("read in place"));
+        assert!(
+            matches!(placed[2].inputs[0].feed, Feed::Chained),
+            "a chained input keeps its feed (and its replay checks)"
+        );
         assert_eq!(launches, 0, "nothing was verified");
+    }
+
+    #[test]
+    fn a_graph_that_writes_what_it_is_fed_is_not_rebound() {
+        let mut f = host_inputs(&[("in_place", 1, false)]);
+        f.callables[0].inputs[0].rebind = true;
+        let (placed, _, _statics) = resolved_with(&f, &[true], true);
+        let Feed::Refused(why) = &placed[0].inputs[0].feed else {
+            panic!("rebound, the graph would zero the caller's input")
+        };
+        assert!(why.contains("wrote the data it was fed"), "{why}");
+        // The static input holds what it held before verification.
+        let mut back = [0u8; BYTES];
+        f.backend
+            .download(&mut back, placed[0].inputs[0].ptr)
+            .unwrap();
+        assert_eq!(back, [3u8; BYTES]);
     }
 }

@@ -9,10 +9,11 @@ use crate::core::layout::Role;
 use crate::core::returns::ParamReturn;
 use crate::error::Result;
 
-/// Addresses a rebound tensor may take: the static buffers' alignment,
-/// which kernels (vector loads, tensor-memory descriptors) may rely on.
-/// Data elsewhere is copied into the static buffer.
-pub const REBIND_ALIGN: u64 = 256;
+/// Addresses a rebound tensor may take: the static buffers' alignment
+/// (`core::ALIGN`), which kernels (vector loads, tensor-memory
+/// descriptors) may rely on. Data elsewhere is copied into the static
+/// buffer.
+pub const REBIND_ALIGN: u64 = crate::core::ALIGN as u64;
 
 /// What a replay hands back for a tensor: for parameter grads their frozen
 /// policy's return; outputs and input grads are aliases of their buffer;

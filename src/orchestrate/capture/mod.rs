@@ -29,7 +29,7 @@ use super::spec::{HookPoint, LogLevel, MemCounters, Phase};
 use super::{leases, place};
 use crate::backend::{DeviceMemory, Event, Stream, StreamRef};
 use crate::core::lease::Leases;
-use crate::core::policy::GradPolicy;
+use crate::core::policy::{resolve_why, Decided, GradPolicy};
 use crate::core::schedule::Schedule;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
@@ -115,7 +115,14 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     // 4. Verify the rebinds.
     times.templates_kept =
         rebind::resolve(s, &mut placed, &mut recorded.graphs, side.raw(), &mut times)?;
-    warn_aliases(s, &placed);
+    // Steps take no data: nothing rebinds their graphs.
+    for st in &mut recorded.steps {
+        let slots = st.slots.iter_mut();
+        for g in st.graph.iter_mut().chain(slots) {
+            g.release_template();
+        }
+    }
+    warn_aliases(s);
 
     // 5. Build the captured state whole.
     let resources = Resources {
@@ -327,26 +334,14 @@ fn measured_arena(s: &Inputs, scratch: &Scratch, stream: StreamRef) -> Result<Op
 
 /// Warns when parameter grads return aliases because the session opted
 /// out of clones.
-fn warn_aliases(s: &Inputs, placed: &[Placed]) {
-    if s.opts.clone_param_grads_on_return {
-        return;
-    }
-    let aliased: usize = placed
+fn warn_aliases(s: &Inputs) {
+    let clone = s.opts.clone_param_grads_on_return;
+    let aliased = s
+        .callables
         .iter()
-        .map(|i| {
-            let spec = &s.callables[i.callable];
-            i.returns
-                .policies
-                .iter()
-                .zip(&spec.params)
-                .filter(|(pol, p)| {
-                    **pol == Some(GradPolicy::Alias)
-                        && p.policy == GradPolicy::Default
-                        && !p.delayed_wgrad()
-                })
-                .count()
-        })
-        .sum();
+        .flat_map(|c| &c.params)
+        .filter(|p| resolve_why(clone, p) == Some((GradPolicy::Alias, Decided::Session)))
+        .count();
     if aliased > 0 {
         s.log(LogLevel::Warn, || {
             format!(

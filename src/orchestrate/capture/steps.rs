@@ -11,7 +11,6 @@ use super::super::instance::{PassRef, Placed};
 use super::super::spec::{LogLevel, Phase};
 use super::run::{Call, Runner, ViewBuffers};
 use crate::backend::{DevPtr, Graph};
-use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
 
 /// Checks step `si`'s destinations (the parameters of `instances`, named
@@ -25,22 +24,11 @@ fn check_destinations(
     let mut at = 0;
     for (inst, name) in instances.iter().zip(names) {
         for (j, t) in inst.param_grads.iter().enumerate() {
-            let (k, d) = (at + j, dsts[at + j]);
-            if t.ret.needs_destination() && d == 0 {
+            if let Some(problem) = t.ret.destination_problem(dsts[at + j]) {
                 return Err(Error::invalid(format!(
-                    "step {si}: param_dsts[{k}] (param {j} of callable '{name}') is NULL, but its grad \
-                     policy ({}) needs a destination",
-                    inst.returns.policies[j].map_or("?", |p| p.name())
+                    "step {si}: param_dsts[{}] (param {j} of callable '{name}') {problem}",
+                    at + j
                 )));
-            }
-            if let ParamReturn::AccumulateInto { dtype } = t.ret {
-                if d % dtype.size() as DevPtr != 0 {
-                    return Err(Error::invalid(format!(
-                        "step {si}: param_dsts[{k}] (param {j} of callable '{name}') is not aligned to its \
-                         {} element size",
-                        dtype.name()
-                    )));
-                }
             }
         }
         at += inst.param_grads.len();

@@ -6,7 +6,6 @@
 use super::super::instance::Placed;
 use super::super::tensor::{Feed, Tensor};
 use crate::backend::{Backend, DevPtr, StreamRef};
-use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
 
 /// Checks the data fed to `tensors` (the inputs or the grad-outputs of
@@ -46,9 +45,7 @@ pub(super) fn data(
 }
 
 /// Checks the destinations of COPY_INTO / ACCUMULATE_INTO slots: one per
-/// parameter, non-NULL where needed, and ACCUMULATE_INTO destinations
-/// aligned to their element size (the kernels read and write whole
-/// elements).
+/// parameter, each able to take its grad (`ParamReturn::destination_problem`).
 pub(super) fn destinations(dsts: Option<&[DevPtr]>, inst: &Placed, name: &str) -> Result<()> {
     let grads = &inst.param_grads;
     let n = grads.len();
@@ -67,21 +64,10 @@ pub(super) fn destinations(dsts: Option<&[DevPtr]>, inst: &Placed, name: &str) -
         )));
     }
     for (i, (t, &dst)) in grads.iter().zip(d).enumerate() {
-        if t.ret.needs_destination() && dst == 0 {
+        if let Some(problem) = t.ret.destination_problem(dst) {
             return Err(Error::invalid(format!(
-                "param_dsts[{i}] of callable '{name}' is NULL, but that parameter's grad policy ({}) needs a destination",
-                inst.returns.policies[i].map_or("?", |p| p.name())
+                "param_dsts[{i}] of callable '{name}' {problem}"
             )));
-        }
-        if let ParamReturn::AccumulateInto { dtype } = t.ret {
-            if dst % dtype.size() as DevPtr != 0 {
-                return Err(Error::invalid(format!(
-                    "param_dsts[{i}] of callable '{name}' (0x{dst:x}) is not aligned to its {} element size ({} \
-                     bytes): ACCUMULATE_INTO destinations must be element-aligned",
-                    dtype.name(),
-                    dtype.size()
-                )));
-            }
         }
     }
     Ok(())
