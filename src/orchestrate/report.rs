@@ -103,14 +103,14 @@ impl Session {
     /// (`Role::GradOutput`) of an instance is rebound at replay (false:
     /// copied, because it was not asked for or capture refused it).
     pub fn rebound(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<bool>> {
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
         if !matches!(role, Role::Input | Role::GradOutput) {
             return Err(Error::invalid(format!(
                 "only inputs and grad-outputs are rebound; role is {}",
                 role.name()
             )));
         }
-        let cap = self.captured()?;
-        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
         Ok(inst
             .tensors(role)
             .iter()

@@ -73,6 +73,7 @@ pub fn check_stats(k: usize, got: &graphed_session_stats) {
     } else {
         assert_eq!(got.leases_held, 0);
     }
+    assert_eq!(got.teardown_errors, 0, "stats.teardown_errors");
     if s.st != St::Captured {
         // Nothing of a failed capture, or of a reset one, stays behind.
         assert_eq!((got.graph_count, got.instances), (0, 0));
@@ -336,6 +337,46 @@ pub fn op_misc() {
     post(r, "graphed_device_count");
     if r != S::Ok {
         assert_eq!(n, 0xff);
+    }
+    teardown_errors(code);
+}
+
+/// The process's teardown errors, asked in the way `variant` picks (no
+/// input bytes of its own): nothing the fuzzed calls do may fail while it
+/// is released, so the count stays 0 and the text empty.
+fn teardown_errors(variant: u32) {
+    let (null_count, null_len, capacity) = match variant {
+        3 => (false, false, None),
+        19 => (true, false, Some(16)),
+        20 => (false, true, Some(16)),
+        1000 => (false, false, Some(1)),
+        u32::MAX => (false, false, Some(0)),
+        _ => (false, false, Some(64)),
+    };
+    let (mut count, mut len) = (0x77u64, 0x77usize);
+    let mut buf = [0x55 as c_char; 64];
+    mark();
+    // SAFETY: NULL or locals; the buffer has 64 bytes, at least `capacity`.
+    let r = unsafe {
+        graphed_teardown_errors(
+            if null_count { null_mut() } else { &mut count },
+            capacity.map_or(null_mut(), |_| buf.as_mut_ptr()),
+            capacity.unwrap_or(0),
+            if null_len { null_mut() } else { &mut len },
+        )
+    };
+    post(r, "graphed_teardown_errors");
+    if null_count || null_len {
+        assert_eq!(r, S::NullPointer);
+        assert_eq!((count, len), (0x77, 0x77), "teardown errors written on failure");
+        assert!(buf.iter().all(|&b| b == 0x55));
+        return;
+    }
+    assert_eq!(r, S::Ok);
+    assert_eq!((count, len), (0, 0), "a teardown error in a fuzzed sequence");
+    match capacity {
+        Some(c) if c > 0 => assert_eq!(buf[0], 0, "the empty text is NUL-terminated"),
+        _ => assert!(buf.iter().all(|&b| b == 0x55), "nothing written without room"),
     }
 }
 
