@@ -196,7 +196,8 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
     }
     if hit {
         Err(Error::IllegalUnderCapture(
-            "synchronizing is not allowed while a stream is capturing; the capture is invalidated".into(),
+            "synchronizing is not allowed while a stream is capturing; the capture is invalidated"
+                .into(),
         ))
     } else {
         Ok(())
