@@ -241,6 +241,10 @@ pub fn op_query() {
                 want = Some(S::InvalidArgument);
             }
             want = want.or(t.lock());
+            // A role that is never rebound is refused before the state.
+            if want.is_none() && !matches!(role, 0 | 2) {
+                want = Some(S::InvalidArgument);
+            }
             if want.is_none() {
                 let (st, cls, mb) = model.clone().unwrap();
                 want = state_err(st);
