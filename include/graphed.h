@@ -1183,6 +1183,23 @@ typedef struct graphed_pass_ref {
 } graphed_pass_ref;
 
 /**
+ * One buffer a schedule lets go of (graphed_schedule_releases).
+ */
+typedef struct graphed_release {
+  /**
+   * The position, in graphed_schedule_passes's order, of the pass after
+   * which the buffer is no longer needed.
+   */
+  uint32_t after;
+  uint32_t callable;
+  uint32_t microbatch;
+  /**
+   * A graphed_buffer_role value: OUTPUT, GRAD_INPUT or PARAM_GRADS.
+   */
+  uint32_t role;
+} graphed_release;
+
+/**
  * A host task: `fn(user_data)`.
  */
 typedef void (*graphed_host_task_fn)(void *user_data);
@@ -1633,14 +1650,15 @@ graphed_status graphed_schedule_from_te_order(const double *order,
 
 /**
  * The passes a session runs, in warmup and capture order, for
- * `num_callables` callables of which `has_wgrad` (NULL: none; else one 0/1
- * per callable) have a weight-grad callback: with `steps` (NULL and 0: no
- * schedule) the schedule's expansion, else every forward in registration
- * order, then every backward in reverse, each weight-grad after its
- * backward. Writes min(count, capacity) passes to `passes` (NULL: none,
- * and `capacity` is not read) and the count to `*count_out`. A capacity
- * whose bytes (capacity * pass_size) overflow is INVALID_ARGUMENT, as
- * every array length.
+ * `num_callables` callables of which `has_wgrad` (one 0/1 per callable)
+ * have a weight-grad callback; NULL: as the schedule says (the callables
+ * of chunks with weight-grad steps; none without a schedule). With
+ * `steps` (NULL and 0: no schedule) the schedule's expansion, else every
+ * forward in registration order, then every backward in reverse, each
+ * weight-grad after its backward. Writes min(count, capacity) passes to
+ * `passes` (NULL: none, and `capacity` is not read) and the count to
+ * `*count_out`. A capacity whose bytes (capacity * pass_size) overflow is
+ * INVALID_ARGUMENT, as every array length.
  *
  * # Safety
  * The arrays must hold the counts stated; `passes` must have room for
@@ -1657,6 +1675,41 @@ graphed_status graphed_schedule_passes(const struct graphed_schedule_step *steps
                                        size_t capacity,
                                        size_t pass_size,
                                        size_t *count_out);
+
+/**
+ * With buffer reuse: after which pass of the order graphed_schedule_passes
+ * gives (the same arguments) each output, input grad and parameter grad
+ * of every (callable, microbatch) is no longer needed, so that memory a
+ * caller handed over for it (GRAPHED_TENSOR_FLAGS_EXTERNAL,
+ * GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD) may hold other buffers of the passes
+ * captured after that one, as graphed's own static buffers do. Outputs go
+ * after their backward; input grads once the layer before them in the
+ * chunk took them, a chunk's first layer's once the next backward step
+ * has run and the previous chunk's backward of the same microbatch took
+ * it (the last backward step's are kept); parameter grads after the pass
+ * that writes them (the backward, or the weight-grad pass), those a
+ * replay copies out only: an ALIAS grad is the buffer itself and is kept.
+ * Writes min(count, capacity) releases, ordered by `after`, then
+ * callable, microbatch and role, to `releases` (NULL: none, and
+ * `capacity` is not read) and the count to `*count_out`. A capacity whose
+ * bytes (capacity * release_size) overflow is INVALID_ARGUMENT, as every
+ * array length.
+ *
+ * # Safety
+ * The arrays must hold the counts stated; `releases` must have room for
+ * `capacity` elements of `release_size` bytes.
+ */
+graphed_status graphed_schedule_releases(const struct graphed_schedule_step *steps,
+                                         size_t num_steps,
+                                         size_t step_size,
+                                         const uint32_t *layers_per_chunk,
+                                         size_t num_layers_per_chunk,
+                                         const uint32_t *has_wgrad,
+                                         uint32_t num_callables,
+                                         struct graphed_release *releases,
+                                         size_t capacity,
+                                         size_t release_size,
+                                         size_t *count_out);
 
 /**
  * The shape of a schedule for `num_callables` callables: its chunks and
