@@ -1324,6 +1324,16 @@ graphed_status graphed_session_set_param_flags(struct graphed_session *session,
                                                uint32_t flags);
 
 /**
+ * Writes the size in bytes of one element of `dtype` (a graphed_dtype
+ * value) to `*size_out`: what a descriptor's `bytes` counts per element.
+ * An unknown code is GRAPHED_STATUS_INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `size_out` must be NULL or writable.
+ */
+graphed_status graphed_dtype_size(uint32_t dtype, size_t *size_out);
+
+/**
  * Attaches a message to the failure of the running callback (or hook) on
  * this thread: call it just before returning non-zero, and the capture
  * error carries the message after the code (C++: an exception's what()).
@@ -1457,6 +1467,18 @@ graphed_status graphed_session_add_step(struct graphed_session *session,
                                         uint32_t *step_out);
 
 /**
+ * Writes the number of refs a replay of `step` writes to `*count_out`:
+ * one per parameter of the step's callables (graphed_step_replay's
+ * `num_param_grads`). An unknown step is GRAPHED_STATUS_INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `count_out` must be NULL or writable.
+ */
+graphed_status graphed_step_param_count(struct graphed_session *session,
+                                        uint32_t step,
+                                        size_t *count_out);
+
+/**
  * Step replay arguments for step 0 on the default stream.
  */
 struct graphed_step_args graphed_step_args_default(void);
@@ -1551,6 +1573,21 @@ graphed_status graphed_session_buffers(struct graphed_session *session,
                                        uint32_t role,
                                        void **ptrs,
                                        size_t count);
+
+/**
+ * Writes the number of static buffers of one role (a graphed_buffer_role
+ * value) of (callable, microbatch) of a captured session to
+ * `*count_out`: the `count` graphed_session_buffers and
+ * graphed_session_rebound take for that role.
+ *
+ * # Safety
+ * `count_out` must be NULL or writable.
+ */
+graphed_status graphed_session_buffer_count(struct graphed_session *session,
+                                            uint32_t callable,
+                                            uint32_t microbatch,
+                                            uint32_t role,
+                                            size_t *count_out);
 
 /**
  * Writes the frozen graphed_grad_policy of each parameter of a captured

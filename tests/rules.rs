@@ -1,9 +1,12 @@
 //! The library's answers to what callers would otherwise work out for
-//! themselves, through the C ABI on the host backend: which callables of a
-//! schedule get a weight-grad pass, and what each pass of a schedule lets
-//! go of with buffer reuse.
+//! themselves, through the C ABI on the host backend: the element size of
+//! each dtype, which callables of a schedule get a weight-grad pass, what
+//! each pass of a schedule lets go of with buffer reuse, how many buffers
+//! a role has and how many refs a step returns, and the refusal to rebind
+//! data that is not floating point.
 
 use graphed::ffi::*;
+use std::ffi::{c_char, c_void};
 use std::ptr::{null, null_mut};
 
 use graphed_status as S;
@@ -41,6 +44,41 @@ fn te_steps() -> Vec<graphed_schedule_step> {
     .iter()
     .map(|&(p, c)| step(p, c))
     .collect()
+}
+
+#[test]
+fn every_dtype_has_its_element_size_and_unknown_codes_are_refused() {
+    use graphed_dtype as D;
+    for (d, size) in [
+        (D::F32, 4),
+        (D::F16, 2),
+        (D::Bf16, 2),
+        (D::F64, 8),
+        (D::I8, 1),
+        (D::U8, 1),
+        (D::I32, 4),
+        (D::I64, 8),
+        (D::Bool, 1),
+    ] {
+        let mut n = 0usize;
+        // SAFETY: a local.
+        ok(unsafe { graphed_dtype_size(d as u32, &mut n) });
+        assert_eq!(n, size, "{d:?}");
+    }
+    for code in [9u32, 99, u32::MAX] {
+        let mut n = 77usize;
+        // SAFETY: a local.
+        let st = unsafe { graphed_dtype_size(code, &mut n) };
+        assert_eq!(st, S::InvalidArgument);
+        assert!(
+            msg().starts_with("graphed_dtype_size: ") && msg().contains("dtype"),
+            "{}",
+            msg()
+        );
+        assert_eq!(n, 77, "written on failure");
+    }
+    // SAFETY: NULL is refused.
+    assert_eq!(unsafe { graphed_dtype_size(0, null_mut()) }, S::NullPointer);
 }
 
 /// Calls graphed_schedule_passes with `has_wgrad` (None: NULL); returns
@@ -336,4 +374,202 @@ fn releases_refuse_what_passes_refuses_and_bad_arrays() {
         )
     };
     assert_eq!(st, S::NullPointer);
+}
+
+unsafe extern "C" fn noop(_: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    0
+}
+
+fn host() -> graphed_session_config {
+    let mut c = graphed_session_config_default();
+    c.backend = graphed_backend::Host as u32;
+    c.warmup_iterations = 1;
+    c
+}
+
+/// Registers a callable of `inputs` 16-byte inputs (of `dtype`, with
+/// `flags`), `outputs` outputs and `params` parameters, every one taking
+/// a grad.
+fn add(s: *mut graphed_session, inputs: &[(u32, u32)], outputs: usize, params: usize) {
+    let ins: Vec<graphed_tensor_desc> = inputs
+        .iter()
+        .map(|&(dtype, flags)| graphed_tensor_desc {
+            bytes: 16,
+            dtype,
+            flags,
+            requires_grad: 1,
+            ..graphed_tensor_desc_default()
+        })
+        .collect();
+    let outs: Vec<graphed_tensor_desc> = (0..outputs)
+        .map(|_| graphed_tensor_desc {
+            bytes: 16,
+            requires_grad: 1,
+            ..graphed_tensor_desc_default()
+        })
+        .collect();
+    let ps: Vec<graphed_param_desc> = (0..params)
+        .map(|_| graphed_param_desc {
+            data: Box::leak(Box::new([0f32; 4])).as_mut_ptr().cast(),
+            bytes: 16,
+            requires_grad: 1,
+            ..graphed_param_desc_default()
+        })
+        .collect();
+    let mut d = graphed_callable_desc_default();
+    d.num_inputs = ins.len();
+    d.inputs = ins.as_ptr();
+    d.num_outputs = outs.len();
+    d.outputs = outs.as_ptr();
+    d.num_params = ps.len();
+    d.params = ps.as_ptr();
+    d.forward = Some(noop);
+    d.backward = Some(noop);
+    let mut idx = 0;
+    // SAFETY: the arrays hold the stated counts.
+    ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
+}
+
+fn create() -> *mut graphed_session {
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&host(), &mut s) });
+    s
+}
+
+fn buffer_count(s: *mut graphed_session, callable: u32, role: u32) -> (graphed_status, usize) {
+    let mut n = 0x77;
+    // SAFETY: a local.
+    let st = unsafe { graphed_session_buffer_count(s, callable, 0, role, &mut n) };
+    (st, n)
+}
+
+#[test]
+fn each_role_has_as_many_buffers_as_graphed_session_buffers_takes() {
+    let s = create();
+    let f32 = graphed_dtype::F32 as u32;
+    add(s, &[(f32, 0), (f32, 0), (f32, 0)], 2, 1);
+    // Only a captured session has buffers.
+    assert_eq!(buffer_count(s, 0, OUTPUT), (S::WrongState, 0x77));
+    ok(graphed_session_capture(s));
+    use graphed_buffer_role as R;
+    for (role, want) in [
+        (R::Input, 3),
+        (R::Output, 2),
+        (R::GradOutput, 2),
+        (R::GradInput, 3),
+        (R::ParamGrads, 1),
+    ] {
+        let (st, n) = buffer_count(s, 0, role as u32);
+        assert_eq!((st, n), (S::Ok, want), "{role:?}: {}", msg());
+        let mut ptrs = vec![null_mut::<c_void>(); n];
+        // SAFETY: room for n pointers.
+        ok(unsafe { graphed_session_buffers(s, 0, 0, role as u32, ptrs.as_mut_ptr(), n) });
+    }
+    assert_eq!(buffer_count(s, 0, 5), (S::InvalidArgument, 0x77));
+    assert_eq!(buffer_count(s, 1, OUTPUT), (S::InvalidArgument, 0x77));
+    let mut n = 0x77;
+    // SAFETY: microbatch 1 does not exist; refused.
+    let st = unsafe { graphed_session_buffer_count(s, 0, 1, OUTPUT, &mut n) };
+    assert_eq!((st, n), (S::InvalidArgument, 0x77));
+    // SAFETY: the NULL is refused.
+    let st = unsafe { graphed_session_buffer_count(s, 0, 0, OUTPUT, null_mut()) };
+    assert_eq!(st, S::NullPointer);
+    ok(graphed_session_destroy(s));
+}
+
+#[test]
+fn a_step_says_how_many_refs_its_replay_returns() {
+    let s = create();
+    let f32 = graphed_dtype::F32 as u32;
+    add(s, &[(f32, 0)], 1, 2);
+    add(s, &[(f32, 0)], 1, 3);
+    add(s, &[(f32, 0)], 1, 0);
+    let callables = [0u32, 2, 1];
+    let mut d = graphed_step_desc_default();
+    let mut index = 0;
+    for (k, list) in [&callables[..1], &[0, 1, 2]].into_iter().enumerate() {
+        d.callables = list.as_ptr();
+        d.num_callables = list.len();
+        // SAFETY: a valid descriptor and out pointer.
+        ok(unsafe { graphed_session_add_step(s, &d, &mut index) });
+        assert_eq!(index as usize, k);
+    }
+    for (step, want) in [(0, 2), (1, 5)] {
+        let mut n = 0;
+        // SAFETY: a local.
+        ok(unsafe { graphed_step_param_count(s, step, &mut n) });
+        assert_eq!(n, want, "step {step}");
+    }
+    let mut n = 0x77;
+    // SAFETY: a local; step 2 does not exist.
+    let st = unsafe { graphed_step_param_count(s, 2, &mut n) };
+    assert_eq!((st, n), (S::InvalidArgument, 0x77));
+    assert!(msg().contains("step 2 does not exist"), "{}", msg());
+    // SAFETY: the NULL is refused.
+    assert_eq!(
+        unsafe { graphed_step_param_count(s, 0, null_mut()) },
+        S::NullPointer
+    );
+    ok(graphed_session_destroy(s));
+}
+
+/// The plan dump as text.
+fn plan_dump(s: *mut graphed_session) -> String {
+    let mut len = 0;
+    // SAFETY: a NULL buffer asks for the length.
+    ok(unsafe { graphed_session_plan_dump(s, null_mut(), 0, &mut len) });
+    let mut buf = vec![0u8; len + 1];
+    // SAFETY: room for len + 1 bytes.
+    ok(unsafe {
+        graphed_session_plan_dump(s, buf.as_mut_ptr() as *mut c_char, buf.len(), &mut len)
+    });
+    String::from_utf8_lossy(&buf[..len]).into_owned()
+}
+
+/// Callers may ask for rebinding whatever the dtype: graphed refuses, with
+/// its reason, what it has not verified, including the bytes a caller
+/// sends as U8 for types graphed has no code for.
+#[test]
+fn rebinding_data_that_is_not_floating_point_is_refused_with_the_reason() {
+    let s = create();
+    let rebind = graphed_tensor_flags::Rebind as u32;
+    add(
+        s,
+        &[
+            (graphed_dtype::U8 as u32, rebind),
+            (graphed_dtype::I32 as u32, rebind),
+            (graphed_dtype::F32 as u32, rebind),
+        ],
+        1,
+        0,
+    );
+    ok(graphed_session_capture(s));
+    let mut on = [7u32; 3];
+    // SAFETY: room for three values.
+    ok(unsafe {
+        graphed_session_rebound(
+            s,
+            0,
+            0,
+            graphed_buffer_role::Input as u32,
+            on.as_mut_ptr(),
+            3,
+        )
+    });
+    assert_eq!(on, [0, 0, 0]);
+    let dump = plan_dump(s);
+    let line = |k: usize| {
+        dump.lines()
+            .filter(|l| l.contains("copied at replay"))
+            .nth(k)
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(line(0).contains("u8 tensors are copied"), "{dump}");
+    assert!(line(1).contains("i32 tensors are copied"), "{dump}");
+    // A floating-point input is not refused for its dtype (the host
+    // backend refuses it for its opaque tasks).
+    assert!(!line(2).contains("tensors are copied"), "{dump}");
+    ok(graphed_session_destroy(s));
 }

@@ -262,6 +262,32 @@ pub unsafe extern "C" fn graphed_session_buffers(
     })
 }
 
+/// Writes the number of static buffers of one role (a graphed_buffer_role
+/// value) of (callable, microbatch) of a captured session to
+/// `*count_out`: the `count` graphed_session_buffers and
+/// graphed_session_rebound take for that role.
+///
+/// # Safety
+/// `count_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_buffer_count(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    role: u32,
+    count_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_buffer_count", || {
+        let cell = self::session(session)?;
+        let out = arg_out(count_out, "count_out")?;
+        let role = graphed_buffer_role::decode(role, "role")?;
+        let n = cell.lock()?.buffers(callable, microbatch, role)?.len();
+        // SAFETY: checked non-NULL; written only on success.
+        unsafe { out.write(n) };
+        Ok(())
+    })
+}
+
 /// Writes the frozen graphed_grad_policy of each parameter of a captured
 /// callable to `policies` (`count` = its parameter count;
 /// GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).

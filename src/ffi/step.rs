@@ -96,6 +96,28 @@ pub unsafe extern "C" fn graphed_session_add_step(
     })
 }
 
+/// Writes the number of refs a replay of `step` writes to `*count_out`:
+/// one per parameter of the step's callables (graphed_step_replay's
+/// `num_param_grads`). An unknown step is GRAPHED_STATUS_INVALID_ARGUMENT.
+///
+/// # Safety
+/// `count_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_step_param_count(
+    session: *mut graphed_session,
+    step: u32,
+    count_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_step_param_count", || {
+        let s = self::session(session)?;
+        let out = arg_out(count_out, "count_out")?;
+        let n = s.lock()?.step_params(step)?;
+        // SAFETY: checked non-NULL; written only on success.
+        unsafe { out.write(n) };
+        Ok(())
+    })
+}
+
 /// Arguments of a step replay. Initialise with graphed_step_args_default().
 #[repr(C)]
 #[derive(Clone, Copy)]
