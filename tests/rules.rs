@@ -164,15 +164,18 @@ fn without_has_wgrad_the_schedule_says_which_callables_have_a_weight_grad_pass()
     );
 }
 
+/// A release as (after, callable, microbatch, role).
+type Rel = (u32, u32, u32, u32);
+
 /// Calls graphed_schedule_releases; the status, the count and the
-/// releases as (after, callable, microbatch, role).
+/// releases.
 fn releases(
     steps: &[graphed_schedule_step],
     layers: &[u32],
     n: u32,
     capacity: usize,
     size: usize,
-) -> (graphed_status, usize, Vec<(u32, u32, u32, u32)>) {
+) -> (graphed_status, usize, Vec<Rel>) {
     let mut out = vec![
         graphed_release {
             after: 7,
@@ -274,7 +277,7 @@ fn releases_follow_transformer_engines_reuse_rules() {
             &mut n,
         )
     });
-    let firsts: Vec<(u32, u32, u32, u32)> = wide.iter().map(|w| (w[0], w[1], w[2], w[3])).collect();
+    let firsts: Vec<Rel> = wide.iter().map(|w| (w[0], w[1], w[2], w[3])).collect();
     assert_eq!(firsts, all);
 }
 
