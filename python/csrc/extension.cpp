@@ -306,7 +306,8 @@ PYBIND11_MODULE(_torch_ext, m) {
             }
             return v;
         },
-        "With buffer reuse: what each captured pass lets go of: (callable, microbatch, graphed_buffer_role).");
+        "With buffer reuse: what each captured pass lets go of, as graphed says (graphed_schedule_releases): "
+        "(callable, microbatch, graphed_buffer_role).");
     m.def("library_version", &graphed_torch::library_version);
     m.def("header_version", &graphed_torch::header_version);
     m.def("library_path", &library_path);

@@ -48,5 +48,17 @@ def test_reuse_releases_with_weight_grad_wait_for_it():
     assert rel[2] == [(0, 0, PARAM_GRADS)]
 
 
+def test_a_first_layer_input_grad_goes_once_the_next_whole_backward_step_ran():
+    # Two chunks of two layers, two microbatches:
+    # F00 F10 F20 F30 F01 F11 F21 F31 B30 B20 B10 B00 B31 B21 B11 B01
+    steps = [(0, 0), (0, 1), (0, 0), (0, 1), (1, 1), (1, 0), (1, 1), (1, 0)]
+    rel = ext().reuse_releases(4, steps, [2, 2])
+    when = {(c, m): k for k, rs in enumerate(rel) for c, m, role in rs if role == GRAD_INPUT}
+    assert when[(3, 0)] == 9  # taken by the layer before it
+    assert when[(2, 0)] == 11  # chunk 0 took it, and its step ended
+    assert when[(0, 0)] == 13  # the next step's last pass, not its first (12)
+    assert (0, 1) not in when  # the last step's is kept
+
+
 def test_versions_agree():
     assert ext().library_version() == ext().header_version()

@@ -221,7 +221,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
 
     const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
     s.microbatches = plan.microbatches;
-    if (o.reuse_buffers && !o.schedule.empty()) s.releases = releases_of(plan);
+    if (o.reuse_buffers && !o.schedule.empty()) s.releases = reuse_releases(specs.size(), o.schedule, o.layers_per_chunk);
 
     for (size_t i = 0; i < specs.size(); ++i) {
         CallableSpec& sp = specs[i];
