@@ -3,19 +3,24 @@ graphed derives from it (the compiled extension; no GPU needed)."""
 import pytest
 
 from _support import needs_extension
-from graphed.torch._schedule import BACKWARD, FORWARD, WGRAD, check_order, from_order
+from graphed.torch._schedule import check_order, from_order
 
 TE_ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
 
 
-def schedule(order, layers, callables, samples):
+def ext():
     from graphed import _torch_ext
 
-    return from_order(order, check_order(order, layers, callables, samples), callables, _torch_ext)
+    return _torch_ext
+
+
+def schedule(order, layers, callables, samples):
+    return from_order(order, check_order(order, layers, callables, samples), callables, ext())
 
 
 @needs_extension
 def test_te_scenario_converts_to_steps():
+    FORWARD, BACKWARD = ext().PASS_FORWARD, ext().PASS_BACKWARD
     s = schedule(TE_ORDER, None, callables=2, samples=6)
     assert s.microbatches == 3 and s.layers_per_chunk == [1, 1] and s.prefix == [0, 1]
     assert s.steps[:6] == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 0), (FORWARD, 1), (BACKWARD, 1), (BACKWARD, 0)]
@@ -35,6 +40,7 @@ def test_layers_per_chunk_int_and_list():
 
 @needs_extension
 def test_weight_grad_steps():
+    FORWARD, BACKWARD, WGRAD = ext().PASS_FORWARD, ext().PASS_BACKWARD, ext().PASS_WGRAD
     order = [1, 2, -2, -2.5, -1, -1.5]
     s = schedule(order, [1, 1], 2, 2)
     assert s.steps == [(FORWARD, 0), (FORWARD, 1), (BACKWARD, 1), (WGRAD, 1), (BACKWARD, 0), (WGRAD, 0)]

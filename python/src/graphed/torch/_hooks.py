@@ -24,8 +24,6 @@ KEYS = (
     "backward_hooks",
 )
 
-FORWARD, BACKWARD = 0, 1
-
 
 def empty() -> Dict[str, Dict[Any, Any]]:
     return {key: {} for key in KEYS}
@@ -77,18 +75,30 @@ class Dispatcher:
 
     `unflatten_inputs(flat) -> (args, kwargs)` and
     `unflatten_outputs(flat) -> output` rebuild what the callable receives
-    and returns from the flat tensor lists the adapter passes.
+    and returns from the flat tensor lists the adapter passes; `forward`
+    and `backward` are the codes of those passes in its events (graphed's
+    GRAPHED_PASS_FORWARD and _BACKWARD, from the compiled extension).
     """
 
-    def __init__(self, module: Any, hooks: Dict[str, Dict], unflatten_inputs: Callable, unflatten_outputs: Callable):
+    def __init__(
+        self,
+        module: Any,
+        hooks: Dict[str, Dict],
+        unflatten_inputs: Callable,
+        unflatten_outputs: Callable,
+        forward: int,
+        backward: int,
+    ):
         self.module = module
         self.hooks = hooks
         self.unflatten_inputs = unflatten_inputs
         self.unflatten_outputs = unflatten_outputs
+        self.forward = forward
+        self.backward = backward
 
     def __call__(self, before, pass_, capture, microbatch, inputs, outputs, grad_outputs, grads):
         h = self.hooks
-        if pass_ == FORWARD:
+        if pass_ == self.forward:
             args, kwargs = self.unflatten_inputs(inputs)
             if before:
                 for hid, hook in h["forward_pre_hooks"].items():
@@ -103,7 +113,7 @@ class Dispatcher:
                         _returned_nothing(hook(self.module, args, kwargs, output), "forward_hooks", "output")
                     else:
                         _returned_nothing(hook(self.module, args, output), "forward_hooks", "output")
-        elif pass_ == BACKWARD:
+        elif pass_ == self.backward:
             grad_output = tuple(grad_outputs)
             if before:
                 for hook in h["backward_pre_hooks"].values():

@@ -11,8 +11,6 @@ from ._binding import Binding, Outputs
 from ._callable import GraphedCallable, Session
 from ._schedule import check_order, from_order
 
-DELAYED_WGRAD = 1  # GRAPHED_PARAM_FLAGS_DELAYED_WGRAD
-
 
 def extension():
     """The compiled extension, or an ImportError that says how to build it."""
@@ -203,6 +201,7 @@ def make_graphed_callables(
         raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
     device = _device_of(bindings, callables)
 
+    ext = extension()
     names, outputs, specs = [], [], []
     for k, fn in enumerate(callables):
         base = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "callable")
@@ -221,7 +220,9 @@ def make_graphed_callables(
         named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
         hook = None
         if not _hooks.is_empty(hooks[k]):
-            hook = _hooks.Dispatcher(fn, hooks[k], binding.unflatten, out.unflatten)
+            hook = _hooks.Dispatcher(
+                fn, hooks[k], binding.unflatten, out.unflatten, ext.PASS_FORWARD, ext.PASS_BACKWARD
+            )
         specs.append(
             dict(
                 name=name,
@@ -231,7 +232,10 @@ def make_graphed_callables(
                 params=[p for _, p in named],
                 param_names=[n for n, _ in named],
                 # Frozen here: a later change does not move a grad between clone and alias.
-                param_flags=[DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0 for _, p in named],
+                param_flags=[
+                    ext.PARAM_FLAGS_DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0
+                    for _, p in named
+                ],
                 hook=hook,
             )
         )
@@ -256,7 +260,6 @@ def make_graphed_callables(
         pre_warmup_hook=pre_warmup_hook,
         post_warmup_hook=post_warmup_hook,
     )
-    ext = extension()
     # Warmup draws random numbers; the states go back afterwards, so that
     # graphing does not change what follows. The garbage collector stays off
     # during capture, where it could free objects that own CUDA work.

@@ -13,8 +13,6 @@ from 0 and writes each step as (pass, chunk).
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
-FORWARD, BACKWARD, WGRAD = 0, 1, 2
-
 
 class Schedule(NamedTuple):
     steps: List[Tuple[int, int]]  # (pass, chunk from 0), in order
