@@ -25,25 +25,26 @@ fn step(pass: u32, chunk: u32) -> graphed_schedule_step {
     graphed_schedule_step { pass, chunk }
 }
 
-/// Transformer Engine's `_order` [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1].
+/// Steps from Transformer Engine's `_order` notation, as graphed reads it.
+fn te(order: &[f64]) -> Vec<graphed_schedule_step> {
+    let mut steps = vec![step(0, 0); order.len()];
+    // SAFETY: room for one step per value.
+    ok(unsafe {
+        graphed_schedule_from_te_order(
+            order.as_ptr(),
+            order.len(),
+            steps.as_mut_ptr(),
+            size_of::<graphed_schedule_step>(),
+        )
+    });
+    steps
+}
+
+/// Transformer Engine's scenario: two chunks of one layer, three microbatches.
 fn te_steps() -> Vec<graphed_schedule_step> {
-    [
-        (FWD, 0),
-        (FWD, 1),
-        (FWD, 0),
-        (FWD, 1),
-        (BWD, 1),
-        (BWD, 0),
-        (FWD, 0),
-        (FWD, 1),
-        (BWD, 1),
-        (BWD, 0),
-        (BWD, 1),
-        (BWD, 0),
-    ]
-    .iter()
-    .map(|&(p, c)| step(p, c))
-    .collect()
+    te(&[
+        1.0, 2.0, 1.0, 2.0, -2.0, -1.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0,
+    ])
 }
 
 #[test]
@@ -81,52 +82,146 @@ fn every_dtype_has_its_element_size_and_unknown_codes_are_refused() {
     assert_eq!(unsafe { graphed_dtype_size(0, null_mut()) }, S::NullPointer);
 }
 
-/// Calls graphed_schedule_passes with `has_wgrad` (None: NULL); returns
-/// the status and the passes as (callable, microbatch, pass).
-fn passes(
-    steps: &[graphed_schedule_step],
-    layers: &[u32],
-    has_wgrad: Option<&[u32]>,
-    n: u32,
-) -> (graphed_status, Vec<(u32, u32, u32)>) {
-    let mut out = vec![
-        graphed_pass_ref {
+/// graphed_schedule_passes or graphed_schedule_releases, as C declares it.
+type ListFn<T> = unsafe extern "C" fn(
+    *const graphed_schedule_step,
+    usize,
+    usize,
+    *const u32,
+    usize,
+    *const u32,
+    u32,
+    *mut T,
+    usize,
+    usize,
+    *mut usize,
+) -> graphed_status;
+
+/// A schedule as the helpers take it: `steps` (empty: none) over
+/// `callables` split per `layers` (empty: evenly), `has_wgrad` (None: NULL).
+struct Sched<'a> {
+    steps: &'a [graphed_schedule_step],
+    layers: &'a [u32],
+    has_wgrad: Option<&'a [u32]>,
+    callables: u32,
+}
+
+fn ptr_or_null<T>(v: &[T]) -> *const T {
+    if v.is_empty() {
+        null()
+    } else {
+        v.as_ptr()
+    }
+}
+
+impl Sched<'_> {
+    /// Calls `f` with `out` of `capacity` elements of `size` bytes and
+    /// `count`.
+    ///
+    /// # Safety
+    /// `out` has room for `capacity` elements of `size` bytes, or the call
+    /// refuses them; `count` is NULL or writable.
+    unsafe fn call<T>(
+        &self,
+        f: ListFn<T>,
+        out: *mut T,
+        capacity: usize,
+        size: usize,
+        count: *mut usize,
+    ) -> graphed_status {
+        // SAFETY: the arrays hold the stated counts; the rest is the
+        // caller's promise.
+        unsafe {
+            f(
+                ptr_or_null(self.steps),
+                self.steps.len(),
+                size_of::<graphed_schedule_step>(),
+                ptr_or_null(self.layers),
+                self.layers.len(),
+                self.has_wgrad.map_or(null(), |w| w.as_ptr()),
+                self.callables,
+                out,
+                capacity,
+                size,
+                count,
+            )
+        }
+    }
+
+    /// The status, the count (0x77 when untouched) and the list `f`
+    /// writes into `capacity` elements of `size` bytes (NULL for 0),
+    /// starting from `fill`.
+    fn list<T: Copy>(
+        &self,
+        f: ListFn<T>,
+        capacity: usize,
+        size: usize,
+        fill: T,
+    ) -> (graphed_status, usize, Vec<T>) {
+        let mut out = vec![fill; capacity];
+        let p = if capacity == 0 {
+            null_mut()
+        } else {
+            out.as_mut_ptr()
+        };
+        let mut count = 0x77;
+        // SAFETY: `out` has room for `capacity` elements of their size, or
+        // `size` is one the call refuses.
+        let st = unsafe { self.call(f, p, capacity, size, &mut count) };
+        (st, count, out)
+    }
+
+    /// graphed_schedule_passes: the status and the passes as (callable,
+    /// microbatch, pass).
+    fn passes(&self) -> (graphed_status, Vec<(u32, u32, u32)>) {
+        let fill = graphed_pass_ref {
             callable: 0,
             microbatch: 0,
-            pass: 0
+            pass: 0,
         };
-        64
-    ];
-    let mut count = 0;
-    // SAFETY: the arrays hold the stated counts; room for 64 passes.
-    let st = unsafe {
-        graphed_schedule_passes(
-            if steps.is_empty() {
-                null()
-            } else {
-                steps.as_ptr()
-            },
-            steps.len(),
-            size_of::<graphed_schedule_step>(),
-            if layers.is_empty() {
-                null()
-            } else {
-                layers.as_ptr()
-            },
-            layers.len(),
-            has_wgrad.map_or(null(), |w| w.as_ptr()),
-            n,
-            out.as_mut_ptr(),
-            out.len(),
+        let (st, count, out) = self.list(
+            graphed_schedule_passes,
+            64,
             size_of::<graphed_pass_ref>(),
-            &mut count,
-        )
-    };
-    let got = out[..count.min(64)]
-        .iter()
-        .map(|p| (p.callable, p.microbatch, p.pass))
-        .collect();
-    (st, got)
+            fill,
+        );
+        let got = out[..count.min(64)]
+            .iter()
+            .map(|p| (p.callable, p.microbatch, p.pass))
+            .collect();
+        (st, got)
+    }
+
+    /// graphed_schedule_releases into `capacity` elements of `size` bytes:
+    /// the status, the count and the releases.
+    fn releases(&self, capacity: usize, size: usize) -> (graphed_status, usize, Vec<Rel>) {
+        let fill = graphed_release {
+            after: 7,
+            callable: 7,
+            microbatch: 7,
+            role: 7,
+        };
+        let (st, count, out) = self.list(graphed_schedule_releases, capacity, size, fill);
+        let got = out
+            .iter()
+            .map(|r| (r.after, r.callable, r.microbatch, r.role))
+            .collect();
+        (st, count, got)
+    }
+}
+
+/// A release as (after, callable, microbatch, role).
+type Rel = (u32, u32, u32, u32);
+
+const REL: usize = size_of::<graphed_release>();
+
+fn sched<'a>(steps: &'a [graphed_schedule_step], layers: &'a [u32], callables: u32) -> Sched<'a> {
+    Sched {
+        steps,
+        layers,
+        has_wgrad: None,
+        callables,
+    }
 }
 
 #[test]
@@ -139,7 +234,7 @@ fn without_has_wgrad_the_schedule_says_which_callables_have_a_weight_grad_pass()
         step(WGRAD, 1),
         step(BWD, 0),
     ];
-    let (st, as_scheduled) = passes(&steps, &[], None, 2);
+    let (st, as_scheduled) = sched(&steps, &[], 2).passes();
     assert_eq!(st, S::Ok, "{}", msg());
     assert_eq!(
         as_scheduled,
@@ -151,88 +246,37 @@ fn without_has_wgrad_the_schedule_says_which_callables_have_a_weight_grad_pass()
             (0, 0, BWD)
         ]
     );
+    let said = |w: &[u32]| {
+        Sched {
+            has_wgrad: Some(w),
+            ..sched(&steps, &[], 2)
+        }
+        .passes()
+    };
     // The same as saying it.
-    assert_eq!(passes(&steps, &[], Some(&[0, 1]), 2).1, as_scheduled);
+    assert_eq!(said(&[0, 1]).1, as_scheduled);
     // Saying otherwise is still refused with the rule.
-    let (st, _) = passes(&steps, &[], Some(&[0, 0]), 2);
-    assert_eq!(st, S::InvalidSchedule);
+    assert_eq!(said(&[0, 0]).0, S::InvalidSchedule);
     assert!(msg().contains("no weight-grad callback"), "{}", msg());
     // Without a schedule, NULL is none.
     assert_eq!(
-        passes(&[], &[], None, 1),
+        sched(&[], &[], 1).passes(),
         (S::Ok, vec![(0, 0, FWD), (0, 0, BWD)])
     );
-}
-
-/// A release as (after, callable, microbatch, role).
-type Rel = (u32, u32, u32, u32);
-
-/// Calls graphed_schedule_releases; the status, the count and the
-/// releases.
-fn releases(
-    steps: &[graphed_schedule_step],
-    layers: &[u32],
-    n: u32,
-    capacity: usize,
-    size: usize,
-) -> (graphed_status, usize, Vec<Rel>) {
-    let mut out = vec![
-        graphed_release {
-            after: 7,
-            callable: 7,
-            microbatch: 7,
-            role: 7
-        };
-        capacity.min(64)
-    ];
-    let mut count = 0x77;
-    // SAFETY: the arrays hold the stated counts; `out` has room for
-    // `capacity` releases (or the call refuses the capacity).
-    let st = unsafe {
-        graphed_schedule_releases(
-            if steps.is_empty() {
-                null()
-            } else {
-                steps.as_ptr()
-            },
-            steps.len(),
-            size_of::<graphed_schedule_step>(),
-            if layers.is_empty() {
-                null()
-            } else {
-                layers.as_ptr()
-            },
-            layers.len(),
-            null(),
-            n,
-            if capacity == 0 {
-                null_mut()
-            } else {
-                out.as_mut_ptr()
-            },
-            capacity,
-            size,
-            &mut count,
-        )
-    };
-    let got = out
-        .iter()
-        .map(|r| (r.after, r.callable, r.microbatch, r.role))
-        .collect();
-    (st, count, got)
 }
 
 #[test]
 fn releases_follow_transformer_engines_reuse_rules() {
     let steps = te_steps();
+    let te = sched(&steps, &[], 2);
     // Pass positions: F00 F10 F01 F11 B10 B00 F02 F12 B11 B01 B12 B02
     //                  0   1   2   3   4   5   6   7   8   9  10  11
-    let (st, count, _) = releases(&steps, &[], 2, 0, size_of::<graphed_release>());
+    let (st, count, _) = te.releases(0, REL);
     assert_eq!(st, S::Ok, "{}", msg());
     // Six outputs, six parameter-grad sets, five input grads (the last
     // backward step's is kept).
     assert_eq!(count, 17);
-    let (st, _, all) = releases(&steps, &[], 2, count, size_of::<graphed_release>());
+    let (st, _, all) = te.releases(count, REL);
     assert_eq!(st, S::Ok, "{}", msg());
     assert!(all.windows(2).all(|w| w[0] <= w[1]), "ordered: {all:?}");
     let after = |pos: u32| -> Vec<(u32, u32, u32)> {
@@ -255,7 +299,7 @@ fn releases_follow_transformer_engines_reuse_rules() {
     assert!(after(8).contains(&(0, 0, GRAD_INPUT)));
     assert!(!all.iter().any(|r| (r.1, r.2, r.3) == (0, 2, GRAD_INPUT)));
     // A short array gets the first ones and the full count.
-    let (st, count, some) = releases(&steps, &[], 2, 3, size_of::<graphed_release>());
+    let (st, count, some) = te.releases(3, REL);
     assert_eq!((st, count), (S::Ok, 17));
     assert_eq!(some, all[..3]);
     // A larger element size (a newer caller) is accepted.
@@ -263,14 +307,8 @@ fn releases_follow_transformer_engines_reuse_rules() {
     let mut n = 0;
     // SAFETY: room for 17 elements of 24 bytes.
     ok(unsafe {
-        graphed_schedule_releases(
-            steps.as_ptr(),
-            steps.len(),
-            size_of::<graphed_schedule_step>(),
-            null(),
-            0,
-            null(),
-            2,
+        te.call(
+            graphed_schedule_releases,
             wide.as_mut_ptr().cast(),
             17,
             24,
@@ -284,22 +322,10 @@ fn releases_follow_transformer_engines_reuse_rules() {
 #[test]
 fn a_first_layer_input_grad_is_kept_through_the_next_whole_backward_step() {
     // Two chunks of two layers: callables 0 1 | 2 3, two microbatches.
-    let steps: Vec<graphed_schedule_step> = [
-        (FWD, 0),
-        (FWD, 1),
-        (FWD, 0),
-        (FWD, 1),
-        (BWD, 1),
-        (BWD, 0),
-        (BWD, 1),
-        (BWD, 0),
-    ]
-    .iter()
-    .map(|&(p, c)| step(p, c))
-    .collect();
+    let steps = te(&[1.0, 2.0, 1.0, 2.0, -2.0, -1.0, -2.0, -1.0]);
     // F00 F10 F20 F30 F01 F11 F21 F31 B30 B20 B10 B00 B31 B21 B11 B01
     //  0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15
-    let (st, _, all) = releases(&steps, &[], 4, 64, size_of::<graphed_release>());
+    let (st, _, all) = sched(&steps, &[], 4).releases(64, REL);
     assert_eq!(st, S::Ok, "{}", msg());
     let when = |c: u32, m: u32| {
         all.iter()
@@ -320,7 +346,7 @@ fn a_first_layer_input_grad_is_kept_through_the_next_whole_backward_step() {
 fn releases_refuse_what_passes_refuses_and_bad_arrays() {
     let steps = te_steps();
     // A split that does not fit, as graphed_schedule_passes refuses it.
-    let (st, count, out) = releases(&steps, &[1, 2], 2, 4, size_of::<graphed_release>());
+    let (st, count, out) = sched(&steps, &[1, 2], 2).releases(4, REL);
     assert_eq!(st, S::InvalidSchedule);
     assert!(
         msg().starts_with("graphed_schedule_releases: "),
@@ -329,8 +355,9 @@ fn releases_refuse_what_passes_refuses_and_bad_arrays() {
     );
     assert_eq!(count, 0x77, "count written on failure");
     assert!(out.iter().all(|r| r.0 == 7), "releases written on failure");
+    let te = sched(&steps, &[], 2);
     // An element smaller than graphed_release.
-    let (st, count, _) = releases(&steps, &[], 2, 4, 12);
+    let (st, count, _) = te.releases(4, 12);
     assert_eq!((st, count), (S::InvalidArgument, 0x77));
     assert!(msg().contains("element size"), "{}", msg());
     // A capacity whose bytes overflow.
@@ -343,17 +370,11 @@ fn releases_refuse_what_passes_refuses_and_bad_arrays() {
     let mut n = 0x77;
     // SAFETY: the capacity is refused before anything is written.
     let st = unsafe {
-        graphed_schedule_releases(
-            steps.as_ptr(),
-            steps.len(),
-            size_of::<graphed_schedule_step>(),
-            null(),
-            0,
-            null(),
-            2,
+        te.call(
+            graphed_schedule_releases,
             one.as_mut_ptr(),
             usize::MAX / 8,
-            size_of::<graphed_release>(),
+            REL,
             &mut n,
         )
     };
@@ -361,21 +382,7 @@ fn releases_refuse_what_passes_refuses_and_bad_arrays() {
     assert_eq!((n, one[0].after), (0x77, 7));
     // NULL count.
     // SAFETY: the NULL is refused.
-    let st = unsafe {
-        graphed_schedule_releases(
-            steps.as_ptr(),
-            steps.len(),
-            size_of::<graphed_schedule_step>(),
-            null(),
-            0,
-            null(),
-            2,
-            null_mut(),
-            0,
-            size_of::<graphed_release>(),
-            null_mut(),
-        )
-    };
+    let st = unsafe { te.call(graphed_schedule_releases, null_mut(), 0, REL, null_mut()) };
     assert_eq!(st, S::NullPointer);
 }
 

@@ -3,7 +3,9 @@
 //! specs, and the element size of each dtype a descriptor names.
 //! Everything in a descriptor is copied at registration.
 
-use super::args::{arg_out, arg_slice, arg_str, assert_header, read_array, read_struct, CStruct};
+use super::args::{
+    arg_out, arg_slice, arg_str, assert_header, read_array, read_struct, write_answer, CStruct,
+};
 use super::boundary::boundary;
 use super::callback::{graphed_pass_fn, CCallbacks};
 use super::enums::{
@@ -355,11 +357,12 @@ pub extern "C" fn graphed_session_set_param_flags(
 #[no_mangle]
 pub unsafe extern "C" fn graphed_dtype_size(dtype: u32, size_out: *mut usize) -> graphed_status {
     boundary("graphed_dtype_size", || {
-        let out = arg_out(size_out, "size_out")?;
-        let size = graphed_dtype::decode(dtype, "dtype")?.size();
-        // SAFETY: checked non-NULL; written only on success.
-        unsafe { out.write(size) };
-        Ok(())
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_answer(size_out, "size_out", || {
+                Ok(graphed_dtype::decode(dtype, "dtype")?.size())
+            })
+        }
     })
 }
 

@@ -3,7 +3,7 @@
 //! its frozen policies and its buffer plan; and whether a backend can run
 //! here at all.
 
-use super::args::{arg_out, assert_header, check_out_array, write_struct, CStruct};
+use super::args::{arg_out, assert_header, check_out_array, write_answer, write_struct, CStruct};
 use super::boundary::boundary;
 use super::enums::{graphed_backend, graphed_buffer_role, graphed_grad_policy};
 use super::handles::graphed_session;
@@ -279,12 +279,13 @@ pub unsafe extern "C" fn graphed_session_buffer_count(
 ) -> graphed_status {
     boundary("graphed_session_buffer_count", || {
         let cell = self::session(session)?;
-        let out = arg_out(count_out, "count_out")?;
-        let role = graphed_buffer_role::decode(role, "role")?;
-        let n = cell.lock()?.buffers(callable, microbatch, role)?.len();
-        // SAFETY: checked non-NULL; written only on success.
-        unsafe { out.write(n) };
-        Ok(())
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_answer(count_out, "count_out", || {
+                let role = graphed_buffer_role::decode(role, "role")?;
+                Ok(cell.lock()?.buffers(callable, microbatch, role)?.len())
+            })
+        }
     })
 }
 

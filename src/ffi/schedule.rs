@@ -244,6 +244,34 @@ unsafe fn build_schedule(
     Schedule::resolve(steps, wgrad.as_deref(), n)
 }
 
+/// Writes a helper's list: min(len, capacity) elements of `size` bytes to
+/// `out` (NULL: none, and `capacity` is not read), after checking the whole
+/// array the caller describes, then the length to `count_out`.
+///
+/// # Safety
+/// `out` is NULL or has room for `capacity` elements of `size` bytes;
+/// `count_out` is writable (checked non-NULL).
+unsafe fn write_list<T>(
+    items: &[T],
+    out: *mut T,
+    capacity: usize,
+    size: usize,
+    count_out: *mut usize,
+    what: &'static str,
+) -> Result<()> {
+    if !out.is_null() {
+        check_out_array(out, capacity, size, size_of::<T>(), what)?;
+        for (i, item) in items.iter().take(capacity).enumerate() {
+            // SAFETY: checked: room for `capacity` elements of `size`
+            // bytes, and i < capacity.
+            unsafe { write_element(out, size, i, item) };
+        }
+    }
+    // SAFETY: the caller's promise; written only on success.
+    unsafe { count_out.write(items.len()) };
+    Ok(())
+}
+
 /// The passes a session runs, in warmup and capture order, for
 /// `num_callables` callables of which `has_wgrad` (one 0/1 per callable)
 /// have a weight-grad callback; NULL: as the schedule says (the callables
@@ -286,30 +314,17 @@ pub unsafe extern "C" fn graphed_schedule_passes(
                 num_callables,
             )
         }?;
-        let count = schedule.passes.len();
-        if !passes.is_null() {
-            // The whole array the caller describes, not only what is written.
-            check_out_array(
-                passes,
-                capacity,
-                pass_size,
-                size_of::<graphed_pass_ref>(),
-                "passes",
-            )?;
-            for (i, p) in schedule.passes.iter().take(capacity).enumerate() {
-                let r = graphed_pass_ref {
-                    callable: p.callable as u32,
-                    microbatch: p.microbatch as u32,
-                    pass: graphed_pass::encode(p.kind),
-                };
-                // SAFETY: checked: room for `capacity` elements of
-                // pass_size bytes, and i < capacity.
-                unsafe { write_element(passes, pass_size, i, &r) };
-            }
-        }
-        // SAFETY: checked non-NULL; written only on success.
-        unsafe { count_out.write(count) };
-        Ok(())
+        let list: Vec<graphed_pass_ref> = schedule
+            .passes
+            .iter()
+            .map(|p| graphed_pass_ref {
+                callable: p.callable as u32,
+                microbatch: p.microbatch as u32,
+                pass: graphed_pass::encode(p.kind),
+            })
+            .collect();
+        // SAFETY: per this function's contract.
+        unsafe { write_list(&list, passes, capacity, pass_size, count_out, "passes") }
     })
 }
 
@@ -375,33 +390,29 @@ pub unsafe extern "C" fn graphed_schedule_releases(
                 num_callables,
             )
         }?;
-        let all = Spans::of(&schedule).releases();
-        if !releases.is_null() {
-            // The whole array the caller describes, not only what is written.
-            check_out_array(
+        // Positions are below MAX_PASSES, callables and microbatches below
+        // u32::MAX.
+        let list: Vec<graphed_release> = Spans::of(&schedule)
+            .releases()
+            .iter()
+            .map(|r| graphed_release {
+                after: r.after as u32,
+                callable: r.callable as u32,
+                microbatch: r.microbatch as u32,
+                role: graphed_buffer_role::encode(r.role),
+            })
+            .collect();
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_list(
+                &list,
                 releases,
                 capacity,
                 release_size,
-                size_of::<graphed_release>(),
+                count_out,
                 "releases",
-            )?;
-            for (i, r) in all.iter().take(capacity).enumerate() {
-                // Positions are below MAX_PASSES, callables and
-                // microbatches below u32::MAX.
-                let out = graphed_release {
-                    after: r.after as u32,
-                    callable: r.callable as u32,
-                    microbatch: r.microbatch as u32,
-                    role: graphed_buffer_role::encode(r.role),
-                };
-                // SAFETY: checked: room for `capacity` elements of
-                // release_size bytes, and i < capacity.
-                unsafe { write_element(releases, release_size, i, &out) };
-            }
+            )
         }
-        // SAFETY: checked non-NULL; written only on success.
-        unsafe { count_out.write(all.len()) };
-        Ok(())
     })
 }
 

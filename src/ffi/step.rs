@@ -2,7 +2,7 @@
 //! one graph (every forward, then every backward, with the parameter grads
 //! returned inside the graph), replayed with one launch.
 
-use super::args::{arg_out, arg_slice, assert_header, read_struct, CStruct};
+use super::args::{arg_out, arg_slice, assert_header, read_struct, write_answer, CStruct};
 use super::boundary::boundary;
 use super::callback::graphed_stream;
 use super::handles::graphed_session;
@@ -110,11 +110,8 @@ pub unsafe extern "C" fn graphed_step_param_count(
 ) -> graphed_status {
     boundary("graphed_step_param_count", || {
         let s = self::session(session)?;
-        let out = arg_out(count_out, "count_out")?;
-        let n = s.lock()?.step_params(step)?;
-        // SAFETY: checked non-NULL; written only on success.
-        unsafe { out.write(n) };
-        Ok(())
+        // SAFETY: per this function's contract.
+        unsafe { write_answer(count_out, "count_out", || s.lock()?.step_params(step)) }
     })
 }
 

@@ -258,45 +258,42 @@ impl Described {
     /// The passes in order as (callable, microbatch, pass), or the status
     /// of asking for them.
     fn passes(&self) -> Result<Vec<(u32, u32, u32)>, graphed_status> {
-        let mut n = 0usize;
-        // SAFETY: the arrays hold the stated counts; a length query.
-        let r = unsafe {
-            graphed_schedule_passes(
-                self.steps,
-                self.num_steps,
-                8,
-                self.split,
-                self.num_split,
-                self.has_wgrad,
-                self.callables,
-                null_mut(),
-                0,
-                12,
-                &mut n,
-            )
+        let call = |out: &mut [[u32; 3]], n: &mut usize| {
+            // SAFETY: the arrays hold the stated counts; room for
+            // out.len() passes of 12 bytes (none: a length query).
+            unsafe {
+                graphed_schedule_passes(
+                    self.steps,
+                    self.num_steps,
+                    8,
+                    self.split,
+                    self.num_split,
+                    self.has_wgrad,
+                    self.callables,
+                    if out.is_empty() {
+                        null_mut()
+                    } else {
+                        out.as_mut_ptr().cast()
+                    },
+                    out.len(),
+                    12,
+                    n,
+                )
+            }
         };
+        let mut n = 0usize;
+        let r = call(&mut [], &mut n);
         post(r, "graphed_schedule_passes");
         if r != S::Ok {
             return Err(r);
         }
         let mut all = vec![[0u32; 3]; n];
-        // SAFETY: room for n passes of 12 bytes.
-        let r = unsafe {
-            graphed_schedule_passes(
-                self.steps,
-                self.num_steps,
-                8,
-                self.split,
-                self.num_split,
-                self.has_wgrad,
-                self.callables,
-                all.as_mut_ptr().cast(),
-                n,
-                12,
-                &mut n,
-            )
-        };
-        assert_eq!(r, S::Ok, "the passes it counted: {}", msg());
+        assert_eq!(
+            call(&mut all, &mut n),
+            S::Ok,
+            "the passes it counted: {}",
+            msg()
+        );
         Ok(all.iter().map(|p| (p[0], p[1], p[2])).collect())
     }
 }
