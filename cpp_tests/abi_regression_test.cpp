@@ -151,7 +151,7 @@ TEST_P(AbiRegression, ReplayOnACapturingStreamIsRefused) {
 
 TEST_P(AbiRegression, MisalignedAccumulateDestinationIsRefused) {
     for (uint32_t dtype : {GRAPHED_DTYPE_F32, GRAPHED_DTYPE_F16, GRAPHED_DTYPE_BF16}) {
-        const size_t es = kit::dtype_size(dtype), n = 1003;
+        const size_t es = graphed::dtype_size(dtype), n = 1003;
         ScaleRig rig(*dev, config(), dtype, n);
         const size_t bytes = rig.bytes();
         Buffer dst0(*dev, bytes + 16), dst1(*dev, bytes + 16);

@@ -170,7 +170,7 @@ TEST_P(GradLifetime, CopyIntoAndAccumulateInto) {
         for (size_t misalign : {size_t(0), size_t(1)}) {
             SCOPED_TRACE(testing::Message() << "dtype " << dtype << ", destination offset " << misalign);
             const size_t n = 1003;  // not a multiple of any vector width
-            const size_t es = kit::dtype_size(dtype);
+            const size_t es = graphed::dtype_size(dtype);
             ScaleRig rig(*dev, config(), dtype, n);
             const size_t bytes = rig.bytes();
             Buffer dst0(*dev, bytes + 16), dst1(*dev, bytes + 16);

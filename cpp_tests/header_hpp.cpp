@@ -93,11 +93,19 @@ int main() {
         extra.release();
         expect(s.stats().clone_blocks_outstanding == 0, "the last reference gives it back");
         expect(s.buffers(0, 0, GRAPHED_BUFFER_ROLE_INPUT).size() == 1, "one static input");
+        expect(s.buffer_count(0, 0, GRAPHED_BUFFER_ROLE_PARAM_GRADS) == 1, "one parameter-grad buffer");
+        expect(s.rebound(0, 0, GRAPHED_BUFFER_ROLE_GRAD_OUTPUT).size() == 1, "one grad-output");
         expect(s.param_policies(0).at(0) == GRAPHED_GRAD_POLICY_CLONE, "the policy is CLONE");
         expect(!s.plan_dump().empty(), "a plan");
         std::vector<graphed_schedule_step> steps = graphed::schedule_from_te_order({1, 2, -2, -2.5, -1, -1.5});
         graphed::ScheduleShape shape = graphed::schedule_shape(steps, 2);
         expect(shape.chunks == 2 && shape.microbatches == 1 && shape.chunk_first.at(1) == 1, "the schedule's shape");
+        std::vector<graphed_pass_ref> passes = graphed::schedule_passes(steps, 2);
+        expect(passes.size() == 6 && passes.at(3).pass == GRAPHED_PASS_WGRAD, "weight-grad passes as scheduled");
+        std::vector<graphed_release> rel = graphed::schedule_releases(steps, 2);
+        expect(!rel.empty() && rel.front().after == 2 && rel.front().role == GRAPHED_BUFFER_ROLE_OUTPUT,
+               "the first release: an output after its backward");
+        expect(graphed::dtype_size(GRAPHED_DTYPE_BF16) == 2, "bf16 takes 2 bytes");
         s.destroy();
         expect(!s, "destroyed");
     } catch (const graphed::Error& e) {

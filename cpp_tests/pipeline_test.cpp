@@ -46,7 +46,7 @@ class Rig {
         chunks_ = int(shape.chunks);
         mb_ = int(shape.microbatches);
         first_.assign(shape.chunk_first.begin(), shape.chunk_first.end());
-        es_ = kit::dtype_size(o_.dtype);
+        es_ = graphed::dtype_size(o_.dtype);
         act_ = size_t(o_.batch) * o_.width * es_;
         for (Model* m : {&eager_, &graphed_}) build(*m);
         for (int i = 0; i < mb_; ++i) {

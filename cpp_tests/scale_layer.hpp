@@ -14,7 +14,7 @@ class ScaleRig {
     // A captured session (from `config`) over `n` elements of `dtype`, with
     // random x, parameters and grad-outputs.
     ScaleRig(kit::Device& dev, graphed_session_config config, uint32_t dtype, size_t n)
-        : dev_(dev), dtype_(dtype), n_(n), bytes_(n * kit::dtype_size(dtype)), x_(random(1)), g0_(random(4)),
+        : dev_(dev), dtype_(dtype), n_(n), bytes_(n * graphed::dtype_size(dtype)), x_(random(1)), g0_(random(4)),
           g1_(random(5)), dx_(upload(x_)), dp0_(upload(random(2))), dp1_(upload(random(3))), dg0_(upload(g0_)),
           dg1_(upload(g1_)), session_(config) {
         graphed::Callable c;

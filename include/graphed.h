@@ -1183,6 +1183,23 @@ typedef struct graphed_pass_ref {
 } graphed_pass_ref;
 
 /**
+ * One buffer a schedule lets go of (graphed_schedule_releases).
+ */
+typedef struct graphed_release {
+  /**
+   * The position, in graphed_schedule_passes's order, of the pass after
+   * which the buffer is no longer needed.
+   */
+  uint32_t after;
+  uint32_t callable;
+  uint32_t microbatch;
+  /**
+   * A graphed_buffer_role value: OUTPUT, GRAD_INPUT or PARAM_GRADS.
+   */
+  uint32_t role;
+} graphed_release;
+
+/**
  * A host task: `fn(user_data)`.
  */
 typedef void (*graphed_host_task_fn)(void *user_data);
@@ -1305,6 +1322,16 @@ graphed_status graphed_session_set_param_flags(struct graphed_session *session,
                                                uint32_t callable,
                                                uint32_t param,
                                                uint32_t flags);
+
+/**
+ * Writes the size in bytes of one element of `dtype` (a graphed_dtype
+ * value) to `*size_out`: what a descriptor's `bytes` counts per element.
+ * An unknown code is GRAPHED_STATUS_INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `size_out` must be NULL or writable.
+ */
+graphed_status graphed_dtype_size(uint32_t dtype, size_t *size_out);
 
 /**
  * Attaches a message to the failure of the running callback (or hook) on
@@ -1440,6 +1467,18 @@ graphed_status graphed_session_add_step(struct graphed_session *session,
                                         uint32_t *step_out);
 
 /**
+ * Writes the number of refs a replay of `step` writes to `*count_out`:
+ * one per parameter of the step's callables (graphed_step_replay's
+ * `num_param_grads`). An unknown step is GRAPHED_STATUS_INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `count_out` must be NULL or writable.
+ */
+graphed_status graphed_step_param_count(struct graphed_session *session,
+                                        uint32_t step,
+                                        size_t *count_out);
+
+/**
  * Step replay arguments for step 0 on the default stream.
  */
 struct graphed_step_args graphed_step_args_default(void);
@@ -1534,6 +1573,21 @@ graphed_status graphed_session_buffers(struct graphed_session *session,
                                        uint32_t role,
                                        void **ptrs,
                                        size_t count);
+
+/**
+ * Writes the number of static buffers of one role (a graphed_buffer_role
+ * value) of (callable, microbatch) of a captured session to
+ * `*count_out`: the `count` graphed_session_buffers and
+ * graphed_session_rebound take for that role.
+ *
+ * # Safety
+ * `count_out` must be NULL or writable.
+ */
+graphed_status graphed_session_buffer_count(struct graphed_session *session,
+                                            uint32_t callable,
+                                            uint32_t microbatch,
+                                            uint32_t role,
+                                            size_t *count_out);
 
 /**
  * Writes the frozen graphed_grad_policy of each parameter of a captured
@@ -1633,14 +1687,15 @@ graphed_status graphed_schedule_from_te_order(const double *order,
 
 /**
  * The passes a session runs, in warmup and capture order, for
- * `num_callables` callables of which `has_wgrad` (NULL: none; else one 0/1
- * per callable) have a weight-grad callback: with `steps` (NULL and 0: no
- * schedule) the schedule's expansion, else every forward in registration
- * order, then every backward in reverse, each weight-grad after its
- * backward. Writes min(count, capacity) passes to `passes` (NULL: none,
- * and `capacity` is not read) and the count to `*count_out`. A capacity
- * whose bytes (capacity * pass_size) overflow is INVALID_ARGUMENT, as
- * every array length.
+ * `num_callables` callables of which `has_wgrad` (one 0/1 per callable)
+ * have a weight-grad callback; NULL: as the schedule says (the callables
+ * of chunks with weight-grad steps; none without a schedule). With
+ * `steps` (NULL and 0: no schedule) the schedule's expansion, else every
+ * forward in registration order, then every backward in reverse, each
+ * weight-grad after its backward. Writes min(count, capacity) passes to
+ * `passes` (NULL: none, and `capacity` is not read) and the count to
+ * `*count_out`. A capacity whose bytes (capacity * pass_size) overflow is
+ * INVALID_ARGUMENT, as every array length.
  *
  * # Safety
  * The arrays must hold the counts stated; `passes` must have room for
@@ -1657,6 +1712,41 @@ graphed_status graphed_schedule_passes(const struct graphed_schedule_step *steps
                                        size_t capacity,
                                        size_t pass_size,
                                        size_t *count_out);
+
+/**
+ * With buffer reuse: after which pass of the order graphed_schedule_passes
+ * gives (the same arguments) each output, input grad and parameter grad
+ * of every (callable, microbatch) is no longer needed, so that memory a
+ * caller handed over for it (GRAPHED_TENSOR_FLAGS_EXTERNAL,
+ * GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD) may hold other buffers of the passes
+ * captured after that one, as graphed's own static buffers do. Outputs go
+ * after their backward; input grads once the layer before them in the
+ * chunk took them, a chunk's first layer's once the next backward step
+ * has run and the previous chunk's backward of the same microbatch took
+ * it (the last backward step's are kept); parameter grads after the pass
+ * that writes them (the backward, or the weight-grad pass), those a
+ * replay copies out only: an ALIAS grad is the buffer itself and is kept.
+ * Writes min(count, capacity) releases, ordered by `after`, then
+ * callable, microbatch and role, to `releases` (NULL: none, and
+ * `capacity` is not read) and the count to `*count_out`. A capacity whose
+ * bytes (capacity * release_size) overflow is INVALID_ARGUMENT, as every
+ * array length.
+ *
+ * # Safety
+ * The arrays must hold the counts stated; `releases` must have room for
+ * `capacity` elements of `release_size` bytes.
+ */
+graphed_status graphed_schedule_releases(const struct graphed_schedule_step *steps,
+                                         size_t num_steps,
+                                         size_t step_size,
+                                         const uint32_t *layers_per_chunk,
+                                         size_t num_layers_per_chunk,
+                                         const uint32_t *has_wgrad,
+                                         uint32_t num_callables,
+                                         struct graphed_release *releases,
+                                         size_t capacity,
+                                         size_t release_size,
+                                         size_t *count_out);
 
 /**
  * The shape of a schedule for `num_callables` callables: its chunks and

@@ -129,6 +129,14 @@ inline bool backend_available(uint32_t backend, std::string* why_not = nullptr) 
 
 // ---- descriptors ------------------------------------------------------------------
 
+/// The size in bytes of one element of `dtype` (a graphed_dtype value;
+/// graphed_dtype_size). Throws INVALID_ARGUMENT for an unknown code.
+inline size_t dtype_size(uint32_t dtype) {
+    size_t n = 0;
+    check(graphed_dtype_size(dtype, &n));
+    return n;
+}
+
 /// A session config from graphed_session_config_default(), on `backend`.
 inline graphed_session_config session_config(uint32_t backend = GRAPHED_BACKEND_CUDA) {
     graphed_session_config c = graphed_session_config_default();
@@ -479,6 +487,51 @@ inline ScheduleShape schedule_shape(const std::vector<graphed_schedule_step>& st
     return s;
 }
 
+namespace detail {
+
+/// A schedule helper's list (graphed_schedule_passes, _releases): its
+/// length asked first, then the list.
+template <class T>
+using ScheduleListFn = graphed_status (*)(const graphed_schedule_step*, size_t, size_t, const uint32_t*, size_t,
+                                          const uint32_t*, uint32_t, T*, size_t, size_t, size_t*);
+
+template <class T>
+std::vector<T> schedule_list(ScheduleListFn<T> fn, const std::vector<graphed_schedule_step>& steps,
+                             uint32_t num_callables, const std::vector<uint32_t>& layers_per_chunk) {
+    const graphed_schedule_step* st = steps.empty() ? nullptr : steps.data();
+    const uint32_t* lpc = layers_per_chunk.empty() ? nullptr : layers_per_chunk.data();
+    size_t count = 0;
+    check(fn(st, steps.size(), sizeof(graphed_schedule_step), lpc, layers_per_chunk.size(), nullptr, num_callables,
+             nullptr, 0, sizeof(T), &count));
+    std::vector<T> out(count);
+    check(fn(st, steps.size(), sizeof(graphed_schedule_step), lpc, layers_per_chunk.size(), nullptr, num_callables,
+             out.data(), out.size(), sizeof(T), &count));
+    return out;
+}
+
+}  // namespace detail
+
+/// The passes of one iteration in warmup and capture order
+/// (graphed_schedule_passes) for `num_callables` callables: `steps` (empty:
+/// no schedule) expanded, the callables of chunks with weight-grad steps
+/// getting a weight-grad pass. Throws INVALID_SCHEDULE with the rule a
+/// schedule breaks.
+inline std::vector<graphed_pass_ref> schedule_passes(const std::vector<graphed_schedule_step>& steps,
+                                                     uint32_t num_callables,
+                                                     const std::vector<uint32_t>& layers_per_chunk = {}) {
+    return detail::schedule_list<graphed_pass_ref>(&graphed_schedule_passes, steps, num_callables, layers_per_chunk);
+}
+
+/// With buffer reuse: the outputs, input grads and copied-out parameter
+/// grads each pass of schedule_passes() lets go of
+/// (graphed_schedule_releases), ordered by pass.
+inline std::vector<graphed_release> schedule_releases(const std::vector<graphed_schedule_step>& steps,
+                                                      uint32_t num_callables,
+                                                      const std::vector<uint32_t>& layers_per_chunk = {}) {
+    return detail::schedule_list<graphed_release>(&graphed_schedule_releases, steps, num_callables,
+                                                  layers_per_chunk);
+}
+
 // ---- sessions -----------------------------------------------------------------------
 
 /// Free and total device memory as the driver reports them.
@@ -558,6 +611,7 @@ class Session {
         check(graphed_session_destroy(raw_));
         raw_ = nullptr;
         arity_.clear();
+        steps_.clear();
     }
 
     /// Registers a callable before capture; returns its index.
@@ -620,14 +674,18 @@ class Session {
         return s;
     }
 
+    /// The number of static buffers of one role of (callable, microbatch)
+    /// (graphed_session_buffer_count).
+    size_t buffer_count(uint32_t callable, uint32_t microbatch, graphed_buffer_role role) const {
+        size_t n = 0;
+        check(graphed_session_buffer_count(raw_, callable, microbatch, role, &n));
+        return n;
+    }
+
     /// The static buffers of one role of (callable, microbatch).
     std::vector<void*> buffers(uint32_t callable, uint32_t microbatch, graphed_buffer_role role) const {
-        const Arity& k = arity(callable);
-        size_t n = k.inputs;  // INPUT, GRAD_INPUT (an unknown role is the library's to refuse)
-        if (role == GRAPHED_BUFFER_ROLE_OUTPUT || role == GRAPHED_BUFFER_ROLE_GRAD_OUTPUT) n = k.outputs;
-        if (role == GRAPHED_BUFFER_ROLE_PARAM_GRADS) n = k.params;
-        std::vector<void*> out(n);
-        check(graphed_session_buffers(raw_, callable, microbatch, role, out.data(), n));
+        std::vector<void*> out(buffer_count(callable, microbatch, role));
+        check(graphed_session_buffers(raw_, callable, microbatch, role, out.data(), out.size()));
         return out;
     }
 
@@ -635,8 +693,7 @@ class Session {
     /// (GRAPHED_BUFFER_ROLE_GRAD_OUTPUT): whether replays rebind it (true) or
     /// copy it (false) (graphed_session_rebound).
     std::vector<bool> rebound(uint32_t callable, uint32_t microbatch, graphed_buffer_role role) const {
-        const Arity& k = arity(callable);
-        std::vector<uint32_t> codes(role == GRAPHED_BUFFER_ROLE_GRAD_OUTPUT ? k.outputs : k.inputs);
+        std::vector<uint32_t> codes(buffer_count(callable, microbatch, role));
         check(graphed_session_rebound(raw_, callable, microbatch, role, codes.data(), codes.size()));
         return std::vector<bool>(codes.begin(), codes.end());
     }
@@ -662,23 +719,17 @@ class Session {
         d.num_param_dsts = param_dsts.size();
         uint32_t index = 0;
         check(graphed_session_add_step(raw_, &d, &index));
-        steps_.resize(std::max<size_t>(steps_.size(), size_t(index) + 1));
-        size_t n = 0;
-        for (uint32_t c : callables) n += arity(c).params;
-        steps_[index] = n;
+        step_params(index);
         return index;
     }
 
     /// Replays a step on `stream`; `params` gets one Ref per parameter of
     /// its callables, in order (its capacity reused).
     void step(uint32_t step, graphed_stream stream, std::vector<Ref>& params) {
-        if (step >= steps_.size())
-            throw Error(GRAPHED_STATUS_INVALID_ARGUMENT, "graphed::Session: step " + std::to_string(step) +
-                                                             " was not declared through this Session");
+        const size_t n = step_params(step);
         graphed_step_args a = graphed_step_args_default();
         a.step = step;
         a.stream = stream;
-        const size_t n = steps_[step];
         detail::RefArray refs(n);
         check(graphed_step_replay(raw_, &a, refs.data(), n));
         detail::adopt_refs(raw_, refs.data(), n, params);
@@ -730,9 +781,27 @@ class Session {
         return arity_[callable];
     }
 
+    // The refs a step's replay writes (graphed_step_param_count):
+    // remembered from add_step, else asked of the library once.
+    size_t step_params(uint32_t step) const {
+        if (step >= steps_.size() || !steps_[step].known) {
+            Count c;
+            check(graphed_step_param_count(raw_, step, &c.n));
+            c.known = true;
+            if (steps_.size() <= step) steps_.resize(size_t(step) + 1);
+            steps_[step] = c;
+        }
+        return steps_[step].n;
+    }
+
+    struct Count {
+        size_t n = 0;
+        bool known = false;
+    };
+
     graphed_session* raw_ = nullptr;
     mutable std::vector<Arity> arity_;
-    std::vector<size_t> steps_;
+    mutable std::vector<Count> steps_;
 };
 
 static_assert(!std::is_copy_constructible<Session>::value && std::is_nothrow_move_constructible<Session>::value,

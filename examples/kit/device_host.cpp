@@ -12,18 +12,6 @@
 
 namespace kit {
 
-size_t dtype_size(uint32_t dtype) {
-    switch (dtype) {
-        case GRAPHED_DTYPE_F32:
-        case GRAPHED_DTYPE_I32: return 4;
-        case GRAPHED_DTYPE_F16:
-        case GRAPHED_DTYPE_BF16: return 2;
-        case GRAPHED_DTYPE_F64:
-        case GRAPHED_DTYPE_I64: return 8;
-        default: return 1;
-    }
-}
-
 std::vector<float> random_floats(size_t n, uint32_t seed, float scale) {
     std::vector<float> v(n);
     uint64_t x = 0x9E3779B97F4A7C15ull ^ seed;
@@ -58,14 +46,14 @@ struct Elems {
 }  // namespace
 
 std::vector<uint8_t> to_dtype(const std::vector<float>& values, uint32_t dtype) {
-    std::vector<uint8_t> out(values.size() * dtype_size(dtype));
+    std::vector<uint8_t> out(values.size() * graphed::dtype_size(dtype));
     Elems e{dtype};
     for (size_t i = 0; i < values.size(); ++i) e.set(out.data(), i, values[i]);
     return out;
 }
 
 std::vector<float> from_dtype(const std::vector<uint8_t>& bytes, uint32_t dtype) {
-    std::vector<float> out(bytes.size() / dtype_size(dtype));
+    std::vector<float> out(bytes.size() / graphed::dtype_size(dtype));
     Elems e{dtype};
     for (size_t i = 0; i < out.size(); ++i) out[i] = e.get(bytes.data(), i);
     return out;

@@ -24,8 +24,6 @@ inline const char* backend_name(Backend b) { return b == Backend::Host ? "host" 
 // For GoogleTest's messages.
 inline void PrintTo(Backend b, std::ostream* os) { *os << backend_name(b); }
 
-size_t dtype_size(uint32_t dtype);
-
 // Memory, streams and math of one backend. All math is enqueued on the
 // given stream (a callback's ctx->stream, or `stream()` for eager work) and
 // returns 0 on success.

@@ -6,7 +6,7 @@
 namespace kit {
 
 graphed::Callable LinearLayer::callable(const void* sample_input, bool input_requires_grad) {
-    const size_t es = dtype_size(dtype);
+    const size_t es = graphed::dtype_size(dtype);
     in_shape[0] = out_shape[0] = batch;
     in_shape[1] = in;
     out_shape[1] = out;
@@ -135,7 +135,7 @@ int32_t LossLayer::backward(const graphed_pass_ctx* ctx, void* self) {
 }
 
 Mlp::Mlp(Device& dev, int layers, int batch, int width, uint32_t seed, uint32_t dtype)
-    : dev_(dev), batch_(batch), width_(width), dtype_(dtype), es_(dtype_size(dtype)) {
+    : dev_(dev), batch_(batch), width_(width), dtype_(dtype), es_(graphed::dtype_size(dtype)) {
     layer_.resize(layers);
     size_t act = size_t(batch) * width * es_;
     for (int i = 0; i < layers; ++i) {

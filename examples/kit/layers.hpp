@@ -37,7 +37,7 @@ struct LinearLayer {
     static int32_t backward(const graphed_pass_ctx* ctx, void* self);
     static int32_t wgrad(const graphed_pass_ctx* ctx, void* self);
 
-    size_t act_bytes(int features) const { return size_t(batch) * features * dtype_size(dtype); }
+    size_t act_bytes(int features) const { return size_t(batch) * features * graphed::dtype_size(dtype); }
 
     // The same math eagerly, on explicit buffers.
     int eager_forward(graphed_stream s, const void* x, void* z, void* y) const;
@@ -58,7 +58,7 @@ struct LossLayer {
     graphed::Callable callable(uint32_t producer);
     static int32_t forward(const graphed_pass_ctx* ctx, void* self);
     static int32_t backward(const graphed_pass_ctx* ctx, void* self);
-    size_t bytes() const { return size_t(batch) * width * dtype_size(dtype); }
+    size_t bytes() const { return size_t(batch) * width * graphed::dtype_size(dtype); }
 };
 
 // How an Mlp registers its layers with a session.

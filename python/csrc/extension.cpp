@@ -306,7 +306,16 @@ PYBIND11_MODULE(_torch_ext, m) {
             }
             return v;
         },
-        "With buffer reuse: what each captured pass lets go of: (callable, microbatch, graphed_buffer_role).");
+        "With buffer reuse: what each captured pass lets go of, as graphed says (graphed_schedule_releases): "
+        "(callable, microbatch, graphed_buffer_role).");
+    // graphed's constants the package passes or receives, from the header.
+    m.attr("PASS_FORWARD") = uint32_t(GRAPHED_PASS_FORWARD);
+    m.attr("PASS_BACKWARD") = uint32_t(GRAPHED_PASS_BACKWARD);
+    m.attr("PASS_WGRAD") = uint32_t(GRAPHED_PASS_WGRAD);
+    m.attr("PARAM_FLAGS_DELAYED_WGRAD") = uint32_t(GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
+    m.attr("BUFFER_ROLE_OUTPUT") = uint32_t(GRAPHED_BUFFER_ROLE_OUTPUT);
+    m.attr("BUFFER_ROLE_GRAD_INPUT") = uint32_t(GRAPHED_BUFFER_ROLE_GRAD_INPUT);
+    m.attr("BUFFER_ROLE_PARAM_GRADS") = uint32_t(GRAPHED_BUFFER_ROLE_PARAM_GRADS);
     m.def("library_version", &graphed_torch::library_version);
     m.def("header_version", &graphed_torch::header_version);
     m.def("library_path", &library_path);

@@ -107,8 +107,8 @@ struct Options {
     std::vector<uint32_t> layers_per_chunk;
     // Share memory between buffers whose lifetimes do not overlap (needs a
     // schedule): graphed's own static buffers by its planner, and outputs,
-    // input grads and cloned parameter grads released once consumed, with
-    // Transformer Engine's rules.
+    // input grads and cloned parameter grads released once consumed, when
+    // graphed says (reuse_releases).
     bool reuse_buffers = false;
     // PyTorch graph memory pool to capture into (shared with other captures
     // that name it); default: a new one.
@@ -199,16 +199,16 @@ struct PassRef {
 std::vector<PassRef> pass_order(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
                                 const std::vector<uint32_t>& layers_per_chunk);
 
-// With buffer reuse: what each captured pass lets go of (Transformer
-// Engine's rules): after a backward, its outputs, its cloned parameter
-// grads (unless a weight-grad pass follows) and the input grads of the
-// backward before it in the same step; at the first layer of a step, the
-// first layer's input grads of the previous step; after a weight-grad
-// pass, its cloned parameter grads.
+// With buffer reuse: what each captured pass lets go of, as graphed says
+// (graphed_schedule_releases, Transformer Engine's reuse rules): after a
+// backward, its outputs and its cloned parameter grads (after the
+// weight-grad pass instead, when there is one); an input grad once the
+// layer before it took it, a chunk's first layer's once the next backward
+// step has run and the previous chunk took it.
 struct Release {
     uint32_t callable;
     uint32_t microbatch;
-    uint32_t role;  // GRAPHED_BUFFER_ROLE_OUTPUT, _GRAD_INPUT or _PARAM_GRADS (cloned ones)
+    uint32_t role;  // GRAPHED_BUFFER_ROLE_OUTPUT, _GRAD_INPUT or _PARAM_GRADS (those a replay copies out)
 };
 // One list per entry of pass_order(num_callables, schedule, layers_per_chunk).
 std::vector<std::vector<Release>> reuse_releases(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,

@@ -18,18 +18,47 @@ def x():
     return (torch.zeros(2, 4, requires_grad=True),)
 
 
+# Transformer Engine's messages, as its graph.py words them.
+TE_HOOKS = (
+    "Modules must not have hooks registered at the time they are passed. However, registering hooks on modules "
+    "after passing them through make_graphed_callables is allowed. If you have to use hooks during capture time, "
+    "you can provide them in the capture_time_hooks argument, and they will be executed outside the CUDA graph "
+    "capture context, meaning they will not be recorded into the graph and will not be replayed."
+)
+TE_BUFFERS = (
+    "In any :class:`~torch.nn.Module` passed to :func:`~make_graphed_callables`, only parameters may be trainable. "
+    "All buffers must have ``requires_grad=False``."
+)
+
+
 def test_modules_with_hooks_are_refused():
     m = lin()
     m.register_forward_pre_hook(lambda *a: None)
-    with pytest.raises(RuntimeError, match="capture_time_hooks"):
+    with pytest.raises(RuntimeError) as e:
         gt.make_graphed_callables(m, x())
+    assert str(e.value) == TE_HOOKS
 
 
 def test_trainable_buffers_are_refused():
     m = lin()
     m.register_buffer("b", torch.zeros(1, requires_grad=True))
-    with pytest.raises(RuntimeError, match="only parameters may be trainable"):
+    with pytest.raises(RuntimeError) as e:
         gt.make_graphed_callables(m, x())
+    assert str(e.value) == TE_BUFFERS
+
+
+def test_one_sample_kwargs_per_callable_or_sample():
+    with pytest.raises(ValueError) as e:
+        gt.make_graphed_callables((lin(), lin()), (x(), x()), sample_kwargs=({},))
+    assert str(e.value) == (
+        "Expected sample_kwargs to have the same length as callables, but got 1 sample_kwargs for 2 callables"
+    )
+    with pytest.raises(ValueError) as e:
+        gt.make_graphed_callables((lin(),), (x(), x()), sample_kwargs=({},), _order=[1, 1, -1, -1])
+    assert str(e.value) == (
+        "Pipeline-parallel schedule requires sample_kwargs and sample_args to have the same length, but got 1 "
+        "sample_kwargs for 2 sample_args"
+    )
 
 
 def test_mixed_training_modes_are_refused():

@@ -35,6 +35,11 @@ class FakeImpl:
 class FakeExt:
     """Runs one warmup iteration of forwards (with the hooks) as the adapter would."""
 
+    # Stand-ins for graphed's constants, which the package takes from the
+    # extension.
+    PASS_FORWARD, PASS_BACKWARD, PASS_WGRAD = "forward", "backward", "wgrad"
+    PARAM_FLAGS_DELAYED_WGRAD = 0x100
+
     def __init__(self):
         self.replays, self.resets, self.calls = [], 0, []
         self.microbatches = 1
@@ -53,10 +58,10 @@ class FakeExt:
         for s in specs:
             flat = list(s["samples"])
             if s["hook"]:
-                s["hook"](True, 0, False, 0, flat, None, None, None)
+                s["hook"](True, self.PASS_FORWARD, False, 0, flat, None, None, None)
             out = s["forward"](flat)
             if s["hook"]:
-                s["hook"](False, 0, False, 0, flat, out, None, None)
+                s["hook"](False, self.PASS_FORWARD, False, 0, flat, out, None, None)
         return [[FakeImpl(s, m, self) for m in range(microbatches)] for s in specs]
 
 
@@ -89,7 +94,7 @@ def test_module_forward_is_replaced_and_restored(fake):
     spec = fake.specs[0]
     assert spec["name"] == "Block_0"
     assert spec["input_names"] == ["argument 0", "keyword argument 'mask'"]
-    assert spec["param_names"] == ["lin.weight", "lin.bias"] and spec["param_flags"] == [1, 0]
+    assert spec["param_names"] == ["lin.weight", "lin.bias"] and spec["param_flags"] == [FakeExt.PARAM_FLAGS_DELAYED_WGRAD, 0]
     assert torch.equal(m(torch.ones(2, 4), mask=torch.ones(2, 4)), want)
     with pytest.raises(ValueError, match="'scale' is 3.0"):
         m(torch.ones(2, 4), mask=torch.ones(2, 4), scale=3.0)

@@ -13,9 +13,9 @@ def test_canonicalize_fills_every_key():
 @pytest.mark.parametrize(
     "hooks, error, match",
     [
-        ([None, None], ValueError, "2 entries but there are 1"),
+        ([None, None], ValueError, "capture_time_hooks has 2 entries, but there are 1 callables."),
         (["x"], TypeError, "dicts or None"),
-        ([{"forward_hook": {}}], ValueError, "Unknown capture_time_hooks keys"),
+        ([{"forward_hook": {}}], ValueError, r"Found unexpected keys in capture_time_hooks \({'forward_hook'}\)."),
         ([{"forward_hooks": [print]}], TypeError, "must be a dict"),
     ],
 )
@@ -42,12 +42,17 @@ def test_dispatcher_signatures_and_order():
             }
         ],
     )[0]
-    d = _hooks.Dispatcher(module, hooks, lambda flat: (tuple(flat[:1]), {"scale": flat[1]}), lambda flat: flat[0])
-    d(True, _hooks.FORWARD, False, 0, ["x", "s"], None, None, None)
-    d(False, _hooks.FORWARD, False, 0, ["x", "s"], ["y"], None, None)
-    d(True, _hooks.BACKWARD, True, 0, None, None, ["dy"], None)
-    d(False, _hooks.BACKWARD, True, 0, None, None, ["dy"], ["dx", None])
-    d(True, 2, True, 0, None, None, ["dy"], None)  # weight-grad passes run no hooks
+    # The pass codes are whatever the adapter's events carry (graphed's, from
+    # the extension); any three distinct values here.
+    FWD, BWD, WGRAD = 10, 11, 12
+    d = _hooks.Dispatcher(
+        module, hooks, lambda flat: (tuple(flat[:1]), {"scale": flat[1]}), lambda flat: flat[0], FWD, BWD
+    )
+    d(True, FWD, False, 0, ["x", "s"], None, None, None)
+    d(False, FWD, False, 0, ["x", "s"], ["y"], None, None)
+    d(True, BWD, True, 0, None, None, ["dy"], None)
+    d(False, BWD, True, 0, None, None, ["dy"], ["dx", None])
+    d(True, WGRAD, True, 0, None, None, ["dy"], None)  # weight-grad passes run no hooks
     assert calls == [
         ("pre", True, ("x",)),
         ("pre_kw", ("x",), {"scale": "s"}),
@@ -60,6 +65,6 @@ def test_dispatcher_signatures_and_order():
 
 def test_a_hook_returning_a_value_is_refused():
     hooks = _hooks.canonicalize(1, [{"forward_pre_hooks": {1: lambda m, a: a}}])[0]
-    d = _hooks.Dispatcher(None, hooks, lambda flat: (tuple(flat), {}), lambda flat: flat)
-    with pytest.raises(RuntimeError, match="forward_pre_hooks must not return a value"):
-        d(True, _hooks.FORWARD, False, 0, ["x"], None, None, None)
+    d = _hooks.Dispatcher(None, hooks, lambda flat: (tuple(flat), {}), lambda flat: flat, 0, 1)
+    with pytest.raises(RuntimeError, match=r"^capture_time_hooks forward_pre_hooks must not return a value\.$"):
+        d(True, 0, False, 0, ["x"], None, None, None)

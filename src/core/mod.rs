@@ -1,8 +1,9 @@
 //! The pure core: decisions and bookkeeping with no CUDA and no C in them,
 //! so that they are unit-tested on any machine. Element types, grad-return
 //! policies and the return plan they freeze into, the static-buffer layout,
-//! alias leases, the scratch arena, pipeline schedules, the buffer-reuse
-//! planner, checked size arithmetic and the handle table.
+//! alias leases, the scratch arena, pipeline schedules, how long each
+//! buffer of a schedule is needed, the buffer-reuse planner, checked size
+//! arithmetic and the handle table.
 
 pub mod arena;
 pub mod dtype;
@@ -11,6 +12,7 @@ pub mod layout;
 pub mod lease;
 pub mod plan;
 pub mod policy;
+pub mod release;
 pub mod returns;
 pub mod schedule;
 pub mod size;

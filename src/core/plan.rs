@@ -1,29 +1,20 @@
 //! Where the static buffers live. Without reuse every buffer has its own
 //! memory. With reuse (a pipeline schedule only), buffers whose lifetimes
 //! do not overlap share memory, one slot per signature (size), following
-//! Transformer Engine's reuse rules:
-//!
-//! - static inputs live from their forward to their backward (weight-grad):
-//!   a later microbatch's inputs take over an earlier one's once its
-//!   backward ran;
-//! - outputs live from their forward to their backward, then are released;
-//! - grad-outputs are only used inside their backward (and weight-grad), so
-//!   all of one signature share memory;
-//! - a grad-input lives until the next backward pass has run (and, for the
-//!   first layer of a chunk, until the previous chunk's backward of the same
-//!   microbatch took it);
-//! - a parameter-grad slab lives only during its replay when every slot is
-//!   copied out (CLONE, COPY_INTO, ACCUMULATE_INTO); a slab with an ALIAS
-//!   slot is kept for the whole session.
+//! Transformer Engine's reuse rules, as `core::release` states them for
+//! every buffer of a schedule's instances (a later microbatch's inputs take
+//! over an earlier one's once its backward ran; grad-outputs, used only
+//! inside their backward, share memory by signature); a parameter-grad slab
+//! with an ALIAS slot is kept for the whole session.
 //!
 //! Lifetimes are in pass positions of the capture order (inclusive); the
 //! plan is a pure function of them and the buffer sizes.
 
 use super::layout::{BufferDesc, Layout, Role};
 use super::policy::GradPolicy;
+use super::release::Spans;
 use super::schedule::Schedule;
 use super::size;
-use super::PassKind;
 use crate::error::Result;
 use std::collections::HashMap;
 
@@ -79,86 +70,43 @@ pub fn disjoint(buffers: &[BufferDesc]) -> Result<Plan> {
     })
 }
 
-/// The lifetime of every buffer of `layout` under schedule `s`.
-/// `instance(callable, microbatch)` is the instance index of the layout.
+/// The lifetime of every buffer of `layout` under schedule `s`: the spans
+/// of `core::release` (a span needed to the end of the session ends at the
+/// last pass), except that a slab with an ALIAS slot is kept for the whole
+/// session. `instance(callable, microbatch)` is the instance index of the
+/// layout.
 pub fn lifetimes(
     s: &Schedule,
     layout: &Layout,
     instance: impl Fn(usize, usize) -> usize,
 ) -> Vec<Lifetime> {
-    let n = layout.instances.len();
     let last = s.passes.len().saturating_sub(1);
-    let (mut fwd, mut bwd, mut wgrad) = (vec![0; n], vec![0; n], vec![None; n]);
-    for (pos, p) in s.passes.iter().enumerate() {
-        let i = instance(p.callable, p.microbatch);
-        match p.kind {
-            PassKind::Forward => fwd[i] = pos,
-            PassKind::Backward => bwd[i] = pos,
-            PassKind::Wgrad => wgrad[i] = Some(pos),
-        }
+    let spans = Spans::of(s);
+    let mut owner = vec![(0, 0); layout.instances.len()];
+    for p in &s.passes {
+        owner[instance(p.callable, p.microbatch)] = (p.callable, p.microbatch);
     }
-    // The next backward pass after each position.
-    let mut next_bwd = vec![last; s.passes.len() + 1];
-    for pos in (0..s.passes.len()).rev() {
-        next_bwd[pos] = if s.passes[pos].kind == PassKind::Backward {
-            pos
-        } else {
-            next_bwd[pos + 1]
-        };
-    }
-    let owner: Vec<(usize, usize)> = {
-        let mut o = vec![(0, 0); n];
-        for p in &s.passes {
-            o[instance(p.callable, p.microbatch)] = (p.callable, p.microbatch);
-        }
-        o
-    };
-    // The lifetime of buffer `b` as used by instance `i` in `role`.
+    // The lifetime of a buffer as used by instance `i` in `role`.
     let span = |i: usize, role: Role| {
-        let done = wgrad[i].unwrap_or(bwd[i]);
-        match role {
-            Role::Input => Lifetime {
-                start: fwd[i],
-                end: done,
-            },
-            Role::Output => Lifetime {
-                start: fwd[i],
-                end: bwd[i],
-            },
-            Role::GradOutput => Lifetime {
-                start: bwd[i],
-                end: done,
-            },
-            Role::GradInput => {
-                let mut end = next_bwd[bwd[i] + 1];
-                let (callable, mb) = owner[i];
-                let chunk = s.chunk_of(callable);
-                if callable == s.prefix[chunk] && chunk > 0 {
-                    // Taken by the last layer of the previous chunk.
-                    let prev = s.prefix[chunk] - 1;
-                    end = end.max(bwd[instance(prev, mb)]);
-                }
-                Lifetime { start: bwd[i], end }
-            }
-            Role::ParamGrads => {
-                let slab = &layout.instances[i].slab_layout;
-                if slab
-                    .slots
-                    .iter()
-                    .flatten()
-                    .any(|s| s.policy == GradPolicy::Alias)
-                {
-                    Lifetime {
-                        start: 0,
-                        end: last,
-                    }
-                } else {
-                    Lifetime {
-                        start: done,
-                        end: done,
-                    }
-                }
-            }
+        let aliased = || {
+            layout.instances[i]
+                .slab_layout
+                .slots
+                .iter()
+                .flatten()
+                .any(|s| s.policy == GradPolicy::Alias)
+        };
+        if role == Role::ParamGrads && aliased() {
+            return Lifetime {
+                start: 0,
+                end: last,
+            };
+        }
+        let (callable, microbatch) = owner[i];
+        let sp = spans.get(callable, microbatch, role);
+        Lifetime {
+            start: sp.start,
+            end: sp.end.unwrap_or(last),
         }
     };
     let mut out: Vec<Lifetime> = layout
@@ -245,6 +193,7 @@ mod tests {
     use crate::core::layout::{layout, InstanceShape, ParamShape, TensorShape};
     use crate::core::schedule::tests::{te, TE_ORDER};
     use crate::core::schedule::{Pass, ScheduleStep};
+    use crate::core::PassKind;
 
     const H: usize = 1024; // bytes of every activation in these tests
 
@@ -405,15 +354,19 @@ mod tests {
         assert!(plan.total_bytes < plan.disjoint_bytes);
         assert!(plan.peak_live_bytes <= plan.total_bytes);
         // The grad-input of chunk 2 (callable 3) for microbatch 0 lives until
-        // callable 2 (last layer of chunk 1) ran its backward.
+        // callable 2 (last layer of chunk 1) took it and the next backward
+        // step (chunk 1's, which ends with callable 1) has run.
         let gin = (0..l.buffers.len())
             .find(|&i| l.buffers[i].role == Role::GradInput && l.buffers[i].instance == 3 * 2)
             .unwrap();
-        let b2 = s
-            .passes
-            .iter()
-            .position(|p| p.callable == 2 && p.microbatch == 0 && p.kind == PassKind::Backward);
-        assert_eq!(lt[gin].end, b2.unwrap());
+        let bwd = |c: usize| {
+            s.passes
+                .iter()
+                .position(|p| p.callable == c && p.microbatch == 0 && p.kind == PassKind::Backward)
+                .unwrap()
+        };
+        assert!(bwd(2) < bwd(1));
+        assert_eq!(lt[gin].end, bwd(1));
     }
 
     /// Random valid interleaved schedules: chunks run in order per
@@ -486,7 +439,27 @@ mod tests {
                 for (b, t) in l.buffers.iter().zip(&lt) {
                     assert!(t.start <= t.end, "{b:?} {t:?}");
                 }
+                if policy == GradPolicy::Clone {
+                    check_ends_where_released(&s, &l, &lt);
+                }
             }
+        }
+    }
+
+    /// Outputs, grad-inputs and copied-out slabs end where the releases a
+    /// caller gets say (the last pass when none is released).
+    fn check_ends_where_released(s: &Schedule, l: &Layout, lt: &[Lifetime]) {
+        let releases = Spans::of(s).releases();
+        let last = s.passes.len() - 1;
+        for (b, t) in l.buffers.iter().zip(lt) {
+            if matches!(b.role, Role::Input | Role::GradOutput) {
+                continue;
+            }
+            let (c, m) = (b.instance / s.microbatches, b.instance % s.microbatches);
+            let r = releases
+                .iter()
+                .find(|r| (r.callable, r.microbatch, r.role) == (c, m, b.role));
+            assert_eq!(r.map_or(last, |r| r.after), t.end, "{b:?}");
         }
     }
 

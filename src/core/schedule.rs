@@ -87,6 +87,24 @@ impl Schedule {
         }
     }
 
+    /// The order of `n` callables: `steps` (with their layers per chunk)
+    /// expanded, or without steps the order without a schedule.
+    /// `has_wgrad` says which callables have a weight-grad pass; None: as
+    /// the schedule says (none without steps).
+    pub fn resolve(
+        steps: Option<(&[ScheduleStep], Option<&[u32]>)>,
+        has_wgrad: Option<&[bool]>,
+        n: usize,
+    ) -> Result<Schedule> {
+        match (steps, has_wgrad) {
+            (None, w) => Ok(Schedule::sequential(
+                &w.map_or_else(|| vec![false; n], <[bool]>::to_vec),
+            )),
+            (Some((s, lpc)), Some(w)) => Schedule::derive(s, lpc, w),
+            (Some((s, lpc)), None) => Schedule::derive(s, lpc, &wgrad_as_scheduled(s, lpc, n)?),
+        }
+    }
+
     /// Validates `steps` against the registered callables and expands them.
     /// `layers_per_chunk` is derived (callables split evenly) when absent.
     pub fn derive(
@@ -98,10 +116,11 @@ impl Schedule {
         let (chunks, mb) = (shape.chunks, shape.microbatches);
         let n = has_wgrad.len();
         let (layers, prefix) = chunk_layers(&shape, layers_per_chunk, n)?;
+        let scheduled = scheduled_wgrad(&shape, &layers, &prefix);
         for c in 0..chunks {
             let members = prefix[c]..prefix[c] + layers[c];
             let with_wgrad = members.clone().filter(|&i| has_wgrad[i]).count();
-            if shape.wgrad_steps[c] > 0 {
+            if scheduled[prefix[c]] {
                 if layers[c] != 1 {
                     return Err(bad(format!(
                         "chunk {c} has weight-grad steps and {} layers; weight-grad steps need one layer per chunk",
@@ -162,6 +181,33 @@ impl Schedule {
             passes,
         })
     }
+}
+
+/// Which callables get a weight-grad pass by the schedule's steps: every
+/// callable of a chunk that has weight-grad steps (one per callable, for
+/// the chunks' `layers` starting at `prefix`).
+fn scheduled_wgrad(shape: &Shape, layers: &[usize], prefix: &[usize]) -> Vec<bool> {
+    let n = prefix.last().zip(layers.last()).map_or(0, |(p, l)| p + l);
+    let mut out = vec![false; n];
+    for c in 0..shape.chunks {
+        if shape.wgrad_steps[c] > 0 {
+            out[prefix[c]..prefix[c] + layers[c]].fill(true);
+        }
+    }
+    out
+}
+
+/// Which of `n` callables get a weight-grad pass as the schedule says (the
+/// callables of chunks with weight-grad steps). The steps and the split
+/// are checked as by `Schedule::derive`.
+pub fn wgrad_as_scheduled(
+    steps: &[ScheduleStep],
+    layers_per_chunk: Option<&[u32]>,
+    n: usize,
+) -> Result<Vec<bool>> {
+    let shape = Shape::check(steps)?;
+    let (layers, prefix) = chunk_layers(&shape, layers_per_chunk, n)?;
+    Ok(scheduled_wgrad(&shape, &layers, &prefix))
 }
 
 /// The layers (callables) of each chunk and the first callable of each:
@@ -455,6 +501,32 @@ pub(crate) mod tests {
                 p(0, 0, Wgrad)
             ]
         );
+    }
+
+    #[test]
+    fn weight_grad_callables_as_the_schedule_says() {
+        let mut steps = te(&[1.0, 2.0, -2.0]);
+        steps.push(w(1));
+        steps.extend(te(&[-1.0]));
+        assert_eq!(
+            wgrad_as_scheduled(&steps, None, 2).unwrap(),
+            vec![false, true]
+        );
+        assert_eq!(
+            Schedule::resolve(Some((&steps, None)), None, 2).unwrap(),
+            Schedule::derive(&steps, None, &[false, true]).unwrap()
+        );
+        assert_eq!(
+            Schedule::resolve(None, None, 2).unwrap(),
+            Schedule::sequential(&[false, false])
+        );
+        assert_eq!(
+            wgrad_as_scheduled(&te(&[1.0, 2.0, -2.0, -1.0]), Some(&[2, 1]), 3).unwrap(),
+            vec![false; 3]
+        );
+        // The steps and the split are checked as by derive.
+        assert!(wgrad_as_scheduled(&[], None, 1).is_err());
+        assert!(wgrad_as_scheduled(&steps, None, 3).is_err());
     }
 
     #[test]

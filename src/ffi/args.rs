@@ -63,6 +63,23 @@ pub(crate) fn arg_out<T>(p: *mut T, what: &'static str) -> Result<*mut T> {
     }
 }
 
+/// A call that answers one value: checks the output pointer first, then
+/// writes what `answer` gives, only when it succeeds.
+///
+/// # Safety
+/// A non-NULL `p` must be writable.
+pub(crate) unsafe fn write_answer<T>(
+    p: *mut T,
+    what: &'static str,
+    answer: impl FnOnce() -> Result<T>,
+) -> Result<()> {
+    let out = arg_out(p, what)?;
+    let value = answer()?;
+    // SAFETY: checked non-NULL and aligned; the caller's promise.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
 /// Checks that `len` elements of `elem` bytes at `p` make a valid range.
 fn check_range(p: usize, len: usize, elem: usize, align: usize, what: &str) -> Result<()> {
     match len.checked_mul(elem) {

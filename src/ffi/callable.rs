@@ -1,8 +1,11 @@
 //! Registering callables: the tensor, parameter and callable descriptors,
 //! their defaults, and their conversion into the orchestration layer's
-//! specs. Everything in a descriptor is copied at registration.
+//! specs, and the element size of each dtype a descriptor names.
+//! Everything in a descriptor is copied at registration.
 
-use super::args::{arg_out, arg_slice, arg_str, assert_header, read_array, read_struct, CStruct};
+use super::args::{
+    arg_out, arg_slice, arg_str, assert_header, read_array, read_struct, write_answer, CStruct,
+};
 use super::boundary::boundary;
 use super::callback::{graphed_pass_fn, CCallbacks};
 use super::enums::{
@@ -342,6 +345,24 @@ pub extern "C" fn graphed_session_set_param_flags(
         self::session(session)?
             .lock()?
             .set_param_flags(callable, param, flags)
+    })
+}
+
+/// Writes the size in bytes of one element of `dtype` (a graphed_dtype
+/// value) to `*size_out`: what a descriptor's `bytes` counts per element.
+/// An unknown code is GRAPHED_STATUS_INVALID_ARGUMENT.
+///
+/// # Safety
+/// `size_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_dtype_size(dtype: u32, size_out: *mut usize) -> graphed_status {
+    boundary("graphed_dtype_size", || {
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_answer(size_out, "size_out", || {
+                Ok(graphed_dtype::decode(dtype, "dtype")?.size())
+            })
+        }
     })
 }
 

@@ -3,7 +3,7 @@
 //! its frozen policies and its buffer plan; and whether a backend can run
 //! here at all.
 
-use super::args::{arg_out, assert_header, check_out_array, write_struct, CStruct};
+use super::args::{arg_out, assert_header, check_out_array, write_answer, write_struct, CStruct};
 use super::boundary::boundary;
 use super::enums::{graphed_backend, graphed_buffer_role, graphed_grad_policy};
 use super::handles::graphed_session;
@@ -259,6 +259,33 @@ pub unsafe extern "C" fn graphed_session_buffers(
             unsafe { ptrs.add(i).write(p as *mut c_void) };
         }
         Ok(())
+    })
+}
+
+/// Writes the number of static buffers of one role (a graphed_buffer_role
+/// value) of (callable, microbatch) of a captured session to
+/// `*count_out`: the `count` graphed_session_buffers and
+/// graphed_session_rebound take for that role.
+///
+/// # Safety
+/// `count_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_buffer_count(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    role: u32,
+    count_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_buffer_count", || {
+        let cell = self::session(session)?;
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_answer(count_out, "count_out", || {
+                let role = graphed_buffer_role::decode(role, "role")?;
+                Ok(cell.lock()?.buffers(callable, microbatch, role)?.len())
+            })
+        }
     })
 }
 

@@ -1,11 +1,13 @@
 //! Pipeline schedule steps, and the helpers callers would otherwise
-//! re-derive: Transformer Engine's `_order` notation to steps, and a
-//! schedule's shape (chunks, microbatches, the layers of each chunk).
+//! re-derive: Transformer Engine's `_order` notation to steps, a
+//! schedule's shape (chunks, microbatches, the layers of each chunk), its
+//! passes and, with buffer reuse, what each pass lets go of.
 
 use super::args::{arg_out, arg_slice, check_out_array, write_element};
 use super::boundary::boundary;
-use super::enums::{decode_bool, graphed_pass};
+use super::enums::{decode_bool, graphed_buffer_role, graphed_pass};
 use super::status::graphed_status;
+use crate::core::release::Spans;
 use crate::core::schedule::{
     chunk_layers, from_te_order, Schedule, ScheduleStep, Shape, MAX_PASSES,
 };
@@ -190,15 +192,96 @@ pub struct graphed_pass_ref {
     pub pass: u32,
 }
 
+/// The schedule a caller describes to graphed_schedule_passes and
+/// graphed_schedule_releases (`has_wgrad` NULL: as the schedule says).
+///
+/// # Safety
+/// The arrays hold the counts stated, where non-NULL.
+#[allow(clippy::too_many_arguments)]
+unsafe fn build_schedule(
+    steps: *const graphed_schedule_step,
+    num_steps: usize,
+    step_size: usize,
+    layers_per_chunk: *const u32,
+    num_layers_per_chunk: usize,
+    has_wgrad: *const u32,
+    num_callables: u32,
+) -> Result<Schedule> {
+    let n = num_callables as usize;
+    // Every callable has at least two passes.
+    if n > MAX_PASSES / 2 {
+        return Err(Error::invalid(format!(
+            "num_callables is {n}; a schedule has at most {MAX_PASSES} passes"
+        )));
+    }
+    let wgrad: Option<Vec<bool>> = if has_wgrad.is_null() {
+        None
+    } else {
+        // SAFETY: per this function's contract.
+        let flags = unsafe { arg_slice(has_wgrad, n, "has_wgrad") }?;
+        Some(
+            flags
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| decode_bool(v, &format!("has_wgrad[{i}]")))
+                .collect::<Result<_>>()?,
+        )
+    };
+    // SAFETY: per this function's contract.
+    let spec = unsafe {
+        read_schedule(
+            steps,
+            num_steps,
+            step_size,
+            layers_per_chunk,
+            num_layers_per_chunk,
+            &ScheduleFields::ARGS,
+        )
+    }?;
+    let steps = spec
+        .as_ref()
+        .map(|s| (&s.steps[..], s.layers_per_chunk.as_deref()));
+    Schedule::resolve(steps, wgrad.as_deref(), n)
+}
+
+/// Writes a helper's list: min(len, capacity) elements of `size` bytes to
+/// `out` (NULL: none, and `capacity` is not read), after checking the whole
+/// array the caller describes, then the length to `count_out`.
+///
+/// # Safety
+/// `out` is NULL or has room for `capacity` elements of `size` bytes;
+/// `count_out` is writable (checked non-NULL).
+unsafe fn write_list<T>(
+    items: &[T],
+    out: *mut T,
+    capacity: usize,
+    size: usize,
+    count_out: *mut usize,
+    what: &'static str,
+) -> Result<()> {
+    if !out.is_null() {
+        check_out_array(out, capacity, size, size_of::<T>(), what)?;
+        for (i, item) in items.iter().take(capacity).enumerate() {
+            // SAFETY: checked: room for `capacity` elements of `size`
+            // bytes, and i < capacity.
+            unsafe { write_element(out, size, i, item) };
+        }
+    }
+    // SAFETY: the caller's promise; written only on success.
+    unsafe { count_out.write(items.len()) };
+    Ok(())
+}
+
 /// The passes a session runs, in warmup and capture order, for
-/// `num_callables` callables of which `has_wgrad` (NULL: none; else one 0/1
-/// per callable) have a weight-grad callback: with `steps` (NULL and 0: no
-/// schedule) the schedule's expansion, else every forward in registration
-/// order, then every backward in reverse, each weight-grad after its
-/// backward. Writes min(count, capacity) passes to `passes` (NULL: none,
-/// and `capacity` is not read) and the count to `*count_out`. A capacity
-/// whose bytes (capacity * pass_size) overflow is INVALID_ARGUMENT, as
-/// every array length.
+/// `num_callables` callables of which `has_wgrad` (one 0/1 per callable)
+/// have a weight-grad callback; NULL: as the schedule says (the callables
+/// of chunks with weight-grad steps; none without a schedule). With
+/// `steps` (NULL and 0: no schedule) the schedule's expansion, else every
+/// forward in registration order, then every backward in reverse, each
+/// weight-grad after its backward. Writes min(count, capacity) passes to
+/// `passes` (NULL: none, and `capacity` is not read) and the count to
+/// `*count_out`. A capacity whose bytes (capacity * pass_size) overflow is
+/// INVALID_ARGUMENT, as every array length.
 ///
 /// # Safety
 /// The arrays must hold the counts stated; `passes` must have room for
@@ -219,62 +302,117 @@ pub unsafe extern "C" fn graphed_schedule_passes(
 ) -> graphed_status {
     boundary("graphed_schedule_passes", || {
         let count_out = arg_out(count_out, "count_out")?;
-        let n = num_callables as usize;
-        // Every callable has at least two passes.
-        if n > MAX_PASSES / 2 {
-            return Err(Error::invalid(format!(
-                "num_callables is {n}; a schedule has at most {MAX_PASSES} passes"
-            )));
-        }
-        let wgrad: Vec<bool> = if has_wgrad.is_null() {
-            vec![false; n]
-        } else {
-            // SAFETY: per this function's contract.
-            unsafe { arg_slice(has_wgrad, n, "has_wgrad") }?
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| decode_bool(v, &format!("has_wgrad[{i}]")))
-                .collect::<Result<_>>()?
-        };
         // SAFETY: per this function's contract.
-        let spec = unsafe {
-            read_schedule(
+        let schedule = unsafe {
+            build_schedule(
                 steps,
                 num_steps,
                 step_size,
                 layers_per_chunk,
                 num_layers_per_chunk,
-                &ScheduleFields::ARGS,
+                has_wgrad,
+                num_callables,
             )
         }?;
-        let schedule = match spec {
-            None => Schedule::sequential(&wgrad),
-            Some(s) => Schedule::derive(&s.steps, s.layers_per_chunk.as_deref(), &wgrad)?,
-        };
-        let count = schedule.passes.len();
-        if !passes.is_null() {
-            // The whole array the caller describes, not only what is written.
-            check_out_array(
-                passes,
+        let list: Vec<graphed_pass_ref> = schedule
+            .passes
+            .iter()
+            .map(|p| graphed_pass_ref {
+                callable: p.callable as u32,
+                microbatch: p.microbatch as u32,
+                pass: graphed_pass::encode(p.kind),
+            })
+            .collect();
+        // SAFETY: per this function's contract.
+        unsafe { write_list(&list, passes, capacity, pass_size, count_out, "passes") }
+    })
+}
+
+/// One buffer a schedule lets go of (graphed_schedule_releases).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct graphed_release {
+    /// The position, in graphed_schedule_passes's order, of the pass after
+    /// which the buffer is no longer needed.
+    pub after: u32,
+    pub callable: u32,
+    pub microbatch: u32,
+    /// A graphed_buffer_role value: OUTPUT, GRAD_INPUT or PARAM_GRADS.
+    pub role: u32,
+}
+
+/// With buffer reuse: after which pass of the order graphed_schedule_passes
+/// gives (the same arguments) each output, input grad and parameter grad
+/// of every (callable, microbatch) is no longer needed, so that memory a
+/// caller handed over for it (GRAPHED_TENSOR_FLAGS_EXTERNAL,
+/// GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD) may hold other buffers of the passes
+/// captured after that one, as graphed's own static buffers do. Outputs go
+/// after their backward; input grads once the layer before them in the
+/// chunk took them, a chunk's first layer's once the next backward step
+/// has run and the previous chunk's backward of the same microbatch took
+/// it (the last backward step's are kept); parameter grads after the pass
+/// that writes them (the backward, or the weight-grad pass), those a
+/// replay copies out only: an ALIAS grad is the buffer itself and is kept.
+/// Writes min(count, capacity) releases, ordered by `after`, then
+/// callable, microbatch and role, to `releases` (NULL: none, and
+/// `capacity` is not read) and the count to `*count_out`. A capacity whose
+/// bytes (capacity * release_size) overflow is INVALID_ARGUMENT, as every
+/// array length.
+///
+/// # Safety
+/// The arrays must hold the counts stated; `releases` must have room for
+/// `capacity` elements of `release_size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_schedule_releases(
+    steps: *const graphed_schedule_step,
+    num_steps: usize,
+    step_size: usize,
+    layers_per_chunk: *const u32,
+    num_layers_per_chunk: usize,
+    has_wgrad: *const u32,
+    num_callables: u32,
+    releases: *mut graphed_release,
+    capacity: usize,
+    release_size: usize,
+    count_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_schedule_releases", || {
+        let count_out = arg_out(count_out, "count_out")?;
+        // SAFETY: per this function's contract.
+        let schedule = unsafe {
+            build_schedule(
+                steps,
+                num_steps,
+                step_size,
+                layers_per_chunk,
+                num_layers_per_chunk,
+                has_wgrad,
+                num_callables,
+            )
+        }?;
+        // Positions are below MAX_PASSES, callables and microbatches below
+        // u32::MAX.
+        let list: Vec<graphed_release> = Spans::of(&schedule)
+            .releases()
+            .iter()
+            .map(|r| graphed_release {
+                after: r.after as u32,
+                callable: r.callable as u32,
+                microbatch: r.microbatch as u32,
+                role: graphed_buffer_role::encode(r.role),
+            })
+            .collect();
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_list(
+                &list,
+                releases,
                 capacity,
-                pass_size,
-                size_of::<graphed_pass_ref>(),
-                "passes",
-            )?;
-            for (i, p) in schedule.passes.iter().take(capacity).enumerate() {
-                let r = graphed_pass_ref {
-                    callable: p.callable as u32,
-                    microbatch: p.microbatch as u32,
-                    pass: graphed_pass::encode(p.kind),
-                };
-                // SAFETY: checked: room for `capacity` elements of
-                // pass_size bytes, and i < capacity.
-                unsafe { write_element(passes, pass_size, i, &r) };
-            }
+                release_size,
+                count_out,
+                "releases",
+            )
         }
-        // SAFETY: checked non-NULL; written only on success.
-        unsafe { count_out.write(count) };
-        Ok(())
     })
 }
 

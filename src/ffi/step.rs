@@ -2,7 +2,7 @@
 //! one graph (every forward, then every backward, with the parameter grads
 //! returned inside the graph), replayed with one launch.
 
-use super::args::{arg_out, arg_slice, assert_header, read_struct, CStruct};
+use super::args::{arg_out, arg_slice, assert_header, read_struct, write_answer, CStruct};
 use super::boundary::boundary;
 use super::callback::graphed_stream;
 use super::handles::graphed_session;
@@ -93,6 +93,25 @@ pub unsafe extern "C" fn graphed_session_add_step(
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
         Ok(())
+    })
+}
+
+/// Writes the number of refs a replay of `step` writes to `*count_out`:
+/// one per parameter of the step's callables (graphed_step_replay's
+/// `num_param_grads`). An unknown step is GRAPHED_STATUS_INVALID_ARGUMENT.
+///
+/// # Safety
+/// `count_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_step_param_count(
+    session: *mut graphed_session,
+    step: u32,
+    count_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_step_param_count", || {
+        let s = self::session(session)?;
+        // SAFETY: per this function's contract.
+        unsafe { write_answer(count_out, "count_out", || s.lock()?.step_params(step)) }
     })
 }
 

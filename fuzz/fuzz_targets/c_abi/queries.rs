@@ -158,6 +158,7 @@ pub fn op_query() {
                     "buffers written on failure"
                 );
             }
+            buffer_count(t, c, m, role, model.clone());
         }
         1 => {
             let c = i.below(3) as u32;
@@ -310,6 +311,56 @@ pub fn op_query() {
     }
 }
 
+/// graphed_session_buffer_count: the count graphed_session_buffers takes
+/// for the role, refused as that call refuses a target, role, state,
+/// callable or microbatch.
+fn buffer_count(t: Target, c: u32, m: u32, role: u32, model: Option<(St, Vec<Callable>, u32)>) {
+    let null = w().input.chance(30);
+    let mut n = 0x77usize;
+    let mut want = t.lookup();
+    first(&mut want, null.then_some(S::NullPointer));
+    first(&mut want, (role > 4).then_some(S::InvalidArgument));
+    first(&mut want, t.lock());
+    let mut expected = None;
+    if want.is_none() {
+        let (st, cls, mb) = model.unwrap();
+        first(
+            &mut want,
+            match st {
+                St::Open => Some(S::WrongState),
+                St::Reset => Some(S::SessionReset),
+                St::Captured => None,
+            },
+        );
+        match cls.get(c as usize) {
+            Some(cl) if m < mb => {
+                expected = Some(match role {
+                    0 | 3 => cl.inputs.len(),
+                    1 | 2 => cl.outputs.len(),
+                    _ => cl.params.len(),
+                })
+            }
+            _ => first(&mut want, Some(S::InvalidArgument)),
+        }
+    }
+    mark();
+    // SAFETY: NULL or a local.
+    let r = unsafe {
+        graphed_session_buffer_count(t.ptr(), c, m, role, if null { null_mut() } else { &mut n })
+    };
+    expect(
+        r,
+        &[want.unwrap_or(S::Ok)],
+        "graphed_session_buffer_count",
+        "query",
+    );
+    if r == S::Ok {
+        assert_eq!(Some(n), expected, "buffer count of role {role}");
+    } else {
+        assert_eq!(n, 0x77, "buffer count written on failure");
+    }
+}
+
 pub fn op_misc() {
     let i = &w().input;
     let code = i.pick(&[0u32, 3, 19, 20, 1000, u32::MAX]);
@@ -338,6 +389,26 @@ pub fn op_misc() {
     if r != S::Ok {
         assert_eq!(n, 0xff);
     }
+    // Element sizes: every dtype code, unknown ones, a NULL output.
+    let dtype = i.pick(&[0u32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255, u32::MAX]);
+    let null = i.chance(30);
+    let mut size = 0x77usize;
+    mark();
+    // SAFETY: NULL or a local.
+    let r = unsafe { graphed_dtype_size(dtype, if null { null_mut() } else { &mut size }) };
+    let sizes = [4usize, 2, 2, 8, 1, 1, 4, 8, 1];
+    let want = match sizes.get(dtype as usize) {
+        _ if null => S::NullPointer,
+        Some(_) => S::Ok,
+        None => S::InvalidArgument,
+    };
+    expect(r, &[want], "graphed_dtype_size", "dtype");
+    let got = if r == S::Ok {
+        sizes[dtype as usize]
+    } else {
+        0x77
+    };
+    assert_eq!(size, got, "dtype {dtype}");
     teardown_errors(code);
 }
 

@@ -97,7 +97,8 @@ pub fn op_schedule_helpers() {
 }
 
 /// graphed_schedule_passes: the sequential expansion checked exactly, a
-/// schedule's checked against its own count, and bad arguments.
+/// schedule's checked against its own count, and bad arguments; then
+/// graphed_schedule_releases over the same schedule.
 pub fn op_schedule_passes() {
     let i = &w().input;
     // Sometimes a count whose passes could not be built.
@@ -138,17 +139,25 @@ pub fn op_schedule_passes() {
     };
     let mut out = vec![0xabu8; room * pass_size.max(12) + 16];
     let mut count = 0x77usize;
+    let described = Described {
+        steps: if sched { steps.as_ptr().cast() } else { null() },
+        num_steps: steps.len() / 2,
+        split: split_ptr,
+        num_split: split_n,
+        has_wgrad: if wg_null { null() } else { wg.as_ptr() },
+        callables: ncall,
+    };
     mark();
     // SAFETY: every array holds the stated count; `out` has room for `cap`
     // passes of `pass_size` bytes, or `cap` is one the call refuses.
     let r = unsafe {
         graphed_schedule_passes(
-            if sched { steps.as_ptr().cast() } else { null() },
-            steps.len() / 2,
+            described.steps,
+            described.num_steps,
             8,
-            split_ptr,
-            split_n,
-            if wg_null { null() } else { wg.as_ptr() },
+            described.split,
+            described.num_split,
+            described.has_wgrad,
             ncall,
             if passes_null {
                 null_mut()
@@ -194,8 +203,22 @@ pub fn op_schedule_passes() {
     if r != S::Ok {
         assert_eq!(count, 0x77, "count written on failure");
         assert!(out.iter().all(|&b| b == 0xab), "passes written on failure");
-        return;
+    } else {
+        check_written_passes(&want, sched, &out, (cap, pass_size), passes_null, count);
     }
+    check_releases(&described, sched);
+}
+
+/// What a successful graphed_schedule_passes wrote: without a schedule
+/// exactly the sequential expansion `want`; never past min(count, cap).
+fn check_written_passes(
+    want: &[(u32, u32)],
+    sched: bool,
+    out: &[u8],
+    (cap, pass_size): (usize, usize),
+    passes_null: bool,
+    count: usize,
+) {
     if !sched {
         assert_eq!(count, want.len(), "sequential pass count");
         if !passes_null {
@@ -217,5 +240,183 @@ pub fn op_schedule_passes() {
             out[written..].iter().all(|&b| b == 0xab),
             "passes written past min(count, capacity)"
         );
+    }
+}
+
+/// One schedule as graphed_schedule_passes and graphed_schedule_releases
+/// take it (NULL arrays where the caller gives none).
+struct Described {
+    steps: *const graphed_schedule_step,
+    num_steps: usize,
+    split: *const u32,
+    num_split: usize,
+    has_wgrad: *const u32,
+    callables: u32,
+}
+
+impl Described {
+    /// The passes in order as (callable, microbatch, pass), or the status
+    /// of asking for them.
+    fn passes(&self) -> Result<Vec<(u32, u32, u32)>, graphed_status> {
+        let call = |out: &mut [[u32; 3]], n: &mut usize| {
+            // SAFETY: the arrays hold the stated counts; room for
+            // out.len() passes of 12 bytes (none: a length query).
+            unsafe {
+                graphed_schedule_passes(
+                    self.steps,
+                    self.num_steps,
+                    8,
+                    self.split,
+                    self.num_split,
+                    self.has_wgrad,
+                    self.callables,
+                    if out.is_empty() {
+                        null_mut()
+                    } else {
+                        out.as_mut_ptr().cast()
+                    },
+                    out.len(),
+                    12,
+                    n,
+                )
+            }
+        };
+        let mut n = 0usize;
+        let r = call(&mut [], &mut n);
+        post(r, "graphed_schedule_passes");
+        if r != S::Ok {
+            return Err(r);
+        }
+        let mut all = vec![[0u32; 3]; n];
+        assert_eq!(
+            call(&mut all, &mut n),
+            S::Ok,
+            "the passes it counted: {}",
+            msg()
+        );
+        Ok(all.iter().map(|p| (p[0], p[1], p[2])).collect())
+    }
+}
+
+/// graphed_schedule_releases over the schedule `d` describes, with fuzzed
+/// outputs: it refuses what graphed_schedule_passes refuses, and what it
+/// lists follows the pass order: each output after its backward, each
+/// instance's copied-out parameter grads after its grad pass, each input
+/// grad after its backward (without a schedule: exactly the backward of
+/// the callable before it; the first callable's is kept).
+fn check_releases(d: &Described, sched: bool) {
+    let i = &w().input;
+    const REL: usize = 16;
+    let (cap, room) = match i.below(24) {
+        23 => (usize::MAX / i.pick(&[1, 16, 20]), 23),
+        c => (c, c),
+    };
+    let size = i.pick(&[REL, REL, REL, 20, 12, 18]);
+    let out_null = i.chance(40);
+    let count_null = i.chance(8);
+    let mut out = vec![0xcdu8; room * size.max(REL) + 16];
+    let mut count = 0x77usize;
+    let passes = d.passes();
+    mark();
+    // SAFETY: the arrays hold the stated counts; `out` has room for `cap`
+    // releases of `size` bytes, or `cap` is one the call refuses.
+    let r = unsafe {
+        graphed_schedule_releases(
+            d.steps,
+            d.num_steps,
+            8,
+            d.split,
+            d.num_split,
+            d.has_wgrad,
+            d.callables,
+            if out_null {
+                null_mut()
+            } else {
+                out.as_mut_ptr().cast()
+            },
+            cap,
+            size,
+            if count_null { null_mut() } else { &mut count },
+        )
+    };
+    let bad_size = !out_null && (size < REL || (size % 4 != 0 && cap > 0) || cap != room);
+    let want = if count_null {
+        S::NullPointer
+    } else {
+        match &passes {
+            Err(e) => *e,
+            Ok(_) if bad_size => S::InvalidArgument,
+            Ok(_) => S::Ok,
+        }
+    };
+    expect(r, &[want], "graphed_schedule_releases", "releases");
+    if r != S::Ok {
+        assert_eq!(count, 0x77, "count written on failure");
+        assert!(
+            out.iter().all(|&b| b == 0xcd),
+            "releases written on failure"
+        );
+        return;
+    }
+    let passes = passes.unwrap();
+    let written = if out_null { 0 } else { count.min(cap) };
+    assert!(
+        out[written * size..].iter().all(|&b| b == 0xcd),
+        "releases written past min(count, capacity)"
+    );
+    let got: Vec<[u32; 4]> = (0..written)
+        .map(|j| {
+            let word = |o: usize| {
+                u32::from_ne_bytes(out[j * size + o..j * size + o + 4].try_into().unwrap())
+            };
+            [word(0), word(4), word(8), word(12)]
+        })
+        .collect();
+    let key = |r: &[u32; 4]| {
+        let role = [1u32, 3, 4]
+            .iter()
+            .position(|&x| x == r[3])
+            .expect("a released role");
+        (r[0], r[1], r[2], role)
+    };
+    assert!(
+        got.windows(2).all(|p| key(&p[0]) < key(&p[1])),
+        "ordered: {got:?}"
+    );
+    let at = |c: u32, m: u32, p: u32| {
+        passes
+            .iter()
+            .position(|&x| x == (c, m, p))
+            .map(|x| x as u32)
+    };
+    for r in &got {
+        let (c, m) = (r[1], r[2]);
+        let bwd = at(c, m, 1).expect("an instance with a backward");
+        match r[3] {
+            1 => assert_eq!(r[0], bwd, "output of {c}/{m}"),
+            4 => assert_eq!(
+                r[0],
+                at(c, m, 2).unwrap_or(bwd),
+                "parameter grads of {c}/{m}"
+            ),
+            _ if !sched => assert_eq!(Some(r[0]), c.checked_sub(1).and_then(|p| at(p, 0, 1))),
+            _ => assert!(
+                r[0] > bwd && (r[0] as usize) < passes.len(),
+                "input grad of {c}/{m}"
+            ),
+        }
+    }
+    if written == count {
+        // Every instance's output and parameter grads, once each.
+        let backwards = passes.iter().filter(|p| p.2 == 1).count();
+        assert_eq!(got.iter().filter(|r| r[3] == 1).count(), backwards);
+        assert_eq!(got.iter().filter(|r| r[3] == 4).count(), backwards);
+        if !sched {
+            let n = d.callables as usize;
+            assert_eq!(
+                got.iter().filter(|r| r[3] == 3).count(),
+                n.saturating_sub(1)
+            );
+        }
     }
 }

@@ -226,6 +226,35 @@ pub fn op_add_step() {
     });
 }
 
+/// graphed_step_param_count on any target: the refs a replay of `step`
+/// writes (`want`: None without a live session; Some(None) for a step the
+/// session does not have), in any state.
+fn step_param_count(t: Target, step: u32, want_count: Option<Option<usize>>) {
+    let null = w().input.chance(30);
+    let mut n = 0x77usize;
+    let mut want = t.lookup();
+    first(&mut want, null.then_some(S::NullPointer));
+    first(&mut want, t.lock());
+    if let Some(None) = want_count {
+        first(&mut want, Some(S::InvalidArgument));
+    }
+    mark();
+    // SAFETY: NULL or a local.
+    let r =
+        unsafe { graphed_step_param_count(t.ptr(), step, if null { null_mut() } else { &mut n }) };
+    expect(
+        r,
+        &[want.unwrap_or(S::Ok)],
+        "graphed_step_param_count",
+        "step",
+    );
+    if r == S::Ok {
+        assert_eq!(Some(Some(n)), want_count, "step {step}");
+    } else {
+        assert_eq!(n, 0x77, "step param count written on failure");
+    }
+}
+
 pub fn op_step_replay() {
     let wd = w();
     let i = &wd.input;
@@ -268,6 +297,11 @@ pub fn op_step_replay() {
         _ => Vec::new(),
     };
     let np = params.len();
+    step_param_count(
+        t,
+        step,
+        model.as_ref().map(|_| st_model.as_ref().map(|_| np)),
+    );
     let (stream, stream_err) = stream_arg(true);
     let mut a = graphed_step_args_default();
     a.step = step;

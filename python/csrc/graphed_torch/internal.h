@@ -7,7 +7,7 @@
 //   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
 //   streams.cpp    the work stream, the private pool routing, clones from PyTorch's allocator
 //   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, leases
-//   schedule.cpp   the pass order and shape (from graphed), the releases of buffer reuse
+//   schedule.cpp   the pass order, shape and releases of buffer reuse (from graphed)
 //   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
 //   make.cpp       session setup, discovery, registration, capture, reset
 //   autograd.cpp   replays: GraphedCallable and its autograd node, GraphedBackward
@@ -131,8 +131,9 @@ void torch_free(void*, void* ptr, size_t, graphed_stream);
 // ---- the schedule (schedule.cpp) -------------------------------------------------------------
 
 // What make_graphed_callables needs of a schedule, from graphed: the passes
-// in warmup and capture order, the microbatch count, which callables get a
-// weight-grad pass, and the shape (empty without a schedule).
+// in warmup and capture order, the microbatch count, which callables have a
+// weight-grad pass (those graphed gives one), and the shape (empty without
+// a schedule).
 struct SchedulePlan {
     std::vector<PassRef> order;
     uint32_t microbatches = 1;
@@ -143,8 +144,6 @@ struct SchedulePlan {
 // breaks one of its rules.
 SchedulePlan plan_schedule(size_t num_callables, const std::vector<graphed_schedule_step>& schedule,
                            const std::vector<uint32_t>& layers_per_chunk);
-// With buffer reuse: what each pass of `plan.order` lets go of.
-std::vector<std::vector<Release>> releases_of(const SchedulePlan& plan);
 
 // ---- one callable and the session -------------------------------------------------------------
 

@@ -119,17 +119,19 @@ void register_callable(Shared& s, Callable& c) {
         t.shape = shapes.back().data();
         return t;
     };
-    // Rebinding: inputs and incoming grads are read where they are. Not with
-    // a delayed weight-grad pass, which reads them after the backward, when
+    // Rebinding: inputs and incoming grads are read where they are, where
+    // graphed verifies it (it copies the others, saying why). Not with a
+    // delayed weight-grad pass, which reads them after the backward, when
     // autograd no longer keeps them.
     const uint32_t rebind = s.opts.rebind_inputs && !c.wgrad ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
     for (size_t i = 0; i < c.in.size(); ++i) {
         d.inputs.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
-        if (at::isFloatingType(c.in[i].dtype)) d.inputs.back().flags |= rebind;
+        d.inputs.back().flags |= rebind;
     }
+    // Outputs that take a grad get one at backward.
     for (const Meta& meta : c.out) {
         d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
-        if (meta.requires_grad && at::isFloatingType(meta.dtype)) d.outputs.back().flags |= rebind;
+        if (meta.requires_grad) d.outputs.back().flags |= rebind;
     }
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
@@ -221,7 +223,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
 
     const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
     s.microbatches = plan.microbatches;
-    if (o.reuse_buffers && !o.schedule.empty()) s.releases = releases_of(plan);
+    if (o.reuse_buffers && !o.schedule.empty()) s.releases = reuse_releases(specs.size(), o.schedule, o.layers_per_chunk);
 
     for (size_t i = 0; i < specs.size(); ++i) {
         CallableSpec& sp = specs[i];

@@ -1,6 +1,7 @@
 """Transformer Engine's `capture_time_hooks`: per-callable hooks that run
 during warmup and capture, outside stream capture, and never at replay.
-Checked and called as Transformer Engine does. Pure Python: no torch.
+Checked (its entries' types by graphed) and called as Transformer Engine
+does. Pure Python: no torch.
 
 Each entry (one per callable; None for none) is a dict of dicts, hook id to
 function:
@@ -24,20 +25,20 @@ KEYS = (
     "backward_hooks",
 )
 
-FORWARD, BACKWARD = 0, 1
-
 
 def empty() -> Dict[str, Dict[Any, Any]]:
     return {key: {} for key in KEYS}
 
 
 def canonicalize(num_callables: int, capture_time_hooks: Optional[List[Optional[Dict[str, Dict]]]]):
-    """One dict of every key per callable; TE's errors for malformed input."""
+    """One dict of every key per callable. Transformer Engine's checks with
+    its messages (the number of entries, unknown keys), and graphed's of
+    the entries' types."""
     if capture_time_hooks is None:
         return [empty() for _ in range(num_callables)]
     if len(capture_time_hooks) != num_callables:
         raise ValueError(
-            f"capture_time_hooks has {len(capture_time_hooks)} entries but there are {num_callables} callables"
+            f"capture_time_hooks has {len(capture_time_hooks)} entries, but there are {num_callables} callables."
         )
     out = []
     for i, hooks in enumerate(capture_time_hooks):
@@ -48,11 +49,9 @@ def canonicalize(num_callables: int, capture_time_hooks: Optional[List[Optional[
             raise TypeError(
                 f"capture_time_hooks entries must be dicts or None, but entry {i} has type {type(hooks).__name__}"
             )
-        unknown = sorted(set(hooks) - set(KEYS))
-        if unknown:
-            raise ValueError(
-                f"Unknown capture_time_hooks keys for callable {i}: {unknown}. Supported keys are {list(KEYS)}"
-            )
+        unexpected_keys = set(hooks) - set(KEYS)
+        if unexpected_keys:
+            raise ValueError(f"Found unexpected keys in capture_time_hooks ({unexpected_keys}).")
         entry = empty()
         for key in KEYS:
             value = hooks.get(key) or {}
@@ -67,9 +66,9 @@ def is_empty(hooks: Dict[str, Dict]) -> bool:
     return not any(hooks[k] for k in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks"))
 
 
-def _returned_nothing(value, name: str, what: str):
+def _returned_nothing(value, name: str):
     if value is not None:
-        raise RuntimeError(f"capture_time_hooks {name} must not return a value ({what} must not be modified via hook return)")
+        raise RuntimeError(f"capture_time_hooks {name} must not return a value.")
 
 
 class Dispatcher:
@@ -77,38 +76,50 @@ class Dispatcher:
 
     `unflatten_inputs(flat) -> (args, kwargs)` and
     `unflatten_outputs(flat) -> output` rebuild what the callable receives
-    and returns from the flat tensor lists the adapter passes.
+    and returns from the flat tensor lists the adapter passes; `forward`
+    and `backward` are the codes of those passes in its events (graphed's
+    GRAPHED_PASS_FORWARD and _BACKWARD, from the compiled extension).
     """
 
-    def __init__(self, module: Any, hooks: Dict[str, Dict], unflatten_inputs: Callable, unflatten_outputs: Callable):
+    def __init__(
+        self,
+        module: Any,
+        hooks: Dict[str, Dict],
+        unflatten_inputs: Callable,
+        unflatten_outputs: Callable,
+        forward: int,
+        backward: int,
+    ):
         self.module = module
         self.hooks = hooks
         self.unflatten_inputs = unflatten_inputs
         self.unflatten_outputs = unflatten_outputs
+        self.forward = forward
+        self.backward = backward
 
     def __call__(self, before, pass_, capture, microbatch, inputs, outputs, grad_outputs, grads):
         h = self.hooks
-        if pass_ == FORWARD:
+        if pass_ == self.forward:
             args, kwargs = self.unflatten_inputs(inputs)
             if before:
                 for hid, hook in h["forward_pre_hooks"].items():
                     if hid in h["forward_pre_hooks_with_kwargs"]:
-                        _returned_nothing(hook(self.module, args, kwargs), "forward_pre_hooks", "args/kwargs")
+                        _returned_nothing(hook(self.module, args, kwargs), "forward_pre_hooks")
                     else:
-                        _returned_nothing(hook(self.module, args), "forward_pre_hooks", "args")
+                        _returned_nothing(hook(self.module, args), "forward_pre_hooks")
             else:
                 output = self.unflatten_outputs(outputs)
                 for hid, hook in h["forward_hooks"].items():
                     if hid in h["forward_hooks_with_kwargs"]:
-                        _returned_nothing(hook(self.module, args, kwargs, output), "forward_hooks", "output")
+                        _returned_nothing(hook(self.module, args, kwargs, output), "forward_hooks")
                     else:
-                        _returned_nothing(hook(self.module, args, output), "forward_hooks", "output")
-        elif pass_ == BACKWARD:
+                        _returned_nothing(hook(self.module, args, output), "forward_hooks")
+        elif pass_ == self.backward:
             grad_output = tuple(grad_outputs)
             if before:
                 for hook in h["backward_pre_hooks"].values():
-                    _returned_nothing(hook(self.module, grad_output), "backward_pre_hooks", "grad_output")
+                    _returned_nothing(hook(self.module, grad_output), "backward_pre_hooks")
             else:
                 for hook in h["backward_hooks"].values():
-                    _returned_nothing(hook(self.module, tuple(grads), grad_output), "backward_hooks", "grad_input")
+                    _returned_nothing(hook(self.module, tuple(grads), grad_output), "backward_hooks")
         # Weight-grad passes run no hooks, as in Transformer Engine.

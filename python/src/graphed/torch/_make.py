@@ -11,8 +11,6 @@ from ._binding import Binding, Outputs
 from ._callable import GraphedCallable, Session
 from ._schedule import check_order, from_order
 
-DELAYED_WGRAD = 1  # GRAPHED_PARAM_FLAGS_DELAYED_WGRAD
-
 
 def extension():
     """The compiled extension, or an ImportError that says how to build it."""
@@ -52,13 +50,15 @@ def _module_checks(fn):
     if fn._backward_hooks or fn._backward_pre_hooks or fn._forward_hooks or fn._forward_pre_hooks:
         raise RuntimeError(
             "Modules must not have hooks registered at the time they are passed. However, registering hooks on "
-            "modules after passing them through make_graphed_callables is allowed. If you need hooks during "
-            "capture, pass them with capture_time_hooks so they run outside CUDA graph capture and are not replayed."
+            "modules after passing them through make_graphed_callables is allowed. If you have to use hooks during "
+            "capture time, you can provide them in the capture_time_hooks argument, and they will be executed "
+            "outside the CUDA graph capture context, meaning they will not be recorded into the graph and will not "
+            "be replayed."
         )
     if any(b.requires_grad for b in fn.buffers()):
         raise RuntimeError(
-            "In any torch.nn.Module passed to make_graphed_callables, only parameters may be trainable. "
-            "All buffers must have requires_grad=False."
+            "In any :class:`~torch.nn.Module` passed to :func:`~make_graphed_callables`, only parameters may be "
+            "trainable. All buffers must have ``requires_grad=False``."
         )
 
 
@@ -167,13 +167,18 @@ def make_graphed_callables(
                 f"Expected sample_args to have the same length as callables, but got {len(sample_args)} "
                 f"sample_args for {len(callables)} callables"
             )
+        if len(sample_kwargs) != len(callables):
+            raise ValueError(
+                f"Expected sample_kwargs to have the same length as callables, but got {len(sample_kwargs)} "
+                f"sample_kwargs for {len(callables)} callables"
+            )
     else:
         layers_per_chunk = check_order(_order, _num_layers_per_chunk, len(callables), len(sample_args))
-    if len(sample_kwargs) != len(sample_args):
-        raise ValueError(
-            f"sample_kwargs and sample_args must have the same length, but got {len(sample_kwargs)} sample_kwargs "
-            f"for {len(sample_args)} sample_args"
-        )
+        if len(sample_kwargs) != len(sample_args):
+            raise ValueError(
+                "Pipeline-parallel schedule requires sample_kwargs and sample_args to have the same length, but got "
+                f"{len(sample_kwargs)} sample_kwargs for {len(sample_args)} sample_args"
+            )
     if _reuse_graph_input_output_buffers:
         if _order is None:
             raise ValueError("`_order` must be provided when `_reuse_graph_input_output_buffers` is True.")
@@ -203,6 +208,7 @@ def make_graphed_callables(
         raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
     device = _device_of(bindings, callables)
 
+    ext = extension()
     names, outputs, specs = [], [], []
     for k, fn in enumerate(callables):
         base = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "callable")
@@ -221,7 +227,9 @@ def make_graphed_callables(
         named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
         hook = None
         if not _hooks.is_empty(hooks[k]):
-            hook = _hooks.Dispatcher(fn, hooks[k], binding.unflatten, out.unflatten)
+            hook = _hooks.Dispatcher(
+                fn, hooks[k], binding.unflatten, out.unflatten, ext.PASS_FORWARD, ext.PASS_BACKWARD
+            )
         specs.append(
             dict(
                 name=name,
@@ -231,7 +239,10 @@ def make_graphed_callables(
                 params=[p for _, p in named],
                 param_names=[n for n, _ in named],
                 # Frozen here: a later change does not move a grad between clone and alias.
-                param_flags=[DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0 for _, p in named],
+                param_flags=[
+                    ext.PARAM_FLAGS_DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0
+                    for _, p in named
+                ],
                 hook=hook,
             )
         )
@@ -256,7 +267,6 @@ def make_graphed_callables(
         pre_warmup_hook=pre_warmup_hook,
         post_warmup_hook=post_warmup_hook,
     )
-    ext = extension()
     # Warmup draws random numbers; the states go back afterwards, so that
     # graphing does not change what follows. The garbage collector stays off
     # during capture, where it could free objects that own CUDA work.

@@ -1,10 +1,12 @@
 """Transformer Engine's interleaved pipeline schedule (`_order`,
-`_num_layers_per_chunk`): Transformer Engine's checks of those arguments,
-with its messages (`check_order`, pure Python: no torch), then the schedule
-as graphed reads it (`from_order`: its steps, microbatches and the layers of
-each chunk, from the library through the compiled extension, which checks
-graphed's own rules), and the mapping between Transformer Engine's
-sample_args entries and graphed's (callable, microbatch) instances.
+`_num_layers_per_chunk`): Transformer Engine's checks of those arguments
+against the callables and sample_args, with its messages (`check_order`,
+pure Python: no torch), then the schedule as graphed reads it
+(`from_order`: its steps, microbatches and the layers of each chunk, from
+the library through the compiled extension, which checks graphed's own
+rules with graphed's messages), and the mapping between Transformer
+Engine's sample_args entries and graphed's (callable, microbatch)
+instances.
 
 In `_order`, chunks count from 1: `c` is a forward of chunk c, `-c` a
 backward, `-c - 0.5` a delayed weight-gradient step. graphed numbers chunks
@@ -12,8 +14,6 @@ from 0 and writes each step as (pass, chunk).
 """
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
-
-FORWARD, BACKWARD, WGRAD = 0, 1, 2
 
 
 class Schedule(NamedTuple):
@@ -52,21 +52,21 @@ def check_order(
     num_callables: int,
     num_sample_args: int,
 ) -> Optional[List[int]]:
-    """Checks `_order` and `_num_layers_per_chunk` against the callables and
-    sample_args as Transformer Engine does, with its messages. Returns
+    """Transformer Engine's checks of `_order` and `_num_layers_per_chunk`
+    against the callables and sample_args, with its messages. The rules of
+    the schedule itself (steps, chunks, microbatches, how the callables
+    split into chunks) are graphed's, checked by `from_order` with its
+    messages; an order these checks cannot read (no forward or backward
+    step, no positive chunk) is left to it. Returns
     `_num_layers_per_chunk` as one int per chunk, or None when it is not
     given (graphed then splits the callables evenly)."""
     order = list(order)
-    if not order:
-        raise ValueError("_order is empty")
     without_wgrad = []
     wgrad = False
     for value in order:
-        if value == 0:
-            raise ValueError("_order: 0 is not a chunk (chunks count from 1)")
         if value > 0:
             if not float(value).is_integer():
-                raise TypeError(f"Forward order value must be an integer, but got {value!r}.")
+                raise TypeError(f"Forward order value must be an integer, but got {type(value).__name__}.")
             without_wgrad.append(int(value))
         elif _is_wgrad(value):
             if math.ceil(value) - value != 0.5:
@@ -74,38 +74,43 @@ def check_order(
             wgrad = True
         else:
             without_wgrad.append(int(value))
+    given = None
+    if isinstance(num_layers_per_chunk, int):
+        given = num_layers_per_chunk
+    elif num_layers_per_chunk is not None:
+        given = [int(n) for n in num_layers_per_chunk]
+    if not without_wgrad or max(without_wgrad) < 1:
+        return given if isinstance(given, list) else None
     chunks = max(without_wgrad)
     microbatches = len(without_wgrad) // chunks // 2
     if chunks * microbatches * 2 != len(without_wgrad):
         raise ValueError(
             f"Pipeline-parallel order dimension mismatch: num_model_chunks ({chunks}) * num_microbatches "
-            f"({microbatches}) * 2 = {chunks * microbatches * 2}, but the order has {len(without_wgrad)} "
-            "forward and backward steps"
+            f"({microbatches}) * 2 = {chunks * microbatches * 2}, but len(_order_without_wgrad) = "
+            f"{len(without_wgrad)}"
         )
     if wgrad:
-        if num_layers_per_chunk is None:
-            raise ValueError("'_num_layers_per_chunk' must be provided when _order has weight-grad steps (-c - 0.5).")
-        layers = [num_layers_per_chunk] * chunks if isinstance(num_layers_per_chunk, int) else list(num_layers_per_chunk)
-        for n in layers:
+        if given is None:
+            raise ValueError("'_num_layers_per_chunk' must be provided when delay_wgrad_compute is True.")
+        for n in [given] * chunks if isinstance(given, int) else given:
             if n != 1:
                 raise ValueError(
-                    f"Each model chunk must have only one layer when _order has weight-grad steps, but got {n} layers."
+                    f"Each model chunk must have only one layer when delay_wgrad_compute is True, but got {n} layers."
                 )
-    if num_layers_per_chunk is None:
-        if num_sample_args % (chunks * microbatches) != 0:
+    if given is None:
+        if not (num_sample_args * 2 >= len(without_wgrad) and num_sample_args * 2 % len(without_wgrad) == 0):
             raise ValueError(
-                f"{num_sample_args} sample_args cannot be split into {chunks} chunks x {microbatches} microbatches; "
-                "give _num_layers_per_chunk"
+                f"{num_sample_args} * 2 >= {len(without_wgrad)} and {num_sample_args} * 2 % {len(without_wgrad)} == 0"
             )
-        layers, given = [num_sample_args // chunks // microbatches] * chunks, None
-    elif isinstance(num_layers_per_chunk, int):
-        layers = given = [num_layers_per_chunk] * chunks
+        layers = [num_sample_args // chunks // microbatches] * chunks
+    elif isinstance(given, int):
+        layers = given = [given] * chunks
     else:
-        layers = given = [int(n) for n in num_layers_per_chunk]
+        layers = given
         if len(layers) != chunks:
             raise ValueError(
                 "If _num_layers_per_chunk is provided, it must be an integer or a list of "
-                f"{chunks} integers, but got {list(num_layers_per_chunk)}."
+                f"{chunks} integers, but got {num_layers_per_chunk}."
             )
     total = sum(layers)
     if num_callables != total:
@@ -118,7 +123,9 @@ def check_order(
         dgrad = sum(1 for value in order if value == -c)
         wg = sum(1 for value in order if _is_wgrad(value) and math.ceil(value) == -c)
         if wg and wg != dgrad:
-            raise RuntimeError(f"Number of wgrad graph({wg}) doesn't match number of dgrad graphs ({dgrad}) for chunk {c}.")
+            raise RuntimeError(
+                f"Number of wgrad graph({wg}) doesn't match number of dgrad graphs ({dgrad}) for chunk {-c}."
+            )
     return given
 
 
