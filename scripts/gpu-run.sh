@@ -11,6 +11,10 @@
 #               the Python package (python/gpu-test.sh; its comparison report
 #               in $out/pytorch.md unless --no-compare)
 #   --no-compare  with --torch: skip the PyTorch comparison (a separate run)
+#   --capture   capture time: the C++ table (graphed_bench --capture-only)
+#               and, when the package is installed (after --torch), the
+#               nanoGPT blocks against torch (capture_time.py); reports in
+#               $out/capture_cpp.md and $out/capture_py.md
 # Logs go to $OUT when set (the device tool's output folder). Every step
 # runs; the exit status is non-zero when any failed. CUDA test instances
 # fail here, instead of skipping, when the CUDA backend does not come up.
@@ -88,6 +92,20 @@ for arg in "$@"; do
       fi
       echo "== the Python package"
       GRAPHED_PREBUILT_LIBRARY="$lib" bash python/gpu-test.sh $no_compare || fail "the Python package"
+      ;;
+    --capture)
+      echo "== capture time"
+      "$build/benches/graphed_bench" --capture-only --out "$out/capture_cpp.md" > "$out/capture_cpp.log" 2>&1
+      rc=$?; echo "capture bench exit status $rc"; [ $rc = 0 ] || fail "capture bench"
+      grep "^|" "$out/capture_cpp.md"
+      if python3 -c 'import graphed.torch' 2>/dev/null; then
+        (cd /tmp && PYTHONUNBUFFERED=1 python3 "$root/examples/torch_extension/capture_time.py" --blocks 6,24 \
+          --rounds 3 --out "$out/capture_py.md" --json "$out/capture_py.json") > "$out/capture_py.log" 2>&1
+        rc=$?; echo "capture_time.py exit status $rc"; [ $rc = 0 ] || fail "capture_time.py"
+        grep "^|" "$out/capture_py.md"
+      else
+        echo "capture_time.py: not run (the graphed package is not installed: pass --torch first)"
+      fi
       ;;
     --bench)
       echo "== torch's side of the step benchmark"
