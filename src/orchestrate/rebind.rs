@@ -254,12 +254,21 @@ impl Verifier<'_> {
         Ok(())
     }
 
-    /// Every graph of the instance, passes in order then the clone slots,
-    /// on grad-outputs holding pattern A.
-    fn run(&self, inst: &Placed, graphs: &PassGraphs) -> Result<()> {
-        for t in inst.grad_outputs.iter().filter(|t| t.ptr != 0) {
+    /// Fills the instance's grad-outputs, but those at `except`, with
+    /// pattern A: the data a backward is fed.
+    fn feed_grad_outputs(&self, inst: &Placed, except: &[DevPtr]) -> Result<()> {
+        let fed = inst
+            .grad_outputs
+            .iter()
+            .filter(|t| t.ptr != 0 && !except.contains(&t.ptr));
+        for t in fed {
             self.fill(t.ptr, t.bytes, t.dtype, 0)?;
         }
+        Ok(())
+    }
+
+    /// Every graph of the instance, passes in order then the clone slots.
+    fn run(&self, graphs: &PassGraphs) -> Result<()> {
         graphs.all().try_for_each(|g| g.launch(self.stream))
     }
 
@@ -283,11 +292,13 @@ impl Verifier<'_> {
             .iter()
             .map(|c| (room.take(c.bytes), room.take(c.bytes)))
             .collect();
+        let moved_away: Vec<DevPtr> = cands.iter().map(|c| c.ptr).collect();
         let experiment = |cands: &mut [&mut Candidate]| -> Result<()> {
+            self.feed_grad_outputs(inst, &[])?;
             for (c, &(orig, _)) in cands.iter().zip(&copies) {
                 b.copy(orig, c.ptr, c.bytes, s)?;
             }
-            self.run(inst, graphs)?;
+            self.run(graphs)?;
             for (&(p, n), &snap) in self.results.iter().zip(&snaps) {
                 b.copy(snap, p, n, s)?;
             }
@@ -297,10 +308,13 @@ impl Verifier<'_> {
             }
             // Updates take effect for later launches only: the copying run
             // already enqueued reads the static buffers.
+            // The others are fed as in the copying run, which may have
+            // changed them.
+            self.feed_grad_outputs(inst, &moved_away)?;
             for (c, &(_, moved)) in cands.iter_mut().zip(&copies) {
                 c.rebinding.bind(moved)?;
             }
-            self.run(inst, graphs)?;
+            self.run(graphs)?;
             b.zero(self.ws.flag(), 4, s)?;
             for (&(p, n), &snap) in self.results.iter().zip(&snaps) {
                 b.differ(p, snap, n, self.ws.flag(), s)?;

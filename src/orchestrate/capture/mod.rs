@@ -459,6 +459,16 @@ mod tests {
     }
 
     #[test]
+    fn a_grad_output_alone_is_verified_with_the_data_it_is_fed() {
+        // One tensor to verify: the copying and the rebound runs must read
+        // the same pattern (the rebound one through the moved copy).
+        let mut f = host_inputs(&[("a", 1, false)]);
+        f.callables[0].outputs[0].rebind = true;
+        let cap = captured(&f).unwrap();
+        assert!(cap.instances[0].grad_outputs[0].feed.is_rebound());
+    }
+
+    #[test]
     fn rebinding_host_copies_is_verified_and_times_are_kept() {
         let mut f = host_inputs(&[("a", 1, false)]);
         f.callables[0].inputs[0].rebind = true;
