@@ -1,23 +1,25 @@
 //! Pipeline schedules: the Megatron-style interleaved order of steps
 //! (forward, backward or weight-grad of a model chunk), validated with
 //! Transformer Engine's rules (`_make_graphed_callables`), and the passes
-//! (callable, microbatch, kind) it expands to, in capture order.
+//! (callable, microbatch, kind) it expands to, in capture order. In steps
+//! of their own: reading and checking the steps (`steps`), dividing the
+//! callables into chunks (`chunks`); here, the expansion into passes.
 //!
 //! Chunks are numbered from 0 here (TE's `_order` numbers them from 1). The
 //! k-th forward step of chunk c runs microbatch k through the chunk's
 //! layers in order; the k-th backward step runs them in reverse; the k-th
 //! weight-grad step runs the delayed weight-gradient of microbatch k.
 
+mod chunks;
+mod steps;
+
+pub use chunks::{chunk_layers, wgrad_as_scheduled};
+pub use steps::{check_steps, from_te_order, ScheduleStep, Shape, MAX_PASSES};
+
 use super::PassKind;
 use crate::error::{Error, Result};
-
-/// One step of a schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ScheduleStep {
-    pub kind: PassKind,
-    /// The model chunk, from 0.
-    pub chunk: u32,
-}
+use chunks::scheduled_wgrad;
+use steps::bad;
 
 /// One captured pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -37,10 +39,6 @@ pub struct Schedule {
     pub prefix: Vec<usize>,
     /// Every pass, in warmup and capture order.
     pub passes: Vec<Pass>,
-}
-
-fn bad(msg: String) -> Error {
-    Error::InvalidSchedule(msg)
 }
 
 impl Schedule {
@@ -181,229 +179,6 @@ impl Schedule {
             passes,
         })
     }
-}
-
-/// Which callables get a weight-grad pass by the schedule's steps: every
-/// callable of a chunk that has weight-grad steps (one per callable, for
-/// the chunks' `layers` starting at `prefix`).
-fn scheduled_wgrad(shape: &Shape, layers: &[usize], prefix: &[usize]) -> Vec<bool> {
-    let n = prefix.last().zip(layers.last()).map_or(0, |(p, l)| p + l);
-    let mut out = vec![false; n];
-    for c in 0..shape.chunks {
-        if shape.wgrad_steps[c] > 0 {
-            out[prefix[c]..prefix[c] + layers[c]].fill(true);
-        }
-    }
-    out
-}
-
-/// Which of `n` callables get a weight-grad pass as the schedule says (the
-/// callables of chunks with weight-grad steps). The steps and the split
-/// are checked as by `Schedule::derive`.
-pub fn wgrad_as_scheduled(
-    steps: &[ScheduleStep],
-    layers_per_chunk: Option<&[u32]>,
-    n: usize,
-) -> Result<Vec<bool>> {
-    let shape = Shape::check(steps)?;
-    let (layers, prefix) = chunk_layers(&shape, layers_per_chunk, n)?;
-    Ok(scheduled_wgrad(&shape, &layers, &prefix))
-}
-
-/// The layers (callables) of each chunk and the first callable of each:
-/// `layers_per_chunk` when given (checked against `n` callables), else the
-/// callables split evenly.
-pub fn chunk_layers(
-    shape: &Shape,
-    layers_per_chunk: Option<&[u32]>,
-    n: usize,
-) -> Result<(Vec<usize>, Vec<usize>)> {
-    let chunks = shape.chunks;
-    let layers: Vec<usize> = match layers_per_chunk {
-        Some(l) => {
-            if l.len() != chunks {
-                return Err(bad(format!(
-                    "layers_per_chunk has {} entries; the schedule has {chunks} chunks",
-                    l.len()
-                )));
-            }
-            if let Some(c) = l.iter().position(|&x| x == 0) {
-                return Err(bad(format!(
-                    "layers_per_chunk[{c}] is 0; every chunk needs at least one layer"
-                )));
-            }
-            let total: usize = l.iter().map(|&x| x as usize).sum();
-            if total != n {
-                return Err(bad(format!(
-                    "the chunks hold {total} layers in all (layers_per_chunk) but {n} callables are registered; \
-                     there must be one callable per layer"
-                )));
-            }
-            l.iter().map(|&x| x as usize).collect()
-        }
-        None => {
-            if n == 0 || n % chunks != 0 {
-                return Err(bad(format!(
-                    "{n} callables cannot be split evenly into {chunks} chunks; give layers_per_chunk"
-                )));
-            }
-            vec![n / chunks; chunks]
-        }
-    };
-    let mut prefix = vec![0; chunks];
-    for c in 1..chunks {
-        prefix[c] = prefix[c - 1] + layers[c - 1];
-    }
-    Ok((layers, prefix))
-}
-
-/// Checks what the steps alone can be checked for (counts and order), before
-/// any callable is registered.
-pub fn check_steps(steps: &[ScheduleStep]) -> Result<()> {
-    Shape::check(steps).map(|_| ())
-}
-
-/// The most passes a schedule may expand to: a bound on what numbers from
-/// a caller make the library build (real sessions are far below).
-pub const MAX_PASSES: usize = 1 << 22;
-
-/// What the steps alone say: chunk and microbatch counts, checked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Shape {
-    pub chunks: usize,
-    pub microbatches: usize,
-    /// Weight-grad steps per chunk.
-    pub wgrad_steps: Vec<usize>,
-}
-
-impl Shape {
-    /// Checks the steps' counts and order and returns their shape.
-    pub fn check(steps: &[ScheduleStep]) -> Result<Shape> {
-        if steps.is_empty() {
-            return Err(bad("the schedule has no steps".into()));
-        }
-        let chunks = steps.iter().map(|s| s.chunk as usize).max().unwrap_or(0) + 1;
-        if chunks > 4096 {
-            return Err(bad(format!(
-                "chunk {} is out of range (at most 4096 chunks)",
-                chunks - 1
-            )));
-        }
-        // Steps of each kind and chunk, counted in one pass.
-        let mut seen = vec![vec![0usize; chunks]; 3];
-        for s in steps {
-            seen[s.kind.index()][s.chunk as usize] += 1;
-        }
-        let count = |k: PassKind, c: usize| seen[k.index()][c];
-        let fb = steps.iter().filter(|s| s.kind != PassKind::Wgrad).count();
-        if fb % (2 * chunks) != 0 {
-            return Err(bad(format!(
-                "the schedule has {fb} forward and backward steps over {chunks} chunks; it needs \
-                 chunks x microbatches x 2 of them"
-            )));
-        }
-        let mb = fb / (2 * chunks);
-        for c in 0..chunks {
-            let (f, b) = (count(PassKind::Forward, c), count(PassKind::Backward, c));
-            if f != mb || b != mb {
-                return Err(bad(format!(
-                    "chunk {c} has {f} forward and {b} backward steps; with {chunks} chunks and {mb} microbatches \
-                     every chunk needs {mb} of each"
-                )));
-            }
-            let w = count(PassKind::Wgrad, c);
-            if w != 0 && w != b {
-                return Err(bad(format!(
-                    "chunk {c} has {w} weight-grad steps and {b} backward steps; they must be as many"
-                )));
-            }
-        }
-        // Position of the k-th step of each kind and chunk.
-        let mut pos = vec![vec![vec![usize::MAX; mb]; chunks]; 3];
-        let mut next = vec![vec![0usize; chunks]; 3];
-        for (i, s) in steps.iter().enumerate() {
-            let (k, c) = (s.kind.index(), s.chunk as usize);
-            let n = &mut next[k][c];
-            if *n < mb {
-                pos[k][c][*n] = i;
-            }
-            *n += 1;
-        }
-        let (fwd, bwd, wg) = (&pos[0], &pos[1], &pos[2]);
-        for c in 0..chunks {
-            for m in 0..mb {
-                if bwd[c][m] < fwd[c][m] {
-                    return Err(bad(format!(
-                        "step {}: the backward of chunk {c} for microbatch {m} comes before its forward (step {})",
-                        bwd[c][m], fwd[c][m]
-                    )));
-                }
-                if c > 0 && fwd[c][m] < fwd[c - 1][m] {
-                    return Err(bad(format!(
-                        "step {}: the forward of chunk {c} for microbatch {m} comes before the forward of chunk {} \
-                         (step {}) whose output it takes",
-                        fwd[c][m],
-                        c - 1,
-                        fwd[c - 1][m]
-                    )));
-                }
-                if c + 1 < chunks && bwd[c][m] < bwd[c + 1][m] {
-                    return Err(bad(format!(
-                        "step {}: the backward of chunk {c} for microbatch {m} comes before the backward of chunk {} \
-                         (step {}) whose input grad it takes",
-                        bwd[c][m],
-                        c + 1,
-                        bwd[c + 1][m]
-                    )));
-                }
-                if seen[2][c] > 0 && wg[c][m] < bwd[c][m] {
-                    return Err(bad(format!(
-                        "step {}: the weight-grad of chunk {c} for microbatch {m} comes before its backward (step {})",
-                        wg[c][m], bwd[c][m]
-                    )));
-                }
-            }
-        }
-        Ok(Shape {
-            chunks,
-            microbatches: mb,
-            wgrad_steps: seen[2].clone(),
-        })
-    }
-}
-
-/// Steps from Transformer Engine's `_order` notation: `c` is the forward of
-/// chunk c (chunks from 1), `-c` its backward and `-c - 0.5` its delayed
-/// weight-gradient.
-pub fn from_te_order(order: &[f64]) -> Result<Vec<ScheduleStep>> {
-    order
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| {
-            let invalid = || {
-                bad(format!(
-                    "order[{i}] is {v}: Transformer Engine's order holds c (forward of chunk c, from 1), -c \
-                     (its backward) or -c - 0.5 (its weight-grad)"
-                ))
-            };
-            if !v.is_finite() || v == 0.0 || v.abs() > 4096.5 {
-                return Err(invalid());
-            }
-            let (kind, chunk) = if v.fract() == 0.0 {
-                let kind = if v > 0.0 { PassKind::Forward } else { PassKind::Backward };
-                (kind, v.abs())
-            } else if v < 0.0 && v.fract() == -0.5 && v <= -1.5 {
-                (PassKind::Wgrad, -v - 0.5)
-            } else {
-                return Err(invalid());
-            };
-            Ok(ScheduleStep {
-                kind,
-                // 1 <= chunk <= 4096, integral.
-                chunk: chunk as u32 - 1,
-            })
-        })
-        .collect()
 }
 
 #[cfg(test)]
