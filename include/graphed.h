@@ -173,6 +173,14 @@ enum graphed_status
    * them. Nothing was changed.
    */
   GRAPHED_STATUS_INCOMPATIBLE = 20,
+  /**
+   * A replay was given a parameter at another address than its graphs
+   * read, and they cannot be pointed there (registered without
+   * GRAPHED_PARAM_FLAGS_REBIND, refused at capture, or a less aligned
+   * address); the message names the callable, the parameter and both
+   * addresses. Nothing was enqueued.
+   */
+  GRAPHED_STATUS_PARAM_MOVED = 21,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -348,6 +356,15 @@ enum graphed_param_flags
    * memory, e.g. a framework's tensor), not placed in the slab.
    */
   GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD = 2,
+  /**
+   * The parameter may move between iterations: capture plans and
+   * verifies pointing its graphs at another address (it fills the
+   * parameter with a pattern for one verification replay and puts its
+   * bytes back before capture returns), and a forward replay given its
+   * new address (graphed_replay_args.params) points them there instead
+   * of reading the old memory.
+   */
+  GRAPHED_PARAM_FLAGS_REBIND = 4,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -980,6 +997,20 @@ typedef struct graphed_replay_args {
    * sizeof(graphed_ref); set by the _default() function.
    */
   size_t ref_size;
+  /**
+   * The parameters' current addresses, one per parameter (a NULL entry:
+   * where the graphs read it now); NULL array: every parameter where
+   * the graphs read it now (at first, where it was registered). A
+   * forward replay points the instance's graphs (forward, backward,
+   * weight-grad, clone slots) at a parameter's new address when capture
+   * verified it can (GRAPHED_PARAM_FLAGS_REBIND; the address aligned at
+   * least as the registered one, up to 256 bytes), and refuses the
+   * replay with GRAPHED_STATUS_PARAM_MOVED otherwise. Backward and
+   * weight-grad replays read the parameters where their forward did:
+   * other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT.
+   */
+  const void *const *params;
+  size_t num_params;
 } graphed_replay_args;
 
 /**
@@ -1059,6 +1090,15 @@ typedef struct graphed_step_args {
    * sizeof(graphed_ref); set by the _default() function.
    */
   size_t ref_size;
+  /**
+   * The current addresses of the parameters of the step's callables, in
+   * order (graphed_step_param_count of them; a NULL entry: where the
+   * graphs read it now); NULL array: all where the graphs read them now.
+   * Moved parameters are followed as graphed_replay_args.params says
+   * (GRAPHED_STATUS_PARAM_MOVED where they cannot be).
+   */
+  const void *const *params;
+  size_t num_params;
 } graphed_step_args;
 
 /**
@@ -1168,6 +1208,19 @@ typedef struct graphed_session_stats {
    * others are released once capture has verified the rebinds).
    */
   uint32_t templates_kept;
+  /**
+   * Parameters (over all instances) whose graphs can follow a move
+   * (GRAPHED_PARAM_FLAGS_REBIND, verified at capture), and those
+   * registered with that flag that capture refused (the plan dump says
+   * why).
+   */
+  uint32_t params_movable;
+  uint32_t params_move_refused;
+  /**
+   * Parameter moves replays followed since capture (one per parameter
+   * per instance or step pointed at a new address).
+   */
+  uint64_t param_moves;
 } graphed_session_stats;
 
 /**
@@ -1619,6 +1672,22 @@ graphed_status graphed_session_rebound(struct graphed_session *session,
                                        uint32_t role,
                                        uint32_t *rebound,
                                        size_t count);
+
+/**
+ * Writes, for each parameter of (callable, microbatch), 1 where a forward
+ * replay given another address for it points the graphs there
+ * (GRAPHED_PARAM_FLAGS_REBIND, verified at capture) and 0 where it is
+ * refused with GRAPHED_STATUS_PARAM_MOVED (not asked for, or refused: the
+ * plan dump says why) to `movable` (`count` = its parameter count).
+ *
+ * # Safety
+ * `movable` must have room for `count` values.
+ */
+graphed_status graphed_session_params_movable(struct graphed_session *session,
+                                              uint32_t callable,
+                                              uint32_t microbatch,
+                                              uint32_t *movable,
+                                              size_t count);
 
 /**
  * Writes the static-buffer plan of a captured session as text (one line

@@ -435,6 +435,16 @@ class Replay {
         return *this;
     }
     Replay& param_dsts(const std::vector<void*>& ptrs) { return param_dsts(ptrs.data(), ptrs.size()); }
+    /// The parameters' current addresses, one per parameter (the caller's
+    /// array; NULL entries: where the graphs read them now). A forward
+    /// follows moved parameters registered with GRAPHED_PARAM_FLAGS_REBIND;
+    /// others are GRAPHED_STATUS_PARAM_MOVED.
+    Replay& params(const void* const* ptrs, size_t n) {
+        raw_.params = ptrs;
+        raw_.num_params = n;
+        return *this;
+    }
+    Replay& params(const std::vector<const void*>& ptrs) { return params(ptrs.data(), ptrs.size()); }
 
     uint32_t callable() const noexcept { return raw_.callable; }
     /// The C arguments; they may point into this object.
@@ -698,6 +708,15 @@ class Session {
         return std::vector<bool>(codes.begin(), codes.end());
     }
 
+    /// Per parameter of (callable, microbatch): whether a forward given
+    /// another address for it points the graphs there (true) or is refused
+    /// with GRAPHED_STATUS_PARAM_MOVED (false) (graphed_session_params_movable).
+    std::vector<bool> params_movable(uint32_t callable, uint32_t microbatch = 0) const {
+        std::vector<uint32_t> codes(arity(callable).params);
+        check(graphed_session_params_movable(raw_, callable, microbatch, codes.data(), codes.size()));
+        return std::vector<bool>(codes.begin(), codes.end());
+    }
+
     /// The frozen grad policy of each parameter of a captured callable.
     std::vector<graphed_grad_policy> param_policies(uint32_t callable) const {
         std::vector<uint32_t> codes(arity(callable).params);
@@ -724,12 +743,16 @@ class Session {
     }
 
     /// Replays a step on `stream`; `params` gets one Ref per parameter of
-    /// its callables, in order (its capacity reused).
-    void step(uint32_t step, graphed_stream stream, std::vector<Ref>& params) {
+    /// its callables, in order (its capacity reused). `at`, when not empty,
+    /// holds the parameters' current addresses (graphed_step_args.params).
+    void step(uint32_t step, graphed_stream stream, std::vector<Ref>& params,
+              const std::vector<const void*>& at = {}) {
         const size_t n = step_params(step);
         graphed_step_args a = graphed_step_args_default();
         a.step = step;
         a.stream = stream;
+        a.params = at.empty() ? nullptr : at.data();
+        a.num_params = at.size();
         detail::RefArray refs(n);
         check(graphed_step_replay(raw_, &a, refs.data(), n));
         detail::adopt_refs(raw_, refs.data(), n, params);

@@ -80,6 +80,11 @@ pub enum Error {
     #[error("{0}")]
     Incompatible(String),
 
+    /// A parameter given at another address than its graphs read, where
+    /// they cannot be pointed; the message names it and both addresses.
+    #[error("{0}")]
+    ParamMoved(String),
+
     #[error("{0}")]
     Busy(String),
 

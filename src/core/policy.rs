@@ -45,6 +45,9 @@ pub struct ParamFlags {
     /// The parameter's grad is provided by the callback at capture (external
     /// memory, e.g. a framework's tensor), not placed in the slab.
     pub external_grad: bool,
+    /// The parameter may move: capture verifies that its graphs can be
+    /// pointed at another address, and replays given one point them there.
+    pub rebind: bool,
 }
 
 /// A parameter as registered, copied out of the caller's descriptor.
@@ -160,6 +163,7 @@ mod tests {
             flags: ParamFlags {
                 delayed_wgrad: flags & 1 != 0,
                 external_grad: flags & 2 != 0,
+                rebind: flags & 4 != 0,
             },
             policy,
         }

@@ -302,24 +302,34 @@ pub enum graphed_param_flags {
     /// The parameter's grad is provided by the callback at capture (external
     /// memory, e.g. a framework's tensor), not placed in the slab.
     ExternalGrad = 2,
+    /// The parameter may move between iterations: capture plans and
+    /// verifies pointing its graphs at another address (it fills the
+    /// parameter with a pattern for one verification replay and puts its
+    /// bytes back before capture returns), and a forward replay given its
+    /// new address (graphed_replay_args.params) points them there instead
+    /// of reading the old memory.
+    Rebind = 4,
 }
 
 impl graphed_param_flags {
     /// The flags of a bit set; unknown bits are refused.
     pub(crate) fn decode(bits: u32, what: &str) -> Result<ParamFlags> {
-        let (delayed, external) = (
+        let (delayed, external, rebind) = (
             graphed_param_flags::DelayedWgrad as u32,
             graphed_param_flags::ExternalGrad as u32,
+            graphed_param_flags::Rebind as u32,
         );
-        if bits & !(delayed | external) != 0 {
+        let known = delayed | external | rebind;
+        if bits & !known != 0 {
             return Err(Error::invalid(format!(
                 "{what} has unknown bits 0x{:x}",
-                bits & !(delayed | external)
+                bits & !known
             )));
         }
         Ok(ParamFlags {
             delayed_wgrad: bits & delayed != 0,
             external_grad: bits & external != 0,
+            rebind: bits & rebind != 0,
         })
     }
 }
@@ -359,8 +369,9 @@ mod tests {
 
     #[test]
     fn flags_and_bools_refuse_unknown_bits() {
-        assert!(graphed_param_flags::decode(4, "f").is_err());
+        assert!(graphed_param_flags::decode(8, "f").is_err());
         assert!(graphed_param_flags::decode(3, "f").unwrap().external_grad);
+        assert!(graphed_param_flags::decode(4, "f").unwrap().rebind);
         assert!(graphed_tensor_flags::decode(8, "f").is_err());
         assert!(
             graphed_tensor_flags::decode(6, "f").is_err(),

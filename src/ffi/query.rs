@@ -89,6 +89,15 @@ pub struct graphed_session_stats {
     /// Graph templates kept after capture: those rebinding plans need (the
     /// others are released once capture has verified the rebinds).
     pub templates_kept: u32,
+    /// Parameters (over all instances) whose graphs can follow a move
+    /// (GRAPHED_PARAM_FLAGS_REBIND, verified at capture), and those
+    /// registered with that flag that capture refused (the plan dump says
+    /// why).
+    pub params_movable: u32,
+    pub params_move_refused: u32,
+    /// Parameter moves replays followed since capture (one per parameter
+    /// per instance or step pointed at a new address).
+    pub param_moves: u64,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -139,6 +148,9 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         capture_rebind_verify_ns: 0,
         teardown_errors: 0,
         templates_kept: 0,
+        params_movable: 0,
+        params_move_refused: 0,
+        param_moves: 0,
     }
 }
 
@@ -187,6 +199,9 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             capture_rebind_verify_ns: st.capture_times.rebind_verify,
             teardown_errors: st.teardown_errors,
             templates_kept: st.capture_times.templates_kept as u32,
+            params_movable: st.params_movable,
+            params_move_refused: st.params_move_refused,
+            param_moves: st.param_moves,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.
@@ -344,19 +359,59 @@ pub unsafe extern "C" fn graphed_session_rebound(
         let cell = self::session(session)?;
         let role = graphed_buffer_role::decode(role, "role")?;
         let on = cell.lock()?.rebound(callable, microbatch, role)?;
-        if count != on.len() {
-            return Err(Error::invalid(format!(
-                "count is {count}; that role has {} buffers",
-                on.len()
-            )));
-        }
-        check_out_array(rebound, on.len(), 4, 4, "rebound")?;
-        for (i, &r) in on.iter().enumerate() {
-            // SAFETY: checked: room for `count` aligned values.
-            unsafe { rebound.add(i).write(r as u32) };
-        }
-        Ok(())
+        write_flags(&on, rebound, count, "rebound", "that role has")
     })
+}
+
+/// Writes, for each parameter of (callable, microbatch), 1 where a forward
+/// replay given another address for it points the graphs there
+/// (GRAPHED_PARAM_FLAGS_REBIND, verified at capture) and 0 where it is
+/// refused with GRAPHED_STATUS_PARAM_MOVED (not asked for, or refused: the
+/// plan dump says why) to `movable` (`count` = its parameter count).
+///
+/// # Safety
+/// `movable` must have room for `count` values.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_params_movable(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    movable: *mut u32,
+    count: usize,
+) -> graphed_status {
+    boundary("graphed_session_params_movable", || {
+        let cell = self::session(session)?;
+        let on = cell.lock()?.params_movable(callable, microbatch)?;
+        write_flags(
+            &on,
+            movable,
+            count,
+            "movable",
+            "the callable's parameters number",
+        )
+    })
+}
+
+/// Writes `on` as 0/1 values to the caller's array of `count` values.
+fn write_flags(
+    on: &[bool],
+    out: *mut u32,
+    count: usize,
+    what: &'static str,
+    of: &str,
+) -> crate::error::Result<()> {
+    if count != on.len() {
+        return Err(Error::invalid(format!(
+            "count is {count}; {of} {}",
+            on.len()
+        )));
+    }
+    check_out_array(out, on.len(), 4, 4, what)?;
+    for (i, &r) in on.iter().enumerate() {
+        // SAFETY: checked: room for `count` aligned values.
+        unsafe { out.add(i).write(r as u32) };
+    }
+    Ok(())
 }
 
 /// Writes the static-buffer plan of a captured session as text (one line

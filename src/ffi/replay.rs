@@ -54,6 +54,18 @@ pub struct graphed_replay_args {
     /// The element size of the graphed_ref arrays the call writes:
     /// sizeof(graphed_ref); set by the _default() function.
     pub ref_size: usize,
+    /// The parameters' current addresses, one per parameter (a NULL entry:
+    /// where the graphs read it now); NULL array: every parameter where
+    /// the graphs read it now (at first, where it was registered). A
+    /// forward replay points the instance's graphs (forward, backward,
+    /// weight-grad, clone slots) at a parameter's new address when capture
+    /// verified it can (GRAPHED_PARAM_FLAGS_REBIND; the address aligned at
+    /// least as the registered one, up to 256 bytes), and refuses the
+    /// replay with GRAPHED_STATUS_PARAM_MOVED otherwise. Backward and
+    /// weight-grad replays read the parameters where their forward did:
+    /// other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT.
+    pub params: *const *const c_void,
+    pub num_params: usize,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -83,6 +95,8 @@ pub extern "C" fn graphed_replay_args_default() -> graphed_replay_args {
         param_dsts: std::ptr::null(),
         num_param_dsts: 0,
         ref_size: size_of::<graphed_ref>(),
+        params: std::ptr::null(),
+        num_params: 0,
     }
 }
 
@@ -133,6 +147,7 @@ fn replay_args(a: &graphed_replay_args) -> Result<ReplayArgs<'_>> {
         side_stream: (!a.side_stream.is_null()).then_some(StreamRef(a.side_stream as usize)),
         data: ptrs(a.data, a.num_data, "args.data")?,
         param_dsts: ptrs(a.param_dsts.cast(), a.num_param_dsts, "args.param_dsts")?,
+        params: ptrs(a.params, a.num_params, "args.params")?,
     })
 }
 

@@ -70,11 +70,17 @@ pub enum graphed_status {
     /// a step in a session with a pipeline schedule); the message names
     /// them. Nothing was changed.
     Incompatible = 20,
+    /// A replay was given a parameter at another address than its graphs
+    /// read, and they cannot be pointed there (registered without
+    /// GRAPHED_PARAM_FLAGS_REBIND, refused at capture, or a less aligned
+    /// address); the message names the callable, the parameter and both
+    /// addresses. Nothing was enqueued.
+    ParamMoved = 21,
 }
 
 /// Every status, in code order. Kept next to the enum so that a new code
 /// cannot be added without a name.
-pub(crate) const ALL_STATUSES: [(graphed_status, &str); 21] = [
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 22] = [
     (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
     (
         graphed_status::InvalidArgument,
@@ -126,6 +132,7 @@ pub(crate) const ALL_STATUSES: [(graphed_status, &str); 21] = [
         graphed_status::Incompatible,
         "GRAPHED_STATUS_INCOMPATIBLE\0",
     ),
+    (graphed_status::ParamMoved, "GRAPHED_STATUS_PARAM_MOVED\0"),
 ];
 
 /// The name of every code the table does not hold.
@@ -152,6 +159,7 @@ impl From<&Error> for graphed_status {
             Error::ScratchExhausted(_) => graphed_status::ScratchExhausted,
             Error::Unsupported(_) => graphed_status::Unsupported,
             Error::Incompatible(_) => graphed_status::Incompatible,
+            Error::ParamMoved(_) => graphed_status::ParamMoved,
             Error::Busy(_) => graphed_status::Busy,
             Error::UseAfterDestroy(_) => graphed_status::UseAfterDestroy,
             Error::Internal(_) => graphed_status::Internal,

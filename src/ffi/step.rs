@@ -129,6 +129,13 @@ pub struct graphed_step_args {
     pub stream: graphed_stream,
     /// sizeof(graphed_ref); set by the _default() function.
     pub ref_size: usize,
+    /// The current addresses of the parameters of the step's callables, in
+    /// order (graphed_step_param_count of them; a NULL entry: where the
+    /// graphs read it now); NULL array: all where the graphs read them now.
+    /// Moved parameters are followed as graphed_replay_args.params says
+    /// (GRAPHED_STATUS_PARAM_MOVED where they cannot be).
+    pub params: *const *const c_void,
+    pub num_params: usize,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -151,6 +158,8 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
         step: 0,
         stream: std::ptr::null_mut(),
         ref_size: size_of::<graphed_ref>(),
+        params: std::ptr::null(),
+        num_params: 0,
     }
 }
 
@@ -181,7 +190,8 @@ pub unsafe extern "C" fn graphed_step_replay(
         let mut s = cell.lock()?;
         let n = s.step_params(a.step)?;
         let out = check_out(param_grads, num_param_grads, n, a.ref_size, "param_grads")?;
-        let mut r = s.step(a.step, StreamRef(a.stream as usize))?;
+        let params = ptrs(a.params, a.num_params, "args.params")?;
+        let mut r = s.step(a.step, StreamRef(a.stream as usize), params)?;
         let owners = publish(&mut r);
         write_refs(&out, a.ref_size, r.second, &owners);
         Ok(())
@@ -195,6 +205,10 @@ mod tests {
     #[test]
     fn the_first_released_layouts_are_todays() {
         assert_eq!(size_of::<graphed_step_desc>(), graphed_step_desc::MIN_SIZE);
-        assert_eq!(size_of::<graphed_step_args>(), graphed_step_args::MIN_SIZE);
+        // Since the first release: the parameters' addresses.
+        assert_eq!(
+            size_of::<graphed_step_args>(),
+            graphed_step_args::MIN_SIZE + 16
+        );
     }
 }

@@ -10,6 +10,7 @@ use super::instance::{Instance, PassRef};
 use super::pool::Arena;
 use super::returned::{CloneBlock, Returned};
 use super::spec::MemCounters;
+use super::tensor::Param;
 use crate::backend::{teardown, AccItem, Backend, DevPtr, DeviceMemory, Event, Graph, Stream};
 use crate::core::layout::BufferDesc;
 use crate::core::lease::Leases;
@@ -36,6 +37,9 @@ pub(crate) struct CapturedStep {
     pub slots: Vec<Box<dyn Graph>>,
     /// Lease slots the step's replay overwrites (strict leases).
     pub overwritten: Vec<usize>,
+    /// The parameters of the step's callables, in order, as its graphs
+    /// read them.
+    pub params: Vec<Param>,
 }
 
 impl CapturedStep {
@@ -118,6 +122,8 @@ pub(crate) struct Captured {
     /// Where the capture's host time went.
     pub times: CaptureTimes,
     pub stage: Stage,
+    /// Parameter moves replays followed.
+    pub param_moves: u64,
     /// Last: fields drop in order, so these go after the graphs.
     pub resources: Resources,
 }

@@ -5,7 +5,7 @@
 //! capture made.
 
 use super::returned::CloneRing;
-use super::tensor::Tensor;
+use super::tensor::{Param, Tensor};
 use crate::backend::{DevPtr, Graph};
 use crate::core::layout::Role;
 use crate::core::returns::ReturnPlan;
@@ -30,8 +30,9 @@ pub(crate) struct Placed {
     pub grad_outputs: Vec<Tensor>,
     /// One per input (absent where the input takes no grad).
     pub grad_inputs: Vec<Tensor>,
-    /// The caller's parameters, as registered.
-    pub params: Vec<DevPtr>,
+    /// The caller's parameters: where they were registered, and where the
+    /// instance's graphs read them now.
+    pub params: Vec<Param>,
     /// One per parameter.
     pub param_grads: Vec<Tensor>,
     /// Start of the parameter-grad slab (0: none).

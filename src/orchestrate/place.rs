@@ -9,7 +9,7 @@ use super::context::Inputs;
 use super::instance::{PassRef, Placed};
 use super::returned::CloneRing;
 use super::spec::{CallableSpec, TensorSpec};
-use super::tensor::{Feed, Place, Return, Tensor};
+use super::tensor::{Feed, Param, Place, Return, Tensor};
 use crate::backend::DevPtr;
 use crate::core::layout::{
     layout, InstanceBuffers, InstanceShape, Layout, ParamShape, Role, TensorShape,
@@ -253,7 +253,20 @@ fn place_one(s: &Inputs, p: &Planned, n: usize, base: DevPtr) -> Result<Placed> 
         outputs,
         grad_outputs,
         grad_inputs,
-        params: spec.params.iter().map(|p| p.data).collect(),
+        params: spec
+            .params
+            .iter()
+            .enumerate()
+            .map(|(j, p)| {
+                let why = if p.flags.rebind {
+                    "its rebinding was not verified"
+                } else {
+                    "it was registered without the REBIND flag: its graphs read it where it was \
+                     registered"
+                };
+                Param::fixed(j, p.data, p.bytes, p.dtype, why)
+            })
+            .collect(),
         param_grads,
         slab,
         returns,

@@ -23,7 +23,7 @@ use super::clock::{CaptureTimes, Span};
 use super::context::Inputs;
 use super::instance::{PassGraphs, Placed};
 use super::spec::LogLevel;
-use super::tensor::{Feed, Rebinding};
+use super::tensor::{Feed, ParamFeed, Rebinding};
 use crate::backend::{Backend, DevPtr, DeviceMemory, RebindPlan, StreamRef};
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
@@ -69,62 +69,100 @@ fn pattern(dtype: DType, bytes: usize, seed: u32) -> Vec<u8> {
     out
 }
 
-/// A tensor asked to be rebound, with its plans.
+/// What is asked to be rebound: a tensor of the instance (an input or a
+/// grad-output), or one of its parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum What {
+    Tensor(Role, usize),
+    Param(usize),
+}
+
+impl What {
+    /// How messages name it.
+    fn describe(self, inst: &Placed) -> String {
+        match self {
+            What::Tensor(role, i) => inst.tensors(role)[i].describe(),
+            What::Param(j) => format!("param {j}"),
+        }
+    }
+}
+
+/// A tensor or parameter asked to be rebound, with its plans.
 struct Candidate {
-    role: Role,
-    index: usize,
+    what: What,
     ptr: DevPtr,
     bytes: usize,
     dtype: DType,
     rebinding: Rebinding,
 }
 
-/// What planning decided for one tensor asked to be rebound.
+/// What planning decided for one tensor or parameter asked to be rebound.
 enum Planned {
     Candidate(Candidate),
-    Refused(Role, usize, String),
+    Refused(What, String),
     /// Another callable's buffer, used in place: it keeps its feed.
-    InPlace(Role, usize),
+    InPlace(What),
 }
 
-/// The tensors of `inst` whose registration asks for rebinding.
-fn asked(s: &Inputs, inst: &Placed) -> Vec<(Role, usize)> {
+/// What verification decided: the plans kept, or why not.
+type Decision = std::result::Result<Rebinding, String>;
+
+/// The tensors and parameters of `inst` whose registration asks for
+/// rebinding.
+fn asked(s: &Inputs, inst: &Placed) -> Vec<What> {
     let spec = &s.callables[inst.callable];
     let inputs = spec.inputs.iter().enumerate();
     let outputs = spec.outputs.iter().enumerate();
+    let params = spec.params.iter().enumerate();
     inputs
         .filter(|(_, t)| t.rebind)
-        .map(|(i, _)| (Role::Input, i))
+        .map(|(i, _)| What::Tensor(Role::Input, i))
         .chain(
             outputs
                 .filter(|(_, t)| t.rebind)
-                .map(|(o, _)| (Role::GradOutput, o)),
+                .map(|(o, _)| What::Tensor(Role::GradOutput, o)),
+        )
+        .chain(
+            params
+                .filter(|(_, p)| p.flags.rebind)
+                .map(|(j, _)| What::Param(j)),
         )
         .collect()
 }
 
-/// Plans the rebinding of tensor (role, index) of `inst` in its graphs.
-fn plan(inst: &Placed, graphs: &PassGraphs, role: Role, index: usize) -> Result<Planned> {
-    let t = &inst.tensors(role)[index];
-    let refused = |why: &str| Ok(Planned::Refused(role, index, why.to_string()));
-    match t.feed {
-        Feed::Chained => return Ok(Planned::InPlace(role, index)),
-        Feed::NotFed => return refused("it has no static buffer (no grad flows to this output)"),
-        _ => {}
-    }
-    if !VERIFIED.contains(&t.dtype) {
-        return Ok(Planned::Refused(
-            role,
-            index,
-            format!(
-                "rebinding is verified with floating-point data; {} tensors are copied",
-                t.dtype.name()
-            ),
+/// Plans the rebinding of `what` in the instance's graphs.
+fn plan(inst: &Placed, graphs: &PassGraphs, what: What) -> Result<Planned> {
+    let refused = |why: &str| Ok(Planned::Refused(what, why.to_string()));
+    let (ptr, bytes, dtype) = match what {
+        What::Tensor(role, index) => {
+            let t = &inst.tensors(role)[index];
+            match t.feed {
+                Feed::Chained => return Ok(Planned::InPlace(what)),
+                Feed::NotFed => {
+                    return refused("it has no static buffer (no grad flows to this output)")
+                }
+                _ => {}
+            }
+            (t.ptr, t.bytes, t.dtype)
+        }
+        What::Param(j) => {
+            let p = &inst.params[j];
+            (p.ptr, p.bytes, p.dtype)
+        }
+    };
+    if !VERIFIED.contains(&dtype) {
+        let kept = match what {
+            What::Tensor(..) => "tensors are copied",
+            What::Param(_) => "parameters stay where they were registered",
+        };
+        return refused(&format!(
+            "rebinding is verified with floating-point data; {} {kept}",
+            dtype.name()
         ));
     }
     let mut plans = Vec::new();
     for g in graphs.all() {
-        match g.rebinder(t.ptr, t.bytes)? {
+        match g.rebinder(ptr, bytes)? {
             RebindPlan::Plan(p) => plans.push(p),
             // A pass that does not read the buffer needs no plan (a forward
             // never reads a grad-output; a backward may not read the input).
@@ -132,17 +170,53 @@ fn plan(inst: &Placed, graphs: &PassGraphs, role: Role, index: usize) -> Result<
             RebindPlan::Refused(why) => return refused(&why),
         }
     }
-    if plans.is_empty() {
+    // A parameter that no graph takes the address of may still be read
+    // through memory: verification tells. A tensor is copied instead.
+    if plans.is_empty() && matches!(what, What::Tensor(..)) {
         return refused("no graph of the callable takes the buffer's address");
     }
     Ok(Planned::Candidate(Candidate {
-        role,
-        index,
-        ptr: t.ptr,
-        bytes: t.bytes,
-        dtype: t.dtype,
-        rebinding: Rebinding::new(plans, t.ptr),
+        what,
+        ptr,
+        bytes,
+        dtype,
+        rebinding: Rebinding::new(plans, ptr),
     }))
+}
+
+/// Refuses parameters whose memory overlaps another candidate's: moved
+/// apart, one plan would point the other's references away.
+fn apart(inst: &Placed, cands: Vec<Candidate>, out: &mut Vec<(What, Decision)>) -> Vec<Candidate> {
+    let overlaps = |a: &Candidate, b: &Candidate| {
+        a.ptr < b.ptr + b.bytes as DevPtr && b.ptr < a.ptr + a.bytes as DevPtr
+    };
+    let shared: Vec<Option<What>> = cands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| match c.what {
+            What::Param(_) => cands
+                .iter()
+                .enumerate()
+                .find(|&(k, o)| k != i && overlaps(c, o))
+                .map(|(_, o)| o.what),
+            What::Tensor(..) => None,
+        })
+        .collect();
+    let mut kept = Vec::with_capacity(cands.len());
+    for (c, other) in cands.into_iter().zip(shared) {
+        match other {
+            Some(o) => out.push((
+                c.what,
+                Err(format!(
+                    "its memory overlaps that of {} of the same callable: they cannot be \
+                     pointed elsewhere apart",
+                    o.describe(inst)
+                )),
+            )),
+            None => kept.push(c),
+        }
+    }
+    kept
 }
 
 /// Device memory verification works in: per verified dtype two pattern
@@ -362,9 +436,22 @@ pub(crate) fn resolve(
         let wanted = asked(s, inst);
         if !wanted.is_empty() {
             let decided = decide(s, inst, g, &wanted, stream, times, &mut ws)?;
-            for (role, index, feed) in decided {
-                log(s, inst, role, index, &feed);
-                inst.tensors_mut(role)[index].feed = feed;
+            for (what, decision) in decided {
+                log(s, inst, what, &decision);
+                match what {
+                    What::Tensor(role, i) => {
+                        inst.tensors_mut(role)[i].feed = match decision {
+                            Ok(r) => Feed::Rebound(r),
+                            Err(why) => Feed::Refused(why),
+                        }
+                    }
+                    What::Param(j) => {
+                        inst.params[j].feed = match decision {
+                            Ok(r) => ParamFeed::Rebound(r),
+                            Err(why) => ParamFeed::Fixed(why),
+                        }
+                    }
+                }
             }
         }
         let slots = g.slots.iter_mut().map(|s| &mut s.graph);
@@ -379,21 +466,21 @@ const MOVED: &str = "a rebound replay at capture gave other results than a copyi
                      the data it was fed: some kernel reads the buffer through memory, writes it in \
                      place, or is not deterministic";
 
-/// The feeds of the tensors of `inst` in `wanted` (tensors read in place
-/// keep theirs, with a message).
+/// What verification decided for each of `wanted` (tensors read in place
+/// keep their feed, with a message).
 fn decide(
     s: &Inputs,
     inst: &Placed,
     graphs: &PassGraphs,
-    wanted: &[(Role, usize)],
+    wanted: &[What],
     stream: StreamRef,
     times: &mut CaptureTimes,
     ws: &mut Option<Workspace>,
-) -> Result<Vec<(Role, usize, Feed)>> {
+) -> Result<Vec<(What, Decision)>> {
     let planned = times.time(Span::RebindPlan, |_| {
         wanted
             .iter()
-            .map(|&(role, i)| plan(inst, graphs, role, i))
+            .map(|&what| plan(inst, graphs, what))
             .collect::<Result<Vec<_>>>()
     })?;
     let mut out = Vec::new();
@@ -401,10 +488,11 @@ fn decide(
     for p in planned {
         match p {
             Planned::Candidate(c) => cands.push(c),
-            Planned::Refused(role, i, why) => out.push((role, i, Feed::Refused(why))),
-            Planned::InPlace(role, i) => log_in_place(s, inst, role, i),
+            Planned::Refused(what, why) => out.push((what, Err(why))),
+            Planned::InPlace(what) => log_in_place(s, inst, what),
         }
     }
+    let mut cands = apart(inst, cands, &mut out);
     if cands.is_empty() {
         return Ok(out);
     }
@@ -434,12 +522,12 @@ fn decide(
         verify(&v, inst, graphs, &mut cands).map(Ok)
     })?;
     for (i, c) in cands.into_iter().enumerate() {
-        let feed = match &kept {
-            Ok(k) if k[i] => Feed::Rebound(c.rebinding),
-            Ok(_) => Feed::Refused(MOVED.into()),
-            Err(why) => Feed::Refused(why.clone()),
+        let decision = match &kept {
+            Ok(k) if k[i] => Ok(c.rebinding),
+            Ok(_) => Err(MOVED.into()),
+            Err(why) => Err(why.clone()),
         };
-        out.push((c.role, c.index, feed));
+        out.push((c.what, decision));
     }
     Ok(out)
 }
@@ -479,9 +567,9 @@ fn verify(
     Ok(keep)
 }
 
-fn log_in_place(s: &Inputs, inst: &Placed, role: Role, index: usize) {
+fn log_in_place(s: &Inputs, inst: &Placed, what: What) {
     let (name, mb) = (&s.callables[inst.callable].name, inst.microbatch);
-    let what = inst.tensors(role)[index].describe();
+    let what = what.describe(inst);
     s.log(LogLevel::Info, || {
         format!(
             "{what} of callable '{name}' (microbatch {mb}) is another callable's buffer, used in place: \
@@ -490,20 +578,26 @@ fn log_in_place(s: &Inputs, inst: &Placed, role: Role, index: usize) {
     });
 }
 
-fn log(s: &Inputs, inst: &Placed, role: Role, index: usize, feed: &Feed) {
+fn log(s: &Inputs, inst: &Placed, what: What, decision: &Decision) {
     let (name, mb) = (&s.callables[inst.callable].name, inst.microbatch);
-    let what = inst.tensors(role)[index].describe();
-    match feed {
-        Feed::Rebound(r) => s.log(LogLevel::Info, || {
+    let (moved, kept) = match what {
+        What::Tensor(..) => ("is rebound at replay", "is copied at replay"),
+        What::Param(_) => (
+            "can move: replays point its graphs at its new address",
+            "cannot move: a replay at another address is refused",
+        ),
+    };
+    let what = what.describe(inst);
+    match decision {
+        Ok(r) => s.log(LogLevel::Info, || {
             format!(
-                "{what} of callable '{name}' (microbatch {mb}) is rebound at replay: {} node(s)",
+                "{what} of callable '{name}' (microbatch {mb}) {moved}: {} node(s)",
                 r.nodes()
             )
         }),
-        Feed::Refused(why) => s.log(LogLevel::Warn, || {
-            format!("{what} of callable '{name}' (microbatch {mb}) is copied at replay: {why}")
+        Err(why) => s.log(LogLevel::Warn, || {
+            format!("{what} of callable '{name}' (microbatch {mb}) {kept}: {why}")
         }),
-        _ => {}
     }
 }
 

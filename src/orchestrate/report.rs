@@ -5,7 +5,7 @@
 use super::clock::CaptureTimes;
 use super::session::{Session, State};
 use super::spec::MemCounters;
-use super::tensor::Feed;
+use super::tensor::{Feed, ParamFeed};
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
 use crate::core::plan::Lifetime;
@@ -41,6 +41,13 @@ pub struct Stats {
     pub inputs_rebind_refused: u32,
     /// Node updates one rebind of every rebound buffer costs.
     pub rebind_nodes: u32,
+    /// Parameters (over all instances) whose graphs can follow a move, and
+    /// those registered with the rebind flag that capture refused.
+    pub params_movable: u32,
+    pub params_move_refused: u32,
+    /// Parameter moves replays followed (one per parameter per graph set
+    /// pointed at a new address).
+    pub param_moves: u64,
     /// Where the last capture's host time went.
     pub capture_times: CaptureTimes,
     /// Errors while releasing this session's resources (a reset, a failed
@@ -88,6 +95,17 @@ impl Session {
                     _ => {}
                 }
             }
+            for inst in &c.instances {
+                let specs = &self.callables[inst.callable].params;
+                for (q, spec) in inst.params.iter().zip(specs) {
+                    match (&q.feed, spec.flags.rebind) {
+                        (ParamFeed::Rebound(_), _) => st.params_movable += 1,
+                        (ParamFeed::Fixed(_), true) => st.params_move_refused += 1,
+                        _ => {}
+                    }
+                }
+            }
+            st.param_moves = c.param_moves;
         }
         st
     }
@@ -116,6 +134,15 @@ impl Session {
             .iter()
             .map(|t| t.feed.is_rebound())
             .collect())
+    }
+
+    /// Whether replays can point the graphs of (callable, microbatch) at
+    /// each parameter's new address (registered with the rebind flag and
+    /// verified at capture).
+    pub fn params_movable(&self, callable: u32, microbatch: u32) -> Result<Vec<bool>> {
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
+        Ok(inst.params.iter().map(|q| q.movable()).collect())
     }
 
     /// The frozen grad policy of each parameter of a callable (None where
@@ -183,6 +210,24 @@ impl Session {
                     "{} of {name} (microbatch {}): {what}",
                     t.describe(),
                     inst.microbatch
+                );
+            }
+            let asked = inst
+                .params
+                .iter()
+                .zip(&self.callables[inst.callable].params)
+                .filter(|(_, spec)| spec.flags.rebind);
+            for (q, _) in asked {
+                let what = match &q.feed {
+                    ParamFeed::Rebound(r) => {
+                        format!("movable ({} node updates per move)", r.nodes())
+                    }
+                    ParamFeed::Fixed(why) => format!("fixed at its registered address: {why}"),
+                };
+                let _ = writeln!(
+                    out,
+                    "param {} of {name} (microbatch {}): {what}",
+                    q.index, inst.microbatch
                 );
             }
         }

@@ -482,8 +482,13 @@ impl Session {
 
     /// Replays a step on `stream`; returns the parameter grads of its
     /// callables, in order, per their return plans.
-    pub fn step(&mut self, step: u32, stream: StreamRef) -> Result<Replayed<'_>> {
-        replay::step(self.parts()?, step, stream)
+    pub fn step(
+        &mut self,
+        step: u32,
+        stream: StreamRef,
+        params: Option<&[DevPtr]>,
+    ) -> Result<Replayed<'_>> {
+        replay::step(self.parts()?, step, stream, params)
     }
 }
 

@@ -239,6 +239,9 @@ pub struct ReplayArgs<'a> {
     /// Destinations of COPY_INTO and ACCUMULATE_INTO parameter slots, one
     /// per parameter (0 where the slot has another policy).
     pub param_dsts: Option<&'a [DevPtr]>,
+    /// The parameters' current addresses, one per parameter (0: where the
+    /// graphs read it now); None: all where they read them now.
+    pub params: Option<&'a [DevPtr]>,
 }
 
 /// Bytes the library holds, by kind; shared by a session with the buffers

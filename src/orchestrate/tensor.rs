@@ -74,6 +74,11 @@ impl Rebinding {
         self.plans.iter().map(|p| p.nodes()).sum()
     }
 
+    /// Where the graphs point now (0: unknown after a failed bind).
+    pub fn bound(&self) -> DevPtr {
+        self.bound
+    }
+
     /// Points the graphs at `target` if they are not already.
     pub fn bind(&mut self, target: DevPtr) -> Result<()> {
         if self.bound != target {
@@ -86,6 +91,94 @@ impl Rebinding {
             self.bound = target;
         }
         Ok(())
+    }
+}
+
+/// What a replay may do when it is given another address for a parameter.
+pub(crate) enum ParamFeed {
+    /// The graphs read it where it was registered only: a replay at another
+    /// address is refused, for this reason.
+    Fixed(String),
+    /// Verified at capture: the graphs can be pointed at another address.
+    Rebound(Rebinding),
+}
+
+/// A parameter as its instance's (or step's) graphs read it: where it was
+/// registered, and whether and where they can be pointed elsewhere.
+pub(crate) struct Param {
+    pub index: usize,
+    /// Where it was registered, and captured.
+    pub ptr: DevPtr,
+    pub bytes: usize,
+    pub dtype: DType,
+    pub feed: ParamFeed,
+}
+
+/// The largest power of two that divides `p`, up to `REBIND_ALIGN`.
+fn alignment(p: DevPtr) -> u64 {
+    if p == 0 {
+        REBIND_ALIGN
+    } else {
+        (1u64 << p.trailing_zeros()).min(REBIND_ALIGN)
+    }
+}
+
+impl Param {
+    /// A parameter registered at `ptr`, read there only (until capture
+    /// verifies it can move).
+    pub fn fixed(index: usize, ptr: DevPtr, bytes: usize, dtype: DType, why: &str) -> Param {
+        Param {
+            index,
+            ptr,
+            bytes,
+            dtype,
+            feed: ParamFeed::Fixed(why.to_string()),
+        }
+    }
+
+    /// Where the graphs read it now (0: unknown, after a rebind failed part
+    /// way; the next bind redoes it).
+    pub fn bound(&self) -> DevPtr {
+        match &self.feed {
+            ParamFeed::Fixed(_) => self.ptr,
+            ParamFeed::Rebound(r) => r.bound(),
+        }
+    }
+
+    /// Whether its graphs can be pointed elsewhere.
+    pub fn movable(&self) -> bool {
+        matches!(self.feed, ParamFeed::Rebound(_))
+    }
+
+    /// Why its graphs cannot read it at `to` (None: they can, or already
+    /// do). Kernels chosen at capture may rely on the alignment they saw
+    /// (vector loads), so a new address must be aligned as well, up to
+    /// `REBIND_ALIGN`.
+    pub fn refusal(&self, to: DevPtr) -> Option<String> {
+        if to == self.bound() {
+            return None;
+        }
+        match &self.feed {
+            ParamFeed::Fixed(why) => Some(why.clone()),
+            ParamFeed::Rebound(_) if alignment(to) < alignment(self.ptr) => Some(format!(
+                "the new address is aligned to {} bytes, the captured one to {}: kernels chosen at \
+                 capture may rely on that alignment",
+                alignment(to),
+                alignment(self.ptr)
+            )),
+            ParamFeed::Rebound(_) => None,
+        }
+    }
+
+    /// Points the graphs at `to`; `refusal(to)` must be None.
+    pub fn bind(&mut self, to: DevPtr) -> Result<()> {
+        match &mut self.feed {
+            ParamFeed::Rebound(r) => r.bind(to),
+            ParamFeed::Fixed(_) if to == self.ptr => Ok(()),
+            ParamFeed::Fixed(why) => Err(crate::error::Error::Internal(format!(
+                "a fixed parameter bound elsewhere: {why}"
+            ))),
+        }
     }
 }
 

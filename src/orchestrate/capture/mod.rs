@@ -169,6 +169,7 @@ fn assemble(
         },
         times,
         stage: Stage::default(),
+        param_moves: 0,
         resources,
     }
 }

@@ -34,7 +34,7 @@ impl ViewBuffers {
     pub fn of(inst: &Placed, param_grads: Option<Vec<DevPtr>>) -> ViewBuffers {
         ViewBuffers {
             inputs: ptrs(&inst.inputs),
-            params: inst.params.clone(),
+            params: inst.params.iter().map(|p| p.ptr).collect(),
             outputs: ptrs(&inst.outputs),
             grad_outputs: ptrs(&inst.grad_outputs),
             grad_inputs: ptrs(&inst.grad_inputs),

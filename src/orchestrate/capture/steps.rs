@@ -9,9 +9,14 @@ use super::super::external::Provided;
 use super::super::grads::enqueue_destinations;
 use super::super::instance::{PassRef, Placed};
 use super::super::spec::{LogLevel, Phase};
+use super::super::tensor::Param;
 use super::run::{Call, Runner, ViewBuffers};
 use crate::backend::{DevPtr, Graph};
 use crate::error::{Error, Result};
+
+/// Why a step's graph cannot follow a parameter until verification says
+/// it can.
+pub(crate) const UNVERIFIED: &str = "the step's graph was not verified with it elsewhere";
 
 /// Checks step `si`'s destinations (the parameters of `instances`, named
 /// `names`, in order) against the instances' frozen return plans.
@@ -125,6 +130,12 @@ impl Runner<'_> {
                 slot_graphs.push(self.capture_sequence(&seq, block, iteration)?);
             }
         }
+        let params = instances
+            .iter()
+            .flat_map(|&i| &self.placed[i].params)
+            .enumerate()
+            .map(|(k, q)| Param::fixed(k, q.ptr, q.bytes, q.dtype, UNVERIFIED))
+            .collect();
         Ok(CapturedStep {
             instances,
             cloned,
@@ -133,6 +144,7 @@ impl Runner<'_> {
             graph,
             slots: slot_graphs,
             overwritten,
+            params,
         })
     }
 

@@ -1,10 +1,12 @@
 //! What a replay checks before it enqueues anything: the data it is fed
 //! (one entry per buffer, no NULL where a buffer needs data, nothing but
 //! the buffer itself for a chained one), the destinations of COPY_INTO and
-//! ACCUMULATE_INTO grads, and that no stream it uses is capturing.
+//! ACCUMULATE_INTO grads, the parameters' addresses (a forward may move
+//! those its graphs can follow; other passes read them where their forward
+//! did), and that no stream it uses is capturing.
 
 use super::super::instance::Placed;
-use super::super::tensor::{Feed, Tensor};
+use super::super::tensor::{Feed, Param, Tensor};
 use crate::backend::{Backend, DevPtr, StreamRef};
 use crate::error::{Error, Result};
 
@@ -71,6 +73,67 @@ pub(super) fn destinations(dsts: Option<&[DevPtr]>, inst: &Placed, name: &str) -
         }
     }
     Ok(())
+}
+
+/// Checks the parameters' addresses given to a replay of `who`: one per
+/// parameter; a forward (`moves`) may give new ones its graphs can be
+/// pointed at, any other pass only those its graphs read now (its
+/// forward's).
+pub(super) fn params(
+    given: Option<&[DevPtr]>,
+    params: &[Param],
+    moves: bool,
+    who: impl Fn() -> String,
+) -> Result<()> {
+    let Some(given) = given else { return Ok(()) };
+    if given.len() != params.len() {
+        return Err(Error::invalid(format!(
+            "{} parameter addresses were passed to {}; it has {} parameters",
+            given.len(),
+            who(),
+            params.len()
+        )));
+    }
+    for (p, &to) in params.iter().zip(given) {
+        if to == 0 || to == p.bound() {
+            continue;
+        }
+        if !moves {
+            return Err(Error::invalid(format!(
+                "param {} was passed to {} at 0x{to:x}, but its forward read it at 0x{:x}: a pass reads \
+                 the parameters where its forward did (move parameters before a forward, between \
+                 iterations)",
+                p.index,
+                who(),
+                p.bound()
+            )));
+        }
+        if let Some(why) = p.refusal(to) {
+            return Err(Error::ParamMoved(format!(
+                "param {} of {} moved from 0x{:x} to 0x{to:x}, and its graphs cannot be pointed there: {why}",
+                p.index,
+                who(),
+                p.bound()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Points the graphs at the parameters' given addresses (`params` checked
+/// them); returns how many moved. A failure part way leaves the failed one
+/// unknown (its next bind redoes it) and the others where they were
+/// pointed.
+pub(super) fn bind_params(given: Option<&[DevPtr]>, params: &mut [Param]) -> Result<u64> {
+    let Some(given) = given else { return Ok(0) };
+    let mut moved = 0;
+    for (p, &to) in params.iter_mut().zip(given) {
+        if to != 0 && to != p.bound() {
+            p.bind(to)?;
+            moved += 1;
+        }
+    }
+    Ok(moved)
 }
 
 /// Refuses a replay on a stream that is capturing a graph.

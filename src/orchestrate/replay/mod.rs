@@ -104,6 +104,10 @@ fn check_pass(p: &Parts, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<(
     if returns_params(inst, kind) {
         check::destinations(a.param_dsts, inst, name)?;
     }
+    let moves = kind == PassKind::Forward;
+    check::params(a.params, &inst.params, moves, || {
+        format!("callable '{name}' (microbatch {})", inst.microbatch)
+    })?;
     check::streams(p.backend.as_ref(), a.stream, a.side_stream, who)?;
     // The lease book is locked only around the check and the staging,
     // never while the caller's code runs (its allocator, its free
@@ -217,6 +221,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         None => a.stream,
     };
     let mut block = take_block(p, idx, kind, s)?;
+    p.cap.param_moves += check::bind_params(a.params, &mut p.cap.instances[idx].params)?;
     feed(p, idx, kind, a, s)?;
     launch(p, idx, kind, a, &block, s)?;
     if let Some(side) = a.side_stream {

@@ -2,18 +2,28 @@
 //! the graph of a clone slot that is free in every callable that returns
 //! clones; when there is none (every slot held by the caller, or no slots
 //! at all), the same passes replayed one by one, with the same results.
+//! Parameters given at new addresses point the step's graphs there where
+//! capture verified they can; where only the callables' own graphs can
+//! follow, the step replays pass by pass, each forward moving them.
 
 use super::super::captured::Captured;
 use super::super::returned::{CloneBlock, Returned};
 use super::super::spec::ReplayArgs;
 use super::{check, run_pass, stage, Parts, Replayed};
-use crate::backend::StreamRef;
+use crate::backend::{DevPtr, StreamRef};
+use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::sync::Arc;
 
-/// Replays step `step` on `stream`; returns the parameter grads of its
-/// callables, in order, in `second`.
-pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Replayed<'a>> {
+/// Replays step `step` on `stream`, its callables' parameters at
+/// `params` (None: where the graphs read them now); returns their grads,
+/// in order, in `second`.
+pub(crate) fn step<'a>(
+    p: Parts<'a>,
+    step: u32,
+    stream: StreamRef,
+    params: Option<&[DevPtr]>,
+) -> Result<Replayed<'a>> {
     let n = p.cap.steps.len();
     let st = p.cap.steps.get(step as usize).ok_or_else(|| {
         Error::invalid(format!("step {step} does not exist (the session has {n})"))
@@ -24,6 +34,15 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
     if p.opts.strict_leases {
         p.leases.lock().check_free(&st.overwritten, who)?;
     }
+    if let Some(given) = params {
+        if follows(&p, step as usize, given)? {
+            p.cap.param_moves +=
+                check::bind_params(Some(given), &mut p.cap.steps[step as usize].params)?;
+        } else {
+            return by_pass(p, step as usize, stream, Some(given));
+        }
+    }
+    let st = &p.cap.steps[step as usize];
     // The slot blocks taken, in a vector the replays reuse (empty between
     // replays, so that the steady state allocates nothing).
     let mut taken = std::mem::take(&mut p.cap.stage.taken);
@@ -34,7 +53,7 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
             Ok(Some(k)) => Some(k),
             Ok(None) => {
                 p.cap.stage.taken = taken;
-                return by_pass(p, step as usize, stream);
+                return by_pass(p, step as usize, stream, None);
             }
             Err(e) => {
                 p.cap.stage.taken = taken;
@@ -48,6 +67,42 @@ pub(crate) fn step<'a>(p: Parts<'a>, step: u32, stream: StreamRef) -> Result<Rep
         return Err(e);
     }
     stage_grads(p, step as usize, taken)
+}
+
+/// Whether the step's own graphs read its parameters at `given` (or can be
+/// pointed there); false where only its callables' graphs can follow (the
+/// step then replays pass by pass). Refuses what neither can follow, before
+/// anything is enqueued.
+fn follows(p: &Parts, step: usize, given: &[DevPtr]) -> Result<bool> {
+    let st = &p.cap.steps[step];
+    let n = st.params.len();
+    if given.len() != n {
+        return Err(Error::invalid(format!(
+            "{} parameter addresses were passed to step {step}; its callables have {n} parameters",
+            given.len()
+        )));
+    }
+    let own = given
+        .iter()
+        .zip(&st.params)
+        .all(|(&to, p)| to == 0 || p.refusal(to).is_none());
+    if own {
+        return Ok(true);
+    }
+    let mut at = 0;
+    for &i in &st.instances {
+        let inst = &p.cap.instances[i];
+        let np = inst.params.len();
+        let name = &p.callables[inst.callable].name;
+        check::params(Some(&given[at..at + np]), &inst.params, true, || {
+            format!(
+                "callable '{name}' (microbatch {}) in step {step}",
+                inst.microbatch
+            )
+        })?;
+        at += np;
+    }
+    Ok(false)
 }
 
 /// Slot blocks taken for a replay that then fails go back to their rings
@@ -138,8 +193,14 @@ fn stage_grads(p: Parts<'_>, step: usize, mut taken: Vec<Arc<CloneBlock>>) -> Re
 }
 
 /// A step replayed pass by pass (its graphs need a clone slot that is not
-/// free): the same passes, each its own replay, the grads gathered.
-fn by_pass(mut p: Parts<'_>, step: usize, stream: StreamRef) -> Result<Replayed<'_>> {
+/// free, or cannot follow moved parameters): the same passes, each its own
+/// replay (forwards given the parameters' addresses), the grads gathered.
+fn by_pass<'a>(
+    mut p: Parts<'a>,
+    step: usize,
+    stream: StreamRef,
+    params: Option<&[DevPtr]>,
+) -> Result<Replayed<'a>> {
     let (passes, dsts, instances) = {
         let st = &p.cap.steps[step];
         (st.passes.clone(), st.dsts.clone(), st.instances.clone())
@@ -169,6 +230,9 @@ fn by_pass(mut p: Parts<'_>, step: usize, stream: StreamRef) -> Result<Replayed<
             side_stream: None,
             data: None,
             param_dsts: grad_pass.then(|| &dsts[first[k]..first[k] + np]),
+            params: params
+                .filter(|_| pp.kind == PassKind::Forward)
+                .map(|g| &g[first[k]..first[k] + np]),
         };
         if let Err(e) = run_pass(&mut p, &a, pp.kind) {
             // Nothing of a failed step reaches the caller: the leases and
