@@ -131,9 +131,14 @@ pub struct graphed_step_args {
     pub ref_size: usize,
     /// The current addresses of the parameters of the step's callables, in
     /// order (graphed_step_param_count of them; a NULL entry: where the
-    /// graphs read it now); NULL array: all where the graphs read them now.
-    /// Moved parameters are followed as graphed_replay_args.params says
-    /// (GRAPHED_STATUS_PARAM_MOVED where they cannot be).
+    /// last step replay had it); NULL array: all where the last step
+    /// replay had them (at first, where they were registered). The step's
+    /// graph follows moved parameters that capture verified in it
+    /// (GRAPHED_PARAM_FLAGS_REBIND) with one launch; a parameter only its
+    /// callable's own graphs can follow (say, one tied to another
+    /// callable's) makes the step replay pass by pass, each forward moving
+    /// it; one that nothing can follow is GRAPHED_STATUS_PARAM_MOVED, before
+    /// anything is enqueued.
     pub params: *const *const c_void,
     pub num_params: usize,
 }

@@ -40,6 +40,9 @@ pub(crate) struct CapturedStep {
     /// The parameters of the step's callables, in order, as its graphs
     /// read them.
     pub params: Vec<Param>,
+    /// Where the last replay had them (a replay given no address for one
+    /// keeps it there, in its graphs or, pass by pass, in its callables').
+    pub at: Vec<DevPtr>,
 }
 
 impl CapturedStep {

@@ -12,7 +12,7 @@ use super::spec::{
     TensorSpec,
 };
 use crate::backend::host::HostBackend;
-use crate::backend::{Backend, DevPtr};
+use crate::backend::{AccItem, Backend, DevPtr, DeviceMemory};
 use crate::core::dtype::DType;
 use crate::core::policy::{GradPolicy, ParamFlags, ParamSpec};
 use crate::core::schedule::Schedule;
@@ -23,12 +23,14 @@ use std::sync::Arc;
 pub const N: usize = 16;
 pub const BYTES: usize = N * 4;
 
-/// A layer whose forward copies its input to its output and whose
-/// backward (or weight-grad) copies the grad-output to the input's grad
-/// and to every parameter's grad.
+/// A layer whose forward copies its input to its output (then, when it
+/// reads its parameters, adds each to it) and whose backward (or
+/// weight-grad) copies the grad-output to the input's grad and to every
+/// parameter's grad.
 struct CopyLayer {
     backend: Arc<dyn Backend>,
     wgrad: bool,
+    reads_params: bool,
 }
 
 impl CopyLayer {
@@ -49,7 +51,24 @@ impl PassCallbacks for CopyLayer {
             Ok(())
         };
         match v.pass {
-            PassKind::Forward => self.copy(v.outputs[0], v.inputs[0], v),
+            PassKind::Forward => {
+                self.copy(v.outputs[0], v.inputs[0], v)?;
+                if !self.reads_params {
+                    return Ok(());
+                }
+                let items: Vec<AccItem> = v
+                    .params
+                    .iter()
+                    .map(|&p| AccItem {
+                        dst: v.outputs[0],
+                        src: p,
+                        count: N,
+                    })
+                    .collect();
+                self.backend
+                    .accumulate(&items, DType::F32, v.stream)
+                    .map_err(|_| 1)
+            }
             PassKind::Backward => {
                 self.copy(v.grad_inputs[0], v.grad_outputs[0], v)?;
                 if self.wgrad {
@@ -162,9 +181,46 @@ impl Fixture {
             callbacks: Box::new(CopyLayer {
                 backend: self.backend.clone(),
                 wgrad,
+                reads_params: false,
             }),
         }
     }
+
+    /// Makes callable `c` a layer whose forward adds its parameters to its
+    /// output, each parameter in memory of its own holding `value`
+    /// (returned: keep it alive while the fixture is used).
+    pub fn reading_params(&mut self, c: usize, value: f32) -> Vec<DeviceMemory> {
+        let spec = &mut self.callables[c];
+        let wgrad = spec.callbacks.has_wgrad();
+        spec.callbacks = Box::new(CopyLayer {
+            backend: self.backend.clone(),
+            wgrad,
+            reads_params: true,
+        });
+        spec.params
+            .iter_mut()
+            .map(|p| {
+                let m = DeviceMemory::new(&self.backend, BYTES).unwrap();
+                self.backend.upload(m.ptr(), &floats(value)).unwrap();
+                p.data = m.ptr();
+                m
+            })
+            .collect()
+    }
+}
+
+/// A tensor of `N` floats equal to `v`, as bytes.
+pub fn floats(v: f32) -> Vec<u8> {
+    (0..N).flat_map(|_| v.to_ne_bytes()).collect()
+}
+
+/// The `N` floats at `p`.
+pub fn read_floats(backend: &dyn Backend, p: DevPtr) -> Vec<f32> {
+    let mut b = vec![0u8; BYTES];
+    backend.download(&mut b, p).unwrap();
+    b.chunks(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// A host session with default options and no callables yet.

@@ -115,13 +115,14 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     // 4. Verify the rebinds.
     times.templates_kept =
         rebind::resolve(s, &mut placed, &mut recorded.graphs, side.raw(), &mut times)?;
-    // Steps take no data: nothing rebinds their graphs.
-    for st in &mut recorded.steps {
-        let slots = st.slots.iter_mut();
-        for g in st.graph.iter_mut().chain(slots) {
-            g.release_template();
-        }
-    }
+    times.templates_kept += rebind::resolve_steps(
+        s,
+        &placed,
+        &recorded.graphs,
+        &mut recorded.steps,
+        side.raw(),
+        &mut times,
+    )?;
     warn_aliases(s);
 
     // 5. Build the captured state whole.

@@ -130,7 +130,7 @@ impl Runner<'_> {
                 slot_graphs.push(self.capture_sequence(&seq, block, iteration)?);
             }
         }
-        let params = instances
+        let params: Vec<Param> = instances
             .iter()
             .flat_map(|&i| &self.placed[i].params)
             .enumerate()
@@ -144,6 +144,7 @@ impl Runner<'_> {
             graph,
             slots: slot_graphs,
             overwritten,
+            at: params.iter().map(|q| q.ptr).collect(),
             params,
         })
     }

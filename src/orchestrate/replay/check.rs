@@ -108,16 +108,23 @@ pub(super) fn params(
                 p.bound()
             )));
         }
-        if let Some(why) = p.refusal(to) {
-            return Err(Error::ParamMoved(format!(
-                "param {} of {} moved from 0x{:x} to 0x{to:x}, and its graphs cannot be pointed there: {why}",
-                p.index,
-                who(),
-                p.bound()
-            )));
-        }
+        movable(p, to, &who)?;
     }
     Ok(())
+}
+
+/// Refuses `to` for parameter `p` of `who` where its graphs cannot be
+/// pointed there, naming both addresses.
+pub(super) fn movable(p: &Param, to: DevPtr, who: impl Fn() -> String) -> Result<()> {
+    match p.refusal(to) {
+        None => Ok(()),
+        Some(why) => Err(Error::ParamMoved(format!(
+            "param {} of {} moved from 0x{:x} to 0x{to:x}, and its graphs cannot be pointed there: {why}",
+            p.index,
+            who(),
+            p.bound()
+        ))),
+    }
 }
 
 /// Points the graphs at the parameters' given addresses (`params` checked

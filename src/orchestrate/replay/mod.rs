@@ -10,6 +10,8 @@
 mod check;
 mod stage;
 mod step;
+#[cfg(test)]
+mod tests;
 
 pub(crate) use step::step;
 

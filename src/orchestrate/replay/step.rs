@@ -34,13 +34,23 @@ pub(crate) fn step<'a>(
     if p.opts.strict_leases {
         p.leases.lock().check_free(&st.overwritten, who)?;
     }
-    if let Some(given) = params {
-        if follows(&p, step as usize, given)? {
-            p.cap.param_moves +=
-                check::bind_params(Some(given), &mut p.cap.steps[step as usize].params)?;
-        } else {
-            return by_pass(p, step as usize, stream, Some(given));
+    if !follow(&p, step as usize, params)? {
+        // Only the callables' own graphs can read the parameters there.
+        let st = &mut p.cap.steps[step as usize];
+        for (k, at) in st.at.iter_mut().enumerate() {
+            *at = given(params, k, *at);
         }
+        let at = st.at.clone();
+        return by_pass(p, step as usize, stream, Some(&at));
+    }
+    let st = &mut p.cap.steps[step as usize];
+    for (k, q) in st.params.iter_mut().enumerate() {
+        let to = given(params, k, st.at[k]);
+        if to != q.bound() {
+            q.bind(to)?;
+            p.cap.param_moves += 1;
+        }
+        st.at[k] = to;
     }
     let st = &p.cap.steps[step as usize];
     // The slot blocks taken, in a vector the replays reuse (empty between
@@ -53,7 +63,8 @@ pub(crate) fn step<'a>(
             Ok(Some(k)) => Some(k),
             Ok(None) => {
                 p.cap.stage.taken = taken;
-                return by_pass(p, step as usize, stream, None);
+                let at = st.at.clone();
+                return by_pass(p, step as usize, stream, Some(&at));
             }
             Err(e) => {
                 p.cap.stage.taken = taken;
@@ -69,38 +80,51 @@ pub(crate) fn step<'a>(
     stage_grads(p, step as usize, taken)
 }
 
-/// Whether the step's own graphs read its parameters at `given` (or can be
-/// pointed there); false where only its callables' graphs can follow (the
-/// step then replays pass by pass). Refuses what neither can follow, before
-/// anything is enqueued.
-fn follows(p: &Parts, step: usize, given: &[DevPtr]) -> Result<bool> {
+/// Parameter `k`'s address for this replay: given (not NULL), else where
+/// the last replay had it.
+fn given(params: Option<&[DevPtr]>, k: usize, last: DevPtr) -> DevPtr {
+    match params.and_then(|g| g.get(k).copied()) {
+        Some(p) if p != 0 => p,
+        _ => last,
+    }
+}
+
+/// Whether the step's own graphs can read its parameters where this replay
+/// has them (`given`); false where only its callables' graphs can follow
+/// (the step then replays pass by pass). Refuses what neither can follow,
+/// and a wrong count, before anything is enqueued.
+fn follow(p: &Parts, step: usize, params: Option<&[DevPtr]>) -> Result<bool> {
     let st = &p.cap.steps[step];
     let n = st.params.len();
-    if given.len() != n {
+    if let Some(g) = params.filter(|g| g.len() != n) {
         return Err(Error::invalid(format!(
             "{} parameter addresses were passed to step {step}; its callables have {n} parameters",
-            given.len()
+            g.len()
         )));
     }
-    let own = given
+    let at = |k: usize| given(params, k, st.at[k]);
+    if st
+        .params
         .iter()
-        .zip(&st.params)
-        .all(|(&to, p)| to == 0 || p.refusal(to).is_none());
-    if own {
+        .enumerate()
+        .all(|(k, q)| q.refusal(at(k)).is_none())
+    {
         return Ok(true);
     }
-    let mut at = 0;
+    let mut first = 0;
     for &i in &st.instances {
         let inst = &p.cap.instances[i];
-        let np = inst.params.len();
         let name = &p.callables[inst.callable].name;
-        check::params(Some(&given[at..at + np]), &inst.params, true, || {
+        let who = || {
             format!(
                 "callable '{name}' (microbatch {}) in step {step}",
                 inst.microbatch
             )
-        })?;
-        at += np;
+        };
+        for q in &inst.params {
+            check::movable(q, at(first + q.index), who)?;
+        }
+        first += inst.params.len();
     }
     Ok(false)
 }

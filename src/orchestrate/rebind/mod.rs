@@ -1,0 +1,401 @@
+//! Rebinding, the verification step of a capture: inputs and grad-outputs
+//! asked to be rebound (`GRAPHED_TENSOR_FLAGS_REBIND`) are read by replays
+//! where the caller's data is, instead of copied into the static buffer,
+//! and parameters asked to (`GRAPHED_PARAM_FLAGS_REBIND`) may move, where
+//! capture can verify that this gives the same results. A parameter's
+//! verification writes a pattern into the caller's memory for one replay
+//! and puts its bytes back. Steps are verified the same way (`steps`).
+//!
+//! Per instance: the backend plans where its graphs take each buffer's
+//! address (`Graph::rebinder`); then one verification replays the
+//! instance's graphs twice on the capture stream, first copying (grad-
+//! outputs filled with a pattern), then with every planned buffer moved to
+//! a copy of its data while the static buffer holds another pattern; the
+//! device compares every output and grad of the two runs, and one flag
+//! comes back. Equal: every plan is kept. Different: each buffer is
+//! verified alone, and those that differ are copied, with the reason. A
+//! buffer that cannot be planned (opaque work, no parameter information,
+//! not floating-point data) is copied too. Patterns and copies stay on the
+//! device: nothing the size of a tensor crosses to the host.
+//!
+//! Replays then point the graphs at the caller's buffer (one node update
+//! per reference) instead of copying it; the caller keeps that buffer
+//! unchanged until the instance's last pass that reads it has run.
+
+use super::clock::{CaptureTimes, Span};
+use super::context::Inputs;
+use super::instance::{PassGraphs, Placed};
+use super::spec::LogLevel;
+use super::tensor::{Feed, ParamFeed, Rebinding};
+use crate::backend::{DevPtr, Graph, RebindPlan, StreamRef};
+use crate::core::dtype::DType;
+use crate::core::layout::Role;
+use crate::error::{Error, Result};
+use verify::{Subject, Verifier, Workspace, VERIFIED};
+
+mod steps;
+#[cfg(test)]
+mod tests;
+mod verify;
+
+pub(crate) use steps::resolve_steps;
+
+/// What is asked to be rebound: a tensor of the instance (an input or a
+/// grad-output), or one of its parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum What {
+    Tensor(Role, usize),
+    Param(usize),
+}
+
+impl What {
+    /// How messages name it.
+    fn describe(self, inst: &Placed) -> String {
+        match self {
+            What::Tensor(role, i) => inst.tensors(role)[i].describe(),
+            What::Param(j) => format!("param {j}"),
+        }
+    }
+}
+
+/// A tensor or parameter asked to be rebound, with its plans.
+struct Candidate {
+    what: What,
+    ptr: DevPtr,
+    bytes: usize,
+    dtype: DType,
+    rebinding: Rebinding,
+}
+
+/// What planning decided for one tensor or parameter asked to be rebound.
+enum Planned {
+    Candidate(Candidate),
+    Refused(What, String),
+    /// Another callable's buffer, used in place: it keeps its feed.
+    InPlace(What),
+}
+
+/// What verification decided: the plans kept, or why not.
+type Decision = std::result::Result<Rebinding, String>;
+
+/// The tensors and parameters of `inst` whose registration asks for
+/// rebinding.
+fn asked(s: &Inputs, inst: &Placed) -> Vec<What> {
+    let spec = &s.callables[inst.callable];
+    let inputs = spec.inputs.iter().enumerate();
+    let outputs = spec.outputs.iter().enumerate();
+    let params = spec.params.iter().enumerate();
+    inputs
+        .filter(|(_, t)| t.rebind)
+        .map(|(i, _)| What::Tensor(Role::Input, i))
+        .chain(
+            outputs
+                .filter(|(_, t)| t.rebind)
+                .map(|(o, _)| What::Tensor(Role::GradOutput, o)),
+        )
+        .chain(
+            params
+                .filter(|(_, p)| p.flags.rebind)
+                .map(|(j, _)| What::Param(j)),
+        )
+        .collect()
+}
+
+/// Plans the rebinding of `what` in the instance's graphs.
+fn plan(inst: &Placed, graphs: &PassGraphs, what: What) -> Result<Planned> {
+    let (ptr, bytes, dtype) = match what {
+        What::Tensor(role, index) => {
+            let t = &inst.tensors(role)[index];
+            match t.feed {
+                Feed::Chained => return Ok(Planned::InPlace(what)),
+                Feed::NotFed => {
+                    return Ok(Planned::Refused(
+                        what,
+                        "it has no static buffer (no grad flows to this output)".into(),
+                    ))
+                }
+                _ => {}
+            }
+            (t.ptr, t.bytes, t.dtype)
+        }
+        What::Param(j) => {
+            let p = &inst.params[j];
+            (p.ptr, p.bytes, p.dtype)
+        }
+    };
+    plan_in(graphs.all(), what, ptr, bytes, dtype)
+}
+
+/// Plans the rebinding of `what`, at `ptr`, in `graphs`.
+fn plan_in<'g>(
+    graphs: impl Iterator<Item = &'g dyn Graph>,
+    what: What,
+    ptr: DevPtr,
+    bytes: usize,
+    dtype: DType,
+) -> Result<Planned> {
+    let refused = |why: &str| Ok(Planned::Refused(what, why.to_string()));
+    if !VERIFIED.contains(&dtype) {
+        let kept = match what {
+            What::Tensor(..) => "tensors are copied",
+            What::Param(_) => "parameters stay where they were registered",
+        };
+        return refused(&format!(
+            "rebinding is verified with floating-point data; {} {kept}",
+            dtype.name()
+        ));
+    }
+    let mut plans = Vec::new();
+    for g in graphs {
+        match g.rebinder(ptr, bytes)? {
+            RebindPlan::Plan(p) => plans.push(p),
+            // A pass that does not read the buffer needs no plan (a forward
+            // never reads a grad-output; a backward may not read the input).
+            RebindPlan::Unreferenced => {}
+            RebindPlan::Refused(why) => return refused(&why),
+        }
+    }
+    // A parameter that no graph takes the address of may still be read
+    // through memory: verification tells. A tensor is copied instead.
+    if plans.is_empty() && matches!(what, What::Tensor(..)) {
+        return refused("no graph of the callable takes the buffer's address");
+    }
+    Ok(Planned::Candidate(Candidate {
+        what,
+        ptr,
+        bytes,
+        dtype,
+        rebinding: Rebinding::new(plans, ptr),
+    }))
+}
+
+/// Refuses parameters whose memory overlaps another candidate's: moved
+/// apart, one plan would point the other's references away.
+fn apart(
+    cands: Vec<Candidate>,
+    out: &mut Vec<(What, Decision)>,
+    name: &dyn Fn(What) -> String,
+) -> Vec<Candidate> {
+    let overlaps = |a: &Candidate, b: &Candidate| {
+        a.ptr < b.ptr + b.bytes as DevPtr && b.ptr < a.ptr + a.bytes as DevPtr
+    };
+    let shared: Vec<Option<What>> = cands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| match c.what {
+            What::Param(_) => cands
+                .iter()
+                .enumerate()
+                .find(|&(k, o)| k != i && overlaps(c, o))
+                .map(|(_, o)| o.what),
+            What::Tensor(..) => None,
+        })
+        .collect();
+    let mut kept = Vec::with_capacity(cands.len());
+    for (c, other) in cands.into_iter().zip(shared) {
+        match other {
+            Some(o) => out.push((
+                c.what,
+                Err(format!(
+                    "its memory overlaps that of {} of the same callable: they cannot be \
+                     pointed elsewhere apart",
+                    name(o)
+                )),
+            )),
+            None => kept.push(c),
+        }
+    }
+    kept
+}
+/// Decides every tensor asked to be rebound, instance by instance (see the
+/// module comment), and lets the graphs' templates go where no plan needs
+/// them; returns how many a plan keeps. `stream` is idle.
+pub(crate) fn resolve(
+    s: &Inputs,
+    placed: &mut [Placed],
+    graphs: &mut [PassGraphs],
+    stream: StreamRef,
+    times: &mut CaptureTimes,
+) -> Result<usize> {
+    let mut kept = 0;
+    let mut ws: Option<Workspace> = None;
+    for (inst, g) in placed.iter_mut().zip(graphs.iter_mut()) {
+        let wanted = asked(s, inst);
+        if !wanted.is_empty() {
+            let decided = decide(s, inst, g, &wanted, stream, times, &mut ws)?;
+            for (what, decision) in decided {
+                log(s, inst, what, &decision);
+                match what {
+                    What::Tensor(role, i) => {
+                        inst.tensors_mut(role)[i].feed = match decision {
+                            Ok(r) => Feed::Rebound(r),
+                            Err(why) => Feed::Refused(why),
+                        }
+                    }
+                    What::Param(j) => {
+                        inst.params[j].feed = match decision {
+                            Ok(r) => ParamFeed::Rebound(r),
+                            Err(why) => ParamFeed::Fixed(why),
+                        }
+                    }
+                }
+            }
+        }
+        let slots = g.slots.iter_mut().map(|s| &mut s.graph);
+        for graph in g.passes.iter_mut().flatten().chain(slots) {
+            kept += graph.release_template() as usize;
+        }
+    }
+    Ok(kept)
+}
+
+const MOVED: &str = "a rebound replay at capture gave other results than a copying one, or wrote \
+                     the data it was fed: some kernel reads the buffer through memory, writes it in \
+                     place, or is not deterministic";
+
+/// What verification decided for each of `wanted` (tensors read in place
+/// keep their feed, with a message).
+fn decide(
+    s: &Inputs,
+    inst: &Placed,
+    graphs: &PassGraphs,
+    wanted: &[What],
+    stream: StreamRef,
+    times: &mut CaptureTimes,
+    ws: &mut Option<Workspace>,
+) -> Result<Vec<(What, Decision)>> {
+    let planned = times.time(Span::RebindPlan, |_| {
+        wanted
+            .iter()
+            .map(|&what| plan(inst, graphs, what))
+            .collect::<Result<Vec<_>>>()
+    })?;
+    let mut out = Vec::new();
+    let mut cands = Vec::new();
+    for p in planned {
+        match p {
+            Planned::Candidate(c) => cands.push(c),
+            Planned::Refused(what, why) => out.push((what, Err(why))),
+            Planned::InPlace(what) => log_in_place(s, inst, what),
+        }
+    }
+    let cands = apart(cands, &mut out, &|w: What| w.describe(inst));
+    if !cands.is_empty() {
+        let subject = Subject::instance(inst, graphs);
+        out.extend(verified(s, &subject, cands, stream, times, ws)?);
+    }
+    Ok(out)
+}
+
+/// Verifies `cands` with `subject`: each keeps its plans or is refused,
+/// with the reason. The workspace is made (or grown) as needed; where its
+/// memory cannot be had, every candidate is refused, saying so.
+fn verified(
+    s: &Inputs,
+    subject: &Subject,
+    mut cands: Vec<Candidate>,
+    stream: StreamRef,
+    times: &mut CaptureTimes,
+    ws: &mut Option<Workspace>,
+) -> Result<Vec<(What, Decision)>> {
+    let kept = times.time(Span::RebindVerify, |_| -> Result<Result<Vec<bool>, String>> {
+        let need = subject.room(cands.iter().map(|c| c.bytes))?;
+        if !ws.as_ref().is_some_and(|w| w.room_bytes() >= need) {
+            *ws = None;
+            match Workspace::new(s.backend, need) {
+                Ok(w) => *ws = Some(w),
+                Err(e) => {
+                    return Ok(Err(format!(
+                        "verifying it needs {need} bytes of device memory, which could not be had: {e}"
+                    )))
+                }
+            }
+        }
+        let Some(ws) = ws.as_ref() else {
+            return Err(Error::Internal("no verification workspace".into()));
+        };
+        let v = Verifier {
+            backend: s.backend.as_ref(),
+            stream,
+            ws,
+            subject,
+        };
+        verify(&v, &mut cands).map(Ok)
+    })?;
+    Ok(cands
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let decision = match &kept {
+                Ok(k) if k[i] => Ok(c.rebinding),
+                Ok(_) => Err(MOVED.into()),
+                Err(why) => Err(why.clone()),
+            };
+            (c.what, decision)
+        })
+        .collect())
+}
+
+/// Which candidates to keep: all when they agree together; else each is
+/// tried alone, and those that agree alone are tried together again (what
+/// replays bind together must agree together), all refused when they do not.
+fn verify(v: &Verifier, cands: &mut [Candidate]) -> Result<Vec<bool>> {
+    let mut all: Vec<&mut Candidate> = cands.iter_mut().collect();
+    if v.same(&mut all)? {
+        return Ok(vec![true; cands.len()]);
+    }
+    if cands.len() == 1 {
+        return Ok(vec![false]);
+    }
+    let mut keep = Vec::with_capacity(cands.len());
+    for c in cands.iter_mut() {
+        keep.push(v.same(&mut [c])?);
+    }
+    let n = keep.iter().filter(|&&k| k).count();
+    if n >= 2 && n < cands.len() {
+        let mut kept: Vec<&mut Candidate> = cands
+            .iter_mut()
+            .zip(&keep)
+            .filter(|(_, &k)| k)
+            .map(|(c, _)| c)
+            .collect();
+        if !v.same(&mut kept)? {
+            keep.iter_mut().for_each(|k| *k = false);
+        }
+    }
+    Ok(keep)
+}
+
+fn log_in_place(s: &Inputs, inst: &Placed, what: What) {
+    let (name, mb) = (&s.callables[inst.callable].name, inst.microbatch);
+    let what = what.describe(inst);
+    s.log(LogLevel::Info, || {
+        format!(
+            "{what} of callable '{name}' (microbatch {mb}) is another callable's buffer, used in place: \
+             it is never copied, so rebinding does not apply"
+        )
+    });
+}
+
+fn log(s: &Inputs, inst: &Placed, what: What, decision: &Decision) {
+    let (name, mb) = (&s.callables[inst.callable].name, inst.microbatch);
+    let (moved, kept) = match what {
+        What::Tensor(..) => ("is rebound at replay", "is copied at replay"),
+        What::Param(_) => (
+            "can move: replays point its graphs at its new address",
+            "cannot move: a replay at another address is refused",
+        ),
+    };
+    let what = what.describe(inst);
+    match decision {
+        Ok(r) => s.log(LogLevel::Info, || {
+            format!(
+                "{what} of callable '{name}' (microbatch {mb}) {moved}: {} node(s)",
+                r.nodes()
+            )
+        }),
+        Err(why) => s.log(LogLevel::Warn, || {
+            format!("{what} of callable '{name}' (microbatch {mb}) {kept}: {why}")
+        }),
+    }
+}

@@ -1,0 +1,307 @@
+//! Replays of host-backend sessions whose layers read their parameters
+//! through library copies (which host graphs can point elsewhere): moved
+//! parameters followed, refused, and checked, end to end.
+
+use super::super::session::Session;
+use super::super::spec::ReplayArgs;
+use super::super::testing::{floats, host_inputs, read_floats, Fixture, BYTES, N};
+use crate::backend::{Backend, DevPtr, DeviceMemory, StreamRef};
+use crate::core::layout::Role;
+use crate::error::Error;
+use std::sync::Arc;
+
+/// A captured session of `f`'s callables.
+fn session(f: Fixture) -> Session {
+    let mut s = Session::new(f.backend.clone(), Some(f.pool.clone()), f.opts).unwrap();
+    for c in f.callables {
+        s.add_callable(c).unwrap();
+    }
+    for st in f.steps {
+        s.add_step(st.callables, Some(&st.param_dsts)).unwrap();
+    }
+    s.capture().unwrap();
+    s
+}
+
+fn args<'a>(
+    callable: u32,
+    data: Option<&'a [DevPtr]>,
+    params: Option<&'a [DevPtr]>,
+) -> ReplayArgs<'a> {
+    ReplayArgs {
+        callable,
+        microbatch: 0,
+        stream: StreamRef(0),
+        side_stream: None,
+        data,
+        param_dsts: None,
+        params,
+    }
+}
+
+/// Memory holding `N` floats equal to `v`, `offset` bytes into a larger
+/// allocation.
+struct Moved {
+    mem: DeviceMemory,
+    offset: u64,
+}
+
+impl Moved {
+    fn new(backend: &Arc<dyn Backend>, v: f32, offset: u64) -> Moved {
+        let mem = DeviceMemory::new(backend, BYTES + 256).unwrap();
+        backend.upload(mem.ptr() + offset, &floats(v)).unwrap();
+        Moved { mem, offset }
+    }
+    fn ptr(&self) -> DevPtr {
+        self.mem.ptr() + self.offset
+    }
+}
+
+/// One layer with two parameters (2.0 and 3.0) that its forward adds to
+/// its input, both registered movable (or not).
+fn layer(movable: bool) -> (Fixture, Vec<DeviceMemory>) {
+    let mut f = host_inputs(&[("a", 2, false)]);
+    let mem = f.reading_params(0, 2.0);
+    f.backend.upload(mem[1].ptr(), &floats(3.0)).unwrap();
+    for p in &mut f.callables[0].params {
+        p.flags.rebind = movable;
+    }
+    (f, mem)
+}
+
+/// The output of a forward of callable 0 on an input of ones.
+fn forward(
+    s: &mut Session,
+    backend: &Arc<dyn Backend>,
+    one: DevPtr,
+    params: Option<&[DevPtr]>,
+) -> crate::error::Result<f32> {
+    let data = [one];
+    let r = s.forward(&args(0, Some(&data), params))?;
+    let out = r.first[0].ptr;
+    Ok(read_floats(backend.as_ref(), out)[0])
+}
+
+#[test]
+fn a_moved_parameter_is_read_at_its_new_address_only() {
+    let (f, mut old) = layer(true);
+    let b = f.backend.clone();
+    let one = Moved::new(&b, 1.0, 0);
+    let ten = Moved::new(&b, 10.0, 0);
+    let backend = b.clone();
+    let mut s = session(f);
+    let st = s.stats();
+    assert_eq!((st.params_movable, st.params_move_refused), (2, 0));
+    assert_eq!(s.params_movable(0, 0).unwrap(), [true, true]);
+    assert_eq!(
+        forward(&mut s, &b, one.ptr(), None).unwrap(),
+        1.0 + 2.0 + 3.0
+    );
+    // Verification put the parameters' bytes back.
+    assert_eq!(read_floats(backend.as_ref(), old[0].ptr()), vec![2.0; N]);
+    // Param 0 moves; param 1 stays (a NULL entry).
+    let at = [ten.ptr(), 0];
+    assert_eq!(
+        forward(&mut s, &b, one.ptr(), Some(&at)).unwrap(),
+        1.0 + 10.0 + 3.0
+    );
+    // The old memory is gone: later replays without addresses read the new one.
+    old.remove(0);
+    assert_eq!(
+        forward(&mut s, &b, one.ptr(), None).unwrap(),
+        1.0 + 10.0 + 3.0
+    );
+    assert_eq!(s.stats().param_moves, 1);
+    // The same address again is no move.
+    assert_eq!(forward(&mut s, &b, one.ptr(), Some(&at)).unwrap(), 14.0);
+    assert_eq!(s.stats().param_moves, 1);
+}
+
+#[test]
+fn a_parameter_that_cannot_move_is_refused_with_both_addresses_and_nothing_runs() {
+    let (f, mem) = layer(false);
+    let b = f.backend.clone();
+    let (one, two, ten) = (
+        Moved::new(&b, 1.0, 0),
+        Moved::new(&b, 2.0, 0),
+        Moved::new(&b, 10.0, 0),
+    );
+    let mut s = session(f);
+    assert_eq!(s.params_movable(0, 0).unwrap(), [false, false]);
+    assert_eq!(s.stats().params_move_refused, 0, "not asked");
+    assert_eq!(forward(&mut s, &b, one.ptr(), None).unwrap(), 6.0);
+    let input = s.buffers(0, 0, Role::Input).unwrap()[0];
+    let at = [ten.ptr(), 0];
+    let e = forward(&mut s, &b, two.ptr(), Some(&at)).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::ParamMoved(_)), "{msg}");
+    for want in [
+        "param 0".to_string(),
+        "callable 'a'".into(),
+        format!("0x{:x}", mem[0].ptr()),
+        format!("0x{:x}", ten.ptr()),
+        "REBIND".into(),
+    ] {
+        assert!(msg.contains(&want), "{want} in: {msg}");
+    }
+    // Refused before anything was enqueued: the input was not copied in.
+    assert_eq!(read_floats(b.as_ref(), input), vec![1.0; N]);
+    // Its registered address is no move.
+    let here = [mem[0].ptr(), mem[1].ptr()];
+    assert_eq!(forward(&mut s, &b, two.ptr(), Some(&here)).unwrap(), 7.0);
+}
+
+#[test]
+fn a_less_aligned_address_and_a_wrong_count_are_refused() {
+    let (f, _mem) = layer(true);
+    let b = f.backend.clone();
+    let one = Moved::new(&b, 1.0, 0);
+    let odd = Moved::new(&b, 10.0, 4);
+    let mut s = session(f);
+    let e = forward(&mut s, &b, one.ptr(), Some(&[odd.ptr(), 0])).unwrap_err();
+    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
+    assert!(e.to_string().contains("aligned to 4 bytes"), "{e}");
+    let e = forward(&mut s, &b, one.ptr(), Some(&[0])).unwrap_err();
+    assert!(
+        e.to_string().contains("1 parameter addresses were passed"),
+        "{e}"
+    );
+    assert_eq!(forward(&mut s, &b, one.ptr(), None).unwrap(), 6.0);
+    assert_eq!(s.stats().param_moves, 0);
+}
+
+#[test]
+fn a_backward_reads_the_parameters_where_its_forward_did() {
+    let (f, mem) = layer(true);
+    let b = f.backend.clone();
+    let one = Moved::new(&b, 1.0, 0);
+    let ten = Moved::new(&b, 10.0, 0);
+    let mut s = session(f);
+    forward(&mut s, &b, one.ptr(), Some(&[ten.ptr(), 0])).unwrap();
+    let grad = [one.ptr()];
+    // NULL entries, and where its forward read them: accepted.
+    assert!(s.backward(&args(0, Some(&grad), Some(&[0, 0]))).is_ok());
+    // Where its forward read them: accepted.
+    let same = [ten.ptr(), mem[1].ptr()];
+    assert!(s.backward(&args(0, Some(&grad), Some(&same))).is_ok());
+    forward(&mut s, &b, one.ptr(), Some(&same)).unwrap();
+    let e = s
+        .backward(&args(0, Some(&grad), Some(&[mem[0].ptr(), 0])))
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("where its forward did"), "{e}");
+}
+
+#[test]
+fn parameters_the_host_cannot_see_into_are_refused_at_capture_with_the_reason() {
+    // The fixture's plain layer runs library copies only; a layer of user
+    // host tasks is opaque. Here: a parameter no graph reads at all is
+    // verified (moving it changes nothing), an integer one is refused.
+    let mut f = host_inputs(&[("a", 2, false)]);
+    let _mem = f.reading_params(0, 2.0);
+    f.callables[0].params[1].dtype = crate::core::dtype::DType::I32;
+    for p in &mut f.callables[0].params {
+        p.flags.rebind = true;
+    }
+    let s = session(f);
+    assert_eq!(s.params_movable(0, 0).unwrap(), [true, false]);
+    let st = s.stats();
+    assert_eq!((st.params_movable, st.params_move_refused), (1, 1));
+    let dump = s.plan_dump().unwrap();
+    assert!(
+        dump.contains("param 0 of a (microbatch 0): movable"),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("param 1 of a (microbatch 0): fixed"),
+        "{dump}"
+    );
+    assert!(dump.contains("i32 parameters stay"), "{dump}");
+}
+
+/// A step over layers a then b (b reads a's output), one parameter each
+/// (2.0 and 3.0), both movable; with `tied`, b's parameter is a's.
+fn step(tied: bool) -> (Session, Arc<dyn Backend>, Vec<DeviceMemory>) {
+    let mut f = host_inputs(&[("a", 1, false), ("b", 1, false)]);
+    let mut mem = f.reading_params(0, 2.0);
+    mem.extend(f.reading_params(1, 3.0));
+    if tied {
+        f.callables[1].params[0].data = mem[0].ptr();
+    }
+    for c in &mut f.callables {
+        c.params[0].flags.rebind = true;
+    }
+    f.callables[1].inputs[0].chained = Some((0, 0));
+    f.steps.push(super::super::spec::StepSpec {
+        callables: vec![0, 1],
+        param_dsts: vec![0, 0],
+    });
+    let backend = f.backend.clone();
+    let s = session(f);
+    let input = s.buffers(0, 0, Role::Input).unwrap()[0];
+    backend.upload(input, &floats(1.0)).unwrap();
+    (s, backend, mem)
+}
+
+/// b's output after a replay of the step with the parameters at `at`.
+fn step_out(
+    s: &mut Session,
+    b: &Arc<dyn Backend>,
+    at: Option<&[DevPtr]>,
+) -> crate::error::Result<f32> {
+    s.step(0, StreamRef(0), at)?;
+    let out = s.buffers(1, 0, Role::Output).unwrap()[0];
+    Ok(read_floats(b.as_ref(), out)[0])
+}
+
+#[test]
+fn a_step_follows_moved_parameters_in_its_own_graph() {
+    let (mut s, b, mem) = step(false);
+    let ten = Moved::new(&b, 10.0, 0);
+    let odd = Moved::new(&b, 5.0, 4);
+    assert_eq!(step_out(&mut s, &b, None).unwrap(), 1.0 + 2.0 + 3.0);
+    assert_eq!(
+        step_out(&mut s, &b, Some(&[ten.ptr(), 0])).unwrap(),
+        1.0 + 10.0 + 3.0
+    );
+    assert_eq!(step_out(&mut s, &b, None).unwrap(), 1.0 + 10.0 + 3.0);
+    // The step's graph moved, not a's own: a's forward alone still reads
+    // the registered memory.
+    let input = s_input(&s);
+    assert_eq!(forward(&mut s, &b, input, None).unwrap(), 1.0 + 2.0);
+    let e = s.step(0, StreamRef(0), Some(&[0])).err().unwrap();
+    assert!(e.to_string().contains("passed to step 0"), "{e}");
+    let e = s
+        .step(0, StreamRef(0), Some(&[odd.ptr(), 0]))
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
+    assert!(e.to_string().contains("callable 'a'"), "{e}");
+    // Back where it was registered.
+    assert_eq!(step_out(&mut s, &b, Some(&[mem[0].ptr(), 0])).unwrap(), 6.0);
+    assert_eq!(s.stats().param_moves, 2);
+}
+
+#[test]
+fn a_step_that_cannot_follow_replays_pass_by_pass() {
+    // b's parameter is a's: in the step's graphs they overlap, so the step
+    // cannot move them apart; each callable's own graphs can.
+    let (mut s, b, _mem) = step(true);
+    let ten = Moved::new(&b, 10.0, 0);
+    assert_eq!(step_out(&mut s, &b, None).unwrap(), 1.0 + 2.0 + 2.0);
+    let at = [ten.ptr(), ten.ptr()];
+    assert_eq!(step_out(&mut s, &b, Some(&at)).unwrap(), 1.0 + 10.0 + 10.0);
+    // No addresses: where the last replay had them, pass by pass again.
+    assert_eq!(step_out(&mut s, &b, None).unwrap(), 1.0 + 10.0 + 10.0);
+    // Pass by pass: a's own forward followed.
+    let input = s_input(&s);
+    assert_eq!(forward(&mut s, &b, input, None).unwrap(), 1.0 + 10.0);
+    let dump = s.plan_dump().unwrap();
+    assert!(dump.contains("movable"), "{dump}");
+}
+
+/// Callable 0's static input (which holds ones).
+fn s_input(s: &Session) -> DevPtr {
+    s.buffers(0, 0, Role::Input).unwrap()[0]
+}
