@@ -41,6 +41,17 @@ fn check_destinations(
     Ok(())
 }
 
+/// The parameters of a step over `instances`, in order, as its graphs read
+/// them until verification says they can move.
+fn step_params(placed: &[Placed], instances: &[usize]) -> Vec<Param> {
+    instances
+        .iter()
+        .flat_map(|&i| &placed[i].params)
+        .enumerate()
+        .map(|(k, q)| Param::fixed(k, q.ptr, q.bytes, q.dtype, UNVERIFIED))
+        .collect()
+}
+
 /// The lease slots a replay of a step over `instances` overwrites.
 fn overwritten(instances: &[&Placed]) -> Vec<usize> {
     let mut v: Vec<usize> = instances
@@ -130,12 +141,7 @@ impl Runner<'_> {
                 slot_graphs.push(self.capture_sequence(&seq, block, iteration)?);
             }
         }
-        let params: Vec<Param> = instances
-            .iter()
-            .flat_map(|&i| &self.placed[i].params)
-            .enumerate()
-            .map(|(k, q)| Param::fixed(k, q.ptr, q.bytes, q.dtype, UNVERIFIED))
-            .collect();
+        let params = step_params(self.placed, &instances);
         Ok(CapturedStep {
             instances,
             cloned,
