@@ -799,7 +799,7 @@ class ParamLayer {
 void param_guard_table(kit::Device& dev, bench::Tools& tools, const std::vector<size_t>& counts, int per_batch,
                        int replays, int samples) {
     const size_t floats = 256;
-    report << "\n## 9. Moved parameters: the guard and the rebind\n\n"
+    report << "\n## 10. Moved parameters: the guard and the rebind\n\n"
               "Forward replays (no data, nothing copied in) of one callable with N f32 parameters of "
            << floats * 4
            << " bytes each, registered with GRAPHED_PARAM_FLAGS_REBIND (forward: one add kernel per parameter; "
