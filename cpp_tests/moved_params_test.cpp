@@ -498,7 +498,9 @@ TEST_P(MovedParams, AStepFollowsMovedParams) {
     s.add_callable(loss.callable(1));
     const uint32_t step = s.add_step({0, 1, 2});
     s.capture();
-    EXPECT_EQ(uint32_t(movable() ? 4 : 0), s.stats().params_movable) << s.plan_dump();
+    const std::vector<bool> all_movable(2, movable());
+    EXPECT_EQ(all_movable, s.params_movable(0)) << s.plan_dump();
+    EXPECT_EQ(all_movable, s.params_movable(1)) << s.plan_dump();
     // The step reads its data from the static buffers.
     dev->copy(dev->stream(), s.buffers(0, 0, GRAPHED_BUFFER_ROLE_INPUT)[0], x[1].get(), x[1].bytes());
     dev->copy(dev->stream(), s.buffers(2, 0, GRAPHED_BUFFER_ROLE_INPUT)[1], target.get(), target.bytes());
