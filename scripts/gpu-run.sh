@@ -11,6 +11,9 @@
 #               the Python package (python/gpu-test.sh; its comparison report
 #               in $out/pytorch.md unless --no-compare)
 #   --no-compare  with --torch: skip the PyTorch comparison (a separate run)
+#   --param-guard  moved parameters alone: the guard and the rebind
+#               (graphed_bench --param-guard; also in --bench), report in
+#               $out/param_guard.md
 #   --capture   capture time: the C++ table (graphed_bench --capture-only)
 #               and, when the package is installed (after --torch), the
 #               nanoGPT blocks against torch (capture_time.py); reports in
@@ -106,6 +109,12 @@ for arg in "$@"; do
       else
         echo "capture_time.py: not run (the graphed package is not installed: pass --torch first)"
       fi
+      ;;
+    --param-guard)
+      echo "== moved parameters: the guard and the rebind"
+      "$build/benches/graphed_bench" --param-guard --out "$out/param_guard.md" > "$out/param_guard.log" 2>&1
+      rc=$?; echo "param guard bench exit status $rc"; [ $rc = 0 ] || { fail "param guard bench"; tail -20 "$out/param_guard.log"; }
+      grep "^|" "$out/param_guard.md"
       ;;
     --bench)
       echo "== torch's side of the step benchmark"
