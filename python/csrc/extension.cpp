@@ -67,15 +67,21 @@ graphed_torch::ParamSource param_source_of(py::handle slots, const std::string& 
         py::gil_scoped_acquire gil;
         delete v;
     });
+    // A None slot: the tensor registered stays that parameter.
     for (py::handle h : slots) {
+        if (h.is_none()) {
+            held->push_back(Slot{});
+            continue;
+        }
         auto t = h.cast<py::tuple>();
         if (t.size() != 2 || !PyDict_Check(t[0].ptr()))
-            throw py::type_error("param_slots: (module._parameters, key) pairs expected");
+            throw py::type_error("param_slots: (module._parameters, key) pairs or None expected");
         held->push_back(Slot{py::reinterpret_borrow<py::object>(t[0]), py::reinterpret_borrow<py::object>(t[1])});
     }
     auto lookup = [held, callable, names](std::vector<at::Tensor>& params) {
         const std::vector<Slot>& v = *held;
         for (size_t j = 0; j < v.size() && j < params.size(); ++j) {
+            if (!v[j].dict) continue;
             PyObject* o = PyDict_GetItem(v[j].dict.ptr(), v[j].key.ptr());  // borrowed
             if (!o || !THPVariable_Check(o)) {
                 const std::string name = j < names.size() ? names[j] : "parameter " + std::to_string(j);

@@ -62,14 +62,20 @@ def _module_checks(fn):
         )
 
 
-def _param_slot(module, qualified):
+def _param_slot(module, qualified, param):
     """(the `_parameters` dict of the module owning parameter `qualified`
-    of `module`, its key there)."""
+    of `module`, its key there), or None where `param` is not found there
+    (a module whose named_parameters() names something else): that
+    parameter is then the tensor registered, whose data may still move."""
     prefix, _, key = qualified.rpartition(".")
-    owner = module.get_submodule(prefix) if prefix else module
-    if key not in owner._parameters:
-        raise RuntimeError(f"parameter {qualified!r} is not in {type(owner).__name__}._parameters")
-    return owner._parameters, key
+    try:
+        owner = module.get_submodule(prefix) if prefix else module
+    except AttributeError:
+        return None
+    params = getattr(owner, "_parameters", None)
+    if not isinstance(params, dict) or params.get(key) is not param:
+        return None
+    return params, key
 
 
 def _device_of(bindings, callables):
@@ -245,7 +251,7 @@ def make_graphed_callables(
         # and key, which every call reads (a Parameter replaced there, as
         # load_state_dict(assign=True) does, is then the one the graphs
         # read and the one that gets the grad).
-        slots = [_param_slot(fn, qualified) for qualified, _ in named]
+        slots = [_param_slot(fn, qualified, p) for qualified, p in named]
         hook = None
         if not _hooks.is_empty(hooks[k]):
             hook = _hooks.Dispatcher(
