@@ -3,7 +3,7 @@ costs on the host with rebind_params=True (the default) and False, and what
 a call that finds N parameters moved costs. Not a test (pytest does not
 collect it); run it on a GPU machine with the package installed:
 
-    python3 python/tests/bench_param_guard.py [--calls 2000] [--params 2,16,64,256] [--out guard.md]
+    python3 python/tests/bench_param_guard.py [--calls 1000] [--params 2,16,64,256] [--out guard.md]
 
 The model is a stack of L `nn.Linear(64, 64)` (N = 2L parameters), batch
 16, fp32, graphed as one module. Every call is timed alone
@@ -100,9 +100,9 @@ class Variant:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--params", default="2,16,64,256")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
