@@ -32,7 +32,7 @@ if torch is not None:
     from _models import assert_all_equal
 
 EMBD, HEADS, SEQ, BATCH = 64, 2, 32, 2
-LR = 0.01
+LR = 0.001
 RUN_SEED = 1234
 
 
