@@ -53,6 +53,57 @@ T get(const py::dict& d, const char* key, T fallback) {
     return d.contains(key) && !d[key].is_none() ? d[key].cast<T>() : fallback;
 }
 
+// Where a module's parameters are now: per parameter, the `_parameters`
+// dict of the module that owns it and its key there, looked up at every
+// call with the dict API (no Python code runs), so that a Parameter
+// replaced there (load_state_dict(assign=True), an optimizer, a swap) is
+// the one the graphs read and autograd gives the grad to.
+graphed_torch::ParamSource param_source_of(py::handle slots, const std::string& callable,
+                                           const std::vector<std::string>& names) {
+    struct Slot {
+        py::object dict, key;
+    };
+    auto held = std::shared_ptr<std::vector<Slot>>(new std::vector<Slot>(), [](std::vector<Slot>* v) {
+        py::gil_scoped_acquire gil;
+        delete v;
+    });
+    // A None slot: the tensor registered stays that parameter.
+    for (py::handle h : slots) {
+        if (h.is_none()) {
+            held->push_back(Slot{});
+            continue;
+        }
+        auto t = h.cast<py::tuple>();
+        if (t.size() != 2 || !PyDict_Check(t[0].ptr()))
+            throw py::type_error("param_slots: (module._parameters, key) pairs or None expected");
+        held->push_back(Slot{py::reinterpret_borrow<py::object>(t[0]), py::reinterpret_borrow<py::object>(t[1])});
+    }
+    auto lookup = [held, callable, names](std::vector<at::Tensor>& params) {
+        const std::vector<Slot>& v = *held;
+        for (size_t j = 0; j < v.size() && j < params.size(); ++j) {
+            if (!v[j].dict) continue;
+            PyObject* o = PyDict_GetItem(v[j].dict.ptr(), v[j].key.ptr());  // borrowed
+            if (!o || !THPVariable_Check(o)) {
+                const std::string name = j < names.size() ? names[j] : "parameter " + std::to_string(j);
+                throw graphed_torch::ParamMoved(
+                    "graphed callable '" + callable + "': parameter '" + name + "' is " +
+                    (o ? "now " + std::string(py::str(py::type::handle_of(o).attr("__name__"))) + ", not a tensor"
+                       : std::string("no longer registered in its module")) +
+                    "; its graphs read it. Register a tensor of the captured shape, dtype and device under that "
+                    "name, or reset() the graphs and make them again.");
+            }
+            const at::Tensor& t = THPVariable_Unpack(o);
+            if (!t.is_same(params[j])) params[j] = t;
+        }
+    };
+    return [lookup](std::vector<at::Tensor>& params) {
+        // Replays are called from Python, with the GIL held.
+        if (PyGILState_Check()) return lookup(params);
+        py::gil_scoped_acquire gil;
+        lookup(params);
+    };
+}
+
 graphed_torch::CallableSpec spec_of(const py::dict& d) {
     graphed_torch::CallableSpec s;
     s.name = d["name"].cast<std::string>();
@@ -68,6 +119,8 @@ graphed_torch::CallableSpec spec_of(const py::dict& d) {
     s.params = tensors_of(d["params"], "parameter");
     s.param_names = get<std::vector<std::string>>(d, "param_names", {});
     s.param_flags = get<std::vector<uint32_t>>(d, "param_flags", {});
+    if (d.contains("param_slots") && !d["param_slots"].is_none())
+        s.param_source = param_source_of(d["param_slots"], s.name, s.param_names);
     if (d.contains("hook") && !d["hook"].is_none()) {
         auto hook = hold(d["hook"]);
         s.hook = [hook](const graphed_torch::HookEvent& e) {
@@ -104,6 +157,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
     o.strict_leases = get<bool>(d, "strict_leases", false);
     o.rebind_inputs = get<bool>(d, "rebind_inputs", true);
+    o.rebind_params = get<bool>(d, "rebind_params", true);
     o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
     o.layers_per_chunk = get<std::vector<uint32_t>>(d, "layers_per_chunk", {});
     o.reuse_buffers = get<bool>(d, "reuse_buffers", false);
@@ -226,6 +280,9 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["capture_rebind_verify_ns"] = st.capture_rebind_verify_ns;
     d["teardown_errors"] = st.teardown_errors;
     d["templates_kept"] = st.templates_kept;
+    d["params_movable"] = st.params_movable;
+    d["params_move_refused"] = st.params_move_refused;
+    d["param_moves"] = st.param_moves;
     return d;
 }
 
@@ -267,11 +324,14 @@ PYBIND11_MODULE(_torch_ext, m) {
                                graphed_torch::header_version() + "; reinstall the package");
 
     static py::object alias_held = py::module_::import("graphed.torch._errors").attr("AliasHeldError");
+    static py::object param_moved = py::module_::import("graphed.torch._errors").attr("ParamMovedError");
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const graphed_torch::AliasHeld& e) {
             PyErr_SetString(alias_held.ptr(), e.what());
+        } catch (const graphed_torch::ParamMoved& e) {
+            PyErr_SetString(param_moved.ptr(), e.what());
         }
     });
 
@@ -283,7 +343,8 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def_property_readonly("is_reset", &graphed_torch::GraphedCallable::is_reset)
         .def_property_readonly("microbatches", &graphed_torch::GraphedCallable::microbatches)
         .def("session_stats", &stats_of)
-        .def("session_plan", &graphed_torch::GraphedCallable::plan);
+        .def("session_plan", &graphed_torch::GraphedCallable::plan)
+        .def("params_movable", &graphed_torch::GraphedCallable::params_movable);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
     m.def(
         "pass_order",
@@ -313,6 +374,7 @@ PYBIND11_MODULE(_torch_ext, m) {
     m.attr("PASS_BACKWARD") = uint32_t(GRAPHED_PASS_BACKWARD);
     m.attr("PASS_WGRAD") = uint32_t(GRAPHED_PASS_WGRAD);
     m.attr("PARAM_FLAGS_DELAYED_WGRAD") = uint32_t(GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
+    m.attr("PARAM_FLAGS_REBIND") = uint32_t(GRAPHED_PARAM_FLAGS_REBIND);
     m.attr("BUFFER_ROLE_OUTPUT") = uint32_t(GRAPHED_BUFFER_ROLE_OUTPUT);
     m.attr("BUFFER_ROLE_GRAD_INPUT") = uint32_t(GRAPHED_BUFFER_ROLE_GRAD_INPUT);
     m.attr("BUFFER_ROLE_PARAM_GRADS") = uint32_t(GRAPHED_BUFFER_ROLE_PARAM_GRADS);

@@ -31,6 +31,14 @@ namespace graphed_torch {
 // A function of tensors to graph: a module's forward, flattened.
 using ForwardFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
+// Where a callable's parameters are now, asked at every call before the
+// replay: it updates `params` (one per parameter, in registration order) to
+// the tensors the module holds now, replacing an entry only where it is
+// another tensor object (a parameter replaced, as load_state_dict(assign=True)
+// does). Without one, the tensors registered stay the parameters (their
+// data may still move: `p.data = t` keeps the object).
+using ParamSource = std::function<void(std::vector<at::Tensor>& params)>;
+
 enum class Pass : uint32_t { Forward = GRAPHED_PASS_FORWARD, Backward = GRAPHED_PASS_BACKWARD, Wgrad = GRAPHED_PASS_WGRAD };
 
 // What a hook sees. Hooks run outside capture, before (`before`) and after
@@ -68,6 +76,8 @@ struct CallableSpec {
     // graphed_param_flags per parameter (DELAYED_WGRAD for Transformer
     // Engine's skip_backward_post_hook); empty: none. Read once, here.
     std::vector<uint32_t> param_flags;
+    // Optional: where the parameters are now (see ParamSource).
+    ParamSource param_source;
     // Optional hook around every pass of this callable (Transformer
     // Engine's capture_time_hooks).
     Hook hook;
@@ -99,6 +109,15 @@ struct Options {
     // delayed weight-grad pass. A rebound input is kept alive until the
     // backward, and modifying it in place before then is an error.
     bool rebind_inputs = true;
+    // On by default: parameters are registered with
+    // GRAPHED_PARAM_FLAGS_REBIND, so that capture verifies that the graphs
+    // can be pointed elsewhere, and a call that finds a parameter at
+    // another address (same shape, dtype, device and layout) points them
+    // there. Off, or where capture refused it, a moved parameter throws
+    // ParamMoved. Either way every call compares each parameter's address,
+    // shape, dtype, device and layout with what the graphs read, and a
+    // parameter the graphs cannot read as it is throws ParamMoved.
+    bool rebind_params = true;
     // Optional interleaved pipeline schedule (docs/pipeline.md), and the
     // layers of each chunk (empty: split evenly). The callables are the
     // layers, in chunk order. Chunks with weight-grad steps get delayed
@@ -131,6 +150,16 @@ class AliasHeld : public std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A parameter is no longer where or what the graphs read: it moved where
+// they cannot follow (rebind_params off, refused at capture, or less
+// aligned), or it changed shape, dtype, device or layout, or it is gone.
+// The message names the callable, the parameter (its qualified name) and,
+// for a move, both addresses. Nothing was replayed.
+class ParamMoved : public std::runtime_error {
+  public:
+    using std::runtime_error::runtime_error;
+};
+
 // Where a replay runs. Default: the current stream. With `stream` (another
 // stream), the replay runs there after it waited for the current stream; the
 // current stream then waits for the whole replay, or, for a forward given
@@ -150,9 +179,11 @@ class GraphedCallable {
     GraphedCallable(std::shared_ptr<Shared> shared, size_t index, uint32_t microbatch = 0)
         : shared_(std::move(shared)), index_(index), microbatch_(microbatch) {}
     // Checks `inputs` against the samples (count, shape, dtype, device,
-    // requires_grad: std::invalid_argument naming the input and both values),
-    // replays the forward graph and returns the outputs (aliases of static
-    // buffers), wired into autograd.
+    // requires_grad: std::invalid_argument naming the input and both values)
+    // and the parameters against what the graphs read (ParamMoved; a moved
+    // one is followed where capture verified it can be), replays the
+    // forward graph and returns the outputs (aliases of static buffers),
+    // wired into autograd with the current parameters as its inputs.
     std::vector<at::Tensor> operator()(const std::vector<at::Tensor>& inputs, const ReplayOn& on = {}) const;
     // Replays the delayed weight-gradient graph of this microbatch and
     // accumulates the parameter grads into `param.grad`; a no-op for
@@ -163,7 +194,11 @@ class GraphedCallable {
     // make_graphed_callables call). Idempotent; replays then throw.
     void reset() const;
     bool is_reset() const;
+    // The parameters as the last call found them.
     const std::vector<at::Tensor>& params() const;
+    // Per parameter: whether a call may find it at another address (its
+    // graphs follow it) or would throw ParamMoved (graphed_session_params_movable).
+    std::vector<bool> params_movable() const;
     // The name of input i in messages.
     std::string input_name(size_t i) const;
     // The same callable's graphs for another microbatch of the schedule.

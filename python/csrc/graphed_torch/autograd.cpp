@@ -26,6 +26,85 @@ graphed::Replay replay_of(size_t index, uint32_t mb, cudaStream_t stream, cudaSt
     return r;
 }
 
+// "graphed callable 'name'" and, with several microbatches, which one.
+std::string callable_text(const Shared& s, const Callable& c, uint32_t mb) {
+    std::string o = "graphed callable '" + c.name + "'";
+    if (s.microbatches > 1) o += " (microbatch " + std::to_string(mb) + ")";
+    return o;
+}
+
+// Parameter j of `c` is not what its graphs read (another shape, dtype,
+// device or layout, or none at all).
+[[noreturn]] void param_changed(const Shared& s, const Callable& c, uint32_t mb, size_t j) {
+    const at::Tensor& p = c.params[j];
+    const std::string device = "cuda:" + std::to_string(s.device);
+    throw ParamMoved(callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' is " +
+                     (p.defined() ? "now " + layout_text(p) : std::string("gone")) + "; its graphs read " +
+                     layout_text(c.param_layout[j], device) +
+                     " and cannot read it as it is (nothing was replayed). Give it back that shape, dtype, device "
+                     "and layout (module.to(" +
+                     device + "), .contiguous()), or reset() the graphs and make them again for the new one.");
+}
+
+// Which parameter graphed refused: the index its message names ("param j
+// of ..."), else the first that moved.
+size_t refused_param(const std::string& msg, const std::vector<const void*>& to) {
+    const std::string key = "param ";
+    for (size_t pos = msg.find(key); pos != std::string::npos; pos = msg.find(key, pos + 1)) {
+        size_t k = pos + key.size(), j = 0;
+        bool digits = false;
+        for (; k < msg.size() && msg[k] >= '0' && msg[k] <= '9'; ++k, digits = true) j = j * 10 + size_t(msg[k] - '0');
+        if (digits && j < to.size() && to[j]) return j;
+    }
+    for (size_t j = 0; j < to.size(); ++j)
+        if (to[j]) return j;
+    return 0;
+}
+
+// graphed refused a forward given moved parameters (`to`): the same, as
+// ParamMoved naming the parameter by its qualified name.
+[[noreturn]] void param_refused(const Shared& s, const Callable& c, uint32_t mb, const std::vector<const void*>& to,
+                                const graphed::Error& e) {
+    const size_t j = refused_param(e.message(), to);
+    std::string msg = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' moved from " +
+                      hex(c.param_at[mb][j]) + " to " + hex(to[j]) +
+                      ", and its graphs cannot follow it (nothing was replayed).\n  " + e.what() + "\n  ";
+    if (!s.opts.rebind_params)
+        msg += "The callables were made with rebind_params=False: their graphs read every parameter where it was at "
+               "capture. Make them with rebind_params=True (the default) to follow parameters that move, or update "
+               "parameters in place (load_state_dict without assign=True copies into them).";
+    else
+        msg += "session_plan() says, per parameter, whether its graphs can follow it and why not. A new address "
+               "must be aligned at least as the captured one (up to 256 bytes; a tensor of its own is: PyTorch's "
+               "allocator aligns to 512), or update the parameter in place instead.";
+    throw ParamMoved(msg);
+}
+
+// The parameters of `c` where they are now (refreshed from its source),
+// against what the graphs of microbatch `mb` read: returns whether any
+// moved, `to` then holding the new addresses (NULL where unchanged). One
+// the graphs cannot read as it is throws ParamMoved naming it.
+bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
+    if (c.params.empty()) return false;
+    if (c.param_source) c.param_source(c.params);
+    const std::vector<const void*>& bound = c.param_at[mb];
+    bool moved = false;
+    for (size_t j = 0; j < c.params.size(); ++j) {
+        const at::Tensor& p = c.params[j];
+        const Meta& m = c.param_layout[j];
+        if (!p.defined() || !p.is_cuda() || p.device().index() != s.device || p.scalar_type() != m.dtype ||
+            p.sizes() != at::IntArrayRef(m.sizes) ||
+            !(m.strides.empty() ? p.is_contiguous() : p.strides() == at::IntArrayRef(m.strides)))
+            param_changed(s, c, mb, j);
+        const void* ptr = p.data_ptr();
+        if (ptr == bound[j]) continue;
+        if (!moved) to.assign(c.params.size(), nullptr);
+        moved = true;
+        to[j] = ptr;
+    }
+    return moved;
+}
+
 // The backward of one replay, as an autograd node: it replays the backward
 // graph and returns grads per the frozen policies. It holds the session
 // while the autograd graph that may call it exists.
@@ -38,10 +117,17 @@ struct GraphedBackward : public torch::autograd::Node {
     // Inputs the graphs read in place (rebound), kept until the backward,
     // with their version counters at the forward.
     std::vector<std::pair<at::Tensor, uint32_t>> held;
+    // The memory of the parameters the forward read, which the backward
+    // reads too, kept until then (as autograd's saved tensors keep theirs):
+    // a parameter moved or freed in between does not change what it reads.
+    std::vector<c10::Storage> params_held;
 
     std::string name() const override { return "GraphedBackward"; }
 
-    void release_variables() override { held.clear(); }
+    void release_variables() override {
+        held.clear();
+        params_held.clear();
+    }
 
     torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
         Shared& s = *shared;
@@ -85,10 +171,10 @@ struct GraphedBackward : public torch::autograd::Node {
                                        [&] { return c->who(microbatch) + "the grad of " + c->input_name(i); }, shared));
         for (size_t j = 0; j < g.params.size(); ++j) {
             switch (g.params[j].kind()) {
-                case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(g.params[j], c->params[j], s.device)); break;
+                case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(g.params[j], c->param_meta[j], s.device)); break;
                 case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
                 default:
-                    result.push_back(s.wrap_alias(g.params[j], meta_of(c->params[j]),
+                    result.push_back(s.wrap_alias(g.params[j], c->param_meta[j],
                                                   [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; }, shared));
             }
         }
@@ -126,6 +212,10 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         read.push_back(x.is_contiguous() ? x : x.contiguous());
         data[i] = read.back().data_ptr();
     }
+    // The parameters: unchanged, the replay is given none (NULL); moved,
+    // their new addresses, which graphed follows or refuses.
+    std::vector<const void*> moved_to;
+    const bool moved = params_now(s, *c, microbatch_, moved_to);
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     cudaStream_t launch = cur, side = nullptr;
     const bool other = on.stream && on.stream->stream() != cur;
@@ -136,10 +226,24 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     } else if (other) {
         side = on.stream->stream();
     }
-    s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Forward), launch);
-    const graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
+    const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Forward);
+    s.rng.prologue(key, launch);
+    graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
+    if (moved) r.params(moved_to);
     std::vector<graphed::Ref> refs;
-    s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
+    try {
+        s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
+    } catch (const graphed::Error& e) {
+        if (e.status() != GRAPHED_STATUS_PARAM_MOVED) throw;
+        // Nothing was enqueued: the generators go back to where they were.
+        s.rng.unwind(key);
+        param_refused(s, *c, microbatch_, moved_to, e);
+    }
+    if (moved) {
+        std::vector<const void*>& bound = c->param_at[microbatch_];
+        for (size_t j = 0; j < moved_to.size(); ++j)
+            if (moved_to[j]) bound[j] = moved_to[j];
+    }
     if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
@@ -164,6 +268,13 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
             for (size_t i = 0; i < read.size(); ++i)
                 node->held.emplace_back(rebound[i] ? read[i] : at::Tensor(), rebound[i] ? read[i]._version() : 0u);
         }
+        // The parameters' memory, until the backward (and the weight-grad
+        // pass) has read it.
+        node->params_held.reserve(c->params.size());
+        for (const at::Tensor& p : c->params) node->params_held.push_back(p.storage());
+        if (c->wgrad) c->wgrad_keep[microbatch_] = node->params_held;
+        // The current parameters (params_now refreshed them): a parameter
+        // replaced since capture gets its grad, not the one registered.
         node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
         for (size_t i = 0; i < result.size(); ++i)
             if (c->out[i].requires_grad) torch::autograd::set_history(result[i], node);
@@ -181,13 +292,16 @@ void GraphedCallable::backward_dw() const {
     const graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
     std::vector<graphed::Ref> gp;
     s.replay(index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
+    // Enqueued: the caching allocator orders a later reuse of this memory
+    // after it on the stream.
+    c->wgrad_keep[microbatch_].clear();
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
         if (gp[j].kind() == GRAPHED_REF_KIND_NONE) continue;
         at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE
-                           ? wrap_clone(gp[j], c->params[j], s.device)
-                           : s.wrap_alias(gp[j], meta_of(c->params[j]),
+                           ? wrap_clone(gp[j], c->param_meta[j], s.device)
+                           : s.wrap_alias(gp[j], c->param_meta[j],
                                           [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; }, shared_);
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())
@@ -207,6 +321,11 @@ void GraphedCallable::reset() const {
 bool GraphedCallable::is_reset() const { return shared_->is_reset; }
 
 const std::vector<at::Tensor>& GraphedCallable::params() const { return shared_->callables[index_]->params; }
+
+std::vector<bool> GraphedCallable::params_movable() const {
+    if (shared_->is_reset) return std::vector<bool>(params().size(), false);
+    return shared_->session->params_movable(uint32_t(index_), microbatch_);
+}
 
 std::string GraphedCallable::input_name(size_t i) const { return shared_->callables[index_]->input_name(i); }
 

@@ -70,9 +70,15 @@ uint32_t dtype_code(at::ScalarType t, bool* exact);
 // pointer is NULL), requiring grad per `metas` when `with_grad`.
 std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& metas, c10::DeviceIndex device,
                                     bool with_grad);
-// A tensor over one CLONE grad a replay returned; it holds the clone
-// block's reference (taken from `r`) until it dies.
-at::Tensor wrap_clone(graphed::Ref& r, const at::Tensor& param, c10::DeviceIndex device);
+// A tensor over one CLONE grad a replay returned (of a parameter of
+// meta `m`); it holds the clone block's reference (taken from `r`) until
+// it dies.
+at::Tensor wrap_clone(graphed::Ref& r, const Meta& m, c10::DeviceIndex device);
+// "0x7f3a...", as graphed writes addresses in its messages.
+std::string hex(const void* p);
+// "shape [2, 3], Float, cuda:0, contiguous" (or "strides [...]"), for messages.
+std::string layout_text(const at::Tensor& t);
+std::string layout_text(const Meta& m, const std::string& device);
 
 // ---- PyTorch's CUDA generators, made graph-safe (rng.cpp) -------------------------------------
 
@@ -110,6 +116,9 @@ struct RngStates {
     // offsets go to the pass's memory and the generators advance by what it
     // draws, so that every replay draws fresh numbers.
     void prologue(size_t key, cudaStream_t stream);
+    // Undoes the advance of prologue(key) for a replay refused before it
+    // enqueued anything (the state memory it wrote is read by nothing).
+    void unwind(size_t key);
     // Restores every state left open by a failed capture.
     void abandon();
 
@@ -162,7 +171,19 @@ struct Callable {
     std::vector<at::Tensor> samples;  // until capture ends
     std::vector<std::string> input_names, param_names;
     std::vector<Meta> in, out;
+    // The parameters as the last call found them (param_source refreshes
+    // them): the autograd node's inputs and backward_dw's destinations.
     std::vector<at::Tensor> params;
+    ParamSource param_source;
+    // Each parameter as captured: its grad's meta (shape and dtype,
+    // contiguous), and its own layout (with strides when dense but not
+    // contiguous), which every call checks.
+    std::vector<Meta> param_meta, param_layout;
+    // Per microbatch, per parameter: where that instance's graphs read it now.
+    std::vector<std::vector<const void*>> param_at;
+    // Per microbatch, with a delayed weight-grad pass: the memory of the
+    // parameters its last forward read, kept until backward_dw.
+    std::vector<std::vector<c10::Storage>> wgrad_keep;
     std::vector<uint32_t> flags;
     std::vector<bool> in_grad;     // the input is registered as taking a grad
     std::vector<bool> param_grad;  // the parameter is registered as taking a grad

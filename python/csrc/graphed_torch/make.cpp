@@ -133,6 +133,13 @@ void register_callable(Shared& s, Callable& c) {
         d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
         if (meta.requires_grad) d.outputs.back().flags |= rebind;
     }
+    // Moving parameters: capture verifies, per parameter, that the graphs
+    // can be pointed elsewhere; a call then follows a parameter it finds
+    // at another address.
+    const uint32_t movable = s.opts.rebind_params ? GRAPHED_PARAM_FLAGS_REBIND : 0u;
+    c.param_meta.clear();
+    c.param_layout.clear();
+    std::vector<const void*> registered;
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
@@ -141,8 +148,16 @@ void register_callable(Shared& s, Callable& c) {
         // Callable::policies).
         d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
                                                dtype_code(p.scalar_type(), &exact), GRAPHED_GRAD_POLICY_DEFAULT,
-                                               c.flags[j] | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u), grad));
+                                               c.flags[j] | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u),
+                                               grad));
+        c.param_meta.push_back(Meta{p.sizes().vec(), p.scalar_type(), false});
+        Meta layout = meta_of(p);
+        if (!p.is_contiguous()) layout.strides = p.strides().vec();
+        c.param_layout.push_back(std::move(layout));
+        registered.push_back(p.data_ptr());
     }
+    c.param_at.assign(m, registered);
+    c.wgrad_keep.assign(m, {});
     d.name = c.name;
     d.forward = forward_cb;
     d.backward = backward_cb;
@@ -238,6 +253,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         c->params = std::move(sp.params);
         c->flags = std::move(sp.param_flags);
         c->flags.resize(c->params.size(), GRAPHED_PARAM_FLAGS_NONE);
+        c->param_source = std::move(sp.param_source);
         for (const at::Tensor& x : sp.sample_inputs) {
             c->samples.push_back(x.detach().contiguous());
             Meta m = meta_of(x);
@@ -319,6 +335,10 @@ void Shared::reset() {
         c->ext_pgrad.clear();
         c->end_pass();
         c->samples.clear();
+        c->wgrad_keep.clear();
+        // What it holds of the caller's objects (a module's parameter
+        // dicts) goes now, not with the last graphed callable.
+        c->param_source = nullptr;
     }
     rng.passes.clear();
     for (; pool_refs > 0; --pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, pool);

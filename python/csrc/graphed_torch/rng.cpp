@@ -124,6 +124,15 @@ void RngStates::prologue(size_t key, cudaStream_t stream) {
                "cudaMemcpyAsync (generator state)");
 }
 
+void RngStates::unwind(size_t key) {
+    if (key >= passes.size() || !passes[key].device.defined()) return;
+    const PassDraws& d = passes[key];
+    for (size_t i = 0; i < entries.size(); ++i) {
+        std::lock_guard<std::mutex> lock(entries[i].generator.mutex());
+        entries[i].state->philox_offset_per_thread_ -= d.increments[i];
+    }
+}
+
 void RngStates::abandon() {
     if (open) restore();
     open_device = at::Tensor();

@@ -89,10 +89,33 @@ std::vector<at::Tensor> wrap_static(void* const* ptrs, const std::vector<Meta>& 
     return v;
 }
 
-at::Tensor wrap_clone(graphed::Ref& r, const at::Tensor& param, c10::DeviceIndex device) {
+at::Tensor wrap_clone(graphed::Ref& r, const Meta& m, c10::DeviceIndex device) {
     graphed_buffer* owner = r.detach().owner;
-    return at::from_blob(r.ptr(), param.sizes(), [owner](void*) { graphed::Buffer::adopt(owner).reset(); },
-                         options_of(param.scalar_type(), device));
+    return at::from_blob(r.ptr(), m.sizes, [owner](void*) { graphed::Buffer::adopt(owner).reset(); },
+                         options_of(m.dtype, device));
+}
+
+std::string hex(const void* p) {
+    static const char digits[] = "0123456789abcdef";
+    uintptr_t v = reinterpret_cast<uintptr_t>(p);
+    std::string o;
+    do {
+        o.insert(o.begin(), digits[v & 15]);
+        v >>= 4;
+    } while (v);
+    return "0x" + o;
+}
+
+std::string layout_text(const at::Tensor& t) {
+    std::string o = "shape " + shape_text(t.sizes()) + ", " + c10::toString(t.scalar_type()) + ", " + t.device().str();
+    if (t.is_contiguous()) return o + ", contiguous";
+    return o + ", strides " + shape_text(t.strides()) + " (not contiguous)";
+}
+
+std::string layout_text(const Meta& m, const std::string& device) {
+    std::string o = "shape " + shape_text(m.sizes) + ", " + c10::toString(m.dtype) + ", " + device;
+    if (m.strides.empty()) return o + ", contiguous";
+    return o + ", strides " + shape_text(m.strides);
 }
 
 // ---- leases ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ driver, and runs a one-layer self-test.
 """
 import importlib
 
-from ._errors import AliasHeldError
+from ._errors import AliasHeldError, ParamMovedError
 
 # Imported on first use, so that the pure-Python parts (the schedule, hook
 # and option checks) import without torch.
@@ -35,6 +35,7 @@ def __getattr__(name):
 
 __all__ = [
     "AliasHeldError",
+    "ParamMovedError",
     "graph_pool_handle",
     "make_graphed_callables",
     "register_generator",

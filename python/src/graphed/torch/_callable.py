@@ -28,7 +28,7 @@ class Session:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
-            for name in ("backward_dw", "session_stats", "session_plan"):
+            for name in ("backward_dw", "session_stats", "session_plan", "params_movable"):
                 module.__dict__.pop(name, None)
             # A second reset is a no-op that holds nothing: the module must not
             # keep this session (whose extension objects hold the module's
@@ -87,6 +87,13 @@ class GraphedCallable:
         """graphed's plan of the session's static buffers, and for each input
         asked to be rebound whether it is (or why it is copied), as text."""
         return self._impl.session_plan()
+
+    def params_movable(self):
+        """Per parameter of the module, in named_parameters() order: whether
+        a call may find it at another address (the graphs follow it) or
+        raises ParamMovedError (rebind_params=False, or capture could not
+        verify it: session_plan() says why). Empty for plain callables."""
+        return list(self._impl.params_movable())
 
     @property
     def training(self):

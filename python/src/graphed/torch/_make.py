@@ -62,6 +62,22 @@ def _module_checks(fn):
         )
 
 
+def _param_slot(module, qualified, param):
+    """(the `_parameters` dict of the module owning parameter `qualified`
+    of `module`, its key there), or None where `param` is not found there
+    (a module whose named_parameters() names something else): that
+    parameter is then the tensor registered, whose data may still move."""
+    prefix, _, key = qualified.rpartition(".")
+    try:
+        owner = module.get_submodule(prefix) if prefix else module
+    except AttributeError:
+        return None
+    params = getattr(owner, "_parameters", None)
+    if not isinstance(params, dict) or params.get(key) is not param:
+        return None
+    return params, key
+
+
 def _device_of(bindings, callables):
     for b in bindings:
         for t in b.samples:
@@ -105,6 +121,7 @@ def make_graphed_callables(
     _clone_param_grads_on_return=None,
     strict_leases=False,
     rebind_inputs=True,
+    rebind_params=True,
     clones_from_torch_allocator=True,
     generators=None,
 ):
@@ -126,7 +143,12 @@ def make_graphed_callables(
     and incoming grads are read where they are instead of copied, where
     capture verifies it; a rebound input must not be modified in place
     before its backward; False copies them, as torch does),
-    `generators`.
+    `rebind_params` (on by default: every call compares each parameter of a
+    module, looked up in its module so that a replaced Parameter counts,
+    with what the graphs read, and points the graphs at one that moved,
+    where capture verified they can follow it; a move they cannot follow,
+    or a parameter of another shape, dtype, device or layout, raises
+    ParamMovedError naming it; False: any move raises), `generators`.
     """
     # torch's positional order has `pool` fifth, where Transformer Engine
     # has sample_kwargs: a pool handle there is taken as the pool.
@@ -225,6 +247,11 @@ def make_graphed_callables(
             return out.flatten(call(*args, **kwargs))
 
         named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
+        # Where each parameter lives: its owning module's _parameters dict
+        # and key, which every call reads (a Parameter replaced there, as
+        # load_state_dict(assign=True) does, is then the one the graphs
+        # read and the one that gets the grad).
+        slots = [_param_slot(fn, qualified, p) for qualified, p in named]
         hook = None
         if not _hooks.is_empty(hooks[k]):
             hook = _hooks.Dispatcher(
@@ -238,6 +265,7 @@ def make_graphed_callables(
                 input_names=binding.names,
                 params=[p for _, p in named],
                 param_names=[n for n, _ in named],
+                param_slots=slots if named else None,
                 # Frozen here: a later change does not move a grad between clone and alias.
                 param_flags=[
                     ext.PARAM_FLAGS_DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0
@@ -258,6 +286,7 @@ def make_graphed_callables(
         clones_from_torch_allocator=bool(clones_from_torch_allocator),
         strict_leases=bool(strict_leases),
         rebind_inputs=bool(rebind_inputs),
+        rebind_params=bool(rebind_params),
         steps=schedule.steps if schedule else [],
         layers_per_chunk=schedule.layers_per_chunk if schedule else [],
         reuse_buffers=bool(_reuse_graph_input_output_buffers),
@@ -302,6 +331,7 @@ def make_graphed_callables(
             fn.backward_dw = g.backward_dw
             fn.session_stats = g.session_stats
             fn.session_plan = g.session_plan
+            fn.params_movable = g.params_movable
             results.append(fn)
         else:
             results.append(g)
