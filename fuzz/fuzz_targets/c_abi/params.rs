@@ -79,12 +79,7 @@ fn other_address(from: usize, bytes: usize, others: &[usize]) -> usize {
             let aligned = (base + 255) & !255;
             aligned + i.pick(&[0, 0, 1, 2, 4, 8, 16, 64, 128])
         }
-        2 => match others
-            .iter()
-            .copied()
-            .filter(|&o| o != from && o != 0)
-            .next()
-        {
+        2 => match others.iter().copied().find(|&o| o != from && o != 0) {
             Some(o) => o,
             None => mem(n, 0),
         },
@@ -161,13 +156,13 @@ pub fn params_arg(registered: &[usize], bytes: &[usize]) -> ParamsArg {
         }
         PMode::OldLayout => {
             // Garbage the library must not read.
-            p.ptr = 8 as *const *const c_void;
+            p.ptr = std::ptr::dangling::<*const c_void>();
             p.count = usize::MAX;
         }
         _ => {
             p.ptr = if entries.is_empty() && i.chance(128) {
                 // An empty array may be anything, NULL included.
-                8 as *const *const c_void
+                std::ptr::dangling::<*const c_void>()
             } else {
                 base
             };
