@@ -7,8 +7,10 @@
 //! and releases them (retaining some first); release strict-mode leases
 //! from another thread than the one that replays; read stats; replay two
 //! sessions that share a pool from two threads (whole iterations in turn);
-//! and destroy a session while another thread replays it, which must give
-//! BUSY or USE_AFTER_DESTROY and never a crash. Every status is checked.
+//! destroy a session while another thread replays it, which must give
+//! BUSY or USE_AFTER_DESTROY and never a crash; and replay with the
+//! parameters' addresses given (moved ones refused) while other threads
+//! read the stats and which parameters can move. Every status is checked.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
@@ -110,6 +112,12 @@ struct Opts {
 }
 
 fn session(o: Opts) -> H {
+    session_with(o, [0, 0]).0
+}
+
+/// A session as `session` makes it, its two parameters registered with
+/// `flags`; also returns their addresses.
+fn session_with(o: Opts, flags: [u32; 2]) -> (H, [usize; 2]) {
     let mut cfg = graphed_session_config_default();
     cfg.backend = graphed_backend::Host as u32;
     cfg.warmup_iterations = 1;
@@ -120,22 +128,30 @@ fn session(o: Opts) -> H {
     // SAFETY: a valid config and out pointer.
     ok(unsafe { graphed_session_create(&cfg, &mut s) });
     let h = H(s as usize);
-    add_callable(h, o.hold);
+    let params = add_callable_with(h, o.hold, flags);
     ok(graphed_session_capture(h.p()));
-    h
+    (h, params)
 }
 
 fn add_callable(h: H, hold: Option<&'static Hold>) {
+    add_callable_with(h, hold, [0, 0]);
+}
+
+/// Registers the callable, its parameters with `flags`; returns their
+/// addresses.
+fn add_callable_with(h: H, hold: Option<&'static Hold>, flags: [u32; 2]) -> [usize; 2] {
     let tensor = graphed_tensor_desc {
         bytes: BYTES,
         requires_grad: 1,
         ..graphed_tensor_desc_default()
     };
     let (inputs, outputs) = ([tensor], [tensor]);
-    let params: Vec<graphed_param_desc> = (0..2)
-        .map(|_| graphed_param_desc {
+    let params: Vec<graphed_param_desc> = flags
+        .iter()
+        .map(|&flags| graphed_param_desc {
             data: param_mem() as *mut c_void,
             bytes: BYTES,
+            flags,
             ..graphed_param_desc_default()
         })
         .collect();
@@ -152,15 +168,26 @@ fn add_callable(h: H, hold: Option<&'static Hold>) {
     let mut idx = 0;
     // SAFETY: the descriptor's arrays hold the stated counts.
     ok(unsafe { graphed_session_add_callable(h.p(), &d, &mut idx) });
+    [params[0].data as usize, params[1].data as usize]
 }
 
 /// One forward with input `v` (every element).
 fn forward(h: H, v: f32) -> (graphed_status, graphed_ref) {
+    forward_at(h, v, None)
+}
+
+/// One forward with input `v`, the parameters at `params` (None: a NULL
+/// array).
+fn forward_at(h: H, v: f32, params: Option<&[usize; 2]>) -> (graphed_status, graphed_ref) {
     let data = vec![v; N];
     let ptrs = [data.as_ptr() as *const c_void];
     let mut a = graphed_replay_args_default();
     a.data = ptrs.as_ptr();
     a.num_data = 1;
+    if let Some(p) = params {
+        a.params = p.as_ptr() as *const *const c_void;
+        a.num_params = 2;
+    }
     let mut out = [empty_ref()];
     // SAFETY: args and room for one ref.
     let s = unsafe { graphed_forward(h.p(), &a, out.as_mut_ptr(), 1) };
@@ -169,11 +196,24 @@ fn forward(h: H, v: f32) -> (graphed_status, graphed_ref) {
 
 /// One backward with grad output `v`: (status, input grad, param grads).
 fn backward(h: H, v: f32) -> (graphed_status, graphed_ref, [graphed_ref; 2]) {
+    backward_at(h, v, None)
+}
+
+/// One backward with grad output `v`, the parameters at `params`.
+fn backward_at(
+    h: H,
+    v: f32,
+    params: Option<&[usize; 2]>,
+) -> (graphed_status, graphed_ref, [graphed_ref; 2]) {
     let data = vec![v; N];
     let ptrs = [data.as_ptr() as *const c_void];
     let mut a = graphed_replay_args_default();
     a.data = ptrs.as_ptr();
     a.num_data = 1;
+    if let Some(p) = params {
+        a.params = p.as_ptr() as *const *const c_void;
+        a.num_params = 2;
+    }
     let mut gin = [empty_ref()];
     let mut gp = [empty_ref(); 2];
     // SAFETY: args and room for the stated refs.
@@ -645,4 +685,124 @@ fn share_pool_with_a_session_being_destroyed() {
             ok(graphed_session_destroy(b.p()));
         }
     }
+}
+
+/// graphed_session_params_movable of the one instance.
+fn params_movable(h: H) -> (graphed_status, [u32; 2]) {
+    let mut on = [7u32; 2];
+    // SAFETY: room for two values.
+    let s = unsafe { graphed_session_params_movable(h.p(), 0, 0, on.as_mut_ptr(), 2) };
+    (s, on)
+}
+
+/// Replays given the parameters' addresses from two threads (the
+/// registered ones, NULL entries, a moved one the host backend refuses
+/// with PARAM_MOVED, a backward at another address than its forward's)
+/// while two others read the stats and graphed_session_params_movable.
+/// Every refusal names what it refused on the thread that got it; nothing
+/// a refused replay was given is ever counted as a move.
+#[test]
+fn params_given_while_others_query() {
+    // Param 0 asks to move; the host backend refuses it at capture.
+    let (h, reg) = session_with(
+        Opts {
+            strict: false,
+            share: None,
+            clone: true,
+            hold: None,
+        },
+        [graphed_param_flags::Rebind as u32, 0],
+    );
+    let moved = param_mem();
+    thread::scope(|sc| {
+        for t in 0..2 {
+            sc.spawn(move || {
+                let end = deadline();
+                let (mut done, mut refused) = (0, 0);
+                while done < 200 && Instant::now() < end {
+                    let v = (t * 1000 + done) as f32;
+                    let given = match done % 4 {
+                        0 => reg,
+                        1 => [0, reg[1]],
+                        2 => [reg[0], 0],
+                        _ => [0, 0],
+                    };
+                    // Moved: refused whatever else runs, and named.
+                    let away = if done % 2 == 0 {
+                        [moved, reg[1]]
+                    } else {
+                        [reg[0], moved]
+                    };
+                    let (s, out) = forward_at(h, v, Some(&away));
+                    if one_of(s, &[S::ParamMoved, S::Busy]) == S::ParamMoved {
+                        let m = msg();
+                        assert!(
+                            m.starts_with("graphed_forward: ")
+                                && m.contains(&format!("0x{moved:x}"))
+                                && m.contains(&format!("0x{:x}", reg[done % 2])),
+                            "{m}"
+                        );
+                        assert!(out.ptr.is_null(), "a ref written on refusal");
+                        refused += 1;
+                    }
+                    let (s, _) = forward_at(h, v, Some(&given));
+                    if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
+                        thread::yield_now();
+                        continue;
+                    }
+                    // Another thread's forward may come in between: the
+                    // backward reads the parameters where forwards did.
+                    let (s, ..) = backward_at(h, v, Some(&[reg[0], moved]));
+                    if one_of(s, &[S::InvalidArgument, S::Busy]) == S::InvalidArgument {
+                        assert!(msg().contains("where its forward did"), "{}", msg());
+                    }
+                    let (s, _, gp) = backward_at(h, v, Some(&given));
+                    if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
+                        continue;
+                    }
+                    assert!(
+                        holds(&gp[0], v) && holds(&gp[1], v),
+                        "clones of this thread's backward"
+                    );
+                    ok(graphed_buffer_release(gp[0].owner));
+                    ok(graphed_buffer_release(gp[1].owner));
+                    done += 1;
+                }
+                assert!(done > 0, "thread {t}: no step got through");
+                eprintln!("replayer {t}: {done} steps, {refused} moves refused");
+            });
+        }
+        sc.spawn(move || {
+            let end = Instant::now() + Duration::from_millis(300);
+            let mut answered = 0;
+            while Instant::now() < end {
+                let (s, st) = stats(h);
+                if one_of(s, &[S::Ok, S::Busy]) == S::Ok {
+                    assert_eq!(
+                        (st.params_movable, st.params_move_refused, st.param_moves),
+                        (0, 1, 0)
+                    );
+                    answered += 1;
+                }
+            }
+            assert!(answered > 0, "stats never got through");
+        });
+        sc.spawn(move || {
+            let end = Instant::now() + Duration::from_millis(300);
+            let mut answered = 0;
+            while Instant::now() < end {
+                let (s, on) = params_movable(h);
+                if one_of(s, &[S::Ok, S::Busy]) == S::Ok {
+                    assert_eq!(on, [0, 0], "nothing moves on the host backend");
+                    answered += 1;
+                }
+            }
+            assert!(answered > 0, "params_movable never got through");
+        });
+    });
+    let (s, st) = stats(h);
+    ok(s);
+    assert_eq!((st.param_moves, st.clone_blocks_outstanding), (0, 0));
+    ok(graphed_session_destroy(h.p()));
+    assert_eq!(params_movable(h).0, S::UseAfterDestroy);
 }

@@ -8,7 +8,10 @@
 //! fuzzed descriptors, capture, replay forward/backward/weight-grad with
 //! fuzzed arguments, release and retain clone blocks and leases (live,
 //! stale and forged), query stats, buffers, policies and the plan dump,
-//! reset and destroy in any order. The callbacks read their behaviour from
+//! reset and destroy in any order; replays and step replays are given the
+//! parameters' addresses (registered, NULL, moved, aligned or not, wrong
+//! counts), which the host backend never follows (PARAM_MOVED, and a
+//! refusal changes nothing). The callbacks read their behaviour from
 //! the input too: return non-zero, allocate scratch of any size, free it
 //! twice, synchronize under capture, keep their in-call handles, call back
 //! into their own session, replay another session on their capturing
@@ -38,7 +41,8 @@
 //! The target is split by area, under `c_abi/`: the input decoding and the
 //! model, the per-call checks, handles and streams, then one module per
 //! part of the API (sessions, callables, capture, callbacks, replays,
-//! buffers and leases, queries, schedule helpers, steps). `run` below reads
+//! parameters that move, buffers and leases, queries, schedule helpers,
+//! steps). `run` below reads
 //! the ops and dispatches them.
 
 #![no_main]
@@ -84,6 +88,8 @@ mod checks;
 mod handles;
 #[path = "c_abi/input.rs"]
 mod input;
+#[path = "c_abi/params.rs"]
+mod params;
 #[path = "c_abi/queries.rs"]
 mod queries;
 #[path = "c_abi/replay.rs"]
@@ -106,6 +112,7 @@ use capture::*;
 use checks::*;
 use handles::*;
 use input::*;
+use params::*;
 use queries::*;
 use replay::*;
 use schedules::*;
@@ -202,35 +209,49 @@ fn run(data: &[u8]) {
     let mut ops = 0;
     while !i.done() && ops < 200 {
         ops += 1;
-        let op = i.byte() % 24;
-        trace!("op {op}");
-        match op {
-            0 | 1 => op_create(),
-            2 | 3 | 4 => op_add_callable(),
-            5 => op_set_param_flags(),
-            // Sessions with steps are the rarest to capture: preferred.
-            6 | 7 => op_capture(target_where(|s| s.st == St::Open && !s.steps.is_empty())),
-            8 | 9 | 10 => op_replay(target(), 0, None),
-            11 | 12 => op_replay(target(), 1, None),
-            13 => op_replay(target(), 2, None),
-            14 | 15 => op_buffer(),
-            16 => op_lease(),
-            17 => op_stats(),
-            18 => op_query(),
-            19 => op_reset(target()),
-            20 => op_destroy(target()),
-            21 => op_schedule_helpers(),
-            22 => use_kept(),
-            _ => match i.below(12) {
-                0..=2 => op_add_step(),
-                3..=5 => op_step_replay(),
-                6 => op_destroy_when_idle(target()),
-                7 => op_arity(),
-                8 => op_driver_version(),
-                9 => op_release_on(),
-                10 => op_schedule_passes(),
-                _ => op_misc(),
-            },
+        let b = i.byte();
+        let op = b % 24;
+        trace!("op {op} ({b})");
+        if b >= 248 {
+            // The parameters' addresses and whether they can move: the
+            // last byte values (read as ops 8 to 15 before), so that inputs
+            // without them keep their meaning.
+            match b {
+                248..=250 => op_replay_params(0),
+                251 => op_replay_params(1),
+                252 => op_replay_params(2),
+                253 | 254 => op_step_replay_params(),
+                _ => op_params_movable(),
+            }
+        } else {
+            match op {
+                0 | 1 => op_create(),
+                2 | 3 | 4 => op_add_callable(),
+                5 => op_set_param_flags(),
+                // Sessions with steps are the rarest to capture: preferred.
+                6 | 7 => op_capture(target_where(|s| s.st == St::Open && !s.steps.is_empty())),
+                8 | 9 | 10 => op_replay(target(), 0, None),
+                11 | 12 => op_replay(target(), 1, None),
+                13 => op_replay(target(), 2, None),
+                14 | 15 => op_buffer(),
+                16 => op_lease(),
+                17 => op_stats(),
+                18 => op_query(),
+                19 => op_reset(target()),
+                20 => op_destroy(target()),
+                21 => op_schedule_helpers(),
+                22 => use_kept(),
+                _ => match i.below(12) {
+                    0..=2 => op_add_step(),
+                    3..=5 => op_step_replay(),
+                    6 => op_destroy_when_idle(target()),
+                    7 => op_arity(),
+                    8 => op_driver_version(),
+                    9 => op_release_on(),
+                    10 => op_schedule_passes(),
+                    _ => op_misc(),
+                },
+            }
         }
         assert!(world.frames.borrow().is_empty() && world.pinned.borrow().is_empty());
         check_clones();

@@ -156,6 +156,12 @@ pub fn op_add_callable() {
         let (bytes, ok) = fuzz_bytes(ds);
         p.bytes = bytes;
         p.flags = i.pick(&[0, 0, 0, 1, 2, 3, 4]);
+        if p.flags == 4 {
+            // REBIND (once an unknown bit), alone or with the others, or
+            // an unknown bit: a second choice, so that the inputs that
+            // picked the others read as before.
+            p.flags = i.pick(&[4, 4, 5, 6, 7, 8, 12]);
+        }
         if bytes > 1 << 20 {
             p.flags &= !2;
         }
@@ -164,7 +170,7 @@ pub fn op_add_callable() {
         if !i.chance(8) {
             p.data = mem(bytes.min(1 << 16), 0) as *mut c_void;
         }
-        if p.dtype > 8 || p.requires_grad > 1 || p.flags > 3 || p.policy > 4 {
+        if p.dtype > 8 || p.requires_grad > 1 || p.flags & !7 != 0 || p.policy > 4 {
             conv_err.get_or_insert(S::InvalidArgument);
         }
         let valid = ok
@@ -183,6 +189,8 @@ pub fn op_add_callable() {
             delayed: p.flags & 1 != 0,
             external: p.flags & 2 != 0,
             policy: p.policy,
+            rebind: p.flags & 4 != 0,
+            data: p.data as usize,
         });
         params.push(p);
     }
@@ -375,6 +383,11 @@ pub fn op_set_param_flags() {
     let c = i.below(4) as u32;
     let p = i.below(4) as u32;
     let mut flags = i.pick(&[0, 1, 2, 3, 4, 0x80]);
+    if flags == 4 {
+        // As in op_add_callable: REBIND and its combinations are a second
+        // choice.
+        flags = i.pick(&[4, 4, 5, 6, 7, 8]);
+    }
     if let Target::Live(k) = t {
         // External memory must hold the buffer: keep those small.
         let big = wd.sessions.borrow()[k]
@@ -386,7 +399,7 @@ pub fn op_set_param_flags() {
             flags &= !2;
         }
     }
-    let mut want = if flags > 3 {
+    let mut want = if flags & !7 != 0 {
         Some(S::InvalidArgument)
     } else {
         None
@@ -423,5 +436,6 @@ pub fn op_set_param_flags() {
         let pm = &mut ss[k].callables[c as usize].params[p as usize];
         pm.delayed = flags & 1 != 0;
         pm.external = flags & 2 != 0;
+        pm.rebind = flags & 4 != 0;
     }
 }

@@ -286,6 +286,7 @@ pub fn after_capture(k: usize) {
     }
     rebound_check(h, &callables, mb);
     plan_dump_check(h, true);
+    params_after_capture(h, &callables, mb);
 }
 
 /// The host backend rebinds nothing (its tasks are opaque): every input and

@@ -74,6 +74,23 @@ pub fn check_stats(k: usize, got: &graphed_session_stats) {
         assert_eq!(got.leases_held, 0);
     }
     assert_eq!(got.teardown_errors, 0, "stats.teardown_errors");
+    // The host backend's user tasks are opaque: no parameter can move, each
+    // one registered with REBIND is refused at capture, and no replay ever
+    // follows a move.
+    let flagged = if s.st == St::Captured {
+        s.callables
+            .iter()
+            .map(|c| c.params.iter().filter(|p| p.rebind).count() as u32)
+            .sum::<u32>()
+            * s.mb
+    } else {
+        0
+    };
+    assert_eq!(
+        (got.params_movable, got.params_move_refused, got.param_moves),
+        (0, flagged, 0),
+        "stats.params_movable, params_move_refused, param_moves"
+    );
     if s.st != St::Captured {
         // Nothing of a failed capture, or of a reset one, stays behind.
         assert_eq!((got.graph_count, got.instances), (0, 0));
@@ -364,13 +381,30 @@ fn buffer_count(t: Target, c: u32, m: u32, role: u32, model: Option<(St, Vec<Cal
 pub fn op_misc() {
     let i = &w().input;
     let code = i.pick(&[0u32, 3, 19, 20, 1000, u32::MAX]);
-    let last = S::Incompatible as u32;
+    let last = S::ParamMoved as u32;
     // SAFETY: static string.
     let name = unsafe { CStr::from_ptr(graphed_status_name(code)) }
         .to_str()
         .unwrap()
         .to_string();
     assert_eq!(name == "GRAPHED_STATUS_UNKNOWN", code > last);
+    // Every code has its own name (no input read: the decoding of the
+    // choices above is unchanged).
+    let mut names = std::collections::HashSet::new();
+    for c in 0..=last + 1 {
+        // SAFETY: static string.
+        let n = unsafe { CStr::from_ptr(graphed_status_name(c)) }.to_bytes();
+        assert!(n.starts_with(b"GRAPHED_STATUS_"), "status {c}: {n:?}");
+        assert_eq!(
+            n == b"GRAPHED_STATUS_UNKNOWN",
+            c > last,
+            "status {c}: {n:?}"
+        );
+        assert!(names.insert(n.to_vec()), "two codes named {n:?}");
+    }
+    // SAFETY: static string.
+    let moved = unsafe { CStr::from_ptr(graphed_status_name(S::ParamMoved as u32)) };
+    assert_eq!(moved.to_bytes(), b"GRAPHED_STATUS_PARAM_MOVED");
     // SAFETY: static string.
     let v = unsafe { CStr::from_ptr(graphed_version()) };
     assert!(!v.to_bytes().is_empty());
@@ -439,15 +473,26 @@ fn teardown_errors(variant: u32) {
     post(r, "graphed_teardown_errors");
     if null_count || null_len {
         assert_eq!(r, S::NullPointer);
-        assert_eq!((count, len), (0x77, 0x77), "teardown errors written on failure");
+        assert_eq!(
+            (count, len),
+            (0x77, 0x77),
+            "teardown errors written on failure"
+        );
         assert!(buf.iter().all(|&b| b == 0x55));
         return;
     }
     assert_eq!(r, S::Ok);
-    assert_eq!((count, len), (0, 0), "a teardown error in a fuzzed sequence");
+    assert_eq!(
+        (count, len),
+        (0, 0),
+        "a teardown error in a fuzzed sequence"
+    );
     match capacity {
         Some(c) if c > 0 => assert_eq!(buf[0], 0, "the empty text is NUL-terminated"),
-        _ => assert!(buf.iter().all(|&b| b == 0x55), "nothing written without room"),
+        _ => assert!(
+            buf.iter().all(|&b| b == 0x55),
+            "nothing written without room"
+        ),
     }
 }
 

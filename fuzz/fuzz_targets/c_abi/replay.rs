@@ -115,6 +115,19 @@ pub fn f32_add(a: u32, b: u32) -> u32 {
 /// A forward (0), backward (1) or weight-grad (2) replay. `streams`: the
 /// (stream, side stream) a callback replays on.
 pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
+    replay_with(t, kind, streams, false)
+}
+
+/// A replay of a captured session (mostly) given the parameters' addresses
+/// (see `params`).
+pub fn op_replay_params(kind: u32) {
+    replay_with(target_where(|s| s.st == St::Captured), kind, None, true)
+}
+
+/// A replay; with `params`, given the parameters' addresses in one of the
+/// ways `params_arg` reads (read after every other choice, so that replays
+/// without them read their input as before).
+fn replay_with(t: Target, kind: u32, streams: Option<(usize, usize)>, params: bool) {
     let wd = w();
     let i = &wd.input;
     let fault = if i.chance(70) {
@@ -334,6 +347,16 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         };
         a.num_param_dsts = dsts.len();
     }
+    // The parameters' addresses.
+    let registered: Vec<usize> = cl
+        .as_ref()
+        .map_or(Vec::new(), |cl| cl.params.iter().map(|p| p.data).collect());
+    let mut pa = params.then(|| {
+        let bytes: Vec<usize> = cl
+            .as_ref()
+            .map_or(Vec::new(), |cl| cl.params.iter().map(|p| p.bytes).collect());
+        params_arg(&registered, &bytes)
+    });
     // The ref arrays.
     let mut stride = REF;
     match fault {
@@ -377,6 +400,17 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         Fault::BigSize => a.struct_size = usize::MAX,
         _ => {}
     }
+    if let Some(pa) = &mut pa {
+        if matches!(fault, Fault::Small | Fault::BigSize) {
+            pa.neutral();
+        }
+        a.params = pa.ptr;
+        a.num_params = pa.count;
+        if pa.mode == PMode::OldLayout {
+            // The layout before the parameters' addresses.
+            a.struct_size = size_of::<graphed_replay_args>() - 16;
+        }
+    }
     // SAFETY: abuf holds the struct.
     unsafe { (abuf.as_mut_ptr() as *mut graphed_replay_args).write(a) };
     let args: *const graphed_replay_args = if fault == Fault::ArgsNull {
@@ -394,6 +428,7 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         &mut want,
         (fault == Fault::DataNull).then_some(S::InvalidArgument),
     );
+    first(&mut want, pa.as_ref().and_then(|p| p.pre_err));
     first(&mut want, t.lock());
     if cl.is_none() && sess.is_some() {
         first(&mut want, Some(S::InvalidArgument));
@@ -420,6 +455,11 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
     first(&mut want, check_out(n1, n_first, p1_null, out_misaligned));
     first(&mut want, check_out(n2, n_second, false, false));
     let mut lenient: Vec<graphed_status> = Vec::new();
+    // The status before the parameters' addresses are checked, what they
+    // give, and what follows them (the stream and lease checks).
+    let mut before_params = want;
+    let mut params_err = None;
+    let mut after_params: Option<graphed_status> = None;
     if let Some((st, _, mbs, strict, reuse, _, pool, custom)) = &model {
         match st {
             St::Open => first(&mut want, Some(S::WrongState)),
@@ -459,9 +499,12 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
                 first(&mut want, Some(S::InvalidArgument));
             }
         }
-        first(&mut want, st0);
-        first(&mut want, st1);
-        if *strict && !*reuse && want.is_none() {
+        before_params = want;
+        params_err = pa.as_ref().and_then(|p| p.check(&registered, kind == 0));
+        first(&mut want, params_err);
+        first(&mut after_params, st0);
+        first(&mut after_params, st1);
+        if *strict && !*reuse {
             // Without reuse, a replay overwrites its own instance's aliases.
             let held = wd.leases.borrow().iter().any(|l| {
                 l.sess == sess.unwrap()
@@ -474,11 +517,12 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
                     }
             });
             if held {
-                first(&mut want, Some(S::AliasHeld));
+                first(&mut after_params, Some(S::AliasHeld));
             }
         } else if *strict {
             lenient.push(S::AliasHeld);
         }
+        first(&mut want, after_params);
         lenient.extend(replay_lenient(*pool, *custom));
     }
     let func = [
@@ -486,29 +530,101 @@ pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
         "graphed_backward",
         "graphed_backward_wgrad",
     ][kind as usize];
-    let epoch = EPOCH
+    let mut epoch = EPOCH
         .load(Ordering::Relaxed)
         .wrapping_add(1 + i.below(200) as u8);
     EPOCH.store(epoch, Ordering::Relaxed);
-    let _pin = sess.filter(|_| want.is_none()).map(pin);
-    trace!("{func} {t:?} c {c} mb {mb} fault {fault:?} streams {s0:x}/{s1:x} want {want:?}");
-    mark();
-    // SAFETY: every array has the room the call is told about (or is one of
-    // the faults graphed must catch before writing).
-    let r = unsafe {
-        match kind {
-            0 => graphed_forward(t.ptr(), args, p1.cast(), n1),
-            1 => graphed_backward(t.ptr(), args, p1.cast(), n1, p2.cast(), n2),
-            _ => graphed_backward_wgrad(t.ptr(), args, p1.cast(), n1),
+    // Refused for the parameters' addresses alone: the instance's buffers
+    // are kept to see that the refusal changed nothing.
+    let refused_for_params = before_params.is_none() && params_err.is_some();
+    let kept = match (refused_for_params, sess, &cl) {
+        (true, Some(k), Some(cl)) => {
+            let h = wd.sessions.borrow()[k].h as *mut graphed_session;
+            Some(instance_bytes(h, c, mb, cl))
+        }
+        _ => None,
+    };
+    let call = |args: *const graphed_replay_args, want: Option<graphed_status>| {
+        let _pin = sess.filter(|_| want.is_none()).map(pin);
+        mark();
+        // SAFETY: every array has the room the call is told about (or is
+        // one of the faults graphed must catch before writing).
+        unsafe {
+            match kind {
+                0 => graphed_forward(t.ptr(), args, p1.cast(), n1),
+                1 => graphed_backward(t.ptr(), args, p1.cast(), n1, p2.cast(), n2),
+                _ => graphed_backward_wgrad(t.ptr(), args, p1.cast(), n1),
+            }
         }
     };
-    drop(_pin);
+    let stats_of = |k: usize| {
+        let mut st = graphed_session_stats_default();
+        let h = wd.sessions.borrow()[k].h as *mut graphed_session;
+        // SAFETY: a full stats struct.
+        let r = unsafe { graphed_session_stats_get(h, &mut st) };
+        expect(r, &[S::Ok], "graphed_session_stats_get", "around a replay");
+        st
+    };
+    let stats_before = kept.as_ref().map(|_| stats_of(sess.unwrap()));
+    trace!("{func} {t:?} c {c} mb {mb} fault {fault:?} params {:?} streams {s0:x}/{s1:x} want {want:?}", pa.as_ref().map(|p| (p.mode, p.count, p.moved)));
+    let mut r = call(args, want);
     let mut ok = vec![want.unwrap_or(S::Ok)];
     if want.is_none() {
-        ok.extend(lenient);
+        ok.extend(lenient.iter().copied());
     }
     trace!("{func} -> {r:?}");
     expect(r, &ok, func, &format!("{fault:?}"));
+    if let (Some(kept), Some(pa)) = (&kept, &pa) {
+        // Refused for the parameters: nothing was enqueued, nothing
+        // written, nothing counted.
+        pa.check_message(r, func, |j| j);
+        assert!(
+            buf1.iter().all(|&b| b == 0xab) && buf2.iter().all(|&b| b == 0xab),
+            "{func} wrote refs on failure"
+        );
+        let k = sess.unwrap();
+        let h = wd.sessions.borrow()[k].h as *mut graphed_session;
+        assert!(
+            instance_bytes(h, c, mb, cl.as_ref().unwrap()) == *kept,
+            "{func} refused for its parameters' addresses ({r:?}) but changed the instance's buffers"
+        );
+        let after = stats_of(k);
+        let before = stats_before.unwrap();
+        assert_eq!(
+            (
+                after.param_moves,
+                after.clone_blocks_outstanding,
+                after.leases_held
+            ),
+            (
+                before.param_moves,
+                before.clone_blocks_outstanding,
+                before.leases_held
+            ),
+            "{func} refused for its parameters' addresses but changed the stats"
+        );
+        // The same replay with the registered addresses goes through as
+        // if the refused one had not been made.
+        let again = ParamsArg::registered(&registered);
+        let mut a2 = a;
+        a2.params = again.ptr;
+        a2.num_params = again.count;
+        // SAFETY: abuf holds the struct.
+        unsafe { (abuf.as_mut_ptr() as *mut graphed_replay_args).write(a2) };
+        epoch = EPOCH
+            .load(Ordering::Relaxed)
+            .wrapping_add(1 + i.below(200) as u8);
+        EPOCH.store(epoch, Ordering::Relaxed);
+        trace!("{func} again with the registered addresses, want {after_params:?}");
+        r = call(abuf.as_ptr().cast(), after_params);
+        let mut ok = vec![after_params.unwrap_or(S::Ok)];
+        if after_params.is_none() {
+            ok.extend(lenient.iter().copied());
+        }
+        trace!("{func} -> {r:?}");
+        expect(r, &ok, func, "again with the registered addresses");
+        drop(again);
+    }
     if r != S::Ok {
         assert!(
             buf1.iter().all(|&b| b == 0xab) && buf2.iter().all(|&b| b == 0xab),

@@ -256,6 +256,17 @@ fn step_param_count(t: Target, step: u32, want_count: Option<Option<usize>>) {
 }
 
 pub fn op_step_replay() {
+    step_replay_with(false)
+}
+
+/// A step replay given the parameters' addresses (see `params`).
+pub fn op_step_replay_params() {
+    step_replay_with(true)
+}
+
+/// A step replay; with `with_params`, given the parameters' addresses in
+/// one of the ways `params_arg` reads (after every other choice).
+fn step_replay_with(with_params: bool) {
     let wd = w();
     let i = &wd.input;
     let t = target_where(|s| s.st == St::Captured && !s.steps.is_empty());
@@ -327,6 +338,23 @@ pub fn op_step_replay() {
         6 if np > 0 => out_mis = true,
         _ => {}
     }
+    // The parameters' addresses, registered at these.
+    let registered: Vec<usize> = params.iter().map(|(_, _, p)| p.data).collect();
+    let mut pa = with_params.then(|| {
+        let bytes: Vec<usize> = params.iter().map(|(_, _, p)| p.bytes).collect();
+        params_arg(&registered, &bytes)
+    });
+    if let Some(pa) = &mut pa {
+        if a.struct_size != size_of::<graphed_step_args>() {
+            pa.neutral();
+        }
+        a.params = pa.ptr;
+        a.num_params = pa.count;
+        if pa.mode == PMode::OldLayout {
+            // The layout before the parameters' addresses.
+            a.struct_size = size_of::<graphed_step_args>() - 16;
+        }
+    }
     let stride = a.ref_size;
     let mut refs = vec![0xabu8; n * stride.max(REF) + 16];
     let mut p = refs.as_mut_ptr();
@@ -353,6 +381,8 @@ pub fn op_step_replay() {
     first(&mut want, args_null.then_some(S::NullPointer));
     first(&mut want, struct_err);
     first(&mut want, t.lock());
+    let mut before_params = want;
+    let mut params_err = None;
     if let Some((st, _, _, strict, _, pool, custom)) = &model {
         first(&mut want, st_model.is_none().then_some(S::InvalidArgument));
         first(&mut want, (n != np).then_some(S::InvalidArgument));
@@ -364,6 +394,7 @@ pub fn op_step_replay() {
                 (out_mis || stride % 8 != 0).then_some(S::InvalidArgument),
             );
         }
+        first(&mut want, pa.as_ref().and_then(|p| p.pre_err));
         match st {
             St::Open => first(&mut want, Some(S::WrongState)),
             St::Reset => first(&mut want, Some(S::SessionReset)),
@@ -382,6 +413,10 @@ pub fn op_step_replay() {
                 .any(|l| l.sess == k && cs.contains(&l.slot.0));
             first(&mut want, held.then_some(S::AliasHeld));
         }
+        // A step follows moves as its callables' forwards do.
+        before_params = want;
+        params_err = pa.as_ref().and_then(|p| p.check(&registered, true));
+        first(&mut want, params_err);
         lenient.extend(replay_lenient(*pool, *custom));
     }
     // Accumulating destinations before the replay.
@@ -399,22 +434,79 @@ pub fn op_step_replay() {
             })
             .collect()
     });
-    let epoch = EPOCH
+    let mut epoch = EPOCH
         .load(Ordering::Relaxed)
         .wrapping_add(1 + i.below(200) as u8);
     EPOCH.store(epoch, Ordering::Relaxed);
-    let _pin = sess.filter(|_| want.is_none()).map(pin);
-    trace!("step_replay {t:?} step {step} n {n}/{np} want {want:?}");
-    mark();
-    // SAFETY: args and room for n refs of `stride` bytes (or one of the
-    // faults graphed must catch before writing).
-    let r = unsafe { graphed_step_replay(t.ptr(), args, p.cast(), n) };
-    drop(_pin);
+    // Refused for the parameters' addresses alone: the step's instances'
+    // buffers are kept to see that the refusal changed nothing.
+    let refused_for_params = before_params.is_none() && params_err.is_some();
+    let snapshot = |k: usize| -> Vec<Vec<u8>> {
+        let (h, cls) = {
+            let s = &wd.sessions.borrow()[k];
+            (s.h as *mut graphed_session, s.callables.clone())
+        };
+        let cs = st_model
+            .as_ref()
+            .map_or(Vec::new(), |st| st.callables.clone());
+        cs.iter()
+            .flat_map(|&c| instance_bytes(h, c as u32, 0, &cls[c]))
+            .collect()
+    };
+    let kept = sess.filter(|_| refused_for_params).map(snapshot);
+    let call = |args: *const graphed_step_args, want: Option<graphed_status>| {
+        let _pin = sess.filter(|_| want.is_none()).map(pin);
+        mark();
+        // SAFETY: args and room for n refs of `stride` bytes (or one of
+        // the faults graphed must catch before writing).
+        unsafe { graphed_step_replay(t.ptr(), args, p.cast(), n) }
+    };
+    trace!(
+        "step_replay {t:?} step {step} n {n}/{np} params {:?} want {want:?}",
+        pa.as_ref().map(|p| (p.mode, p.count, p.moved))
+    );
+    let mut r = call(args, want);
     let mut ok = vec![want.unwrap_or(S::Ok)];
     if want.is_none() {
-        ok.extend(lenient);
+        ok.extend(lenient.iter().copied());
     }
     expect(r, &ok, "graphed_step_replay", "step");
+    if let (Some(kept), Some(pa)) = (&kept, &pa) {
+        // Refused for the parameters: nothing was enqueued or written, and
+        // the same step with the registered addresses goes through as if
+        // the refused one had not been made.
+        let k = sess.unwrap();
+        let first_of: Vec<usize> = params.iter().map(|&(_, j, _)| j).collect();
+        pa.check_message(r, "graphed_step_replay", |at| first_of[at]);
+        assert!(
+            refs.iter().all(|&b| b == 0xab),
+            "graphed_step_replay wrote refs on failure"
+        );
+        assert!(
+            snapshot(k) == *kept,
+            "graphed_step_replay refused for its parameters' addresses ({r:?}) but changed buffers"
+        );
+        let again = ParamsArg::registered(&registered);
+        let mut a2 = a;
+        a2.params = again.ptr;
+        a2.num_params = again.count;
+        // SAFETY: abuf holds the struct.
+        unsafe { (abuf.as_mut_ptr() as *mut graphed_step_args).write(a2) };
+        epoch = EPOCH
+            .load(Ordering::Relaxed)
+            .wrapping_add(1 + i.below(200) as u8);
+        EPOCH.store(epoch, Ordering::Relaxed);
+        r = call(abuf.as_ptr().cast(), None);
+        let mut ok = vec![S::Ok];
+        ok.extend(lenient.iter().copied());
+        expect(
+            r,
+            &ok,
+            "graphed_step_replay",
+            "again with the registered addresses",
+        );
+        drop(again);
+    }
     if r != S::Ok {
         assert!(
             refs.iter().all(|&b| b == 0xab),

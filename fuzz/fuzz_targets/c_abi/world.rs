@@ -27,6 +27,11 @@ pub struct Param {
     pub delayed: bool,
     pub external: bool,
     pub policy: u32,
+    /// GRAPHED_PARAM_FLAGS_REBIND: capture decides whether it can move
+    /// (never on the host backend, whose user tasks are opaque).
+    pub rebind: bool,
+    /// Where it was registered: the address its graphs read.
+    pub data: usize,
 }
 
 impl Param {
