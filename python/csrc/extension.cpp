@@ -6,6 +6,7 @@
 // runs them.
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
+#include <torch/headeronly/version.h>
 
 #include <pybind11/stl.h>
 
@@ -378,6 +379,10 @@ PYBIND11_MODULE(_torch_ext, m) {
     m.attr("BUFFER_ROLE_OUTPUT") = uint32_t(GRAPHED_BUFFER_ROLE_OUTPUT);
     m.attr("BUFFER_ROLE_GRAD_INPUT") = uint32_t(GRAPHED_BUFFER_ROLE_GRAD_INPUT);
     m.attr("BUFFER_ROLE_PARAM_GRADS") = uint32_t(GRAPHED_BUFFER_ROLE_PARAM_GRADS);
+    m.def("built_with_torch", [] {
+        return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+               std::to_string(TORCH_VERSION_PATCH);
+    });
     m.def("library_version", &graphed_torch::library_version);
     m.def("header_version", &graphed_torch::header_version);
     m.def("library_path", &library_path);

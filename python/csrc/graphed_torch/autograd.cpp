@@ -255,7 +255,11 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     // edges are the inputs and the parameters, as a custom Function's would.
     for (const at::Tensor& p : c->params) needs_grad = needs_grad || p.requires_grad();
     if (grad_mode && needs_grad) {
+#if GRAPHED_TORCH_INTRUSIVE_NODES
+        auto node = c10::make_intrusive<GraphedBackward>();
+#else
         auto node = std::shared_ptr<GraphedBackward>(new GraphedBackward(), torch::autograd::deleteNode);
+#endif
         node->shared = shared_;
         node->index = index_;
         node->microbatch = microbatch_;

@@ -117,6 +117,7 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
     Shared& s = *c->shared;
     const uint32_t mb = ctx->microbatch;
     const bool retain = (inputs && c->wgrad) || s.opts.retain_graph_in_backward;
+    if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
     s.on_work_stream(ctx->stream, [&] {
         c->pass_grads = c->run_backward(c->tapes[mb], c->pass_gouts, inputs, params, retain, false);
         if (ctx->phase != GRAPHED_PHASE_CAPTURE) return;
@@ -141,7 +142,8 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
 }  // namespace
 
 // Before each pass (outside capture): the user's hook, then, for a capture,
-// graph-safe generators and the private pool.
+// graph-safe generators (entered under the capture's id by the pass's
+// callback, where torch keys them so) and the private pool.
 int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
     auto* c = static_cast<Callable*>(self);
     Shared& s = *c->shared;
@@ -204,6 +206,7 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
     Shared& s = *c->shared;
     return guarded(c, [&] {
         const uint32_t mb = ctx->microbatch;
+        if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
         s.on_work_stream(ctx->stream, [&] {
             std::vector<at::Tensor> outs = c->run_forward(c->pass_inputs);
             if (ctx->phase == GRAPHED_PHASE_CAPTURE) {

@@ -18,6 +18,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <cuda_runtime_api.h>
 #include <graphed.hpp>
+#include <torch/headeronly/version.h>
 
 #include <functional>
 #include <memory>
@@ -27,6 +28,24 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+// ---- the PyTorch versions built against ------------------------------------------------------
+//
+// The adapter builds on torch 2.11 through 2.15 (python/README.md). Where a
+// part of libtorch it needs changed shape between them and no public API
+// covers both, the code picks by version, with these names only:
+//   GRAPHED_TORCH_CAPTURE_IDS  torch >= 2.12: a CUDA generator keeps the
+//                              fields of each capture under that capture's id
+//   GRAPHED_TORCH_INTRUSIVE_NODES  torch >= 2.13: autograd nodes are held by
+//                              c10::intrusive_ptr (before: std::shared_ptr
+//                              with torch::autograd::deleteNode)
+#define GRAPHED_TORCH_AT_LEAST(major, minor) \
+    (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#if !GRAPHED_TORCH_AT_LEAST(2, 11)
+#error "graphed.torch builds on torch 2.11 or newer (python/README.md)"
+#endif
+#define GRAPHED_TORCH_CAPTURE_IDS GRAPHED_TORCH_AT_LEAST(2, 12)
+#define GRAPHED_TORCH_INTRUSIVE_NODES GRAPHED_TORCH_AT_LEAST(2, 13)
 
 namespace graphed_torch {
 
@@ -97,12 +116,21 @@ struct RngStates {
     };
     std::vector<PassDraws> passes;  // by pass key; empty device: draws nothing
 
+    // What begin() changed, put back by restore(). torch up to 2.11 keeps one
+    // capture's fields in the state itself (saved here and set); torch 2.12
+    // and later key a capture's fields by its capture id (`drawing`, entered
+    // under that id once the capture has begun, then removed).
     struct Saved {
         bool capturing;
         uint64_t intragraph;
         at::TensorBase seed, offset;
     };
     std::vector<Saved> saved;
+#if GRAPHED_TORCH_CAPTURE_IDS
+    std::vector<c10::intrusive_ptr<at::CUDAGeneratorCaptureState>> drawing;
+#endif
+    unsigned long long capture_id = 0;
+    bool entered = false;
     at::Tensor open_device;
     bool open = false;
 
@@ -110,6 +138,9 @@ struct RngStates {
     void add(const at::Generator& g, c10::DeviceIndex device);
     // Before a capture (outside it): every state draws from this pass's memory.
     void begin(c10::DeviceIndex device);
+    // Inside the capture on `stream`, before the pass's first op (where the
+    // state is keyed by capture id, the id is known only now). Idempotent.
+    void enter(cudaStream_t stream);
     // After the capture: records what pass `key` drew and restores the states.
     void end(size_t key);
     // Before a replay of pass `key` on `stream`: the generators' seeds and

@@ -2,17 +2,25 @@
 // graphed's captures and replays (RngStates).
 //
 // Under stream capture, CUDAGeneratorImpl::philox_cuda_state hands kernels
-// pointers to a seed and an offset in device memory (seed_extragraph_,
-// offset_extragraph_) plus an offset inside the graph, and adds each op's
-// increment to offset_intragraph_; it requires `capturing_`. torch's
-// CUDAGraph sets this up around its own captures (capture_prologue) and, at
-// each replay, writes the generator's current seed and offset to that memory
-// and advances the offset by the graph's total (replay_prologue). graphed
-// captures with its own stream capture, so the adapter does the same around
-// graphed's captures and replays, with the public fields of
-// CUDAGeneratorState (its methods are not exported from libtorch_cuda) and
-// device memory of its own per captured pass. The generator keeps its state
-// object in a private member; the explicit instantiation below is the
+// pointers to a seed and an offset in device memory plus an offset inside
+// the graph, and adds each op's increment to that intra-graph offset.
+// torch's CUDAGraph sets these up around its own captures and, at each
+// replay, writes the generator's current seed and offset to that memory and
+// advances the offset by the graph's total. graphed captures with its own
+// stream capture, which no torch CUDAGraph owns, so the adapter does the
+// same around graphed's captures and replays, with device memory of its own
+// per captured pass. No public API reaches a capture that torch's CUDAGraph
+// does not own, so the adapter sets the generator state's public fields
+// (its methods are not exported from libtorch_cuda). Their shape changed once:
+//   torch 2.11:  one capture at a time, in the state itself (capturing_,
+//                seed_extragraph_, offset_extragraph_, offset_intragraph_):
+//                set before the capture, put back after it.
+//   torch 2.12+: a CUDAGeneratorCaptureState per capture id in the state's
+//                capture_states_ (without one, torch looks for the CUDAGraph
+//                that owns the capture and fails): entered under the
+//                capture's id once it has begun (enter()), removed after it.
+// The generator keeps its state object in a private member, and no public
+// accessor returns it; the explicit instantiation below is the
 // standard-conforming way to name it.
 #include "internal.h"
 
@@ -58,6 +66,17 @@ void RngStates::add(const at::Generator& g, c10::DeviceIndex device) {
 void RngStates::begin(c10::DeviceIndex device) {
     if (entries.empty() || open) return;
     open_device = at::empty({int64_t(2 * entries.size())}, options_of(at::kLong, device));
+#if GRAPHED_TORCH_CAPTURE_IDS
+    drawing.clear();
+    for (size_t i = 0; i < entries.size(); ++i) {
+        auto d = c10::make_intrusive<at::CUDAGeneratorCaptureState>();
+        d->rng_state_seed_extragraph_ = open_device.narrow(0, int64_t(2 * i), 1);
+        d->rng_state_offset_extragraph_ = open_device.narrow(0, int64_t(2 * i + 1), 1);
+        d->offset_intragraph_ = 0;
+        drawing.push_back(std::move(d));
+    }
+    entered = false;
+#else
     saved.clear();
     for (size_t i = 0; i < entries.size(); ++i) {
         at::CUDAGeneratorState* s = entries[i].state.get();
@@ -67,7 +86,41 @@ void RngStates::begin(c10::DeviceIndex device) {
         s->offset_intragraph_ = 0;
         s->capturing_ = true;
     }
+#endif
     open = true;
+}
+
+void RngStates::enter(cudaStream_t stream) {
+#if GRAPHED_TORCH_CAPTURE_IDS
+    if (!open || entered) return;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
+    if (status != cudaStreamCaptureStatusActive)
+        throw std::logic_error("graphed: generators entered outside a capture (the pass's stream is not capturing)");
+    const auto key = at::CaptureId_t(id);
+    for (size_t i = 0; i < entries.size(); ++i) {
+        at::CUDAGeneratorState* s = entries[i].state.get();
+        std::lock_guard<std::mutex> lock(s->capture_states_mutex_);
+        if (s->capture_states_.count(key)) {
+            // Drawn under this id by another owner already (a torch
+            // CUDAGraph capturing the same stream): take back what this pass
+            // entered and say so.
+            for (size_t k = 0; k < i; ++k) {
+                at::CUDAGeneratorState* o = entries[k].state.get();
+                std::lock_guard<std::mutex> other(o->capture_states_mutex_);
+                o->capture_states_.erase(key);
+            }
+            throw std::runtime_error("graphed: a generator already draws for capture " + std::to_string(id) +
+                                     " (is torch.cuda.graph capturing the same stream?)");
+        }
+        s->capture_states_[key] = drawing[i];
+    }
+    capture_id = id;
+    entered = true;
+#else
+    (void)stream;  // begin() set the fields
+#endif
 }
 
 // Puts the states back as they were before begin(); returns what each drew.
@@ -75,12 +128,25 @@ std::vector<uint64_t> RngStates::restore() {
     std::vector<uint64_t> drawn;
     for (size_t i = 0; i < entries.size(); ++i) {
         at::CUDAGeneratorState* s = entries[i].state.get();
+#if GRAPHED_TORCH_CAPTURE_IDS
+        drawn.push_back(uint64_t(drawing[i]->offset_intragraph_));
+        if (entered) {
+            std::lock_guard<std::mutex> lock(s->capture_states_mutex_);
+            auto it = s->capture_states_.find(at::CaptureId_t(capture_id));
+            if (it != s->capture_states_.end() && it->second.get() == drawing[i].get()) s->capture_states_.erase(it);
+        }
+#else
         drawn.push_back(uint64_t(s->offset_intragraph_));
         s->capturing_ = saved[i].capturing;
         s->offset_intragraph_ = saved[i].intragraph;
         s->seed_extragraph_ = saved[i].seed;
         s->offset_extragraph_ = saved[i].offset;
+#endif
     }
+#if GRAPHED_TORCH_CAPTURE_IDS
+    drawing.clear();
+    entered = false;
+#endif
     open = false;
     return drawn;
 }
