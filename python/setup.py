@@ -10,6 +10,11 @@ wherever it is installed or moved.
 The header comes from GRAPHED_INCLUDE_DIR, else the repository's include/.
 Set GRAPHED_CUDA_ARCH_LIST, TORCH_CUDA_ARCH_LIST or MAX_JOBS as with any
 torch extension (the extension itself has no device code).
+
+The torch it builds against must be one of the supported versions
+(src/graphed/torch/_versions.py; GRAPHED_ALLOW_ANY_TORCH=1 tries another),
+and a CUDA compiler must be found (CUDA_HOME or nvcc on PATH); a failed build
+names both.
 """
 import os
 import pathlib
@@ -17,10 +22,55 @@ import shutil
 import subprocess
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
+
+
+def supported_versions():
+    """src/graphed/torch/_versions.py, read without importing the package."""
+    namespace = {}
+    source = HERE / "src" / "graphed" / "torch" / "_versions.py"
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    return namespace
+
+
+VERSIONS = supported_versions()
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+except ImportError as e:
+    raise SystemExit(
+        f"graphed: torch is not importable here ({e}); install the torch you will run first "
+        f"(supported: {VERSIONS['text']()}), then `pip install --no-build-isolation python/`"
+    ) from e
+
+TORCH = f"torch {torch.__version__} (built with CUDA {torch.version.cuda})"
+
+
+def cuda_compiler():
+    """What nvcc the build uses, in words."""
+    if CUDA_HOME is None:
+        return "no CUDA compiler (CUDA_HOME is not set and nvcc is not on PATH)"
+    nvcc = pathlib.Path(CUDA_HOME) / "bin" / "nvcc"
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
+        release = next((line.split("release")[1].split(",")[0].strip() for line in out.splitlines() if "release" in line), "?")
+        return f"nvcc {release} at {nvcc}"
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"no working nvcc at {nvcc} ({e})"
+
+
+if torch.version.cuda is None:
+    raise SystemExit(f"graphed: {TORCH} has no CUDA; graphed.torch needs a CUDA build of torch")
+if not VERSIONS["supported"](torch.__version__) and os.environ.get("GRAPHED_ALLOW_ANY_TORCH") != "1":
+    raise SystemExit(
+        f"graphed: {TORCH} is outside the supported range {VERSIONS['text']()}; "
+        "install a supported torch, or set GRAPHED_ALLOW_ANY_TORCH=1 to try the build anyway"
+    )
+if CUDA_HOME is None:
+    raise SystemExit(f"graphed: building against {TORCH} needs a CUDA compiler: {cuda_compiler()}")
 
 
 def graphed_library():
@@ -57,6 +107,16 @@ class Build(BuildExtension):
     """Copies libgraphed.so next to the extension, then builds it."""
 
     def build_extensions(self):
+        print(f"graphed: building against {TORCH} with {cuda_compiler()}")
+        try:
+            self._build()
+        except Exception as e:
+            raise SystemExit(
+                f"graphed: the extension did not build against {TORCH} with {cuda_compiler()} "
+                f"(supported torch: {VERSIONS['text']()}): {e}"
+            ) from e
+
+    def _build(self):
         library = graphed_library()
         out_dir = pathlib.Path(self.get_ext_fullpath("graphed._torch_ext")).parent
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -65,10 +125,20 @@ class Build(BuildExtension):
         for ext in self.extensions:
             ext.include_dirs.append(include)
             ext.library_dirs.append(str(out_dir))
+        # The torch this build is for, read back when the extension fails to
+        # load under another torch (graphed.torch._make.extension).
+        (out_dir / "built_with_torch.txt").write_text(torch.__version__ + "\n")
         super().build_extensions()
-        if self.inplace:  # editable installs: the extension is copied into the sources
-            package = pathlib.Path(self.get_finalized_command("build_py").get_package_dir("graphed"))
-            shutil.copy2(library, package / "libgraphed.so")
+
+    def copy_extensions_to_source(self):
+        """In place (build_ext --inplace, editable installs), setuptools builds
+        into build/ with inplace off, then copies the extension into the
+        sources: the library and the torch version go beside it."""
+        super().copy_extensions_to_source()
+        built = pathlib.Path(self.build_lib) / "graphed"
+        package = pathlib.Path(self.get_finalized_command("build_py").get_package_dir("graphed"))
+        for name in ("libgraphed.so", "built_with_torch.txt"):
+            shutil.copy2(built / name, package / name)
 
 
 setup(

@@ -6,7 +6,9 @@
 # and LeakSanitizer, then the C ABI fuzz target for a fixed budget
 # (GRAPHED_FUZZ_SECONDS, default 180) and the thread test under
 # ThreadSanitizer (both on the pinned nightly Rust, installed through
-# rustup), then the Python package's tests. Without a GPU, the CUDA
+# rustup), then the Python package's tests, then the PyTorch extension
+# built and tested against the oldest and the newest supported torch
+# (scripts/torch-compat.sh). Without a GPU, the CUDA
 # tests are compiled and skip at run time with their reason, which this
 # script prints at the end.
 set -euo pipefail
@@ -41,5 +43,8 @@ bash scripts/tsan.sh
 
 echo "== pytest (the Python package; needs torch and a GPU for most tests)"
 .venv/bin/python -m pytest python/tests -q -rs -p no:cacheprovider | tail -40
+
+echo "== the PyTorch extension against the oldest and the newest supported torch (CPU: builds, loads, tests without a GPU)"
+bash scripts/torch-compat.sh
 
 bash scripts/skip-report.sh "$build"

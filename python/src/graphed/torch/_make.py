@@ -19,10 +19,26 @@ def extension():
     except ImportError as e:
         raise ImportError(
             "graphed.torch needs its compiled extension (graphed._torch_ext), which failed to import: "
-            f"{e}. Install the package with `pip install --no-build-isolation <graphed>/python` "
+            f"{e}.{_built_for()} Install the package with `pip install --no-build-isolation <graphed>/python` "
             "(set GRAPHED_PREBUILT_LIBRARY on machines without Rust); see python/README.md"
         ) from e
     return _torch_ext
+
+
+def _built_for():
+    """Which torch the extension was built against, where that is not the
+    one running (the usual reason it does not load), in a sentence."""
+    import pathlib
+
+    import graphed
+
+    try:
+        built = (pathlib.Path(graphed.__file__).parent / "built_with_torch.txt").read_text().strip()
+    except OSError:
+        return ""
+    if built == torch.__version__:
+        return ""
+    return f" It was built against torch {built}; this is torch {torch.__version__}: rebuild it against this torch."
 
 
 def graph_pool_handle():

@@ -23,7 +23,11 @@ def main() -> int:
     except ImportError as e:
         print(f"torch             not importable: {e}")
         return 1
-    print(f"torch             {torch.__version__} (CUDA {torch.version.cuda})")
+    from graphed.torch import _versions
+
+    in_range = "supported" if _versions.supported(torch.__version__) else "NOT in the supported range"
+    print(f"torch             {torch.__version__} (CUDA {torch.version.cuda}); {in_range}")
+    print(f"supported torch   {_versions.text()}")
     from graphed.torch._make import extension
 
     try:
@@ -31,6 +35,7 @@ def main() -> int:
     except ImportError as e:
         print(f"extension         {e}")
         return 1
+    print(f"extension         built against torch {ext.built_with_torch()}")
     print(f"libgraphed        {ext.library_version()} (header {ext.header_version()})")
     print(f"library path      {ext.library_path()}")
     drv = ext.driver()
