@@ -101,6 +101,39 @@ def test_hooks_follow_the_order():
     forwards[0].reset()
 
 
+@pytest.mark.parametrize("with_order", [False, True])
+def test_transformer_engines_module_only_hooks(with_order):
+    # Transformer Engine's scenario: every hook written hook(module), two
+    # layers, two warmup iterations, with and without _order.
+    layers = (torch.nn.Linear(8, 8, device="cuda"), torch.nn.Linear(8, 8, device="cuda"))
+    samples = tuple((torch.ones(4, 8, device="cuda", requires_grad=True),) for _ in layers)
+    records = []
+
+    def make(i, name):
+        def hook(module):
+            assert module is layers[i]
+            not_capturing()
+            records.append((i, name))
+
+        return hook
+
+    names = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+    graphed = gt.make_graphed_callables(
+        layers, samples, num_warmup_iters=2, _order=[1, 2, -2, -1] if with_order else None,
+        capture_time_hooks=[{name: {0: make(i, name)} for name in names} for i in range(2)],
+    )
+    once = [(0, "forward_pre_hooks"), (0, "forward_hooks"), (1, "forward_pre_hooks"), (1, "forward_hooks"),
+            (1, "backward_pre_hooks"), (1, "backward_hooks"), (0, "backward_pre_hooks"), (0, "backward_hooks")]
+    assert records == once * 3  # two warmup iterations and the capture
+    for g in graphed:
+        x = torch.randn(4, 8, device="cuda", requires_grad=True)
+        y = g(x)
+        y.backward(torch.ones_like(y))
+    torch.cuda.synchronize()
+    assert records == once * 3  # never at replay
+    graphed[0].reset()
+
+
 def test_hook_errors_abort_capture_with_their_message():
     def bad(module, args):
         raise ValueError("hook says no")

@@ -1,4 +1,6 @@
 """capture_time_hooks: Transformer Engine's checks and call signatures (pure Python)."""
+import functools
+
 import pytest
 
 from graphed.torch import _hooks
@@ -68,3 +70,95 @@ def test_a_hook_returning_a_value_is_refused():
     d = _hooks.Dispatcher(None, hooks, lambda flat: (tuple(flat), {}), lambda flat: flat, 0, 1)
     with pytest.raises(RuntimeError, match=r"^capture_time_hooks forward_pre_hooks must not return a value\.$"):
         d(True, 0, False, 0, ["x"], None, None, None)
+
+
+def test_transformer_engines_form_is_called_with_the_module_only():
+    # Transformer Engine's tests write every capture-time hook as
+    # hook(module) (tests/pytorch/test_cuda_graphs.py, _make_capture_time_hooks).
+    records = []
+    module = object()
+
+    def make_hook(name):
+        def hook(m):
+            assert m is module
+            records.append(name)
+
+        return hook
+
+    names = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+    hooks = _hooks.canonicalize(1, [{name: {0: make_hook(name)} for name in names}])[0]
+    FWD, BWD = 0, 1
+    d = _hooks.Dispatcher(module, hooks, lambda flat: (tuple(flat), {}), lambda flat: flat[0], FWD, BWD)
+    d(True, FWD, True, 0, ["x"], None, None, None)
+    d(False, FWD, True, 0, ["x"], ["y"], None, None)
+    d(True, BWD, True, 0, None, None, ["dy"], None)
+    d(False, BWD, True, 0, None, None, ["dy"], ["dx"])
+    assert records == list(names)
+
+
+def test_module_only_hooks_in_the_with_kwargs_keys_get_the_module_too():
+    calls = []
+    hooks = _hooks.canonicalize(
+        1,
+        [
+            {
+                "forward_pre_hooks": {7: lambda m: calls.append(("pre", m))},
+                "forward_pre_hooks_with_kwargs": {7: True},
+                "forward_hooks": {8: lambda m: calls.append(("fwd", m))},
+                "forward_hooks_with_kwargs": {8: True},
+            }
+        ],
+    )[0]
+    d = _hooks.Dispatcher("mod", hooks, lambda flat: (tuple(flat), {"k": 1}), lambda flat: flat[0], 0, 1)
+    d(True, 0, False, 0, ["x"], None, None, None)
+    d(False, 0, False, 0, ["x"], ["y"], None, None)
+    assert calls == [("pre", "mod"), ("fwd", "mod")]
+
+
+def _one(m):
+    return None
+
+
+def _two(m, args):
+    return None
+
+
+def _rest(m, *rest):
+    return None
+
+
+def _defaulted(m, args=None):
+    return None
+
+
+def _keyword_only(m, *, scale=1):
+    return None
+
+
+class _CallableObject:
+    def __call__(self, m):
+        return None
+
+
+@pytest.mark.parametrize(
+    "hook, expected",
+    [
+        (_one, True),
+        (_keyword_only, True),
+        (_CallableObject(), True),
+        (functools.partial(_two, "bound"), True),
+        (_two, False),
+        (_rest, False),
+        (_defaulted, False),
+        (lambda *anything: None, False),
+    ],
+)
+def test_module_only_reads_the_signature(hook, expected):
+    assert _hooks.module_only(hook) is expected
+
+
+def test_a_hook_of_the_wrong_arity_fails_with_pythons_error():
+    hooks = _hooks.canonicalize(1, [{"backward_hooks": {0: lambda a, b, c, d: None}}])[0]
+    d = _hooks.Dispatcher(None, hooks, lambda flat: (tuple(flat), {}), lambda flat: flat, 0, 1)
+    with pytest.raises(TypeError):
+        d(False, 1, True, 0, None, None, ["dy"], ["dx"])

@@ -25,15 +25,44 @@ def graphed_linear(**kw):
         (lambda: torch.randn(5, 8, device="cuda", requires_grad=True), "shape \\[5, 8\\]"),
         (lambda: torch.randn(4, 8, device="cuda", dtype=torch.float16, requires_grad=True), "Half"),
         (lambda: torch.randn(4, 8, requires_grad=True), "cpu"),
-        (lambda: torch.randn(4, 8, device="cuda"), "requires_grad=False; it was captured with shape \\[4, 8\\], "
-                                                    "Float, cuda:0, requires_grad=True"),
     ],
-    ids=["shape", "dtype", "device", "requires_grad"],
+    ids=["shape", "dtype", "device"],
 )
 def test_mismatches_name_the_argument_and_both_values(x, match):
     model = graphed_linear()
     with pytest.raises(ValueError, match="argument 0 is .*" + match):
         model(x())
+    model.reset()
+
+
+def test_an_input_needing_a_grad_its_sample_did_not_is_refused():
+    model = torch.nn.Linear(8, 8, device="cuda")
+    gt.make_graphed_callables(model, (torch.randn(4, 8, device="cuda"),))
+    with pytest.raises(ValueError, match="argument 0 is .*requires_grad=True; it was captured with shape \\[4, 8\\], "
+                                         "Float, cuda:0, requires_grad=False"):
+        model(torch.randn(4, 8, device="cuda", requires_grad=True))
+    model.reset()
+
+
+def test_an_input_needing_no_grad_where_its_sample_did_runs_and_drops_the_grad():
+    # The common recipe: every sample requires grad, the first layer is then
+    # fed data. torch and Transformer Engine run the call and drop the grad.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).cuda()
+    model.load_state_dict(eager.state_dict())
+    gt.make_graphed_callables(model, (torch.randn(4, 8, device="cuda", requires_grad=True),))
+    for _ in range(3):
+        x = torch.randn(4, 8, device="cuda")
+        y, ye = model(x), eager(x)
+        assert y.requires_grad  # the parameters need grads
+        y.square().sum().backward()
+        ye.square().sum().backward()
+        assert x.grad is None
+    torch.cuda.synchronize()
+    assert torch.equal(y, ye)
+    for p, pe in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, pe.grad)
     model.reset()
 
 

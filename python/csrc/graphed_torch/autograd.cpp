@@ -191,7 +191,11 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     if (inputs.size() != c->in.size())
         throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->in.size()) +
                                     " tensor inputs, got " + std::to_string(inputs.size()));
-    // requires_grad matters when a backward may follow.
+    // requires_grad matters when a backward may follow: an input that needs
+    // a grad its sample did not is refused (the graphs compute none); one
+    // that needs none where its sample did is accepted, its grad computed
+    // and dropped (autograd has no edge for it), as torch and Transformer
+    // Engine do.
     const bool grad_mode = s.opts.training && at::GradMode::is_enabled();
     // What the graphs read: each input, or its contiguous copy.
     c10::SmallVector<at::Tensor, 8> read;
@@ -203,7 +207,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         if (!x.defined()) throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is None");
         const bool rg = x.requires_grad();
         if (x.sizes() != at::IntArrayRef(m.sizes) || x.scalar_type() != m.dtype || !x.is_cuda() ||
-            x.device().index() != s.device || (grad_mode && rg != m.requires_grad))
+            x.device().index() != s.device || (grad_mode && rg && !m.requires_grad))
             throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is " + describe(x) +
                                         "; it was captured with " +
                                         describe(m.sizes, m.dtype, "cuda:" + std::to_string(s.device),

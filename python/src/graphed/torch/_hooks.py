@@ -4,7 +4,10 @@ Checked (its entries' types by graphed) and called as Transformer Engine
 does. Pure Python: no torch.
 
 Each entry (one per callable; None for none) is a dict of dicts, hook id to
-function:
+function. Transformer Engine calls every hook as hook(module); so does
+graphed, for every hook that takes one positional argument. A hook that
+takes more gets the arguments of torch's module hooks, as the frameworks
+that pass torch-style hooks (and the `_with_kwargs` keys) expect:
     forward_pre_hooks    hook(module, args), or hook(module, args, kwargs)
                          when the id is in forward_pre_hooks_with_kwargs
     forward_hooks        hook(module, args, output), or
@@ -14,6 +17,7 @@ function:
     backward_hooks       hook(module, grad_input, grad_output)
 A hook must return None.
 """
+import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 KEYS = (
@@ -66,6 +70,30 @@ def is_empty(hooks: Dict[str, Dict]) -> bool:
     return not any(hooks[k] for k in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks"))
 
 
+def module_only(hook) -> bool:
+    """Whether `hook` takes Transformer Engine's form, hook(module): it
+    binds one positional argument and not two. A hook whose signature
+    cannot be read gets torch's arguments."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return False
+
+    def binds(n):
+        try:
+            signature.bind(*([None] * n))
+            return True
+        except TypeError:
+            return False
+
+    return binds(1) and not binds(2)
+
+
+def _call(hook, module, *args):
+    """hook(module) for Transformer Engine's form, else hook(module, *args)."""
+    return hook(module) if module_only(hook) else hook(module, *args)
+
+
 def _returned_nothing(value, name: str):
     if value is not None:
         raise RuntimeError(f"capture_time_hooks {name} must not return a value.")
@@ -104,22 +132,22 @@ class Dispatcher:
             if before:
                 for hid, hook in h["forward_pre_hooks"].items():
                     if hid in h["forward_pre_hooks_with_kwargs"]:
-                        _returned_nothing(hook(self.module, args, kwargs), "forward_pre_hooks")
+                        _returned_nothing(_call(hook, self.module, args, kwargs), "forward_pre_hooks")
                     else:
-                        _returned_nothing(hook(self.module, args), "forward_pre_hooks")
+                        _returned_nothing(_call(hook, self.module, args), "forward_pre_hooks")
             else:
                 output = self.unflatten_outputs(outputs)
                 for hid, hook in h["forward_hooks"].items():
                     if hid in h["forward_hooks_with_kwargs"]:
-                        _returned_nothing(hook(self.module, args, kwargs, output), "forward_hooks")
+                        _returned_nothing(_call(hook, self.module, args, kwargs, output), "forward_hooks")
                     else:
-                        _returned_nothing(hook(self.module, args, output), "forward_hooks")
+                        _returned_nothing(_call(hook, self.module, args, output), "forward_hooks")
         elif pass_ == self.backward:
             grad_output = tuple(grad_outputs)
             if before:
                 for hook in h["backward_pre_hooks"].values():
-                    _returned_nothing(hook(self.module, grad_output), "backward_pre_hooks")
+                    _returned_nothing(_call(hook, self.module, grad_output), "backward_pre_hooks")
             else:
                 for hook in h["backward_hooks"].values():
-                    _returned_nothing(hook(self.module, tuple(grads), grad_output), "backward_hooks")
+                    _returned_nothing(_call(hook, self.module, tuple(grads), grad_output), "backward_hooks")
         # Weight-grad passes run no hooks, as in Transformer Engine.
