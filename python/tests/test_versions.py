@@ -1,5 +1,8 @@
 """The supported torch range (graphed.torch._versions), which setup.py and
-`python -m graphed.torch.check` read. Pure Python: no torch needed."""
+`python -m graphed.torch.check` read, and the import error of an extension
+built for another torch. Pure Python but the last test (torch)."""
+import importlib.util
+
 import pytest
 
 from graphed.torch import _versions
@@ -27,3 +30,22 @@ def test_parse_reads_major_and_minor(version, parsed):
 def test_parse_refuses_what_is_not_a_version(version):
     with pytest.raises(ValueError, match="not a torch version"):
         _versions.parse(version)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_an_extension_built_for_another_torch_says_which(tmp_path, monkeypatch):
+    import torch
+
+    import graphed
+    from graphed.torch import _make
+
+    monkeypatch.setattr(graphed, "__file__", str(tmp_path / "__init__.py"))
+    assert _make._built_for() == ""  # no record: nothing to say
+    (tmp_path / "built_with_torch.txt").write_text(torch.__version__ + "\n")
+    assert _make._built_for() == ""  # built for this torch
+    (tmp_path / "built_with_torch.txt").write_text("2.11.0+cu130\n")
+    if torch.__version__ != "2.11.0+cu130":
+        assert _make._built_for() == (
+            f" It was built against torch 2.11.0+cu130; this is torch {torch.__version__}: "
+            "rebuild it against this torch."
+        )
