@@ -90,7 +90,8 @@ def main():
                 if r > 0:
                     runs[name].append((seconds, stats))
                 if VARIANTS[name] is not None:
-                    out[0].reset()
+                    for c in out:  # the graphs are freed with the last
+                        c.reset()
                 del out, blocks, samples
                 gc.collect()
         torch_s = statistics.median(s for s, _ in runs["torch.cuda.make_graphed_callables"])

@@ -55,7 +55,9 @@ VARIANTS = [
 
 def reset(graphed):
     for g in graphed if isinstance(graphed, (list, tuple)) else [graphed]:
-        if "reset" in getattr(g, "__dict__", {}):  # graphed.torch's modules; torch's have none
+        # graphed.torch's modules carry reset() in their __dict__, its graphed
+        # callables in their class; torch's have none.
+        if "reset" in getattr(g, "__dict__", {}) or type(g).__module__.startswith("graphed."):
             g.reset()
 
 
@@ -362,7 +364,8 @@ def pipeline(h=64, b=16, iters=3):
                     f"{'yes' if same_w else 'no'} | {st['static_bytes']} ({st['static_bytes_without_reuse']}) | {held} |"
                 )
                 check(len(got_out) == len(want_out) and same_w and same_out, f"pipeline {name} clones={clones} reuse={reuse}")
-                g[0].reset()
+                for c in g:  # the graphs are freed with the last
+                    c.reset()
                 del g, mods
     say()
 

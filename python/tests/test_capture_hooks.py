@@ -98,7 +98,8 @@ def test_hooks_follow_the_order():
     forwards[2](forwards[0](x)).sum().backward()
     torch.cuda.synchronize()
     assert len(log) == 16
-    forwards[0].reset()
+    for f in forwards:
+        f.reset()
 
 
 @pytest.mark.parametrize("with_order", [False, True])
@@ -131,7 +132,8 @@ def test_transformer_engines_module_only_hooks(with_order):
         y.backward(torch.ones_like(y))
     torch.cuda.synchronize()
     assert records == once * 3  # never at replay
-    graphed[0].reset()
+    for g in graphed:
+        g.reset()
 
 
 def test_hook_errors_abort_capture_with_their_message():

@@ -165,3 +165,50 @@ def test_per_call_keywords(fake):
 
     m(torch.zeros(2, 4), cuda_graph_stream=S(), cuda_graph_event=E(), is_first_microbatch=False)
     assert fake.replays[-1][2:] == ((123, 0), 456)
+
+
+def test_reset_releases_only_the_selected_callable(fake):
+    # Transformer Engine's reset(): the callable reset runs eagerly and its
+    # module gets its own forward back; the other keeps replaying; the
+    # graphs are freed (the extension's reset) with the last one.
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    gt.make_graphed_callables((a, b), ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
+    x = torch.ones(2, 4)
+    a.reset()
+    assert fake.resets == 0 and "forward" not in a.__dict__ and "forward" in b.__dict__
+    assert "session_stats" not in a.__dict__ and "session_stats" in b.__dict__
+    replays = len(fake.replays)
+    assert torch.equal(a(x), torch.nn.functional.linear(x, a.weight, a.bias))  # eager: no replay
+    assert len(fake.replays) == replays
+    b(x)
+    assert fake.replays[-1][0] == "Linear_1" and len(fake.replays) == replays + 1  # still graphed
+    a.reset()  # a second reset does nothing
+    assert fake.resets == 0
+    b.reset()
+    assert fake.resets == 1 and "forward" not in b.__dict__
+    b.reset()
+    assert fake.resets == 1
+
+
+def test_reset_of_plain_callables(fake):
+    fns = (lambda x: x * 2, lambda x: x + 1)
+    g = gt.make_graphed_callables(fns, ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
+    g[1].reset()
+    assert g[1].is_reset and not g[0].is_reset and fake.resets == 0
+    replays = len(fake.replays)
+    assert torch.equal(g[1](torch.ones(2, 4)), torch.full((2, 4), 2.0))  # eager
+    g[0](torch.ones(2, 4))
+    assert len(fake.replays) == replays + 1 and "(reset)" in repr(g[1]) and "(reset)" not in repr(g[0])
+    g[0].reset()
+    assert fake.resets == 1 and g[0].is_reset
+
+
+@needs_extension
+def test_with_order_every_microbatchs_callable_counts(fake):
+    layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    samples = tuple((torch.zeros(2, 4),) for _ in range(4))
+    g = gt.make_graphed_callables(layers, samples, _order=[1, 2, 1, 2, -2, -1, -2, -1])
+    for i, c in enumerate(g):
+        assert fake.resets == 0, f"freed after {i} of {len(g)} resets"
+        c.reset()
+    assert fake.resets == 1

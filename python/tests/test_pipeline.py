@@ -89,7 +89,8 @@ def test_interleaved_schedule_matches_eager(dtype, clones, reuse):
     assert len(got_out) == len(want_out)
     assert_all_equal(got_out, want_out)
     assert_all_equal(got_w, want_w)
-    g[0].reset()
+    for c in g:
+        c.reset()
 
 
 def test_reuse_takes_less_memory():
@@ -103,7 +104,8 @@ def test_reuse_takes_less_memory():
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
         stats = g[0].session_stats()
-        g[0].reset()
+        for c in g:
+            c.reset()
         return held, stats
 
     held, stats = footprint(False)
@@ -132,7 +134,8 @@ def test_weight_grad_steps_match_eager(clones):
     got_out, got_w = run(WGRAD_ORDER, fwd, params_of(mods), data, dw)
     assert_all_equal(got_out, want_out)
     assert_all_equal(got_w, want_w)
-    g[0].reset()
+    for c in g:
+        c.reset()
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_pool", "own_pools"])

@@ -79,7 +79,8 @@ def train_graphed_against_eager(seed, steps, rebind):
     layers = list(gt.make_graphed_callables(tuple(copy.deepcopy(base)), samples(), rebind_inputs=rebind))
     stats, lines = layers[0].session_stats(), plan_lines(layers[0])
     got = train(layers, xs, ts)
-    layers[0].reset()
+    for layer in layers:
+        layer.reset()
     assert_all_equal(got[0], want[0])  # the output of every step
     assert_all_equal(got[1], want[1])  # the final parameters
     return stats, lines

@@ -83,3 +83,4 @@ def test_releases_from_other_threads_while_a_backward_runs():
     t.join(timeout=30)
     a(x())  # every lease of `a` was released
     a.reset()
+    b.reset()

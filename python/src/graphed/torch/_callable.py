@@ -7,12 +7,33 @@ capture sample and replays; the extension checks each tensor."""
 
 
 class Session:
-    """The graphs of one make_graphed_callables call (one graphed session)."""
+    """The graphs of one make_graphed_callables call (one graphed session),
+    shared by the graphed callables it returned. reset() on one of them
+    releases that one only, as in Transformer Engine: it runs eagerly from
+    then on (a module gets its own forward back) while the others keep
+    replaying. The graphs and their memory are freed when the last one is
+    released (they share one memory plan)."""
 
     def __init__(self, impls, restore_modules):
-        self._impls = impls  # any one resets them all
-        self._restore_modules = restore_modules  # (module, previous instance forward or None)
+        self._impls = impls  # any one frees them all
+        # id(module) -> (module, previous instance forward or None)
+        self._restore = {id(module): (module, previous) for module, previous in restore_modules}
+        self._live = 0
         self.is_reset = False
+
+    def adopt(self):
+        """Counts one more graphed callable sharing the graphs."""
+        self._live += 1
+
+    def release(self, module):
+        """One graphed callable let go (its module, if make_graphed_callables
+        replaced that module's forward, gets it back); the last frees all."""
+        entry = self._restore.pop(id(module), None) if module is not None else None
+        if entry is not None:
+            _restore(*entry)
+        self._live -= 1
+        if self._live <= 0:
+            self.reset()
 
     def reset(self):
         """Frees the graphs and their buffers (every callable of this call).
@@ -23,28 +44,35 @@ class Session:
             return
         self._impls[0].reset()
         self.is_reset = True
-        for module, previous in self._restore_modules:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-            for name in ("backward_dw", "session_stats", "session_plan", "params_movable"):
-                module.__dict__.pop(name, None)
-            # A second reset is a no-op that holds nothing: the module must not
-            # keep this session (whose extension objects hold the module's
-            # forward, a cycle the garbage collector cannot see through).
-            module.__dict__["reset"] = _already_reset
+        for module, previous in self._restore.values():
+            _restore(module, previous)
         # Nothing of the session is needed any more.
         self._impls = ()
-        self._restore_modules = ()
+        self._restore = {}
+
+
+def _restore(module, previous):
+    """The module's own forward back, graphed's attributes gone."""
+    if previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = previous
+    for name in ("backward_dw", "session_stats", "session_plan", "params_movable"):
+        module.__dict__.pop(name, None)
+    # A second reset is a no-op that holds nothing: the module must not
+    # keep this session (whose extension objects hold the module's
+    # forward, a cycle the garbage collector cannot see through).
+    module.__dict__["reset"] = _already_reset
 
 
 def _already_reset():
-    """The module's graphs were freed by an earlier reset(): nothing to do."""
+    """The module's graphs were released by an earlier reset(): nothing to do."""
 
 
 class GraphedCallable:
-    __slots__ = ("_impl", "_binding", "_outputs", "_module", "_training", "_eager", "_session", "__weakref__")
+    __slots__ = (
+        "_impl", "_binding", "_outputs", "_module", "_training", "_eager", "_session", "_released", "__weakref__"
+    )
 
     def __init__(self, impl, binding, outputs, module, training, eager, session):
         self._impl = impl
@@ -54,6 +82,8 @@ class GraphedCallable:
         self._training = training
         self._eager = eager
         self._session = session
+        self._released = False
+        session.adopt()
 
     def __call__(self, *args, **kwargs):
         stream = event = None
@@ -62,7 +92,7 @@ class GraphedCallable:
             event = kwargs.pop("cuda_graph_event", None)
             kwargs.pop("is_first_microbatch", None)  # FP8 weight caching only
         module = self._module
-        if self._session.is_reset or (module is not None and module.training != self._training):
+        if self._released or self._session.is_reset or (module is not None and module.training != self._training):
             return self._eager(*args, **kwargs)
         flat = args if self._binding.simple and not kwargs else self._binding.match(args, kwargs)
         if stream is not None:
@@ -77,7 +107,22 @@ class GraphedCallable:
         self._impl.backward_dw()
 
     def reset(self):
-        self._session.reset()
+        """Releases this graphed callable, as Transformer Engine's reset()
+        does: it runs eagerly from now on (a module gets its own forward
+        back), while the other callables of the same make_graphed_callables
+        call keep replaying their graphs. When the last of them is released,
+        the graphs and their buffers are freed: outputs, input grads and
+        aliased parameter grads returned before must then no longer be used;
+        owned (cloned) grads stay valid. A second call does nothing."""
+        if self._released:
+            return
+        self._released = True
+        self._session.release(self._module)
+
+    @property
+    def is_reset(self):
+        """Whether this callable was released (or its graphs freed)."""
+        return self._released or self._session.is_reset
 
     def session_stats(self):
         """graphed's memory and graph figures for the session."""
@@ -100,4 +145,4 @@ class GraphedCallable:
         return self._training
 
     def __repr__(self):
-        return f"<graphed callable {self._outputs.name}{' (reset)' if self._session.is_reset else ''}>"
+        return f"<graphed callable {self._outputs.name}{' (reset)' if self.is_reset else ''}>"

@@ -343,7 +343,7 @@ def make_graphed_callables(
         g = wrap(k, 0)
         if isinstance(fn, torch.nn.Module):
             fn.forward = g
-            fn.reset = session.reset
+            fn.reset = g.reset
             fn.backward_dw = g.backward_dw
             fn.session_stats = g.session_stats
             fn.session_plan = g.session_plan
