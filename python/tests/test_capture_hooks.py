@@ -1,6 +1,8 @@
 """capture_time_hooks and pre/post warmup hooks run during warmup and
 capture, outside stream capture, in Transformer Engine's order, and never at
 replay; with and without _order."""
+import weakref
+
 import pytest
 
 from _support import needs_gpu, torch
@@ -152,4 +154,28 @@ def test_hooks_registered_on_modules_after_graphing_run_eagerly_around_replays()
     model.register_forward_hook(lambda m, a, out: seen.append(out.shape))
     model(torch.randn(2, 4, device="cuda", requires_grad=True))
     assert seen == [torch.Size([2, 4])]
+    model.reset()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_warmup_outputs_are_released_once_consumed(training):
+    # Transformer Engine releases a warmup forward's outputs as soon as its
+    # backward has consumed them, and in inference at once: nothing of one
+    # warmup iteration is alive when the next begins.
+    model = torch.nn.Linear(64, 64, device="cuda").train(training)
+    outputs, alive_at_next = [], []
+
+    def pre(module, args):
+        alive_at_next.append([r() is not None for r in outputs])
+
+    def post(module, args, output):
+        outputs.append(weakref.ref(output))
+
+    gt.make_graphed_callables(
+        model, (torch.randn(8, 64, device="cuda", requires_grad=training),), num_warmup_iters=3,
+        capture_time_hooks=[{"forward_pre_hooks": {0: pre}, "forward_hooks": {0: post}}],
+    )
+    assert len(outputs) == 4  # three warmup iterations and the capture
+    for i, alive in enumerate(alive_at_next):
+        assert not any(alive), f"before forward {i}: outputs of earlier warmup forwards still alive: {alive}"
     model.reset()

@@ -215,7 +215,9 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
                     c->ext_out[mb].push_back(outs[i].detach());
                 }
             }
-            c->tapes[mb] = Tape{c->pass_inputs, outs};
+            // The tape is for the backward; in inference nothing reads it,
+            // and the outputs go as soon as the pass ends.
+            if (s.opts.training) c->tapes[mb] = Tape{c->pass_inputs, outs};
             c->pass_outputs = std::move(outs);
         });
     });

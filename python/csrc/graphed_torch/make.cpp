@@ -66,7 +66,7 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
             e.before = false;
             e.outputs = &outs;
             c->call_hook(e);
-            tapes[p.callable][p.microbatch] = Tape{ins, outs};
+            if (s.opts.training) tapes[p.callable][p.microbatch] = Tape{ins, outs};
             continue;
         }
         if (!s.opts.training) continue;
