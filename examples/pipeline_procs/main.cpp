@@ -87,6 +87,7 @@ class Link {
             pollfd pfd{fd_, POLLIN, 0};
             int ready = ::poll(&pfd, 1, kPeerTimeoutMs);
             if (ready < 0 && errno == EINTR) continue;
+            if (ready < 0) throw std::runtime_error(who() + "cannot wait for the other rank (" + std::strerror(errno) + ")");
             if (ready == 0)
                 throw std::runtime_error(who() + "nothing from the other rank in " + std::to_string(kPeerTimeoutMs / 1000) +
                                          " s");
@@ -270,6 +271,17 @@ bool collect(std::vector<Child>& ranks) {
     }
 }
 
+// Kills and reaps the ranks already started (a launch that failed halfway).
+void abort_ranks(std::vector<Child>& ranks) {
+    for (Child& c : ranks)
+        if (c.pid > 0) {
+            ::kill(c.pid, SIGKILL);
+            int st = 0;
+            ::waitpid(c.pid, &st, 0);
+            ::close(c.report_fd);
+        }
+}
+
 int launch(const Options& o) {
     int link[2];
     if (::socketpair(AF_UNIX, SOCK_STREAM, 0, link) != 0) {
@@ -282,11 +294,15 @@ int launch(const Options& o) {
         int pipe_fd[2];
         if (::pipe(pipe_fd) != 0) {
             std::perror("pipe");
+            abort_ranks(ranks);
             return 1;
         }
         pid_t pid = ::fork();
         if (pid < 0) {
             std::perror("fork");
+            ::close(pipe_fd[0]);
+            ::close(pipe_fd[1]);
+            abort_ranks(ranks);
             return 1;
         }
         if (pid == 0) {

@@ -212,3 +212,10 @@ def test_with_order_every_microbatchs_callable_counts(fake):
         assert fake.resets == 0, f"freed after {i} of {len(g)} resets"
         c.reset()
     assert fake.resets == 1
+
+
+def test_a_module_given_twice_without_order_is_refused(fake):
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="callable 1 is a module given before"):
+        gt.make_graphed_callables((m, m), ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
+    assert "forward" not in m.__dict__

@@ -139,22 +139,44 @@ class _CallableObject:
     def __call__(self, m):
         return None
 
+    def method(self, m, args):
+        return None
+
 
 @pytest.mark.parametrize(
-    "hook, expected",
+    "hook, n, expected",
     [
-        (_one, True),
-        (_keyword_only, True),
-        (_CallableObject(), True),
-        (functools.partial(_two, "bound"), True),
-        (_two, False),
-        (_rest, False),
-        (_defaulted, False),
-        (lambda *anything: None, False),
+        (_one, 1, True),
+        (_one, 2, False),
+        (_keyword_only, 1, True),
+        (_CallableObject(), 1, True),
+        (_CallableObject().method, 2, True),
+        (_CallableObject().method, 3, False),
+        (functools.partial(_two, "bound"), 1, True),
+        (functools.partial(_two, "bound"), 2, False),
+        (_two, 2, True),
+        (_rest, 4, True),
+        (_defaulted, 1, True),
+        (_defaulted, 2, True),
+        (_defaulted, 3, False),
+        (lambda *anything: None, 5, True),
     ],
 )
-def test_module_only_reads_the_signature(hook, expected):
-    assert _hooks.module_only(hook) is expected
+def test_accepts_reads_the_signature(hook, n, expected):
+    assert _hooks.accepts(hook, n) is expected
+
+
+def test_a_hook_with_an_optional_second_argument_gets_what_it_can_take():
+    calls = []
+
+    def hook(m, args=None):
+        calls.append((m, args))
+
+    hooks = _hooks.canonicalize(1, [{"forward_pre_hooks": {0: hook}, "forward_hooks": {0: hook}}])[0]
+    d = _hooks.Dispatcher("mod", hooks, lambda flat: (tuple(flat), {}), lambda flat: flat[0], 0, 1)
+    d(True, 0, False, 0, ["x"], None, None, None)  # torch's pre-hook arguments fit: (module, args)
+    d(False, 0, False, 0, ["x"], ["y"], None, None)  # (module, args, output) does not: hook(module)
+    assert calls == [("mod", ("x",)), ("mod", None)]
 
 
 def test_a_hook_of_the_wrong_arity_fails_with_pythons_error():

@@ -177,6 +177,16 @@ void mark_rebound(Shared& s) {
 }
 
 // graphed's session config for the options `o` of `s`.
+// Whether a callback's error is a CUDA generator's refusal to draw under a
+// capture it was not set up for (torch 2.11: "not in capture mode"; 2.12
+// and later: no capture state, or no CUDAGraph, for the capture's id).
+bool drew_unknown_generator(const std::string& error) {
+    for (const char* text : {"not in capture mode", "could not find the CUDAGraph object", "capture state",
+                             "capture_state"})
+        if (error.find(text) != std::string::npos) return true;
+    return false;
+}
+
 graphed_session_config config_of(Shared& s, const Options& o) {
     graphed_session_config cfg = graphed::session_config(GRAPHED_BACKEND_CUDA);
     cfg.device = s.device;
@@ -269,7 +279,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         for (auto& c : s.callables)
             if (!c->error.empty()) {
                 msg += "\n  callable '" + c->name + "': " + c->error;
-                rng = rng || c->error.find("not in capture mode") != std::string::npos;
+                rng = rng || drew_unknown_generator(c->error);
             }
         if (rng)
             msg += "\n  (a callable draws random numbers from a CUDA generator graphed was not told about: pass it "

@@ -97,27 +97,25 @@ void RngStates::enter(cudaStream_t stream) {
     unsigned long long id = 0;
     cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
     if (status != cudaStreamCaptureStatusActive)
-        throw std::logic_error("graphed: generators entered outside a capture (the pass's stream is not capturing)");
+        throw std::runtime_error(std::string("graphed: the pass's stream is ") +
+                                 (status == cudaStreamCaptureStatusInvalidated ? "in an invalidated capture"
+                                                                               : "not capturing") +
+                                 " where its generators were to draw");
     const auto key = at::CaptureId_t(id);
+    // Set first: whatever this loop entered, restore() (or abandon())
+    // removes, also when it stops halfway.
+    capture_id = id;
+    entered = true;
     for (size_t i = 0; i < entries.size(); ++i) {
         at::CUDAGeneratorState* s = entries[i].state.get();
         std::lock_guard<std::mutex> lock(s->capture_states_mutex_);
-        if (s->capture_states_.count(key)) {
+        if (s->capture_states_.count(key))
             // Drawn under this id by another owner already (a torch
-            // CUDAGraph capturing the same stream): take back what this pass
-            // entered and say so.
-            for (size_t k = 0; k < i; ++k) {
-                at::CUDAGeneratorState* o = entries[k].state.get();
-                std::lock_guard<std::mutex> other(o->capture_states_mutex_);
-                o->capture_states_.erase(key);
-            }
+            // CUDAGraph capturing the same stream).
             throw std::runtime_error("graphed: a generator already draws for capture " + std::to_string(id) +
                                      " (is torch.cuda.graph capturing the same stream?)");
-        }
         s->capture_states_[key] = drawing[i];
     }
-    capture_id = id;
-    entered = true;
 #else
     (void)stream;  // begin() set the fields
 #endif
@@ -180,6 +178,10 @@ void RngStates::prologue(size_t key, cudaStream_t stream) {
     for (size_t i = 0; i < entries.size(); ++i) {
         std::lock_guard<std::mutex> lock(entries[i].generator.mutex());
         at::CUDAGeneratorState* s = entries[i].state.get();
+#if GRAPHED_TORCH_CAPTURE_IDS
+        // torch's own graph replays update the offset under this one.
+        std::lock_guard<std::mutex> states(s->capture_states_mutex_);
+#endif
         host[2 * i] = int64_t(s->seed_);
         host[2 * i + 1] = int64_t(s->philox_offset_per_thread_);
         s->philox_offset_per_thread_ += d.increments[i];
@@ -195,6 +197,9 @@ void RngStates::unwind(size_t key) {
     const PassDraws& d = passes[key];
     for (size_t i = 0; i < entries.size(); ++i) {
         std::lock_guard<std::mutex> lock(entries[i].generator.mutex());
+#if GRAPHED_TORCH_CAPTURE_IDS
+        std::lock_guard<std::mutex> states(entries[i].state->capture_states_mutex_);
+#endif
         entries[i].state->philox_offset_per_thread_ -= d.increments[i];
     }
 }

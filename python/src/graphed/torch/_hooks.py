@@ -4,10 +4,10 @@ Checked (its entries' types by graphed) and called as Transformer Engine
 does. Pure Python: no torch.
 
 Each entry (one per callable; None for none) is a dict of dicts, hook id to
-function. Transformer Engine calls every hook as hook(module); so does
-graphed, for every hook that takes one positional argument. A hook that
-takes more gets the arguments of torch's module hooks, as the frameworks
-that pass torch-style hooks (and the `_with_kwargs` keys) expect:
+function. Transformer Engine calls every hook as hook(module); graphed
+calls a hook with the arguments of torch's module hooks when it takes
+them, as the frameworks that pass torch-style hooks (and the `_with_kwargs`
+keys) expect, and as hook(module) when it takes only that:
     forward_pre_hooks    hook(module, args), or hook(module, args, kwargs)
                          when the id is in forward_pre_hooks_with_kwargs
     forward_hooks        hook(module, args, output), or
@@ -70,28 +70,27 @@ def is_empty(hooks: Dict[str, Dict]) -> bool:
     return not any(hooks[k] for k in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks"))
 
 
-def module_only(hook) -> bool:
-    """Whether `hook` takes Transformer Engine's form, hook(module): it
-    binds one positional argument and not two. A hook whose signature
-    cannot be read gets torch's arguments."""
+def accepts(hook, n: int) -> Optional[bool]:
+    """Whether `hook` can be called with `n` positional arguments; None when
+    its signature cannot be read (a builtin, say)."""
     try:
         signature = inspect.signature(hook)
     except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*([None] * n))
+        return True
+    except TypeError:
         return False
-
-    def binds(n):
-        try:
-            signature.bind(*([None] * n))
-            return True
-        except TypeError:
-            return False
-
-    return binds(1) and not binds(2)
 
 
 def _call(hook, module, *args):
-    """hook(module) for Transformer Engine's form, else hook(module, *args)."""
-    return hook(module) if module_only(hook) else hook(module, *args)
+    """hook(module, *args) when the hook takes them (torch's arguments);
+    hook(module), Transformer Engine's form, when it takes only that; a
+    hook whose signature cannot be read gets torch's arguments."""
+    if accepts(hook, 1 + len(args)) is False and accepts(hook, 1):
+        return hook(module)
+    return hook(module, *args)
 
 
 def _returned_nothing(value, name: str):

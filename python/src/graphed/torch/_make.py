@@ -224,6 +224,16 @@ def make_graphed_callables(
             raise RuntimeError("`_reuse_graph_input_output_buffers` is only available in training mode.")
     for fn in callables:
         _module_checks(fn)
+    if _order is None:
+        seen = set()
+        for k, fn in enumerate(callables):
+            if isinstance(fn, torch.nn.Module):
+                if id(fn) in seen:
+                    raise ValueError(
+                        f"callable {k} is a module given before: without _order each module is graphed once "
+                        "(its forward is replaced by its graphs); give it once, or use _order for several microbatches"
+                    )
+                seen.add(id(fn))
     hooks = _hooks.canonicalize(len(callables), capture_time_hooks)
     if _order is None:
         schedule = None
