@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 #include <utility>
 
 inline std::string last_error() { return graphed_last_error_message(); }
@@ -28,20 +29,26 @@ inline ::testing::AssertionResult fails_with(graphed_status expected, graphed_st
 
 // The same for a C++ call that should throw graphed::Error.
 template <class F>
-::testing::AssertionResult throws(graphed_status expected, F&& f, const std::string& text) {
+::testing::AssertionResult throws(graphed_status expected, F&& f, const std::vector<std::string>& texts) {
     try {
         std::forward<F>(f)();
     } catch (const graphed::Error& e) {
         if (e.status() != expected)
             return ::testing::AssertionFailure() << "expected " << graphed::status_name(expected) << ", got "
                                                  << e.what();
-        if (e.message().find(text) == std::string::npos)
-            return ::testing::AssertionFailure() << graphed::status_name(expected)
-                                                 << " as expected, but the message lacks \"" << text
-                                                 << "\": " << e.message();
+        for (const std::string& text : texts)
+            if (e.message().find(text) == std::string::npos)
+                return ::testing::AssertionFailure() << graphed::status_name(expected)
+                                                     << " as expected, but the message lacks \"" << text
+                                                     << "\": " << e.message();
         return ::testing::AssertionSuccess();
     }
     return ::testing::AssertionFailure() << "expected " << graphed::status_name(expected) << ", but nothing was thrown";
+}
+
+template <class F>
+::testing::AssertionResult throws(graphed_status expected, F&& f, const std::string& text) {
+    return throws(expected, std::forward<F>(f), std::vector<std::string>{text});
 }
 
 // Every figure of a session's stats, for "nothing else changed" comparisons

@@ -270,19 +270,39 @@ fn decide(
             .map(|&what| plan(inst, graphs, what))
             .collect::<Result<Vec<_>>>()
     })?;
+    settle(
+        s,
+        planned,
+        &mut |what| log_in_place(s, inst, what),
+        &|w: What| w.describe(inst),
+        || Subject::instance(inst, graphs),
+        (stream, times, ws),
+    )
+}
+
+/// What verification decides for `planned`: refusals as they are, tensors
+/// read in place to `in_place`, candidates kept apart (`name` names them),
+/// then verified with the subject `subject` makes (only when any is left).
+fn settle<'a>(
+    s: &Inputs,
+    planned: Vec<Planned>,
+    in_place: &mut dyn FnMut(What),
+    name: &dyn Fn(What) -> String,
+    subject: impl FnOnce() -> Subject<'a>,
+    (stream, times, ws): (StreamRef, &mut CaptureTimes, &mut Option<Workspace>),
+) -> Result<Vec<(What, Decision)>> {
     let mut out = Vec::new();
     let mut cands = Vec::new();
     for p in planned {
         match p {
             Planned::Candidate(c) => cands.push(c),
             Planned::Refused(what, why) => out.push((what, Err(why))),
-            Planned::InPlace(what) => log_in_place(s, inst, what),
+            Planned::InPlace(what) => in_place(what),
         }
     }
-    let cands = apart(cands, &mut out, &|w: What| w.describe(inst));
+    let cands = apart(cands, &mut out, name);
     if !cands.is_empty() {
-        let subject = Subject::instance(inst, graphs);
-        out.extend(verified(s, &subject, cands, stream, times, ws)?);
+        out.extend(verified(s, &subject(), cands, stream, times, ws)?);
     }
     Ok(out)
 }

@@ -13,7 +13,7 @@ use super::super::instance::{PassGraphs, Placed};
 use super::super::spec::LogLevel;
 use super::super::tensor::ParamFeed;
 use super::verify::{fed, Subject, Workspace};
-use super::{apart, plan_in, verified, Decision, Planned, What};
+use super::{plan_in, settle, Decision, What};
 use crate::backend::{DevPtr, Graph, StreamRef};
 use crate::error::Result;
 
@@ -107,21 +107,14 @@ fn decide(
             })
             .collect::<Result<Vec<_>>>()
     })?;
-    let mut out = Vec::new();
-    let mut cands = Vec::new();
-    for p in planned {
-        match p {
-            Planned::Candidate(c) => cands.push(c),
-            Planned::Refused(what, why) => out.push((what, Err(why))),
-            Planned::InPlace(_) => {}
-        }
-    }
-    let cands = apart(cands, &mut out, name);
-    if !cands.is_empty() {
-        let subject = subject(st, placed, graphs, step_graphs().collect());
-        out.extend(verified(s, &subject, cands, stream, times, ws)?);
-    }
-    Ok(out)
+    settle(
+        s,
+        planned,
+        &mut |_| {},
+        name,
+        || subject(st, placed, graphs, step_graphs().collect()),
+        (stream, times, ws),
+    )
 }
 
 /// What verifying a step replays and compares: its graphs; every result of

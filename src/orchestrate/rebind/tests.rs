@@ -1,11 +1,48 @@
 //! Verification with graphs that lie about where they read: inputs and
 //! grad-outputs rebound or copied, parameters movable or fixed.
 
+use super::RebindPlan;
+use crate::backend::{DevPtr, Rebinder};
+use crate::error::Result;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+/// A test graph's one read (`src`), rebound by moving it; a dishonest plan
+/// says it moved and does not.
+struct SrcPlan {
+    src: Arc<AtomicU64>,
+    honest: bool,
+}
+
+impl Rebinder for SrcPlan {
+    fn nodes(&self) -> usize {
+        1
+    }
+    fn rebind(&mut self, base: DevPtr) -> Result<()> {
+        if self.honest {
+            self.src.store(base, Relaxed);
+        }
+        Ok(())
+    }
+}
+
+/// The plan of a test graph that reads `src`: where `base` is what it
+/// reads, a SrcPlan; else it does not reference `base`.
+fn plan_of(src: &Arc<AtomicU64>, honest: bool, base: DevPtr) -> Result<RebindPlan> {
+    if base != src.load(Relaxed) {
+        return Ok(RebindPlan::Unreferenced);
+    }
+    Ok(RebindPlan::Plan(Box::new(SrcPlan {
+        src: src.clone(),
+        honest,
+    })))
+}
+
 mod copies {
     use super::super::super::testing::{host_inputs, Fixture, BYTES};
     use super::super::*;
+    use crate::backend::Graph;
     use crate::backend::{Backend, DevPtr, DeviceMemory, StreamRef};
-    use crate::backend::{Graph, Rebinder};
     use crate::core::dtype::DType;
     use crate::core::PassKind;
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -25,23 +62,6 @@ mod copies {
         launches: Arc<AtomicUsize>,
     }
 
-    struct MovePlan {
-        src: Arc<AtomicU64>,
-        honest: bool,
-    }
-
-    impl Rebinder for MovePlan {
-        fn nodes(&self) -> usize {
-            1
-        }
-        fn rebind(&mut self, base: DevPtr) -> Result<()> {
-            if self.honest {
-                self.src.store(base, Relaxed);
-            }
-            Ok(())
-        }
-    }
-
     impl Graph for CopyGraph {
         fn launch(&self, stream: StreamRef) -> Result<()> {
             self.launches.fetch_add(1, Relaxed);
@@ -53,13 +73,7 @@ mod copies {
             Ok(())
         }
         fn rebinder(&self, base: DevPtr, _bytes: usize) -> Result<RebindPlan> {
-            if base != self.src.load(Relaxed) {
-                return Ok(RebindPlan::Unreferenced);
-            }
-            Ok(RebindPlan::Plan(Box::new(MovePlan {
-                src: self.src.clone(),
-                honest: self.honest,
-            })))
+            super::plan_of(&self.src, self.honest, base)
         }
     }
 
@@ -193,8 +207,8 @@ mod copies {
 mod params {
     use super::super::super::testing::{floats, host_inputs, read_floats, Fixture};
     use super::super::*;
+    use crate::backend::Graph;
     use crate::backend::{Backend, DevPtr, DeviceMemory, StreamRef};
-    use crate::backend::{Graph, Rebinder};
     use crate::core::PassKind;
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
     use std::sync::Arc;
@@ -208,23 +222,6 @@ mod params {
         honest: bool,
     }
 
-    struct Plan {
-        src: Arc<AtomicU64>,
-        honest: bool,
-    }
-
-    impl Rebinder for Plan {
-        fn nodes(&self) -> usize {
-            1
-        }
-        fn rebind(&mut self, base: DevPtr) -> Result<()> {
-            if self.honest {
-                self.src.store(base, Relaxed);
-            }
-            Ok(())
-        }
-    }
-
     impl Graph for ReadsParam {
         fn launch(&self, stream: StreamRef) -> Result<()> {
             let n = crate::orchestrate::testing::BYTES;
@@ -232,13 +229,7 @@ mod params {
                 .copy(self.dst, self.src.load(Relaxed), n, stream)
         }
         fn rebinder(&self, base: DevPtr, _bytes: usize) -> Result<RebindPlan> {
-            if base != self.src.load(Relaxed) {
-                return Ok(RebindPlan::Unreferenced);
-            }
-            Ok(RebindPlan::Plan(Box::new(Plan {
-                src: self.src.clone(),
-                honest: self.honest,
-            })))
+            super::plan_of(&self.src, self.honest, base)
         }
     }
 
