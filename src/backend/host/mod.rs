@@ -1,0 +1,208 @@
+//! The host backend: an emulation of the CUDA model for machines without a
+//! GPU. "Device" memory is host memory; a stream is a task queue that runs
+//! each task as it is enqueued, unless the stream is capturing, in which
+//! case the task is recorded; a graph is the recorded list, and launching it
+//! runs the tasks again on the same addresses. Static-buffer semantics are
+//! the same as on a GPU, so the aliasing hazard and its fix show on a CPU.
+//!
+//! Streams are registered in the handle table (the ids callbacks see as
+//! their stream). User work is enqueued with [`enqueue`]; [`synchronize`]
+//! under capture invalidates the capture, as a device synchronize does
+//! under CUDA's global capture mode.
+//!
+//! This file holds [`HostBackend`], which wires the [`Backend`] trait to the
+//! parts: `task` (the unit of work and how it runs), `memory`
+//! (allocations), `stream` (streams and capture state), `graph` (recorded
+//! graphs and their launch) and `rebind` (moving a graph's references).
+
+mod graph;
+mod memory;
+mod rebind;
+mod stream;
+mod task;
+
+pub use memory::inject_free_failures;
+pub use stream::{check_stream, enqueue, synchronize, HostStream};
+pub use task::HostTask;
+
+use super::{
+    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef,
+    StreamRef,
+};
+use crate::core::dtype::DType;
+use crate::error::{Error, Result};
+use memory::HostMemory;
+use std::sync::Arc;
+use stream::submit;
+use task::Task;
+
+/// The host backend. One per session; allocations are tracked so that a
+/// free of an unknown address is caught.
+#[derive(Default)]
+pub struct HostBackend {
+    memory: HostMemory,
+}
+
+impl HostBackend {
+    pub fn new() -> Arc<HostBackend> {
+        Arc::new(HostBackend::default())
+    }
+}
+
+impl Backend for HostBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Host
+    }
+
+    fn ordinal(&self) -> i32 {
+        0
+    }
+
+    fn bind(&self) -> Result<ContextGuard> {
+        Ok(ContextGuard::none())
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        self.memory.alloc(bytes)
+    }
+
+    fn free(&self, ptr: DevPtr) -> Result<()> {
+        self.memory.free(ptr)
+    }
+
+    fn alloc_async(&self, bytes: usize, _stream: StreamRef) -> Result<DevPtr> {
+        self.alloc(bytes)
+    }
+
+    fn free_async(&self, ptr: DevPtr, _stream: StreamRef) -> Result<()> {
+        self.free(ptr)
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {
+        submit(
+            stream,
+            Task::Copy {
+                dst: dst as usize,
+                src: src as usize,
+                bytes,
+            },
+        )
+    }
+
+    fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {
+        submit(
+            stream,
+            Task::Zero {
+                dst: dst as usize,
+                bytes,
+            },
+        )
+    }
+
+    fn accumulate(&self, items: &[AccItem], dtype: DType, stream: StreamRef) -> Result<()> {
+        if !dtype.accumulable() {
+            return Err(Error::invalid(format!(
+                "cannot accumulate {}",
+                dtype.name()
+            )));
+        }
+        for it in items {
+            submit(
+                stream,
+                Task::Accumulate {
+                    dst: it.dst as usize,
+                    src: it.src as usize,
+                    count: it.count,
+                    dtype,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    fn differ(
+        &self,
+        a: DevPtr,
+        b: DevPtr,
+        bytes: usize,
+        flag: DevPtr,
+        stream: StreamRef,
+    ) -> Result<()> {
+        submit(
+            stream,
+            Task::Differ {
+                a: a as usize,
+                b: b as usize,
+                bytes,
+                flag: flag as usize,
+            },
+        )
+    }
+
+    fn prepare_kernels(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn create_stream(&self) -> Result<StreamRef> {
+        Ok(stream::create())
+    }
+
+    fn destroy_stream(&self, s: StreamRef) -> Result<()> {
+        stream::destroy(s)
+    }
+
+    // Host work runs as it is enqueued: events and waits have nothing to order.
+    fn create_event(&self) -> Result<EventRef> {
+        Ok(EventRef(0))
+    }
+
+    fn destroy_event(&self, _e: EventRef) -> Result<()> {
+        Ok(())
+    }
+
+    fn record(&self, _event: EventRef, _stream: StreamRef) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait(&self, _stream: StreamRef, _event: EventRef) -> Result<()> {
+        Ok(())
+    }
+
+    fn synchronize(&self, _s: StreamRef) -> Result<()> {
+        Ok(())
+    }
+
+    fn synchronize_all(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn begin_capture(&self, s: StreamRef, _mode: CaptureMode) -> Result<()> {
+        stream::begin_capture(s)
+    }
+
+    fn end_capture(&self, s: StreamRef) -> Result<CaptureEnd> {
+        graph::end_capture(s)
+    }
+
+    fn is_capturing(&self, s: StreamRef) -> Result<bool> {
+        stream::is_capturing(s)
+    }
+
+    fn capture_invalidated(&self, s: StreamRef) -> Result<bool> {
+        stream::capture_invalidated(s)
+    }
+
+    fn mem_info(&self) -> Result<(usize, usize)> {
+        Err(Error::Unsupported(
+            "the host backend has no device memory figure".into(),
+        ))
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        memory::upload(dst, src)
+    }
+
+    fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()> {
+        memory::download(dst, src)
+    }
+}

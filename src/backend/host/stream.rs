@@ -1,0 +1,202 @@
+//! Host streams and their capture state: streams live in the handle table
+//! (the ids callbacks see as their stream); work submitted to one runs now,
+//! or is recorded while it captures; synchronizing under capture
+//! invalidates the capture.
+
+use super::task::{run, HostTask, Task};
+use crate::backend::StreamRef;
+use crate::core::handle::{self, Kind};
+use crate::error::{Error, Result};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+#[derive(Default)]
+struct StreamState {
+    capture: Option<Vec<Task>>,
+    invalidated: Option<String>,
+}
+
+/// A host stream.
+#[derive(Default)]
+pub struct HostStream {
+    state: Mutex<StreamState>,
+}
+
+impl HostStream {
+    fn lock(&self) -> MutexGuard<'_, StreamState> {
+        // Every update is a single assignment, so poison is moot.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn lookup(stream: StreamRef) -> Result<Arc<HostStream>> {
+    handle::get::<HostStream>(Kind::HostStream, stream.0 as u64).map_err(|e| match e {
+        Error::InvalidArgument(_) => Error::invalid(format!(
+            "stream 0x{:x} is not a stream of the host backend (CUDA sessions pass CUstreams, \
+             which the host functions cannot use)",
+            stream.0
+        )),
+        other => other,
+    })
+}
+
+/// Checks that `stream` is 0 or a live host stream, as the functions that
+/// order work on it do, without touching it.
+pub fn check_stream(stream: StreamRef) -> Result<()> {
+    if stream.0 != 0 {
+        lookup(stream)?;
+    }
+    Ok(())
+}
+
+/// Runs `task` on `stream`: now, or recorded when the stream is capturing.
+pub(super) fn submit(stream: StreamRef, task: Task) -> Result<()> {
+    if stream.0 == 0 {
+        return run(&task);
+    }
+    let s = lookup(stream)?;
+    {
+        let mut st = s.lock();
+        if let Some(list) = st.capture.as_mut() {
+            list.push(task);
+            return Ok(());
+        }
+    }
+    // Run outside the lock: a user task may enqueue more work.
+    run(&task)
+}
+
+/// User work on a host stream (0 = run now).
+pub fn enqueue(stream: StreamRef, task: HostTask) -> Result<()> {
+    submit(stream, Task::User(task))
+}
+
+/// Waits for a host stream (0 = the whole device). Host work has already
+/// run, so this only checks capture: synchronizing a capturing stream, or
+/// the device while any stream captures, is illegal and invalidates those
+/// captures, as under CUDA's global capture mode.
+pub fn synchronize(stream: StreamRef) -> Result<()> {
+    let targets: Vec<Arc<HostStream>> = if stream.0 == 0 {
+        handle::all::<HostStream>(Kind::HostStream)
+    } else {
+        vec![lookup(stream)?]
+    };
+    let mut hit = false;
+    for s in targets {
+        let mut st = s.lock();
+        if st.capture.is_some() {
+            hit = true;
+            st.invalidated.get_or_insert_with(|| {
+                "the stream was synchronized while it was capturing \
+                 (the host counterpart of a device synchronize under stream capture)"
+                    .to_string()
+            });
+        }
+    }
+    if hit {
+        Err(Error::IllegalUnderCapture(
+            "synchronizing is not allowed while a stream is capturing; the capture is invalidated"
+                .into(),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+pub(super) fn create() -> StreamRef {
+    let id = handle::insert(Kind::HostStream, Arc::new(HostStream::default()), 1);
+    StreamRef(id as usize)
+}
+
+pub(super) fn destroy(s: StreamRef) -> Result<()> {
+    match handle::remove(s.0 as u64) {
+        Some(_) => Ok(()),
+        None => Err(Error::invalid(format!(
+            "stream 0x{:x} is not a live host stream",
+            s.0
+        ))),
+    }
+}
+
+pub(super) fn begin_capture(s: StreamRef) -> Result<()> {
+    let stream = lookup(s)?;
+    let mut st = stream.lock();
+    if st.capture.is_some() {
+        return Err(Error::state("the host stream is already capturing"));
+    }
+    *st = StreamState {
+        capture: Some(Vec::new()),
+        invalidated: None,
+    };
+    Ok(())
+}
+
+/// Ends the capture on `s`: the recorded tasks, or (`Err`) why the capture
+/// was invalidated.
+pub(super) fn end_capture(s: StreamRef) -> Result<std::result::Result<Vec<Task>, String>> {
+    let stream = lookup(s)?;
+    let mut st = stream.lock();
+    let Some(tasks) = st.capture.take() else {
+        return Err(Error::state("the host stream is not capturing"));
+    };
+    Ok(match st.invalidated.take() {
+        Some(why) => Err(why),
+        None => Ok(tasks),
+    })
+}
+
+pub(super) fn is_capturing(s: StreamRef) -> Result<bool> {
+    if s.0 == 0 {
+        return Ok(false);
+    }
+    Ok(lookup(s)?.lock().capture.is_some())
+}
+
+pub(super) fn capture_invalidated(s: StreamRef) -> Result<bool> {
+    if s.0 == 0 {
+        return Ok(false);
+    }
+    Ok(lookup(s)?.lock().invalidated.is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::task::counter_task;
+    use super::*;
+    use crate::backend::host::HostBackend;
+    use crate::backend::{Backend, CaptureEnd, CaptureMode};
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn synchronize_under_capture_invalidates_it() {
+        let b = HostBackend::new();
+        let s = b.create_stream().unwrap();
+        synchronize(s).unwrap();
+        b.begin_capture(s, CaptureMode::Global).unwrap();
+        assert!(matches!(
+            // This stream, not the whole device: tests run on parallel threads.
+            synchronize(s),
+            Err(Error::IllegalUnderCapture(_))
+        ));
+        assert!(matches!(
+            b.end_capture(s).unwrap(),
+            CaptureEnd::Invalidated(_)
+        ));
+        // The stream is usable again.
+        b.begin_capture(s, CaptureMode::Global).unwrap();
+        assert!(matches!(b.end_capture(s).unwrap(), CaptureEnd::Graph(_)));
+        b.destroy_stream(s).unwrap();
+    }
+
+    #[test]
+    fn unknown_and_destroyed_streams_are_rejected() {
+        let counter = Arc::new(AtomicU32::new(0));
+        let r = enqueue(StreamRef(0xdead0), counter_task(&counter));
+        assert!(matches!(r, Err(Error::InvalidArgument(_))));
+        let b = HostBackend::new();
+        let s = b.create_stream().unwrap();
+        b.destroy_stream(s).unwrap();
+        let r = enqueue(s, counter_task(&counter));
+        assert!(matches!(r, Err(Error::UseAfterDestroy(_))), "{r:?}");
+        assert_eq!(counter.load(Ordering::Relaxed), 0);
+    }
+}
