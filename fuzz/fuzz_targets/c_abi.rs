@@ -78,7 +78,7 @@ macro_rules! trace {
 mod buffers;
 #[path = "c_abi/callables.rs"]
 mod callables;
-#[path = "c_abi/callbacks.rs"]
+#[path = "c_abi/callbacks/mod.rs"]
 mod callbacks;
 #[path = "c_abi/capture.rs"]
 mod capture;
@@ -92,13 +92,13 @@ mod input;
 mod params;
 #[path = "c_abi/queries.rs"]
 mod queries;
-#[path = "c_abi/replay.rs"]
+#[path = "c_abi/replay/mod.rs"]
 mod replay;
 #[path = "c_abi/schedules.rs"]
 mod schedules;
 #[path = "c_abi/sessions.rs"]
 mod sessions;
-#[path = "c_abi/steps.rs"]
+#[path = "c_abi/steps/mod.rs"]
 mod steps;
 #[path = "c_abi/streams.rs"]
 mod streams;

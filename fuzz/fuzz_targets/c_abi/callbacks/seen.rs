@@ -1,0 +1,165 @@
+//! What a callback is given, checked against the model: its context (pass,
+//! phase, microbatch, counts, stream, scratch and capture handles), its
+//! buffers (external ones only once handed over), and the capture frame it
+//! runs in, which it updates.
+
+use super::*;
+
+/// What a call was given that the rest of the call works with.
+pub(super) struct Seen {
+    pub cl: Callable,
+    pub sess_h: usize,
+    pub capture_phase: bool,
+    pub mb: u32,
+    pub pass: u32,
+    pub outputs: Vec<usize>,
+    pub gins: Vec<usize>,
+    pub pgrads: Vec<usize>,
+    /// The first iteration of the measuring phase.
+    pub measuring: bool,
+}
+
+/// Checks the context of a call of callback `cb` (for pass `which`; 9:
+/// any) and its capture frame.
+pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
+    let wd = w();
+    trace!(
+        "  callback sess {} callable {} pass {} phase {} it {} mb {} hook {}",
+        cb.sess,
+        cb.callable,
+        ctx.pass,
+        ctx.phase,
+        ctx.iteration,
+        ctx.microbatch,
+        cb.hook
+    );
+    assert_eq!(ctx.struct_size, size_of::<graphed_pass_ctx>());
+    assert_eq!(ctx.callable as usize, cb.callable, "ctx.callable");
+    if which != 9 {
+        assert_eq!(ctx.pass, which, "a callback ran for another pass");
+    }
+    assert!(ctx.phase <= 1 && ctx.pass <= 2);
+    let (cl, sess_h, mb_known) = {
+        let s = &wd.sessions.borrow()[cb.sess];
+        (s.callables[cb.callable].clone(), s.h, s.mb)
+    };
+    if mb_known != 0 {
+        assert!(ctx.microbatch < mb_known, "microbatch {}", ctx.microbatch);
+    }
+    assert_eq!(ctx.num_inputs, cl.inputs.len());
+    assert_eq!(ctx.num_outputs, cl.outputs.len());
+    assert_eq!(ctx.num_params, cl.params.len());
+    assert!(!ctx.stream.is_null());
+    assert!(!ctx.tape.is_null());
+    assert_eq!(
+        ctx.scratch.is_null(),
+        cb.hook,
+        "scratch is for callbacks only"
+    );
+    assert_eq!(
+        !ctx.capture.is_null(),
+        !cb.hook && ctx.phase == 1,
+        "capture only for callbacks under capture"
+    );
+    let capture_phase = ctx.phase == 1 && !cb.hook;
+    let mb = ctx.microbatch;
+    let pass = ctx.pass;
+    // SAFETY (arrays): graphed passes arrays of the stated lengths.
+    let arr = |p: *const *mut c_void, n: usize| -> Vec<usize> {
+        if n == 0 {
+            return Vec::new();
+        }
+        unsafe { std::slice::from_raw_parts(p as *const usize, n) }.to_vec()
+    };
+    let inputs = arr(ctx.inputs, ctx.num_inputs);
+    let outputs = arr(ctx.outputs, ctx.num_outputs);
+    let gouts = arr(ctx.grad_outputs, ctx.num_outputs);
+    let gins = arr(ctx.grad_inputs, ctx.num_inputs);
+    let pgrads = arr(ctx.param_grads, ctx.num_params);
+    // An external buffer reads 0 until the pass that writes it was captured
+    // and handed it over; then the address it handed over.
+    let ext_ok = |p: usize, role: u32, j: usize| {
+        p == 0
+            || w()
+                .ext
+                .borrow()
+                .get(&(cb.sess, cb.callable, ctx.microbatch, role, j))
+                == Some(&p)
+    };
+    for (j, t) in cl.inputs.iter().enumerate() {
+        assert_ne!(inputs[j], 0);
+        if t.grad && t.external {
+            assert!(
+                ext_ok(gins[j], ROLE_GIN, j),
+                "external grad input {j}: 0x{:x}",
+                gins[j]
+            );
+        } else {
+            assert_eq!(gins[j] != 0, t.grad, "grad input {j}");
+        }
+    }
+    for (j, t) in cl.outputs.iter().enumerate() {
+        if t.external {
+            assert!(
+                ext_ok(outputs[j], ROLE_OUT, j),
+                "external output {j}: 0x{:x}",
+                outputs[j]
+            );
+        } else {
+            assert_ne!(outputs[j], 0, "output {j}");
+        }
+        assert_eq!(gouts[j] != 0, t.grad, "grad output {j}");
+    }
+    for (j, p) in cl.params.iter().enumerate() {
+        if p.grad && p.external {
+            assert!(
+                ext_ok(pgrads[j], ROLE_PARAM, j),
+                "external param grad {j}: 0x{:x}",
+                pgrads[j]
+            );
+        } else {
+            assert_eq!(pgrads[j] != 0, p.grad, "param grad {j}");
+        }
+    }
+    // The frame of this session's capture.
+    {
+        let mut fs = wd.frames.borrow_mut();
+        let f = fs.last_mut().expect("a callback outside capture");
+        assert_eq!(
+            f.sess, cb.sess,
+            "a callback of another session than the innermost capture"
+        );
+        assert!(
+            f.first.is_none(),
+            "a callback ran after its capture had failed ({:?})",
+            f.first
+        );
+        f.ran = true;
+        if f.stream == 0 {
+            f.stream = ctx.stream as usize;
+        }
+        assert_eq!(
+            f.stream, ctx.stream as usize,
+            "the side stream changed during a capture"
+        );
+        if !cb.hook {
+            f.scratch_fail = false;
+            f.capturing = capture_phase;
+            if capture_phase {
+                f.invalidated = false;
+            }
+        }
+    }
+    let measuring = ctx.phase == 0 && ctx.iteration == 0;
+    Seen {
+        cl,
+        sess_h,
+        capture_phase,
+        mb,
+        pass,
+        outputs,
+        gins,
+        pgrads,
+        measuring,
+    }
+}

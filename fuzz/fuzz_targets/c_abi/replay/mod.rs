@@ -1,0 +1,51 @@
+//! Replays: forward, backward and weight-grad with fuzzed arguments and
+//! faults, checked against the frozen policies (ref kinds, clone contents,
+//! COPY_INTO and ACCUMULATE_INTO destinations, leases).
+//!
+//! A replay runs in steps, one submodule each: build the arguments from the
+//! input (`args`), work out the status graphed must answer (`expected`),
+//! make the call, and again with the registered parameters' addresses after
+//! a refusal for them (`execute`), then check what it returned (`results`).
+
+use super::*;
+
+mod args;
+mod execute;
+mod expected;
+mod results;
+
+pub use args::*;
+use execute::*;
+pub use expected::*;
+pub use results::*;
+
+/// A forward (0), backward (1) or weight-grad (2) replay. `streams`: the
+/// (stream, side stream) a callback replays on.
+pub fn op_replay(t: Target, kind: u32, streams: Option<(usize, usize)>) {
+    replay_with(t, kind, streams, false)
+}
+
+/// A replay of a captured session (mostly) given the parameters' addresses
+/// (see `params`).
+pub fn op_replay_params(kind: u32) {
+    replay_with(target_where(|s| s.st == St::Captured), kind, None, true)
+}
+
+/// A replay; with `params`, given the parameters' addresses in one of the
+/// ways `params_arg` reads (read after every other choice, so that replays
+/// without them read their input as before).
+fn replay_with(t: Target, kind: u32, streams: Option<(usize, usize)>, params: bool) {
+    let mut built = build_args(t, kind, streams, params);
+    let e = expected(t, kind, &built);
+    let func = [
+        "graphed_forward",
+        "graphed_backward",
+        "graphed_backward_wgrad",
+    ][kind as usize];
+    let (r, epoch) = execute(t, kind, func, &mut built, &e);
+    if r != S::Ok {
+        check_untouched(&built, func);
+        return;
+    }
+    check_results(kind, func, epoch, built);
+}

@@ -1,0 +1,24 @@
+//! Steps (graphed_session_add_step): their declaration, the model of the
+//! step graphs a capture makes of them, and their replay, checked against
+//! that model.
+
+use super::*;
+
+mod declare;
+mod graphs;
+mod replay;
+mod results;
+
+pub use declare::*;
+pub use graphs::*;
+pub use replay::*;
+use results::*;
+
+/// A session destroyed when idle by code that ran inside the call that
+/// just returned (a callback, a host task) is gone now: its leases go
+/// stale with it.
+pub fn forget_if_gone(k: usize) {
+    if !w().sessions.borrow()[k].alive {
+        drop_session_state(k);
+    }
+}

@@ -1,0 +1,106 @@
+//! What a successful step replay returns: one ref per parameter of the
+//! step's callables, by frozen policy (clones holding the grads, aliases
+//! and their leases, COPY_INTO and ACCUMULATE_INTO destinations), and the
+//! clone blocks and leases the model then holds.
+
+use super::*;
+
+/// Checks the refs a successful replay of step `st_model` of session `k`
+/// wrote (`before`: the accumulating destinations before it) and takes
+/// their blocks and leases into the model.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_step_refs(
+    k: usize,
+    strict: bool,
+    clone: bool,
+    st_model: &StepModel,
+    params: &[(usize, usize, Param)],
+    refs: &[u8],
+    stride: usize,
+    epoch: u8,
+    before: &[Vec<u8>],
+) {
+    let wd = w();
+    let mut blocks: Vec<HeldBlock> = Vec::new();
+    let mut new_leases = Vec::new();
+    // Destroyed when idle from inside this replay: its aliases went with it.
+    let gone = !wd.sessions.borrow()[k].alive;
+    for (at, (c, j, p)) in params.iter().enumerate() {
+        let r = read_ref(refs, at * stride);
+        let b = seed(k, *c, 0, ROLE_PARAM, *j) ^ epoch;
+        let dst = st_model.dsts[at];
+        match p.resolved(clone) {
+            0 => assert_eq!(
+                (r.kind, r.ptr, r.bytes, r.owner, r.lease),
+                (0, 0, 0, 0, 0),
+                "step param {at}: NONE"
+            ),
+            1 => {
+                assert_eq!(r.kind, 2, "step param {at}: CLONE");
+                assert!(r.owner != 0 && r.ptr != 0 && r.bytes == p.bytes && r.lease == 0);
+                assert!(all_bytes(r.ptr, p.bytes, b), "step param {at}: the clone");
+                match blocks.iter_mut().find(|x| x.owner == r.owner) {
+                    Some(x) => {
+                        x.refs += 1;
+                        x.grads.push((r.ptr, r.bytes, b));
+                    }
+                    None => blocks.push(HeldBlock {
+                        owner: r.owner,
+                        refs: 1,
+                        sess: k,
+                        grads: vec![(r.ptr, r.bytes, b)],
+                    }),
+                }
+            }
+            2 => {
+                assert_eq!(
+                    (r.kind, r.bytes, r.owner),
+                    (1, p.bytes, 0),
+                    "step param {at}: ALIAS"
+                );
+                assert!(
+                    gone || all_bytes(r.ptr, p.bytes, b),
+                    "step param {at}: the alias"
+                );
+                assert_eq!(r.lease != 0, strict, "step param {at}: lease");
+                if r.lease != 0 {
+                    new_leases.push(Lease {
+                        sess: k,
+                        token: r.lease,
+                        slot: (*c, 0, 2, *j),
+                    });
+                }
+            }
+            3 => {
+                assert_eq!(
+                    (r.kind, r.ptr, r.bytes, r.owner, r.lease),
+                    (3, dst, p.bytes, 0, 0)
+                );
+                assert!(all_bytes(dst, p.bytes, b), "step param {at}: COPY_INTO");
+            }
+            _ => {
+                assert_eq!(
+                    (r.kind, r.ptr, r.bytes, r.owner, r.lease),
+                    (4, dst, p.bytes, 0, 0)
+                );
+                if p.dtype == 0 && !before[at].is_empty() {
+                    check_accumulated(&before[at], dst, b, &format!("step param {at}"));
+                }
+            }
+        }
+    }
+    for blk in &blocks {
+        assert!(
+            !wd.blocks.borrow().iter().any(|x| x.owner == blk.owner),
+            "a clone block handle was reused"
+        );
+    }
+    for l in &new_leases {
+        assert!(
+            !wd.leases.borrow().iter().any(|h| h.token == l.token),
+            "a lease token was handed out twice"
+        );
+    }
+    wd.blocks.borrow_mut().extend(blocks);
+    wd.leases.borrow_mut().extend(new_leases);
+}
