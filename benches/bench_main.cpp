@@ -2,15 +2,18 @@
 // of replay, and end-to-end training steps, each measured next to its
 // reference in the same process. Writes a markdown report.
 //
-//   graphed_bench [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--out FILE]
+//   graphed_bench [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches]
+//                 [--out FILE]
 //
-// --capture-only and --param-guard run one table alone (capture time; the
-// cost of giving replays the parameters' addresses, and of moving them).
+// --capture-only, --param-guard and --microbatches run one table alone
+// (capture time; the cost of giving replays the parameters' addresses, and
+// of moving them; N microbatches in one step graph, microbatch_bench.cpp).
 //
 // On CUDA, device times come from CUDA events (medians after warm-up); on
 // the host backend (the ctest, small sizes) from wall clocks. Every
 // measurement is preceded by a correctness check; a failed check exits 1.
 #include "layers.hpp"
+#include "microbatch_bench.hpp"
 #include "tools.hpp"
 
 #include <algorithm>
@@ -883,17 +886,19 @@ void param_guard_table(kit::Device& dev, bench::Tools& tools, const std::vector<
 
 int main(int argc, char** argv) {
     std::string backend = "cuda", out, torch_json;
-    bool quick = false, capture_only = false, param_guard = false;
+    bool quick = false, capture_only = false, param_guard = false, microbatches = false;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
         if (a == "--backend" && i + 1 < argc) backend = argv[++i];
         else if (a == "--quick") quick = true;
         else if (a == "--capture-only") capture_only = true;
         else if (a == "--param-guard") param_guard = true;
+        else if (a == "--microbatches") microbatches = true;
         else if (a == "--out" && i + 1 < argc) out = argv[++i];
         else if (a == "--torch-json" && i + 1 < argc) torch_json = argv[++i];
         else {
-            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--out FILE] "
+            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches] "
+                         "[--out FILE] "
                          "[--torch-json FILE]\n",
                          argv[0]);
             return 2;
@@ -916,13 +921,19 @@ int main(int argc, char** argv) {
     }
     try {
         report << "Measured on " << tools->describe() << " with graphed " << graphed_version() << ".\n";
-        if (param_guard) {
+        if (microbatches) {
+            if (blas && !quick)
+                failures += bench::microbatch_table(*blas, *tools, report, 24, 256, 64, {1, 4, 16, 64}, 50);
+            else
+                failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
+        } else if (param_guard) {
             // The guard is host work, the same on both backends: the host
             // backend measures it too (its graphs refuse moves).
             if (!quick)
                 param_guard_table(*dev, *tools, {1, 8, 64, 256}, 50, 10000, 500);
             else
                 param_guard_table(*dev, *tools, {1, 8}, 20, 400, 20);
+            failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
         } else if (capture_only) {
             capture_table(blas ? *blas : *dev, *tools, backend == "cuda" ? 24 : 6, backend == "cuda" ? 256 : 32,
                           backend == "cuda" ? 64 : 8, backend == "cuda" ? 5 : 3);
@@ -942,6 +953,7 @@ int main(int argc, char** argv) {
             if (blas) rebind_table(*blas, "cuBLAS GEMMs and the kit's kernels", false, 2000);
             if (blas) capture_table(*blas, *tools, 24, 256, 64, 5);
             param_guard_table(*dev, *tools, {1, 8, 64, 256}, 50, 10000, 500);
+            if (blas) failures += bench::microbatch_table(*blas, *tools, report, 24, 256, 64, {1, 4, 16, 64}, 50);
         } else {
             const std::vector<Size> sizes = {{64, 16u << 10}, {8, 256u << 10}};
             clone_table(*dev, *tools, sizes, 5);
@@ -953,6 +965,7 @@ int main(int argc, char** argv) {
             rebind_table(*dev, "host tasks", true, 200);
             capture_table(*dev, *tools, 6, 32, 8, 3);
             param_guard_table(*dev, *tools, {1, 8}, 20, 400, 20);
+            failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
         }
     } catch (const std::exception& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

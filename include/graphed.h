@@ -58,6 +58,14 @@
 
 #define GRAPHED_STEP_ARGS_MAGIC 1735524360
 
+#define GRAPHED_STEP_IO_MAGIC 1735524369
+
+/**
+ * The most microbatches one step holds (graphed_step_desc.microbatches):
+ * each is captured into its graph.
+ */
+#define GRAPHED_STEP_MAX_MICROBATCHES 4096
+
 /**
  * The magic graphed_session_stats_default() sets.
  */
@@ -130,7 +138,9 @@ enum graphed_status
   GRAPHED_STATUS_CAPTURE_INVALIDATED = 11,
   /**
    * Strict alias leases: a replay would overwrite an alias still held by
-   * the caller. Nothing was replayed. The message names callable and slot.
+   * the caller (the message names callable and slot); or a step over
+   * microbatches finds every clone slot held by grads not yet released.
+   * Nothing was replayed.
    */
   GRAPHED_STATUS_ALIAS_HELD = 12,
   /**
@@ -888,6 +898,14 @@ typedef struct graphed_pass_ctx {
    * (GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).
    */
   const uint32_t *param_policies;
+  /**
+   * Under the capture of a step over several microbatches
+   * (graphed_step_desc.microbatches): which microbatch this call
+   * records (0-based), of how many; 0 and 1 otherwise. Work that must
+   * differ per microbatch (random numbers) keys on it.
+   */
+  uint32_t step_microbatch;
+  uint32_t step_microbatches;
 } graphed_pass_ctx;
 
 /**
@@ -1039,6 +1057,54 @@ typedef struct graphed_ref {
 } graphed_ref;
 
 /**
+ * One copy of a step over microbatches: a static buffer of one of the
+ * step's callables, and caller memory holding one block per microbatch
+ * (microbatch i at `ptr + i * stride`; the stride at least the buffer's
+ * bytes when there is more than one microbatch). INPUT and GRAD_OUTPUT
+ * buffers are filled from it before the pass that reads them (the
+ * callable's forward, its backward); OUTPUT and GRAD_INPUT buffers are
+ * copied to it after the pass that writes them. Fixed at capture: the
+ * memory must stay valid while the session's graphs exist, and capture
+ * already runs the copies (verification replays the step). A buffer that
+ * is another callable's (a chained input or its grad), a buffer that does
+ * not exist (the grad of a tensor that takes none) and memory that
+ * overlaps the session's static buffers are refused at capture; memory a
+ * copy out writes may not overlap that of another entry.
+ */
+typedef struct graphed_step_io {
+  /**
+   * sizeof(graphed_step_io); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_STEP_IO_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * A callable of the step.
+   */
+  uint32_t callable;
+  /**
+   * A graphed_buffer_role value: INPUT, OUTPUT, GRAD_OUTPUT or
+   * GRAD_INPUT.
+   */
+  uint32_t role;
+  /**
+   * The tensor's index among the callable's inputs (INPUT, GRAD_INPUT)
+   * or outputs (OUTPUT, GRAD_OUTPUT).
+   */
+  uint32_t index;
+  /**
+   * Caller device memory, microbatch 0's block.
+   */
+  void *ptr;
+  /**
+   * Bytes from one microbatch's block to the next.
+   */
+  size_t stride;
+} graphed_step_io;
+
+/**
  * A step to declare. Initialise with graphed_step_desc_default().
  */
 typedef struct graphed_step_desc {
@@ -1064,6 +1130,30 @@ typedef struct graphed_step_desc {
    */
   void *const *param_dsts;
   size_t num_param_dsts;
+  /**
+   * Copies of each microbatch's data between caller memory and the
+   * static buffers of the step's callables, done inside the step's
+   * graph (each element initialised by graphed_step_io_default(); their
+   * struct_size is their stride). NULL with 0: none (the callables read
+   * what their static buffers hold, as graphed_step_replay says).
+   */
+  const struct graphed_step_io *io;
+  size_t num_io;
+  /**
+   * How many microbatches one replay runs, in turn (default 1, at most
+   * GRAPHED_STEP_MAX_MICROBATCHES). Above 1 the step's graph holds the forward and backward of
+   * every microbatch (each captured: callbacks see which one in
+   * graphed_pass_ctx.step_microbatch), microbatch i reading its io
+   * inputs at ptr + i * stride, and the parameter grads are the sum over
+   * the microbatches, added in microbatch order as eager accumulation
+   * adds them: CLONE grads one owned clone of the sum (from a clone
+   * slot), COPY_INTO the sum, ACCUMULATE_INTO each microbatch's grad
+   * added into the destination. ALIAS grads (the last microbatch's
+   * only) and a session without clone slots for CLONE grads are
+   * GRAPHED_STATUS_INCOMPATIBLE at capture. The static buffers and the
+   * scratch arena are those of one microbatch, reused by each.
+   */
+  uint32_t microbatches;
 } graphed_step_desc;
 
 /**
@@ -1501,6 +1591,12 @@ graphed_status graphed_backward_wgrad(struct graphed_session *session,
 graphed_status graphed_lease_release(struct graphed_session *session, uint64_t lease);
 
 /**
+ * A step io entry with its size and magic set: callable 0's input 0, no
+ * memory yet.
+ */
+struct graphed_step_io graphed_step_io_default(void);
+
+/**
  * An empty step descriptor with its size and magic set.
  */
 struct graphed_step_desc graphed_step_desc_default(void);
@@ -1544,12 +1640,15 @@ struct graphed_step_args graphed_step_args_default(void);
 /**
  * Replays a step with one graph launch on args->stream. The step's
  * callables read what their static buffers hold: fill the first inputs
- * (graphed_session_buffers) or chain them; there is no copy-in. Writes
+ * (graphed_session_buffers) or chain them, or declare the step's io
+ * copies (graphed_step_desc.io), which its graph makes itself. Writes
  * one ref per parameter of the step's callables, in order, to
  * `param_grads` (`num_param_grads` must be their total): per policy, as
  * graphed_backward does. CLONE grads come from a clone slot free in every
  * callable; when none is, the step replays pass by pass (same results,
- * one launch per pass).
+ * one launch per pass), except a step over microbatches or with io
+ * copies: GRAPHED_STATUS_ALIAS_HELD, and a moved parameter its graph
+ * cannot follow is GRAPHED_STATUS_PARAM_MOVED.
  *
  * # Safety
  * `args` must point to a graphed_step_args initialised by its _default()

@@ -730,16 +730,34 @@ class Session {
     /// Declares a step before capture (graphed_session_add_step): the
     /// callables, in registration order, and one destination per parameter
     /// of theirs for COPY_INTO / ACCUMULATE_INTO grads (empty: none needed).
-    uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {}) {
+    /// A step over `microbatches` microbatches in one graph, with `io`
+    /// copies of each microbatch's data in and out (see graphed_step_desc).
+    uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {},
+                      uint32_t microbatches = 1, const std::vector<graphed_step_io>& io = {}) {
         graphed_step_desc d = graphed_step_desc_default();
         d.callables = callables.data();
         d.num_callables = callables.size();
         d.param_dsts = param_dsts.empty() ? nullptr : param_dsts.data();
         d.num_param_dsts = param_dsts.size();
+        d.microbatches = microbatches;
+        d.io = io.empty() ? nullptr : io.data();
+        d.num_io = io.size();
         uint32_t index = 0;
         check(graphed_session_add_step(raw_, &d, &index));
         step_params(index);
         return index;
+    }
+
+    /// One io entry of a step (graphed_step_io): `role`'s buffer `index` of
+    /// `callable`, microbatch i at `ptr + i * stride`.
+    static graphed_step_io step_io(uint32_t callable, uint32_t role, uint32_t index, void* ptr, size_t stride) {
+        graphed_step_io e = graphed_step_io_default();
+        e.callable = callable;
+        e.role = role;
+        e.index = index;
+        e.ptr = ptr;
+        e.stride = stride;
+        return e;
     }
 
     /// Replays a step on `stream`; `params` gets one Ref per parameter of

@@ -14,6 +14,9 @@
 #   --param-guard  moved parameters alone: the guard and the rebind
 #               (graphed_bench --param-guard; also in --bench), report in
 #               $out/param_guard.md
+#   --microbatches  N microbatches in one step graph against N launches
+#               (graphed_bench --microbatches; also in --bench), report in
+#               $out/microbatches.md
 #   --capture   capture time: the C++ table (graphed_bench --capture-only)
 #               and, when the package is installed (after --torch), the
 #               nanoGPT blocks against torch (capture_time.py); reports in
@@ -109,6 +112,12 @@ for arg in "$@"; do
       else
         echo "capture_time.py: not run (the graphed package is not installed: pass --torch first)"
       fi
+      ;;
+    --microbatches)
+      echo "== microbatches in one step graph"
+      "$build/benches/graphed_bench" --microbatches --out "$out/microbatches.md" > "$out/microbatches.log" 2>&1
+      rc=$?; echo "microbatch bench exit status $rc"; [ $rc = 0 ] || { fail "microbatch bench"; tail -20 "$out/microbatches.log"; }
+      grep "^|" "$out/microbatches.md"
       ;;
     --param-guard)
       echo "== moved parameters: the guard and the rebind"

@@ -3,7 +3,7 @@
 //! policies and the return plan they freeze into, the static-buffer layout,
 //! alias leases, the scratch arena, pipeline schedules, how long each
 //! buffer of a schedule is needed, the buffer-reuse planner, checked size
-//! arithmetic and the handle table.
+//! arithmetic, strided regions of caller memory and the handle table.
 
 pub mod arena;
 pub mod dtype;
@@ -16,6 +16,7 @@ pub mod release;
 pub mod returns;
 pub mod schedule;
 pub mod size;
+pub mod strided;
 
 /// A pass of a callable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -74,6 +74,12 @@ pub struct graphed_pass_ctx {
     /// [num_params] the frozen graphed_grad_policy of each parameter
     /// (GRAPHED_GRAD_POLICY_DEFAULT for parameters without a gradient).
     pub param_policies: *const u32,
+    /// Under the capture of a step over several microbatches
+    /// (graphed_step_desc.microbatches): which microbatch this call
+    /// records (0-based), of how many; 0 and 1 otherwise. Work that must
+    /// differ per microbatch (random numbers) keys on it.
+    pub step_microbatch: u32,
+    pub step_microbatches: u32,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.
@@ -168,6 +174,8 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
             .as_ref()
             .map_or(std::ptr::null_mut(), |h| ptr(h.id())),
         param_policies: policies.as_ptr(),
+        step_microbatch: v.step_microbatch,
+        step_microbatches: v.step_microbatches,
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.

@@ -44,7 +44,9 @@ pub enum graphed_status {
     /// abandoned with everything it made released.
     CaptureInvalidated = 11,
     /// Strict alias leases: a replay would overwrite an alias still held by
-    /// the caller. Nothing was replayed. The message names callable and slot.
+    /// the caller (the message names callable and slot); or a step over
+    /// microbatches finds every clone slot held by grads not yet released.
+    /// Nothing was replayed.
     AliasHeld = 12,
     /// The pipeline schedule breaks a rule; the message names the rule.
     InvalidSchedule = 13,

@@ -2,20 +2,31 @@
 //! one graph (every forward, then every backward, with the parameter grads
 //! returned inside the graph), replayed with one launch.
 
-use super::args::{arg_out, arg_slice, assert_header, read_struct, write_answer, CStruct};
+use super::args::{
+    arg_out, arg_slice, assert_header, read_array, read_struct, write_answer, CStruct,
+};
 use super::boundary::boundary;
 use super::callback::graphed_stream;
+use super::enums::graphed_buffer_role;
 use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
 use super::session::session;
 use super::status::graphed_status;
-use crate::backend::StreamRef;
+use crate::backend::{DevPtr, StreamRef};
+use crate::error::Result;
+use crate::orchestrate::spec::StepIo;
+use crate::orchestrate::steps::StepRequest;
 use std::ffi::c_void;
 use std::mem::size_of;
 
 /// The magics the _default() functions set.
 pub const GRAPHED_STEP_DESC_MAGIC: u32 = 0x6772_0007;
 pub const GRAPHED_STEP_ARGS_MAGIC: u32 = 0x6772_0008;
+pub const GRAPHED_STEP_IO_MAGIC: u32 = 0x6772_0011;
+
+/// The most microbatches one step holds (graphed_step_desc.microbatches):
+/// each is captured into its graph.
+pub const GRAPHED_STEP_MAX_MICROBATCHES: u32 = 4096;
 
 /// A step to declare. Initialise with graphed_step_desc_default().
 #[repr(C)]
@@ -35,6 +46,86 @@ pub struct graphed_step_desc {
     /// parameter needs one.
     pub param_dsts: *const *mut c_void,
     pub num_param_dsts: usize,
+    /// Copies of each microbatch's data between caller memory and the
+    /// static buffers of the step's callables, done inside the step's
+    /// graph (each element initialised by graphed_step_io_default(); their
+    /// struct_size is their stride). NULL with 0: none (the callables read
+    /// what their static buffers hold, as graphed_step_replay says).
+    pub io: *const graphed_step_io,
+    pub num_io: usize,
+    /// How many microbatches one replay runs, in turn (default 1, at most
+    /// GRAPHED_STEP_MAX_MICROBATCHES). Above 1 the step's graph holds the forward and backward of
+    /// every microbatch (each captured: callbacks see which one in
+    /// graphed_pass_ctx.step_microbatch), microbatch i reading its io
+    /// inputs at ptr + i * stride, and the parameter grads are the sum over
+    /// the microbatches, added in microbatch order as eager accumulation
+    /// adds them: CLONE grads one owned clone of the sum (from a clone
+    /// slot), COPY_INTO the sum, ACCUMULATE_INTO each microbatch's grad
+    /// added into the destination. ALIAS grads (the last microbatch's
+    /// only) and a session without clone slots for CLONE grads are
+    /// GRAPHED_STATUS_INCOMPATIBLE at capture. The static buffers and the
+    /// scratch arena are those of one microbatch, reused by each.
+    pub microbatches: u32,
+}
+
+/// One copy of a step over microbatches: a static buffer of one of the
+/// step's callables, and caller memory holding one block per microbatch
+/// (microbatch i at `ptr + i * stride`; the stride at least the buffer's
+/// bytes when there is more than one microbatch). INPUT and GRAD_OUTPUT
+/// buffers are filled from it before the pass that reads them (the
+/// callable's forward, its backward); OUTPUT and GRAD_INPUT buffers are
+/// copied to it after the pass that writes them. Fixed at capture: the
+/// memory must stay valid while the session's graphs exist, and capture
+/// already runs the copies (verification replays the step). A buffer that
+/// is another callable's (a chained input or its grad), a buffer that does
+/// not exist (the grad of a tensor that takes none) and memory that
+/// overlaps the session's static buffers are refused at capture; memory a
+/// copy out writes may not overlap that of another entry.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct graphed_step_io {
+    /// sizeof(graphed_step_io); set by the _default() function.
+    pub struct_size: usize,
+    /// GRAPHED_STEP_IO_MAGIC; set by the _default() function.
+    pub magic: u32,
+    /// A callable of the step.
+    pub callable: u32,
+    /// A graphed_buffer_role value: INPUT, OUTPUT, GRAD_OUTPUT or
+    /// GRAD_INPUT.
+    pub role: u32,
+    /// The tensor's index among the callable's inputs (INPUT, GRAD_INPUT)
+    /// or outputs (OUTPUT, GRAD_OUTPUT).
+    pub index: u32,
+    /// Caller device memory, microbatch 0's block.
+    pub ptr: *mut c_void,
+    /// Bytes from one microbatch's block to the next.
+    pub stride: usize,
+}
+
+// SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
+unsafe impl CStruct for graphed_step_io {
+    const NAME: &'static str = "graphed_step_io";
+    const MAGIC: u32 = GRAPHED_STEP_IO_MAGIC;
+    const MIN_SIZE: usize = 40;
+    fn defaults() -> Self {
+        graphed_step_io_default()
+    }
+}
+assert_header!(graphed_step_io);
+
+/// A step io entry with its size and magic set: callable 0's input 0, no
+/// memory yet.
+#[no_mangle]
+pub extern "C" fn graphed_step_io_default() -> graphed_step_io {
+    graphed_step_io {
+        struct_size: size_of::<graphed_step_io>(),
+        magic: GRAPHED_STEP_IO_MAGIC,
+        callable: 0,
+        role: graphed_buffer_role::Input as u32,
+        index: 0,
+        ptr: std::ptr::null_mut(),
+        stride: 0,
+    }
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -58,6 +149,9 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
         num_callables: 0,
         param_dsts: std::ptr::null(),
         num_param_dsts: 0,
+        io: std::ptr::null(),
+        num_io: 0,
+        microbatches: 1,
     }
 }
 
@@ -88,8 +182,27 @@ pub unsafe extern "C" fn graphed_session_add_step(
         // SAFETY: per this function's contract.
         let callables =
             unsafe { arg_slice(d.callables, d.num_callables, "desc.callables") }?.to_vec();
-        let dsts = ptrs(d.param_dsts.cast(), d.num_param_dsts, "desc.param_dsts")?;
-        let index = s.lock()?.add_step(callables, dsts)?;
+        let param_dsts = ptrs(d.param_dsts.cast(), d.num_param_dsts, "desc.param_dsts")?;
+        // SAFETY: per this function's contract.
+        let io = unsafe { read_array(d.io, d.num_io, "desc.io") }?
+            .iter()
+            .enumerate()
+            .map(|(k, e)| {
+                Ok(StepIo {
+                    callable: e.callable,
+                    role: graphed_buffer_role::decode(e.role, &format!("desc.io[{k}].role"))?,
+                    index: e.index as usize,
+                    ptr: e.ptr as DevPtr,
+                    stride: e.stride,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let index = s.lock()?.add_step(StepRequest {
+            callables,
+            param_dsts,
+            microbatches: d.microbatches,
+            io,
+        })?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
         Ok(())
@@ -170,12 +283,15 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
 
 /// Replays a step with one graph launch on args->stream. The step's
 /// callables read what their static buffers hold: fill the first inputs
-/// (graphed_session_buffers) or chain them; there is no copy-in. Writes
+/// (graphed_session_buffers) or chain them, or declare the step's io
+/// copies (graphed_step_desc.io), which its graph makes itself. Writes
 /// one ref per parameter of the step's callables, in order, to
 /// `param_grads` (`num_param_grads` must be their total): per policy, as
 /// graphed_backward does. CLONE grads come from a clone slot free in every
 /// callable; when none is, the step replays pass by pass (same results,
-/// one launch per pass).
+/// one launch per pass), except a step over microbatches or with io
+/// copies: GRAPHED_STATUS_ALIAS_HELD, and a moved parameter its graph
+/// cannot follow is GRAPHED_STATUS_PARAM_MOVED.
 ///
 /// # Safety
 /// `args` must point to a graphed_step_args initialised by its _default()
@@ -209,7 +325,16 @@ mod tests {
 
     #[test]
     fn the_first_released_layouts_are_todays() {
-        assert_eq!(size_of::<graphed_step_desc>(), graphed_step_desc::MIN_SIZE);
+        // Since the first release: copies in and out, microbatches.
+        assert_eq!(
+            size_of::<graphed_step_desc>(),
+            graphed_step_desc::MIN_SIZE + 24
+        );
+        assert_eq!(size_of::<graphed_step_io>(), graphed_step_io::MIN_SIZE);
+        assert_eq!(
+            GRAPHED_STEP_MAX_MICROBATCHES,
+            crate::orchestrate::steps::MAX_MICROBATCHES
+        );
         // Since the first release: the parameters' addresses.
         assert_eq!(
             size_of::<graphed_step_args>(),

@@ -43,6 +43,9 @@ pub(crate) struct CapturedStep {
     /// Where the last replay had them (a replay given no address for one
     /// keeps it there, in its graphs or, pass by pass, in its callables').
     pub at: Vec<DevPtr>,
+    /// Its graphs run several microbatches or copy data in and out: no
+    /// pass-by-pass replay gives its results.
+    pub looped: bool,
 }
 
 impl CapturedStep {

@@ -2,10 +2,14 @@
 //! captures enqueue it: the CLONE grads copied into a clone block (the
 //! slab's clone span in one copy, then each external CLONE slot), the
 //! COPY_INTO grads copied to their destinations, and the ACCUMULATE_INTO
-//! grads added into theirs (one batched launch per dtype).
+//! grads added into theirs (one batched launch per dtype); in a step over
+//! microbatches, each later microbatch's grads added to those sums.
 
 use super::instance::Placed;
+use super::tensor::Tensor;
 use crate::backend::{AccItem, Backend, DevPtr, StreamRef};
+use crate::core::dtype::DType;
+use crate::core::returns::ParamReturn;
 use crate::error::Result;
 
 /// Copies an instance's CLONE grads from where its grad pass wrote them
@@ -48,6 +52,52 @@ pub(crate) fn enqueue_destinations(
             count: inst.param_grads[i].bytes / dtype.size(),
         }));
         backend.accumulate(acc, *dtype, s)?;
+    }
+    Ok(())
+}
+
+/// Adds an instance's parameter grads of one more microbatch to their sums
+/// (a step over microbatches, after the first): COPY_INTO and
+/// ACCUMULATE_INTO grads into `dst(i)`, CLONE grads into their place in
+/// `block` (the step's clone slot block). One batched launch per dtype;
+/// `acc` is reused.
+pub(crate) fn enqueue_sums(
+    backend: &dyn Backend,
+    inst: &Placed,
+    dst: impl Fn(usize) -> DevPtr,
+    block: Option<DevPtr>,
+    acc: &mut Vec<AccItem>,
+    s: StreamRef,
+) -> Result<()> {
+    let into = |i: usize, t: &Tensor| match t.ret {
+        ParamReturn::CopyInto | ParamReturn::AccumulateInto { .. } => Some(dst(i)),
+        ParamReturn::Clone { offset } => block.map(|b| b + offset as DevPtr),
+        ParamReturn::None | ParamReturn::Alias => None,
+    };
+    let mut dtypes: Vec<DType> = Vec::new();
+    for t in &inst.param_grads {
+        if !dtypes.contains(&t.dtype) {
+            dtypes.push(t.dtype);
+        }
+    }
+    for dtype in dtypes {
+        acc.clear();
+        acc.extend(
+            inst.param_grads
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.dtype == dtype)
+                .filter_map(|(i, t)| {
+                    into(i, t).map(|d| AccItem {
+                        dst: d,
+                        src: t.ptr,
+                        count: t.bytes / dtype.size(),
+                    })
+                }),
+        );
+        if !acc.is_empty() {
+            backend.accumulate(acc, dtype, s)?;
+        }
     }
     Ok(())
 }

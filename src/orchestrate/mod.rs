@@ -4,7 +4,7 @@
 //!
 //! | module | room |
 //! |---|---|
-//! | `spec`, `context` | what callers register and configure; what a capture reads of a session |
+//! | `spec`, `steps`, `context` | what callers register, declare and configure; what a capture reads of a session |
 //! | `session`, `cell`, `report` | the session's states, how callers reach it, what it reports |
 //! | `tensor`, `instance` | one captured tensor with all its facts; a placed instance and its graphs |
 //! | `place`, `leases` | capture step 1: static buffers planned and placed, lease slots |
@@ -34,6 +34,7 @@ pub mod returned;
 pub mod scratch;
 pub mod session;
 pub mod spec;
+pub mod steps;
 mod tensor;
 #[cfg(test)]
 mod testing;

@@ -14,6 +14,7 @@ use super::replay::{self, Replayed};
 use super::spec::{
     CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
 };
+use super::steps::{self, StepRequest};
 use crate::backend::{teardown, Backend, BackendKind, DevPtr, StreamRef};
 use crate::core::lease::{self, Leases};
 use crate::core::policy::ParamFlags;
@@ -268,11 +269,10 @@ impl Session {
         Ok(())
     }
 
-    /// Declares a step of `callables` (see `StepSpec`); returns its index.
-    /// `param_dsts`: one destination per parameter of the callables, in
-    /// order; None: no destinations (all 0). Checked here as far as
-    /// registration allows, and against the frozen policies at capture.
-    pub fn add_step(&mut self, callables: Vec<u32>, param_dsts: Option<&[DevPtr]>) -> Result<u32> {
+    /// Declares a step (see `StepSpec`); returns its index. Checked here as
+    /// far as registration allows (steps::declare), and against placement
+    /// and the frozen policies at capture.
+    pub fn add_step(&mut self, request: StepRequest) -> Result<u32> {
         self.open("declaring a step")?;
         if self.opts.schedule.is_some() {
             return Err(Error::Incompatible(
@@ -280,45 +280,11 @@ impl Session {
                     .into(),
             ));
         }
-        if callables.is_empty() {
-            return Err(Error::invalid("a step needs at least one callable"));
-        }
-        let mut params = 0usize;
-        for (k, &c) in callables.iter().enumerate() {
-            let spec = self.callables.get(c as usize).ok_or_else(|| {
-                Error::invalid(format!(
-                    "callables[{k}] is {c}; the session has {} callables",
-                    self.callables.len()
-                ))
-            })?;
-            if k > 0 && c <= callables[k - 1] {
-                return Err(Error::invalid(format!(
-                    "callables[{k}] is {c}, after {}: a step lists its callables once each, in registration order",
-                    callables[k - 1]
-                )));
-            }
-            if spec.has_external_buffers() {
-                return Err(spec.step_refusal());
-            }
-            params += spec.params.len();
-        }
-        let param_dsts = match param_dsts {
-            None => vec![0; params],
-            Some(d) if d.len() == params => d.to_vec(),
-            Some(d) => {
-                let given = d.len();
-                return Err(Error::invalid(format!(
-                    "{given} param destinations were given; the step's callables have {params} parameters"
-                )));
-            }
-        };
+        let step = steps::declare(&self.callables, request)?;
         if self.steps.len() >= u32::MAX as usize {
             return Err(Error::invalid("a session holds at most 2^32 - 1 steps"));
         }
-        self.steps.push(StepSpec {
-            callables,
-            param_dsts,
-        });
+        self.steps.push(step);
         Ok(self.steps.len() as u32 - 1)
     }
 

@@ -4,6 +4,7 @@
 
 use crate::backend::{CaptureMode, DevPtr, StreamRef};
 use crate::core::dtype::DType;
+use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::core::schedule::ScheduleStep;
 use crate::core::PassKind;
@@ -69,6 +70,10 @@ pub struct PassView<'a> {
     pub pass: PassKind,
     pub phase: Phase,
     pub iteration: u32,
+    /// Under the capture of a step over several microbatches: which one
+    /// this call records, of how many (0 of 1 otherwise).
+    pub step_microbatch: u32,
+    pub step_microbatches: u32,
     pub stream: StreamRef,
     pub inputs: &'a [DevPtr],
     pub params: &'a [DevPtr],
@@ -158,11 +163,54 @@ pub struct ScheduleSpec {
 /// replayed as one graph, every forward then every backward, with the
 /// COPY_INTO and ACCUMULATE_INTO grads of their parameters going to fixed
 /// destinations (one entry per parameter of the step's callables, in
-/// order; 0 where the policy needs none).
+/// order; 0 where the policy needs none). With `microbatches` N above 1
+/// the graph does that N times in turn, the parameter grads summed over
+/// the microbatches; `io` copies each microbatch's data in and out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepSpec {
     pub callables: Vec<u32>,
     pub param_dsts: Vec<DevPtr>,
+    pub microbatches: u32,
+    pub io: Vec<StepIo>,
+}
+
+impl StepSpec {
+    /// A step of one microbatch with no copies in or out.
+    pub fn plain(callables: Vec<u32>, param_dsts: Vec<DevPtr>) -> StepSpec {
+        StepSpec {
+            callables,
+            param_dsts,
+            microbatches: 1,
+            io: Vec::new(),
+        }
+    }
+
+    /// Whether its graphs do more than the passes (several microbatches,
+    /// or copies): then no pass-by-pass replay gives the same results.
+    pub fn looped(&self) -> bool {
+        self.microbatches > 1 || !self.io.is_empty()
+    }
+}
+
+/// A static buffer of a step's callable that its graph fills from caller
+/// memory before the pass that reads it (an input before the forward, a
+/// grad-output before the backward) or copies out after the pass that
+/// writes it (an output after the forward, a grad-input after the
+/// backward): microbatch i at `ptr + i * stride`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepIo {
+    pub callable: u32,
+    pub role: Role,
+    pub index: usize,
+    pub ptr: DevPtr,
+    pub stride: usize,
+}
+
+impl StepIo {
+    /// Whether the step's graph copies into the static buffer (else out).
+    pub fn copied_in(&self) -> bool {
+        matches!(self.role, Role::Input | Role::GradOutput)
+    }
 }
 
 /// Session options, fixed at creation.

@@ -16,6 +16,7 @@
 
 mod run;
 mod slots;
+mod step_io;
 mod steps;
 
 use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage};
@@ -236,6 +237,7 @@ fn record(
             hooks: true,
             provide: true,
             param_grads: None,
+            step_microbatch: (0, 1),
         };
         let graph = r.spent(Span::Capture, |r| r.call(p, call))?;
         graphs[p.instance].passes[p.kind.index()] = graph;
@@ -305,6 +307,7 @@ fn warmup(r: &mut Runner, order: &[PassRef]) -> Result<Option<Arena>> {
                 hooks: true,
                 provide: false,
                 param_grads: None,
+                step_microbatch: (0, 1),
             };
             r.call(p, call)?;
         }

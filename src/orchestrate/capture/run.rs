@@ -67,6 +67,8 @@ pub(super) struct Call<'a> {
     pub provide: bool,
     /// A clone slot's parameter-grad addresses.
     pub param_grads: Option<&'a [DevPtr]>,
+    /// Under a step's capture: its microbatch, of how many.
+    pub step_microbatch: (u32, u32),
 }
 
 /// The state warmup and capture share: the session, its placed instances,
@@ -127,6 +129,8 @@ impl Runner<'_> {
             pass: p.kind,
             phase: call.phase,
             iteration: call.iteration,
+            step_microbatch: call.step_microbatch.0,
+            step_microbatches: call.step_microbatch.1,
             stream: self.stream,
             inputs: &bufs.inputs,
             params: &bufs.params,

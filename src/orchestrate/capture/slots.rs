@@ -68,6 +68,7 @@ impl Runner<'_> {
                 hooks: false,
                 provide: false,
                 param_grads: Some(&grads),
+                step_microbatch: (0, 1),
             };
             if let Some(graph) = self.call(p, call)? {
                 slots.push(SlotGraph { block, graph });

@@ -2,15 +2,18 @@
 //! stream capture, every grad pass followed by its COPY_INTO and
 //! ACCUMULATE_INTO returns into destinations fixed at declaration; with
 //! CLONE grads, once per clone slot, each instance's CLONE grads going
-//! into its slot block k. A step then replays with one launch.
+//! into its slot block k. A step over several microbatches holds them all,
+//! each with its copies in and out (step_io.rs), the grads summed. A step
+//! then replays with one launch.
 
 use super::super::captured::CapturedStep;
 use super::super::external::Provided;
-use super::super::grads::enqueue_destinations;
+use super::super::grads::{enqueue_destinations, enqueue_sums};
 use super::super::instance::{PassRef, Placed};
 use super::super::spec::{LogLevel, Phase};
 use super::super::tensor::Param;
 use super::run::{Call, Runner, ViewBuffers};
+use super::step_io::{self, IoCopy};
 use crate::backend::{DevPtr, Graph};
 use crate::error::{Error, Result};
 
@@ -63,12 +66,15 @@ fn overwritten(instances: &[&Placed]) -> Vec<usize> {
     v
 }
 
-/// A step's passes with where each instance's destinations start.
+/// A step's passes with where each instance's destinations start, its
+/// microbatch count and its copies in and out.
 struct Sequence<'a> {
     passes: &'a [PassRef],
     instances: &'a [usize],
     first: &'a [usize],
     dsts: &'a [DevPtr],
+    microbatches: u32,
+    io: &'a [IoCopy],
 }
 
 impl Runner<'_> {
@@ -119,15 +125,26 @@ impl Runner<'_> {
             .unwrap_or(0);
         let overwritten = overwritten(&placed);
         let dsts = step.param_dsts.clone();
+        step_io::check_sums(si, step.microbatches, &placed, &names, slots)?;
+        let all: Vec<&Placed> = self.placed.iter().collect();
+        let io = step_io::resolve(si, step, self.s.callables, &instances, &all)?;
         let seq = Sequence {
             passes: &passes,
             instances: &instances,
             first: &first,
             dsts: &dsts,
+            microbatches: step.microbatches,
+            io: &io,
         };
+        let looped = step.looped();
         let (mut graph, mut slot_graphs) = (None, Vec::new());
         if cloned.is_empty() {
             graph = Some(self.capture_sequence(&seq, |_| None, iteration)?);
+        } else if slots == 0 && looped {
+            return Err(Error::Incompatible(format!(
+                "step {si} copies data in or out and returns CLONE grads, which need a clone slot; the \
+                 session has none (clone_slots is 0, or a caller allocator is set)"
+            )));
         } else if slots == 0 {
             self.s.log(LogLevel::Warn, || {
                 format!(
@@ -152,13 +169,18 @@ impl Runner<'_> {
             overwritten,
             at: params.iter().map(|q| q.ptr).collect(),
             params,
+            looped,
         })
     }
 
     /// Captures a sequence of passes back to back into one graph, each grad
     /// pass followed by its COPY_INTO and ACCUMULATE_INTO returns; an
     /// instance with a block (`block(instance)`) writes its CLONE grads
-    /// there.
+    /// there. Over several microbatches, the passes run once per
+    /// microbatch in turn (the scratch arena laid out again for each), with
+    /// the copies in before the pass that reads them and the copies out
+    /// after the pass that writes them; from the second microbatch on, the
+    /// grads are added to the first's (`enqueue_sums`).
     fn capture_sequence(
         &mut self,
         seq: &Sequence,
@@ -171,42 +193,70 @@ impl Runner<'_> {
         let (mut ran, mut enqueued) = (Ok(()), Ok(()));
         let mut last = seq.passes[0];
         let mut acc = Vec::new();
-        let call = Call {
-            phase: Phase::Capture,
-            iteration,
-            hooks: false,
-            provide: false,
-            param_grads: None,
-        };
-        for &p in seq.passes {
-            last = p;
-            let inst = &self.placed[p.instance];
-            let context = self.context(p, "the capture of a step");
-            // Under capture every callback gets ctx->capture; a step's
-            // callables have no external buffers, so it expects none.
-            let provided = Provided::new(Vec::new(), context.clone());
-            self.scratch.set_context(context);
-            let grads = block(p.instance).map(|b| inst.param_grads_into(b));
-            let bufs = ViewBuffers::of(inst, grads);
-            let view = self.view(&bufs, p, &call, Some(self.scratch), Some(&provided));
-            ran = self.s.callables[inst.callable].callbacks.run(&view);
-            // A failed callback, or an invalidated capture, ends the
-            // sequence: the passes after it would only be discarded. (No
-            // `?` before the capture ends: a failed query just goes on.)
-            if ran.is_err() || matches!(backend.capture_invalidated(self.stream), Ok(true)) {
-                break;
+        'microbatches: for mb in 0..seq.microbatches {
+            if mb > 0 {
+                self.scratch.restart();
             }
-            if p.kind == inst.grad_pass() {
-                let k = seq
-                    .instances
-                    .iter()
-                    .position(|&i| i == p.instance)
-                    .unwrap_or(0);
-                let base = seq.first[k];
-                let dst = |j: usize| seq.dsts[base + j];
-                enqueued = enqueue_destinations(backend.as_ref(), inst, dst, &mut acc, self.stream);
+            let call = Call {
+                phase: Phase::Capture,
+                iteration,
+                hooks: false,
+                provide: false,
+                param_grads: None,
+                step_microbatch: (mb, seq.microbatches),
+            };
+            for &p in seq.passes {
+                last = p;
+                let inst = &self.placed[p.instance];
+                let copies = |before: bool| -> Result<()> {
+                    for c in seq.io {
+                        c.enqueue(backend.as_ref(), p, before, mb, self.stream)?;
+                    }
+                    Ok(())
+                };
+                enqueued = copies(true);
                 if enqueued.is_err() {
-                    break;
+                    break 'microbatches;
+                }
+                let context = self.context(p, "the capture of a step");
+                // Under capture every callback gets ctx->capture; a step's
+                // callables have no external buffers, so it expects none.
+                let provided = Provided::new(Vec::new(), context.clone());
+                self.scratch.set_context(context);
+                // The first microbatch writes CLONE grads straight into the
+                // block; later ones into the static buffers, added after.
+                let into = block(p.instance).filter(|_| mb == 0);
+                let grads = into.map(|b| inst.param_grads_into(b));
+                let bufs = ViewBuffers::of(inst, grads);
+                let view = self.view(&bufs, p, &call, Some(self.scratch), Some(&provided));
+                ran = self.s.callables[inst.callable].callbacks.run(&view);
+                // A failed callback, or an invalidated capture, ends the
+                // sequence: the passes after it would only be discarded. (No
+                // `?` before the capture ends: a failed query just goes on.)
+                if ran.is_err() || matches!(backend.capture_invalidated(self.stream), Ok(true)) {
+                    break 'microbatches;
+                }
+                enqueued = copies(false);
+                if enqueued.is_ok() && p.kind == inst.grad_pass() {
+                    let k = seq
+                        .instances
+                        .iter()
+                        .position(|&i| i == p.instance)
+                        .unwrap_or(0);
+                    let base = seq.first[k];
+                    let dst = |j: usize| seq.dsts[base + j];
+                    enqueued = match mb {
+                        0 => {
+                            enqueue_destinations(backend.as_ref(), inst, dst, &mut acc, self.stream)
+                        }
+                        _ => {
+                            let b = block(p.instance);
+                            enqueue_sums(backend.as_ref(), inst, dst, b, &mut acc, self.stream)
+                        }
+                    };
+                }
+                if enqueued.is_err() {
+                    break 'microbatches;
                 }
             }
         }
@@ -228,10 +278,7 @@ mod tests {
     fn destinations_are_checked_against_the_frozen_policies() {
         let mut f = host_inputs(&[("a", 1, false), ("b", 2, false)]);
         f.callables[1].params[1].policy = GradPolicy::AccumulateInto;
-        f.steps = vec![StepSpec {
-            callables: vec![0, 1],
-            param_dsts: vec![0, 0, 0],
-        }];
+        f.steps = vec![StepSpec::plain(vec![0, 1], vec![0, 0, 0])];
         let err = capture(&f.inputs(), 1).err().map(|e| e.to_string());
         let err = err.unwrap_or_default();
         assert!(
@@ -247,10 +294,7 @@ mod tests {
     fn a_step_with_clone_grads_gets_one_graph_per_slot() {
         let mut f = host_inputs(&[("a", 1, false), ("b", 1, false)]);
         f.opts.clone_slots = 3;
-        f.steps = vec![StepSpec {
-            callables: vec![0, 1],
-            param_dsts: vec![0, 0],
-        }];
+        f.steps = vec![StepSpec::plain(vec![0, 1], vec![0, 0])];
         let (cap, _) = capture(&f.inputs(), 1).unwrap();
         let st = &cap.steps[0];
         assert!(st.graph.is_none());

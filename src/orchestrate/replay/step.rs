@@ -4,7 +4,9 @@
 //! at all), the same passes replayed one by one, with the same results.
 //! Parameters given at new addresses point the step's graphs there where
 //! capture verified they can; where only the callables' own graphs can
-//! follow, the step replays pass by pass, each forward moving them.
+//! follow, the step replays pass by pass, each forward moving them. A step
+//! whose graphs loop over microbatches or copy data in and out has no
+//! pass-by-pass replay: it refuses instead, naming what stops it.
 
 use super::super::captured::Captured;
 use super::super::returned::{CloneBlock, Returned};
@@ -35,6 +37,9 @@ pub(crate) fn step<'a>(
         p.leases.lock().check_free(&st.overwritten, who)?;
     }
     if !follow(&p, step as usize, params)? {
+        if st.looped {
+            return Err(unfollowed(&p, step as usize, params));
+        }
         // Only the callables' own graphs can read the parameters there.
         let st = &mut p.cap.steps[step as usize];
         for (k, at) in st.at.iter_mut().enumerate() {
@@ -61,6 +66,15 @@ pub(crate) fn step<'a>(
     } else {
         match free_slot(&p, step as usize, stream, &mut taken) {
             Ok(Some(k)) => Some(k),
+            Ok(None) if st.looped => {
+                p.cap.stage.taken = taken;
+                return Err(Error::AliasHeld(format!(
+                    "step {step} runs its microbatches in one graph and sums their CLONE grads in a \
+                     clone slot; all {} are held (grads of earlier replays not yet released): release \
+                     them first",
+                    st.slots.len()
+                )));
+            }
             Ok(None) => {
                 p.cap.stage.taken = taken;
                 let at = st.at.clone();
@@ -127,6 +141,32 @@ fn follow(p: &Parts, step: usize, params: Option<&[DevPtr]>) -> Result<bool> {
         first += inst.params.len();
     }
     Ok(false)
+}
+
+/// The refusal of a parameter that a looped step's graph cannot follow
+/// (its callables' graphs could, but replaying them pass by pass would not
+/// give the step's results).
+fn unfollowed(p: &Parts, step: usize, params: Option<&[DevPtr]>) -> Error {
+    let st = &p.cap.steps[step];
+    let owners = st.instances.iter().flat_map(|&i| {
+        let inst = &p.cap.instances[i];
+        (0..inst.params.len()).map(move |j| (inst.callable, j))
+    });
+    for ((k, q), (c, j)) in st.params.iter().enumerate().zip(owners) {
+        let to = given(params, k, st.at[k]);
+        if let Some(why) = q.refusal(to) {
+            return Error::ParamMoved(format!(
+                "step {step}: param {j} of callable '{}' moved from 0x{:x} to 0x{to:x}; the step runs its \
+                 microbatches in one graph, which cannot follow it ({why}), and replaying its callables \
+                 pass by pass would not give the step's results",
+                p.callables[c].name,
+                q.bound()
+            ));
+        }
+    }
+    Error::Internal(format!(
+        "step {step}: a parameter the step cannot follow, not found"
+    ))
 }
 
 /// Slot blocks taken for a replay that then fails go back to their rings

@@ -4,6 +4,7 @@
 
 use super::super::session::Session;
 use super::super::spec::ReplayArgs;
+use super::super::steps::StepRequest;
 use super::super::testing::{floats, host_inputs, read_floats, Fixture, BYTES, N};
 use crate::backend::{Backend, DevPtr, DeviceMemory, StreamRef};
 use crate::core::layout::Role;
@@ -17,7 +18,13 @@ fn session(f: Fixture) -> Session {
         s.add_callable(c).unwrap();
     }
     for st in f.steps {
-        s.add_step(st.callables, Some(&st.param_dsts)).unwrap();
+        s.add_step(StepRequest {
+            callables: st.callables,
+            param_dsts: Some(&st.param_dsts),
+            microbatches: st.microbatches,
+            io: st.io,
+        })
+        .unwrap();
     }
     s.capture().unwrap();
     s
@@ -233,10 +240,8 @@ fn step(tied: bool) -> (Session, Arc<dyn Backend>, Vec<DeviceMemory>) {
         c.params[0].flags.rebind = true;
     }
     f.callables[1].inputs[0].chained = Some((0, 0));
-    f.steps.push(super::super::spec::StepSpec {
-        callables: vec![0, 1],
-        param_dsts: vec![0, 0],
-    });
+    f.steps
+        .push(super::super::spec::StepSpec::plain(vec![0, 1], vec![0, 0]));
     let backend = f.backend.clone();
     let s = session(f);
     let input = s.buffers(0, 0, Role::Input).unwrap()[0];
