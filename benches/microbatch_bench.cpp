@@ -1,10 +1,11 @@
 // The microbatch-step table of graphed_bench (docs/benchmarks.md section
 // 11): gradient accumulation over N microbatches as one step graph
-// against N replays of a one-microbatch step, for a small MLP: GPU time
-// per optimizer step, host time per optimizer step, capture (and
-// instantiate) time, and memory by the library's accounting and by the
-// driver. Checked first: the N-microbatch step's grads equal eager
-// accumulation over the same microbatches, bit for bit.
+// (unrolled, or one microbatch in a conditional WHILE node) against N
+// replays of a one-microbatch step, for a small MLP: GPU time per
+// optimizer step, host time per optimizer step, capture (and instantiate)
+// time, and memory by the library's accounting and by the driver. Checked
+// first: each variant's grads equal eager accumulation over the same
+// microbatches, bit for bit.
 #include "microbatch_bench.hpp"
 
 #include "layers.hpp"
@@ -12,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 
 namespace bench {
@@ -35,66 +37,31 @@ int microbatch_table(kit::Device& dev, Tools& tools, std::ostream& report, int l
     int failures = 0;
     report << "\n## 11. Gradient accumulation in one launch: N microbatches in one step graph\n\n"
            << layers << " Linear(" << width << ") + ReLU layers and the squared-error loss, batch " << batch
-           << " per microbatch, fp32, ACCUMULATE_INTO fixed buffers. **one graph**: a step declared with "
-              "`microbatches = N` and io copies (each microbatch's input and target read from one buffer by "
-              "the graph's own copies); **N launches**: a step of one microbatch (the same io) replayed N times. "
-              "GPU time: CUDA-event median of "
+           << " per microbatch, fp32, ACCUMULATE_INTO fixed buffers, each microbatch's input and target read "
+              "from one buffer by the graph's own copies (graphed_step_io). **unrolled**: a step declared with "
+              "`microbatches = N` (every microbatch captured); **while**: the same with "
+              "`GRAPHED_STEP_LOOP_WHILE` (one microbatch in a conditional WHILE node, the count given per replay); "
+              "**N launches**: a step of one microbatch replayed N times. GPU time: CUDA-event median of "
            << samples
            << " optimizer steps after warm-up. Host time: the median wall time of the call(s) that enqueue one "
               "optimizer step, the device synchronized between samples. Capture: `graphed_session_capture` wall "
-              "time (warmup, capture, instantiate, verification). Memory: the library's static and scratch bytes, "
-              "and the driver's free memory before and after capture.\n\n"
-           << "| N | GPU ms, one graph | GPU ms, N launches | ratio | host us, one graph | host us, N launches | "
-              "capture ms, one graph | static + scratch bytes | driver bytes taken by capture |\n"
-           << "|---|---|---|---|---|---|---|---|---|\n";
+              "time (warmup, capture, instantiate, verification). Driver: the device memory capture took "
+              "(cuMemGetInfo before and after). The library's static + scratch bytes are those of one "
+              "microbatch in every variant (printed in the last column). Checked first: each variant's grads "
+              "equal eager accumulation bit for bit.\n\n"
+           << "| N | GPU ms: unrolled / while / N launches | host us: unrolled / while / N launches | capture ms: "
+              "unrolled / while | driver MiB: unrolled / while | static + scratch bytes |\n"
+           << "|---|---|---|---|---|---|\n";
     const size_t act = size_t(batch) * width * 4;
     std::vector<uint32_t> all;
     for (uint32_t i = 0; i <= uint32_t(layers); ++i) all.push_back(i);
     for (uint32_t n : counts) {
-        kit::Mlp eager(dev, layers, batch, width, 61), looped(dev, layers, batch, width, 61),
-            single(dev, layers, batch, width, 61);
+        kit::Mlp eager(dev, layers, batch, width, 61);
         kit::Buffer xs = eager.tensor(kit::random_floats(size_t(batch) * width * n, 62));
         kit::Buffer ts = eager.tensor(kit::random_floats(size_t(batch) * width * n, 63, 0.1f));
-        std::vector<kit::Buffer> dst;
-        std::vector<void*> dl, ds;
-        for (int i = 0; i < layers; ++i) {
-            looped.layer(i).param_policy = GRAPHED_GRAD_POLICY_ACCUMULATE_INTO;
-            single.layer(i).param_policy = GRAPHED_GRAD_POLICY_ACCUMULATE_INTO;
-        }
-        for (int k = 0; k < 2; ++k) {
-            for (int i = 0; i < layers; ++i) {
-                dst.push_back(eager.tensor(std::vector<float>(size_t(width) * width, 0.0f)));
-                dst.push_back(eager.tensor(std::vector<float>(size_t(width), 0.0f)));
-            }
-        }
-        for (int i = 0; i < 2 * layers; ++i) dl.push_back(dst[i].get());
-        for (int i = 2 * layers; i < 4 * layers; ++i) ds.push_back(dst[i].get());
         const std::vector<graphed_step_io> io = {
             graphed::Session::step_io(0, GRAPHED_BUFFER_ROLE_INPUT, 0, xs.get(), act),
             graphed::Session::step_io(uint32_t(layers), GRAPHED_BUFFER_ROLE_INPUT, 1, ts.get(), act)};
-        graphed_session_config c = graphed::session_config(dev.graphed_kind());
-        graphed::Session s_loop(c), s_one(c);
-        looped.register_layers(s_loop, xs.get(), kit::Wiring{true, false, true});
-        single.register_layers(s_one, xs.get(), kit::Wiring{true, false, true});
-        const uint32_t step_loop = s_loop.add_step(all, dl, n, io);
-        const uint32_t step_one = s_one.add_step(all, ds, 1, io);
-        dev.sync();
-        const size_t free_before = tools.driver_free();
-        const auto t0 = std::chrono::steady_clock::now();
-        s_loop.capture();
-        dev.sync();
-        const double capture_ms = ms_since(t0);
-        const size_t free_after = tools.driver_free();
-        s_one.capture();
-        // Correct first: one replay from zeroed destinations holds eager
-        // accumulation's sums.
-        for (int i = 0; i < 2 * layers; ++i) {
-            std::vector<float> zero(dst[i].bytes() / 4, 0.0f);
-            dev.upload(dst[i].get(), zero.data(), dst[i].bytes());
-        }
-        std::vector<graphed::Ref> grads;
-        s_loop.step(step_loop, dev.stream(), grads);
-        dev.sync();
         kit::StepGrads want;
         for (uint32_t i = 0; i < n; ++i) {
             const char* x = static_cast<const char*>(xs.get()) + i * act;
@@ -109,22 +76,69 @@ int microbatch_table(kit::Device& dev, Tools& tools, std::ostream& report, int l
                 for (size_t k = 0; k < g.b[l].size(); ++k) want.b[l][k] += g.b[l][k];
             }
         }
-        bool same = true;
-        for (int l = 0; l < layers; ++l) {
-            same = same && want.w[l] == kit::fetch<float>(dev, dl[2 * l], size_t(width) * width);
-            same = same && want.b[l] == kit::fetch<float>(dev, dl[2 * l + 1], size_t(width));
-        }
-        if (!same) {
-            std::fprintf(stderr, "CHECK FAILED: %u microbatches in one step graph: grads equal eager accumulation\n",
-                         n);
-            ++failures;
-        }
-        auto one_graph = [&] { s_loop.step(step_loop, dev.stream(), grads); };
-        auto n_launches = [&] {
-            for (uint32_t i = 0; i < n; ++i) s_one.step(step_one, dev.stream(), grads);
+        // One variant: its model, session, destinations and step.
+        struct Variant {
+            std::unique_ptr<kit::Mlp> m;
+            std::unique_ptr<graphed::Session> s;
+            std::vector<kit::Buffer> dst;
+            std::vector<void*> dsts;
+            uint32_t step = 0;
+            double capture_ms = 0;
+            size_t driver = 0;
         };
-        const double gpu_loop = tools.median_ms(one_graph, [] {}, 5, samples, 1);
-        const double gpu_one = tools.median_ms(n_launches, [] {}, 5, samples, int(n));
+        graphed_session_config c = graphed::session_config(dev.graphed_kind());
+        auto make = [&](uint32_t count, uint32_t mode) {
+            Variant v;
+            v.m = std::make_unique<kit::Mlp>(dev, layers, batch, width, 61);
+            v.s = std::make_unique<graphed::Session>(c);
+            for (int i = 0; i < layers; ++i) {
+                v.m->layer(i).param_policy = GRAPHED_GRAD_POLICY_ACCUMULATE_INTO;
+                v.dst.push_back(eager.tensor(std::vector<float>(size_t(width) * width, 0.0f)));
+                v.dst.push_back(eager.tensor(std::vector<float>(size_t(width), 0.0f)));
+            }
+            for (auto& d : v.dst) v.dsts.push_back(d.get());
+            v.m->register_layers(*v.s, xs.get(), kit::Wiring{true, false, true});
+            v.step = v.s->add_step(all, v.dsts, count, io, mode);
+            dev.sync();
+            const size_t before = tools.driver_free();
+            const auto t0 = std::chrono::steady_clock::now();
+            v.s->capture();
+            dev.sync();
+            v.capture_ms = ms_since(t0);
+            const size_t after = tools.driver_free();
+            v.driver = before >= after ? before - after : 0;
+            return v;
+        };
+        Variant unrolled = make(n, GRAPHED_STEP_LOOP_UNROLLED);
+        Variant looped = make(n, GRAPHED_STEP_LOOP_WHILE);
+        Variant single = make(1, GRAPHED_STEP_LOOP_UNROLLED);
+        std::vector<graphed::Ref> grads;
+        for (Variant* v : {&unrolled, &looped}) {
+            for (auto& d : v->dst) {
+                std::vector<float> zero(d.bytes() / 4, 0.0f);
+                dev.upload(d.get(), zero.data(), d.bytes());
+            }
+            v->s->step(v->step, dev.stream(), grads);
+            dev.sync();
+            bool same = true;
+            for (int l = 0; l < layers; ++l) {
+                same = same && want.w[l] == kit::fetch<float>(dev, v->dsts[2 * l], size_t(width) * width);
+                same = same && want.b[l] == kit::fetch<float>(dev, v->dsts[2 * l + 1], size_t(width));
+            }
+            if (!same) {
+                std::fprintf(stderr, "CHECK FAILED: %u microbatches in one step graph (%s): grads equal eager "
+                             "accumulation\n", n, v == &looped ? "while" : "unrolled");
+                ++failures;
+            }
+        }
+        auto run_unrolled = [&] { unrolled.s->step(unrolled.step, dev.stream(), grads); };
+        auto run_looped = [&] { looped.s->step(looped.step, dev.stream(), grads); };
+        auto run_single = [&] {
+            for (uint32_t i = 0; i < n; ++i) single.s->step(single.step, dev.stream(), grads);
+        };
+        const double gu = tools.median_ms(run_unrolled, [] {}, 5, samples, 1);
+        const double gw = tools.median_ms(run_looped, [] {}, 5, samples, 2);
+        const double gn = tools.median_ms(run_single, [] {}, 5, samples, int(n));
         auto host_us = [&](const std::function<void()>& op) {
             std::vector<double> v;
             for (int r = 0; r < samples; ++r) {
@@ -135,16 +149,16 @@ int microbatch_table(kit::Device& dev, Tools& tools, std::ostream& report, int l
             }
             return median(v);
         };
-        const double host_loop = host_us(one_graph), host_one = host_us(n_launches);
-        const graphed_session_stats st = s_loop.stats();
-        report << "| " << n << " | " << fmt("%.4f", gpu_loop) << " | " << fmt("%.4f", gpu_one) << " | "
-               << fmt("%.3fx", gpu_loop / gpu_one) << " | " << fmt("%.1f", host_loop) << " | "
-               << fmt("%.1f", host_one) << " | " << fmt("%.1f", capture_ms) << " | "
-               << (st.static_bytes + st.scratch_bytes) << " | "
-               << (free_before >= free_after ? std::to_string(free_before - free_after) : std::string("n/a"))
-               << " |\n";
-        std::printf("microbatches %u: gpu %.4f vs %.4f ms, host %.1f vs %.1f us, capture %.1f ms\n", n, gpu_loop,
-                    gpu_one, host_loop, host_one, capture_ms);
+        const double hu = host_us(run_unrolled), hw = host_us(run_looped), hn = host_us(run_single);
+        const graphed_session_stats st = looped.s->stats();
+        const double mib = 1024.0 * 1024.0;
+        report << "| " << n << " | " << fmt("%.4f", gu) << " / " << fmt("%.4f", gw) << " / " << fmt("%.4f", gn)
+               << " (" << fmt("%.3fx", gu / gn) << ", " << fmt("%.3fx", gw / gn) << ") | " << fmt("%.1f", hu)
+               << " / " << fmt("%.1f", hw) << " / " << fmt("%.1f", hn) << " | " << fmt("%.1f", unrolled.capture_ms)
+               << " / " << fmt("%.1f", looped.capture_ms) << " | " << fmt("%.1f", unrolled.driver / mib) << " / "
+               << fmt("%.1f", looped.driver / mib) << " | " << (st.static_bytes + st.scratch_bytes) << " |\n";
+        std::printf("microbatches %u: gpu %.4f / %.4f / %.4f ms, host %.1f / %.1f / %.1f us, capture %.1f / %.1f ms\n",
+                    n, gu, gw, gn, hu, hw, hn, unrolled.capture_ms, looped.capture_ms);
     }
     return failures;
 }

@@ -31,6 +31,7 @@ class MicrobatchStep : public BackendTest {
     // microbatch's grads start it).
     static void accumulate(kit::Mlp& eager, uint32_t n, const kit::Buffer& xs, const kit::Buffer& ts,
                            kit::StepGrads& sum) {
+        // (n microbatches from the start of xs and ts)
         for (uint32_t i = 0; i < n; ++i) {
             kit::StepGrads g = eager.eager_step(at(xs, i), at(ts, i), 0.0f);
             if (sum.w.empty()) {
@@ -47,7 +48,7 @@ class MicrobatchStep : public BackendTest {
     // Registers the layers (chained, with the loss) and declares the step
     // over all of them with `n` microbatches read from `xs` and `ts`.
     uint32_t build(graphed::Session& s, kit::Mlp& m, uint32_t n, kit::Buffer& xs, kit::Buffer& ts,
-                   const std::vector<void*>& dsts = {}) {
+                   const std::vector<void*>& dsts = {}, uint32_t loop_mode = GRAPHED_STEP_LOOP_UNROLLED) {
         m.register_layers(s, xs.get(), kit::Wiring{true, false, true});
         std::vector<uint32_t> all;
         for (uint32_t i = 0; i <= uint32_t(kLayers); ++i) all.push_back(i);
@@ -55,7 +56,7 @@ class MicrobatchStep : public BackendTest {
             graphed::Session::step_io(0, GRAPHED_BUFFER_ROLE_INPUT, 0, xs.get(), kAct),
             graphed::Session::step_io(kLayers, GRAPHED_BUFFER_ROLE_INPUT, 1, ts.get(), kAct),
         };
-        return s.add_step(all, dsts, n, io);
+        return s.add_step(all, dsts, n, io, loop_mode);
     }
 };
 
@@ -154,6 +155,74 @@ TEST_P(MicrobatchStep, HeldSlotsAndBadDeclarationsAreRefused) {
     for (auto& g : a) g.release();
     s.step(step, dev->stream(), c);
     dev->sync();
+}
+
+// One microbatch captured as the body of a conditional WHILE node: each
+// replay runs the count it names, counted on the device.
+TEST_P(MicrobatchStep, ALoopOnTheDeviceRunsTheCountEachReplayNames) {
+    const uint32_t n = 8;
+    kit::Mlp eager(*dev, kLayers, kBatch, kWidth, 43), graphed(*dev, kLayers, kBatch, kWidth, 43);
+    kit::Buffer xs(*dev, kAct * n), ts(*dev, kAct * n);
+    data(n, 500, xs, ts);
+    graphed::Session s(config());
+    const uint32_t step = build(s, graphed, n, xs, ts, {}, GRAPHED_STEP_LOOP_WHILE);
+    s.capture();
+    EXPECT_EQ(2u, s.stats().step_graphs) << "one per clone slot";
+    std::vector<graphed::Ref> grads;
+    for (uint32_t count : {8u, 3u, 1u, 0u, 5u}) {
+        SCOPED_TRACE(testing::Message() << count << " microbatches");
+        data(n, 600 + count, xs, ts);
+        kit::StepGrads want;
+        accumulate(eager, count == 0 ? n : count, xs, ts, want);
+        s.step(step, dev->stream(), grads, {}, count);
+        dev->sync();
+        for (int l = 0; l < kLayers; ++l) {
+            const graphed::Ref& gw = grads[2 * size_t(l)];
+            const graphed::Ref& gb = grads[2 * size_t(l) + 1];
+            ASSERT_EQ(want.w[l], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << l;
+            ASSERT_EQ(want.b[l], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << l;
+        }
+        for (auto& g : grads) g.release();
+    }
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.step(step, dev->stream(), grads, {}, n + 1); },
+                       "declared with 8"));
+}
+
+TEST_P(MicrobatchStep, ALoopAccumulatesIntoDestinations) {
+    const uint32_t n = 6;
+    kit::Mlp eager(*dev, kLayers, kBatch, kWidth, 47), graphed(*dev, kLayers, kBatch, kWidth, 47);
+    for (int i = 0; i < kLayers; ++i) graphed.layer(i).param_policy = GRAPHED_GRAD_POLICY_ACCUMULATE_INTO;
+    kit::Buffer xs(*dev, kAct * n), ts(*dev, kAct * n);
+    std::vector<kit::Buffer> dst;
+    std::vector<void*> dsts;
+    kit::StepGrads start;
+    for (int i = 0; i < kLayers; ++i) {
+        start.w.push_back(kit::random_floats(size_t(kWidth) * kWidth, 70 + i));
+        start.b.push_back(kit::random_floats(size_t(kWidth), 80 + i));
+        dst.push_back(graphed.tensor(start.w.back()));
+        dst.push_back(graphed.tensor(start.b.back()));
+    }
+    for (auto& d : dst) dsts.push_back(d.get());
+    graphed::Session s(config());
+    const uint32_t step = build(s, graphed, n, xs, ts, dsts, GRAPHED_STEP_LOOP_WHILE);
+    s.capture();
+    for (int i = 0; i < kLayers; ++i) {
+        dev->upload(dst[2 * i].get(), start.w[i].data(), dst[2 * i].bytes());
+        dev->upload(dst[2 * i + 1].get(), start.b[i].data(), dst[2 * i + 1].bytes());
+    }
+    kit::StepGrads want = start;
+    std::vector<graphed::Ref> grads;
+    for (uint32_t count : {6u, 2u}) {
+        data(n, 700 + count, xs, ts);
+        accumulate(eager, count, xs, ts, want);
+        s.step(step, dev->stream(), grads, {}, count);
+    }
+    dev->sync();
+    for (int i = 0; i < kLayers; ++i) {
+        EXPECT_EQ(want.w[i], kit::fetch<float>(*dev, dst[2 * i].get(), dst[2 * i].bytes() / 4)) << "layer " << i;
+        EXPECT_EQ(want.b[i], kit::fetch<float>(*dev, dst[2 * i + 1].get(), dst[2 * i + 1].bytes() / 4))
+            << "bias of layer " << i;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, MicrobatchStep, backends(), BackendName());

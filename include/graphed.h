@@ -532,6 +532,34 @@ typedef uint32_t graphed_ref_kind;
 #endif // __cplusplus
 
 /**
+ * How a step's graph holds its microbatches (graphed_step_desc.loop_mode).
+ */
+enum graphed_step_loop
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Every microbatch captured in turn: each replay runs all of them.
+   */
+  GRAPHED_STEP_LOOP_UNROLLED = 0,
+  /**
+   * One microbatch captured as the body of a conditional WHILE node:
+   * a replay runs 1 to `microbatches` of them
+   * (graphed_step_args.microbatches), counted on the device. Needs a
+   * CUDA 12.4 driver (the host backend emulates it).
+   */
+  GRAPHED_STEP_LOOP_WHILE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_step_loop graphed_step_loop;
+#else
+typedef uint32_t graphed_step_loop;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Opaque: a block of returned clones (graphed_ref.owner).
  */
 typedef struct graphed_buffer graphed_buffer;
@@ -906,6 +934,14 @@ typedef struct graphed_pass_ctx {
    */
   uint32_t step_microbatch;
   uint32_t step_microbatches;
+  /**
+   * Under the capture of a step that loops on the device
+   * (GRAPHED_STEP_LOOP_WHILE): device memory holding the running
+   * microbatch (a uint32_t, 0 to the replay's count - 1) while the body
+   * runs; kernels read it there (step_microbatch is 0 then). NULL
+   * otherwise.
+   */
+  const uint32_t *step_microbatch_index;
 } graphed_pass_ctx;
 
 /**
@@ -1151,9 +1187,23 @@ typedef struct graphed_step_desc {
    * added into the destination. ALIAS grads (the last microbatch's
    * only) and a session without clone slots for CLONE grads are
    * GRAPHED_STATUS_INCOMPATIBLE at capture. The static buffers and the
-   * scratch arena are those of one microbatch, reused by each.
+   * scratch arena are those of one microbatch, reused by each. With
+   * GRAPHED_STEP_LOOP_WHILE, the most microbatches a replay may run.
    */
   uint32_t microbatches;
+  /**
+   * A graphed_step_loop value: UNROLLED (default; every microbatch
+   * captured, so the graph grows with the count and each callback sees
+   * its microbatch in graphed_pass_ctx.step_microbatch) or WHILE (one
+   * microbatch captured as the body of a conditional WHILE node: the
+   * graph's size does not depend on the count, a replay names how many
+   * to run, and callbacks read the running microbatch on the device at
+   * graphed_pass_ctx.step_microbatch_index). WHILE needs conditional
+   * graph nodes (a CUDA 12.4 driver): GRAPHED_STATUS_UNSUPPORTED here
+   * otherwise. The body may hold kernels, copies and sets only (no
+   * event records or waits: no work forked to other streams).
+   */
+  uint32_t loop_mode;
 } graphed_step_desc;
 
 /**
@@ -1194,6 +1244,14 @@ typedef struct graphed_step_args {
    */
   const void *const *params;
   size_t num_params;
+  /**
+   * How many microbatches this replay runs: 0 (default) all the step
+   * was declared with; a step declared with GRAPHED_STEP_LOOP_WHILE
+   * takes any count from 1 to that (its io regions hold no more), an
+   * unrolled step only its own. Others are
+   * GRAPHED_STATUS_INVALID_ARGUMENT, before anything is enqueued.
+   */
+  uint32_t microbatches;
 } graphed_step_args;
 
 /**

@@ -732,8 +732,11 @@ class Session {
     /// of theirs for COPY_INTO / ACCUMULATE_INTO grads (empty: none needed).
     /// A step over `microbatches` microbatches in one graph, with `io`
     /// copies of each microbatch's data in and out (see graphed_step_desc).
+    /// `loop_mode` GRAPHED_STEP_LOOP_WHILE holds one microbatch in a
+    /// conditional WHILE node, and a replay names how many to run.
     uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {},
-                      uint32_t microbatches = 1, const std::vector<graphed_step_io>& io = {}) {
+                      uint32_t microbatches = 1, const std::vector<graphed_step_io>& io = {},
+                      uint32_t loop_mode = GRAPHED_STEP_LOOP_UNROLLED) {
         graphed_step_desc d = graphed_step_desc_default();
         d.callables = callables.data();
         d.num_callables = callables.size();
@@ -742,6 +745,7 @@ class Session {
         d.microbatches = microbatches;
         d.io = io.empty() ? nullptr : io.data();
         d.num_io = io.size();
+        d.loop_mode = loop_mode;
         uint32_t index = 0;
         check(graphed_session_add_step(raw_, &d, &index));
         step_params(index);
@@ -763,14 +767,16 @@ class Session {
     /// Replays a step on `stream`; `params` gets one Ref per parameter of
     /// its callables, in order (its capacity reused). `at`, when not empty,
     /// holds the parameters' current addresses (graphed_step_args.params).
+    /// `microbatches`: how many this replay runs (0: all).
     void step(uint32_t step, graphed_stream stream, std::vector<Ref>& params,
-              const std::vector<const void*>& at = {}) {
+              const std::vector<const void*>& at = {}, uint32_t microbatches = 0) {
         const size_t n = step_params(step);
         graphed_step_args a = graphed_step_args_default();
         a.step = step;
         a.stream = stream;
         a.params = at.empty() ? nullptr : at.data();
         a.num_params = at.size();
+        a.microbatches = microbatches;
         detail::RefArray refs(n);
         check(graphed_step_replay(raw_, &a, refs.data(), n));
         detail::adopt_refs(raw_, refs.data(), n, params);

@@ -118,6 +118,10 @@ for arg in "$@"; do
       "$build/benches/graphed_bench" --microbatches --out "$out/microbatches.md" > "$out/microbatches.log" 2>&1
       rc=$?; echo "microbatch bench exit status $rc"; [ $rc = 0 ] || { fail "microbatch bench"; tail -20 "$out/microbatches.log"; }
       grep "^|" "$out/microbatches.md"
+      echo "== torch's side: N microbatches accumulated in .grad"
+      python3 benches/torch_accumulate.py --out "$out/torch_accumulate.md" > "$out/torch_accumulate.log" 2>&1
+      rc=$?; echo "torch_accumulate exit status $rc"; [ $rc = 0 ] || { fail torch_accumulate; tail -20 "$out/torch_accumulate.log"; }
+      grep "^|" "$out/torch_accumulate.md"
       ;;
     --param-guard)
       echo "== moved parameters: the guard and the rebind"

@@ -20,12 +20,14 @@ use common::{empty_ref, layer_desc, msg, ok};
 const N: usize = 32;
 const BYTES: usize = N * 4;
 
-/// `out[i] = a[i] * b[i] + add`.
+/// `out[i] = a[i] * b[i] + add`, `add` read at `index` when the task runs
+/// where that is not NULL (the running microbatch of a loop).
 struct Mul {
     a: *const f32,
     b: *const f32,
     out: *mut f32,
     add: f32,
+    index: *const u32,
 }
 
 unsafe extern "C" fn run_mul(data: *mut c_void) {
@@ -33,14 +35,35 @@ unsafe extern "C" fn run_mul(data: *mut c_void) {
     // session's graphs exist (the tests keep them alive).
     unsafe {
         let m = &*(data as *const Mul);
+        let add = match m.index.is_null() {
+            true => m.add,
+            false => *m.index as f32,
+        };
         for i in 0..N {
-            *m.out.add(i) = *m.a.add(i) * *m.b.add(i) + m.add;
+            *m.out.add(i) = *m.a.add(i) * *m.b.add(i) + add;
         }
     }
 }
 
 fn enqueue(s: graphed_stream, a: *const f32, b: *const f32, out: *mut f32, add: f32) -> i32 {
-    let m = Box::into_raw(Box::new(Mul { a, b, out, add }));
+    enqueue_at(s, a, b, out, add, null())
+}
+
+fn enqueue_at(
+    s: graphed_stream,
+    a: *const f32,
+    b: *const f32,
+    out: *mut f32,
+    add: f32,
+    index: *const u32,
+) -> i32 {
+    let m = Box::into_raw(Box::new(Mul {
+        a,
+        b,
+        out,
+        add,
+        index,
+    }));
     // SAFETY: the task and its data stay valid for the test's lifetime.
     unsafe { graphed_host_enqueue(s, Some(run_mul), m.cast()) as i32 }
 }
@@ -53,13 +76,8 @@ unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i3
             return 98;
         }
         let (x, w) = (*c.inputs as *const f32, *c.params as *const f32);
-        enqueue(
-            c.stream,
-            x,
-            w,
-            *c.outputs as *mut f32,
-            c.step_microbatch as f32,
-        )
+        let (y, mb) = (*c.outputs as *mut f32, c.step_microbatch as f32);
+        enqueue_at(c.stream, x, w, y, mb, c.step_microbatch_index)
     }
 }
 
@@ -122,9 +140,18 @@ impl Data {
 /// (None: the first microbatch's grad is the start). Returns the outputs,
 /// the first layer's input grads and the two sums.
 fn eager(d: &Data, init: Option<&[Vec<f32>; 2]>) -> (Vec<f32>, Vec<f32>, [Vec<f32>; 2]) {
+    eager_first(d, init, d.mbs)
+}
+
+/// `eager` over the first `count` microbatches only.
+fn eager_first(
+    d: &Data,
+    init: Option<&[Vec<f32>; 2]>,
+    count: usize,
+) -> (Vec<f32>, Vec<f32>, [Vec<f32>; 2]) {
     let (mut ys, mut gxs) = (Vec::new(), Vec::new());
     let mut sums: Option<[Vec<f32>; 2]> = init.cloned();
-    for i in 0..d.mbs {
+    for i in 0..count {
         let b = i as f32;
         let h: Vec<f32> = (0..N).map(|k| d.x(i)[k] * d.w[0][k] + b).collect();
         ys.extend((0..N).map(|k| h[k] * d.w[1][k] + b));
@@ -249,8 +276,20 @@ fn add_step(
     io: &[graphed_step_io],
     dsts: &[*mut c_void],
 ) -> graphed_status {
+    add_step_looping(s, mbs, io, dsts, graphed_step_loop::Unrolled as u32)
+}
+
+/// `add_step` with a loop mode.
+fn add_step_looping(
+    s: *mut graphed_session,
+    mbs: u32,
+    io: &[graphed_step_io],
+    dsts: &[*mut c_void],
+    loop_mode: u32,
+) -> graphed_status {
     let callables = [0u32, 1];
     let mut d = graphed_step_desc_default();
+    d.loop_mode = loop_mode;
     d.callables = callables.as_ptr();
     d.num_callables = 2;
     d.microbatches = mbs;
@@ -267,7 +306,16 @@ fn add_step(
 
 /// Replays step 0; returns the two grad refs.
 fn replay(s: *mut graphed_session) -> Result<[graphed_ref; 2], (graphed_status, String)> {
-    let a = graphed_step_args_default();
+    replay_count(s, 0)
+}
+
+/// Replays step 0 over `count` microbatches (0: all).
+fn replay_count(
+    s: *mut graphed_session,
+    count: u32,
+) -> Result<[graphed_ref; 2], (graphed_status, String)> {
+    let mut a = graphed_step_args_default();
+    a.microbatches = count;
     let mut refs = [empty_ref(), empty_ref()];
     // SAFETY: valid args and room for two refs.
     match unsafe { graphed_step_replay(s, &a, refs.as_mut_ptr(), 2) } {
@@ -531,4 +579,93 @@ fn an_old_descriptor_declares_one_microbatch() {
     ok(unsafe { graphed_session_add_step(b.0, &desc, &mut idx) });
     assert_eq!(idx, 0);
     ok(graphed_session_capture(b.0));
+}
+
+#[test]
+fn a_loop_on_the_device_runs_the_count_each_replay_asks() {
+    let mut d = Data::new(6);
+    let b = session(&mut d, &CLONE);
+    let ios = step_io(&mut d, true);
+    let mode = graphed_step_loop::While as u32;
+    ok(add_step_looping(b.0, 6, &ios, &[], mode));
+    ok(graphed_session_capture(b.0));
+    for (round, count) in [6u32, 3, 1, 0, 4].into_iter().enumerate() {
+        d.xg.copy_from_slice(&values(30 + round, 2 * N * 6));
+        d.y.fill(f32::NAN);
+        let k = if count == 0 { 6 } else { count as usize };
+        let (ys, gxs, [g0, g1]) = eager_first(&d, None, k);
+        let refs = replay_count(b.0, count).unwrap();
+        assert_eq!(bits(&read(refs[0].ptr)), bits(&g0), "count {count}");
+        assert_eq!(bits(&read(refs[1].ptr)), bits(&g1), "count {count}");
+        assert_eq!(bits(&d.y[..N * k]), bits(&ys), "outputs, count {count}");
+        assert_eq!(
+            bits(&d.gx[..N * k]),
+            bits(&gxs),
+            "input grads, count {count}"
+        );
+        assert!(
+            d.y[N * k..].iter().all(|v| v.is_nan()),
+            "microbatches past {k} not run"
+        );
+        for r in refs {
+            ok(graphed_buffer_release(r.owner));
+        }
+    }
+    let Err((st, m)) = replay_count(b.0, 7) else {
+        panic!("7 of 6 microbatches went through")
+    };
+    assert_eq!(st, graphed_status::InvalidArgument, "{m}");
+    assert!(m.contains("declared with 6"), "{m}");
+}
+
+#[test]
+fn a_loop_sums_into_destinations_like_eager() {
+    for (policy, accumulate) in [
+        (graphed_grad_policy::CopyInto, false),
+        (graphed_grad_policy::AccumulateInto, true),
+    ] {
+        let mut d = Data::new(5);
+        let setup = Setup {
+            policy: policy as u32,
+            ..CLONE
+        };
+        let b = session(&mut d, &setup);
+        let ios = step_io(&mut d, true);
+        let dsts = [d.dsts[0].as_mut_ptr().cast(), d.dsts[1].as_mut_ptr().cast()];
+        let mode = graphed_step_loop::While as u32;
+        ok(add_step_looping(b.0, 5, &ios, &dsts, mode));
+        ok(graphed_session_capture(b.0));
+        for count in [5u32, 2] {
+            let start = d.dsts.clone();
+            let (_, _, sums) = eager_first(&d, accumulate.then_some(&start), count as usize);
+            replay_count(b.0, count).unwrap();
+            assert_eq!(bits(&d.dsts[0]), bits(&sums[0]), "{policy:?} count {count}");
+            assert_eq!(bits(&d.dsts[1]), bits(&sums[1]), "{policy:?} count {count}");
+        }
+    }
+}
+
+#[test]
+fn counts_and_loop_modes_that_break_a_rule_are_refused() {
+    // An unrolled step runs its own count only.
+    let mut d = Data::new(4);
+    let b = session(&mut d, &CLONE);
+    let ios = step_io(&mut d, true);
+    ok(add_step(b.0, 4, &ios, &[]));
+    ok(graphed_session_capture(b.0));
+    let Err((st, m)) = replay_count(b.0, 2) else {
+        panic!("an unrolled step ran 2 of its 4 microbatches")
+    };
+    assert_eq!(st, graphed_status::InvalidArgument, "{m}");
+    assert!(m.contains("captured unrolled for 4"), "{m}");
+    let refs = replay_count(b.0, 4).unwrap();
+    for r in refs {
+        ok(graphed_buffer_release(r.owner));
+    }
+    // An unknown loop mode.
+    let mut d = Data::new(4);
+    let b = session(&mut d, &CLONE);
+    let st = add_step_looping(b.0, 4, &[], &[], 7);
+    assert_eq!(st, graphed_status::InvalidArgument);
+    assert!(msg().contains("desc.loop_mode: 7"), "{}", msg());
 }

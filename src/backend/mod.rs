@@ -57,6 +57,18 @@ pub enum CaptureMode {
     Relaxed,
 }
 
+/// A copy of `bytes` from `src + i * src_stride` to `dst + i * dst_stride`,
+/// i the u32 at `index` when the copy runs (in a loop, the iteration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexedCopy {
+    pub dst: DevPtr,
+    pub dst_stride: usize,
+    pub src: DevPtr,
+    pub src_stride: usize,
+    pub bytes: usize,
+    pub index: DevPtr,
+}
+
 /// One tensor of an accumulate: `count` elements at `dst` += `src`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AccItem {
@@ -167,6 +179,33 @@ pub trait Backend: Send + Sync {
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
+    /// Sets `count` elements of `elem` bytes (1, 2 or 4) at `dst` to the
+    /// low `elem` bytes of `pattern`.
+    fn fill(
+        &self,
+        dst: DevPtr,
+        pattern: u32,
+        elem: usize,
+        count: usize,
+        stream: StreamRef,
+    ) -> Result<()>;
+    /// Whether graphs can loop (conditional WHILE nodes): None, or why not.
+    fn loops(&self) -> Option<String>;
+    /// Records, into the capture running on `stream`, a loop whose body
+    /// `body` records into the stream it is given: the body runs, the u32
+    /// at `state` (the index) is incremented, and the body runs again
+    /// while the index is below the u32 at `state + 4` (the count); it
+    /// always runs once. The capture goes on after the loop. Work in the
+    /// body is limited to kernels, copies and sets (no events, no forks).
+    fn capture_loop(
+        &self,
+        stream: StreamRef,
+        state: DevPtr,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()>;
+    /// A copy whose addresses depend on an index read when it runs.
+    fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()>;
     /// `dst += src` for every item, elements of `dtype` (f32, f16, bf16), in
     /// as few launches as the backend can. Destinations are aligned to the
     /// element size (checked by the caller).

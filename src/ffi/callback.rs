@@ -80,6 +80,12 @@ pub struct graphed_pass_ctx {
     /// differ per microbatch (random numbers) keys on it.
     pub step_microbatch: u32,
     pub step_microbatches: u32,
+    /// Under the capture of a step that loops on the device
+    /// (GRAPHED_STEP_LOOP_WHILE): device memory holding the running
+    /// microbatch (a uint32_t, 0 to the replay's count - 1) while the body
+    /// runs; kernels read it there (step_microbatch is 0 then). NULL
+    /// otherwise.
+    pub step_microbatch_index: *const u32,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.
@@ -176,6 +182,7 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
         param_policies: policies.as_ptr(),
         step_microbatch: v.step_microbatch,
         step_microbatches: v.step_microbatches,
+        step_microbatch_index: v.step_index as *const u32,
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.

@@ -15,6 +15,7 @@ use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamFlags};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
+use crate::orchestrate::spec::Looping;
 use crate::orchestrate::{LogLevel, Phase, RefKind};
 
 /// Declares the conversions between C enum `$c` and Rust enum `$rust`.
@@ -205,6 +206,24 @@ c_enum!(graphed_ref_kind <=> RefKind {
     Clone <=> RefKind::Clone,
     CopyInto <=> RefKind::CopyInto,
     AccumulateInto <=> RefKind::AccumulateInto,
+});
+
+/// How a step's graph holds its microbatches (graphed_step_desc.loop_mode).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_step_loop {
+    /// Every microbatch captured in turn: each replay runs all of them.
+    Unrolled = 0,
+    /// One microbatch captured as the body of a conditional WHILE node:
+    /// a replay runs 1 to `microbatches` of them
+    /// (graphed_step_args.microbatches), counted on the device. Needs a
+    /// CUDA 12.4 driver (the host backend emulates it).
+    While = 1,
+}
+
+c_enum!(graphed_step_loop <=> Looping {
+    Unrolled <=> Looping::Unrolled,
+    While <=> Looping::Device,
 });
 
 /// The static buffers of a role (graphed_session_buffers,

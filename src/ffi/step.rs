@@ -7,7 +7,7 @@ use super::args::{
 };
 use super::boundary::boundary;
 use super::callback::graphed_stream;
-use super::enums::graphed_buffer_role;
+use super::enums::{graphed_buffer_role, graphed_step_loop};
 use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
 use super::session::session;
@@ -64,8 +64,20 @@ pub struct graphed_step_desc {
     /// added into the destination. ALIAS grads (the last microbatch's
     /// only) and a session without clone slots for CLONE grads are
     /// GRAPHED_STATUS_INCOMPATIBLE at capture. The static buffers and the
-    /// scratch arena are those of one microbatch, reused by each.
+    /// scratch arena are those of one microbatch, reused by each. With
+    /// GRAPHED_STEP_LOOP_WHILE, the most microbatches a replay may run.
     pub microbatches: u32,
+    /// A graphed_step_loop value: UNROLLED (default; every microbatch
+    /// captured, so the graph grows with the count and each callback sees
+    /// its microbatch in graphed_pass_ctx.step_microbatch) or WHILE (one
+    /// microbatch captured as the body of a conditional WHILE node: the
+    /// graph's size does not depend on the count, a replay names how many
+    /// to run, and callbacks read the running microbatch on the device at
+    /// graphed_pass_ctx.step_microbatch_index). WHILE needs conditional
+    /// graph nodes (a CUDA 12.4 driver): GRAPHED_STATUS_UNSUPPORTED here
+    /// otherwise. The body may hold kernels, copies and sets only (no
+    /// event records or waits: no work forked to other streams).
+    pub loop_mode: u32,
 }
 
 /// One copy of a step over microbatches: a static buffer of one of the
@@ -152,6 +164,7 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
         io: std::ptr::null(),
         num_io: 0,
         microbatches: 1,
+        loop_mode: graphed_step_loop::Unrolled as u32,
     }
 }
 
@@ -202,6 +215,7 @@ pub unsafe extern "C" fn graphed_session_add_step(
             param_dsts,
             microbatches: d.microbatches,
             io,
+            looping: graphed_step_loop::decode(d.loop_mode, "desc.loop_mode")?,
         })?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
@@ -254,6 +268,12 @@ pub struct graphed_step_args {
     /// anything is enqueued.
     pub params: *const *const c_void,
     pub num_params: usize,
+    /// How many microbatches this replay runs: 0 (default) all the step
+    /// was declared with; a step declared with GRAPHED_STEP_LOOP_WHILE
+    /// takes any count from 1 to that (its io regions hold no more), an
+    /// unrolled step only its own. Others are
+    /// GRAPHED_STATUS_INVALID_ARGUMENT, before anything is enqueued.
+    pub microbatches: u32,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -278,6 +298,7 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
         ref_size: size_of::<graphed_ref>(),
         params: std::ptr::null(),
         num_params: 0,
+        microbatches: 0,
     }
 }
 
@@ -312,7 +333,7 @@ pub unsafe extern "C" fn graphed_step_replay(
         let n = s.step_params(a.step)?;
         let out = check_out(param_grads, num_param_grads, n, a.ref_size, "param_grads")?;
         let params = ptrs(a.params, a.num_params, "args.params")?;
-        let mut r = s.step(a.step, StreamRef(a.stream as usize), params)?;
+        let mut r = s.step(a.step, StreamRef(a.stream as usize), params, a.microbatches)?;
         let owners = publish(&mut r);
         write_refs(&out, a.ref_size, r.second, &owners);
         Ok(())
@@ -325,7 +346,7 @@ mod tests {
 
     #[test]
     fn the_first_released_layouts_are_todays() {
-        // Since the first release: copies in and out, microbatches.
+        // Since the first release: copies in and out, microbatches, loop.
         assert_eq!(
             size_of::<graphed_step_desc>(),
             graphed_step_desc::MIN_SIZE + 24
@@ -336,9 +357,10 @@ mod tests {
             crate::orchestrate::steps::MAX_MICROBATCHES
         );
         // Since the first release: the parameters' addresses.
+        // Then the microbatch count.
         assert_eq!(
             size_of::<graphed_step_args>(),
-            graphed_step_args::MIN_SIZE + 16
+            graphed_step_args::MIN_SIZE + 24
         );
     }
 }

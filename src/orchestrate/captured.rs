@@ -46,6 +46,12 @@ pub(crate) struct CapturedStep {
     /// Its graphs run several microbatches or copy data in and out: no
     /// pass-by-pass replay gives its results.
     pub looped: bool,
+    /// The microbatches it was declared with (a replay runs them all, or,
+    /// looping on the device, up to that many).
+    pub microbatches: u32,
+    /// Looping on the device: the loop's index and count (two u32), the
+    /// count written before each launch.
+    pub loop_state: Option<DeviceMemory>,
 }
 
 impl CapturedStep {

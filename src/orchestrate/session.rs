@@ -12,7 +12,7 @@ use super::context::Inputs;
 use super::pool::Pool;
 use super::replay::{self, Replayed};
 use super::spec::{
-    CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
+    CallableSpec, LogLevel, Looping, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
 };
 use super::steps::{self, StepRequest};
 use crate::backend::{teardown, Backend, BackendKind, DevPtr, StreamRef};
@@ -281,6 +281,14 @@ impl Session {
             ));
         }
         let step = steps::declare(&self.callables, request)?;
+        if step.looping == Looping::Device {
+            if let Some(why) = self.backend.loops() {
+                return Err(Error::Unsupported(format!(
+                    "a step that loops on the device cannot be declared: {why}; declare it unrolled \
+                     (GRAPHED_STEP_LOOP_UNROLLED) instead"
+                )));
+            }
+        }
         if self.steps.len() >= u32::MAX as usize {
             return Err(Error::invalid("a session holds at most 2^32 - 1 steps"));
         }
@@ -453,8 +461,9 @@ impl Session {
         step: u32,
         stream: StreamRef,
         params: Option<&[DevPtr]>,
+        microbatches: u32,
     ) -> Result<Replayed<'_>> {
-        replay::step(self.parts()?, step, stream, params)
+        replay::step(self.parts()?, step, stream, params, microbatches)
     }
 }
 

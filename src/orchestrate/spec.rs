@@ -74,6 +74,9 @@ pub struct PassView<'a> {
     /// this call records, of how many (0 of 1 otherwise).
     pub step_microbatch: u32,
     pub step_microbatches: u32,
+    /// In the body of a loop on the device: the u32 the device holds the
+    /// running microbatch in (0 elsewhere).
+    pub step_index: DevPtr,
     pub stream: StreamRef,
     pub inputs: &'a [DevPtr],
     pub params: &'a [DevPtr],
@@ -172,6 +175,17 @@ pub struct StepSpec {
     pub param_dsts: Vec<DevPtr>,
     pub microbatches: u32,
     pub io: Vec<StepIo>,
+    pub looping: Looping,
+}
+
+/// How a step's graph holds its microbatches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Looping {
+    /// Each microbatch captured in turn: the count is fixed at capture.
+    Unrolled,
+    /// One microbatch captured as the body of a loop on the device (a
+    /// conditional WHILE node): a replay runs 1 to `microbatches` of them.
+    Device,
 }
 
 impl StepSpec {
@@ -182,13 +196,14 @@ impl StepSpec {
             param_dsts,
             microbatches: 1,
             io: Vec::new(),
+            looping: Looping::Unrolled,
         }
     }
 
     /// Whether its graphs do more than the passes (several microbatches,
     /// or copies): then no pass-by-pass replay gives the same results.
     pub fn looped(&self) -> bool {
-        self.microbatches > 1 || !self.io.is_empty()
+        self.microbatches > 1 || !self.io.is_empty() || self.looping == Looping::Device
     }
 }
 

@@ -3,7 +3,7 @@
 //! the copies of each microbatch's data in and out). Capture checks the
 //! rest, where placement and policies are known (capture/steps.rs).
 
-use super::spec::{CallableSpec, StepIo, StepSpec};
+use super::spec::{CallableSpec, Looping, StepIo, StepSpec};
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
 use crate::core::strided::Strided;
@@ -19,6 +19,7 @@ pub struct StepRequest<'a> {
     pub param_dsts: Option<&'a [DevPtr]>,
     pub microbatches: u32,
     pub io: Vec<StepIo>,
+    pub looping: Looping,
 }
 
 /// Checks a step's declaration against the session's callables and makes
@@ -29,6 +30,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         param_dsts,
         microbatches,
         io,
+        looping,
     } = r;
     if callables.is_empty() {
         return Err(Error::invalid("a step needs at least one callable"));
@@ -79,6 +81,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         param_dsts,
         microbatches,
         io,
+        looping,
     })
 }
 

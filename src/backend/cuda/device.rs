@@ -5,6 +5,7 @@
 
 use super::driver::{self, check};
 use super::kernels::{load_kernels, Kernels, On};
+use super::loops::{load_loops, Loops};
 use crate::backend::{teardown, ContextGuard};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -20,6 +21,8 @@ pub(super) struct Inner {
     pub pool: sys::CUmemoryPool,
     sm_count: u32,
     kernels: OnceLock<std::result::Result<Kernels, String>>,
+    /// The loop kernels and entry points, or why this driver has none.
+    loops: OnceLock<std::result::Result<Loops, Error>>,
 }
 
 // SAFETY: the handles are process-wide driver objects; the driver API is
@@ -51,6 +54,23 @@ impl Inner {
         Ok(On {
             kernels: self.kernels()?,
             sm_count: self.sm_count,
+        })
+    }
+
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// The loop kernels, loaded on first use; Unsupported where the driver
+    /// cannot loop inside a graph.
+    pub fn loops(&self) -> Result<&Loops> {
+        let l = self.loops.get_or_init(|| {
+            let _g = self.bind()?;
+            load_loops()
+        });
+        l.as_ref().map_err(|e| match e {
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            other => Error::Unsupported(format!("loading graphed's loop kernels failed: {other}")),
         })
     }
 
@@ -109,6 +129,7 @@ pub(super) fn open(ordinal: i32) -> Result<Inner> {
         pool,
         sm_count: sm.max(1) as u32,
         kernels: OnceLock::new(),
+        loops: OnceLock::new(),
     })
 }
 
@@ -148,6 +169,10 @@ impl Drop for Inner {
             if let Some(Ok(k)) = self.kernels.get() {
                 let r = check("cuModuleUnload", sys::cuModuleUnload(k.module));
                 teardown::check("unloading graphed's kernels", r);
+            }
+            if let Some(Ok(l)) = self.loops.get() {
+                let r = check("cuModuleUnload", sys::cuModuleUnload(l.module));
+                teardown::check("unloading graphed's loop kernels", r);
             }
             let r = check("cuMemPoolDestroy", sys::cuMemPoolDestroy(self.pool));
             teardown::check("destroying the clone memory pool", r);

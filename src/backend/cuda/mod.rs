@@ -5,17 +5,19 @@
 //! and PyTorch use, and a memory pool for returned clones). Here: memory,
 //! copies, streams, events and capture as the `Backend` trait asks;
 //! graphed's kernels are in `kernels`, captured graphs in `graph`, their
-//! rebinding in `rebind`.
+//! rebinding in `rebind`, loops inside graphs (conditional WHILE nodes) in
+//! `loops`.
 
 mod device;
 pub mod driver;
 mod graph;
 mod kernels;
+mod loops;
 mod rebind;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef,
-    StreamRef,
+    IndexedCopy, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::Result;
@@ -112,6 +114,67 @@ impl Backend for CudaBackend {
         check("cuMemcpyDtoDAsync", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.0 as sys::CUstream)
         })
+    }
+
+    fn fill(
+        &self,
+        dst: DevPtr,
+        pattern: u32,
+        elem: usize,
+        count: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let s = stream.0 as sys::CUstream;
+        match elem {
+            // SAFETY: dst holds `count` elements of `elem` bytes of device memory.
+            4 => check("cuMemsetD32Async", unsafe {
+                sys::cuMemsetD32Async(dst, pattern, count, s)
+            }),
+            // SAFETY: as above.
+            2 => check("cuMemsetD16Async", unsafe {
+                sys::cuMemsetD16Async(dst, pattern as u16, count, s)
+            }),
+            // SAFETY: as above.
+            1 => check("cuMemsetD8Async", unsafe {
+                sys::cuMemsetD8Async(dst, pattern as u8, count, s)
+            }),
+            _ => Err(crate::error::Error::Internal(format!(
+                "fill with {elem}-byte elements"
+            ))),
+        }
+    }
+
+    fn loops(&self) -> Option<String> {
+        match self.inner.loops() {
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    fn capture_loop(
+        &self,
+        stream: StreamRef,
+        state: DevPtr,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        self.inner
+            .loops()?
+            .capture(&self.inner, stream, state, mode, body)
+    }
+
+    fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()> {
+        let l = self.inner.loops()?;
+        l.copy_indexed(
+            self.inner.sm_count(),
+            c.dst,
+            c.dst_stride,
+            c.src,
+            c.src_stride,
+            c.bytes,
+            c.index,
+            stream,
+        )
     }
 
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {

@@ -375,14 +375,16 @@ pub(super) fn plan(
     nodes.truncate(n);
     let mut patches = Vec::new();
     for node in nodes {
-        let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: a node of the live graph and a valid out pointer.
+        let mut ty: u32 = 0;
+        // SAFETY: a node of the live graph; the driver writes one
+        // CUgraphNodeType, a 32-bit enum, which is read as a u32 so that
+        // types newer than cudarc's enum (conditional nodes, 13) stay
+        // defined values.
         check("cuGraphNodeGetType", unsafe {
-            sys::cuGraphNodeGetType(node, &mut ty)
+            sys::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast())
         })?;
-        use sys::CUgraphNodeType::*;
         match ty {
-            CU_GRAPH_NODE_TYPE_KERNEL => match kernel_patch(node, lo, hi)? {
+            NODE_KERNEL => match kernel_patch(node, lo, hi)? {
                 Ok(Some((fresh, words))) => {
                     // The template's arguments are the captured ones, so the
                     // words found are valid for the shared copy too.
@@ -396,7 +398,7 @@ pub(super) fn plan(
                 Ok(None) => {}
                 Err(why) => return Ok(RebindPlan::Refused(why)),
             },
-            CU_GRAPH_NODE_TYPE_MEMCPY => {
+            NODE_MEMCPY => {
                 let params = match memcpy_params(node)? {
                     Ok(params) => params,
                     Err(why) => return Ok(RebindPlan::Refused(why)),
@@ -415,7 +417,7 @@ pub(super) fn plan(
                     });
                 }
             }
-            CU_GRAPH_NODE_TYPE_MEMSET => {
+            NODE_MEMSET => {
                 // SAFETY: the struct holds only integers, for which all-zero
                 // bits are valid.
                 let mut params: sys::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -428,19 +430,23 @@ pub(super) fn plan(
                     patches.push(Patch::Memset { node, params, dst });
                 }
             }
-            CU_GRAPH_NODE_TYPE_HOST => {
+            NODE_HOST => {
                 return Ok(RebindPlan::Refused(
                     "the graph has a host node, whose data is opaque".into(),
                 ))
             }
-            CU_GRAPH_NODE_TYPE_GRAPH => {
+            NODE_GRAPH => {
                 return Ok(RebindPlan::Refused(
                     "the graph has a child graph node, which is not looked into".into(),
                 ))
             }
             // Events, waits, empty nodes and graph allocations take no
             // address of the range.
-            _ => {}
+            NODE_EMPTY..=NODE_MEM_FREE => {}
+            other => return Ok(RebindPlan::Refused(format!(
+                "the graph has a node of type {other} (a conditional node, or a type newer than \
+                     graphed), which is not looked into"
+            ))),
         }
     }
     if patches.is_empty() {
@@ -453,6 +459,15 @@ pub(super) fn plan(
         patches,
     })))
 }
+
+/// CUgraphNodeType values (read as integers: see `plan`).
+const NODE_KERNEL: u32 = 0;
+const NODE_MEMCPY: u32 = 1;
+const NODE_MEMSET: u32 = 2;
+const NODE_HOST: u32 = 3;
+const NODE_GRAPH: u32 = 4;
+const NODE_EMPTY: u32 = 5;
+const NODE_MEM_FREE: u32 = 11;
 
 impl Rebinder for CudaRebinder {
     fn nodes(&self) -> usize {

@@ -27,7 +27,7 @@ pub use task::HostTask;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef,
-    StreamRef,
+    IndexedCopy, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -87,6 +87,74 @@ impl Backend for HostBackend {
                 bytes,
             },
         )
+    }
+
+    fn fill(
+        &self,
+        dst: DevPtr,
+        pattern: u32,
+        elem: usize,
+        count: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
+        if !matches!(elem, 1 | 2 | 4) {
+            return Err(Error::Internal(format!("fill with {elem}-byte elements")));
+        }
+        let dst = dst as usize;
+        submit(
+            stream,
+            Task::Fill {
+                dst,
+                pattern,
+                elem,
+                count,
+            },
+        )
+    }
+
+    fn loops(&self) -> Option<String> {
+        None
+    }
+
+    fn capture_loop(
+        &self,
+        stream: StreamRef,
+        state: DevPtr,
+        _mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        if !stream::is_capturing(stream)? {
+            return Err(Error::state(
+                "a loop is recorded only into an active capture",
+            ));
+        }
+        // The body is recorded on a stream of its own, as on CUDA.
+        let ls = stream::create();
+        let ran = stream::begin_capture(ls).and_then(|_| body(ls));
+        let ended = stream::end_capture(ls);
+        stream::destroy(ls)?;
+        ran?;
+        let tasks = ended?.map_err(Error::IllegalUnderCapture)?;
+        let state = state as usize;
+        submit(
+            stream,
+            Task::Loop {
+                body: Arc::new(tasks),
+                state,
+            },
+        )
+    }
+
+    fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()> {
+        let task = Task::CopyIndexed {
+            dst: c.dst as usize,
+            dst_stride: c.dst_stride,
+            src: c.src as usize,
+            src_stride: c.src_stride,
+            bytes: c.bytes,
+            index: c.index as usize,
+        };
+        submit(stream, task)
     }
 
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {

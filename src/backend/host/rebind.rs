@@ -27,10 +27,15 @@ pub(super) fn plan(tasks: &TaskList, base: DevPtr, bytes: usize) -> Result<Rebin
                     }
                 }
             }
-            Task::Zero { dst, .. } => {
+            Task::Zero { dst, .. } | Task::Fill { dst, .. } => {
                 if inside(dst) {
                     refs.push((i, 0, dst - lo));
                 }
+            }
+            Task::Loop { .. } | Task::CopyIndexed { .. } => {
+                return Ok(RebindPlan::Refused(
+                    "the graph loops over microbatches: its body is not looked into".into(),
+                ))
             }
             Task::Differ { a, b, .. } => {
                 for (field, p) in [(0, a), (1, b)] {
@@ -68,11 +73,12 @@ impl Rebinder for HostRebinder {
             match (&mut tasks[i], field) {
                 (Task::Copy { dst, .. }, 0)
                 | (Task::Accumulate { dst, .. }, 0)
-                | (Task::Zero { dst, .. }, _) => *dst = a,
+                | (Task::Zero { dst, .. }, _)
+                | (Task::Fill { dst, .. }, _) => *dst = a,
                 (Task::Copy { src, .. }, _) | (Task::Accumulate { src, .. }, _) => *src = a,
                 (Task::Differ { a: x, .. }, 0) => *x = a,
                 (Task::Differ { b: y, .. }, _) => *y = a,
-                (Task::User(_), _) => {}
+                (Task::User(_) | Task::Loop { .. } | Task::CopyIndexed { .. }, _) => {}
             }
         }
         Ok(())

@@ -35,6 +35,28 @@ pub(super) enum Task {
         flag: usize,
     },
     User(HostTask),
+    /// `count` elements of `elem` bytes set to the low bytes of `pattern`.
+    Fill {
+        dst: usize,
+        pattern: u32,
+        elem: usize,
+        count: usize,
+    },
+    /// A copy at offsets `i * stride`, i the u32 at `index` when it runs.
+    CopyIndexed {
+        dst: usize,
+        dst_stride: usize,
+        src: usize,
+        src_stride: usize,
+        bytes: usize,
+        index: usize,
+    },
+    /// A loop: `body` runs, the u32 at `state` is incremented, and `body`
+    /// runs again while it is below the u32 at `state + 4`.
+    Loop {
+        body: Arc<Vec<Task>>,
+        state: usize,
+    },
 }
 
 pub(super) fn run(task: &Task) -> Result<()> {
@@ -65,6 +87,52 @@ pub(super) fn run(task: &Task) -> Result<()> {
             }
         },
         Task::User(ref f) => f(),
+        Task::Fill {
+            dst,
+            pattern,
+            elem,
+            count,
+        } => {
+            let bytes = pattern.to_le_bytes();
+            for i in 0..count {
+                for (k, b) in bytes.iter().take(elem).enumerate() {
+                    // SAFETY: as above, `count` elements of `elem` bytes.
+                    unsafe { *((dst + i * elem + k) as *mut u8) = *b };
+                }
+            }
+        }
+        Task::CopyIndexed {
+            dst,
+            dst_stride,
+            src,
+            src_stride,
+            bytes,
+            index,
+        } => {
+            // SAFETY: as above; `index` is a u32 the loop owns, and the
+            // regions hold `bytes` at every index the loop reaches.
+            unsafe {
+                let i = *(index as *const u32) as usize;
+                let (d, s) = (dst + i * dst_stride, src + i * src_stride);
+                if d != s && bytes > 0 {
+                    std::ptr::copy(s as *const u8, d as *mut u8, bytes)
+                }
+            }
+        }
+        Task::Loop { ref body, state } => loop {
+            for t in body.iter() {
+                run(t)?;
+            }
+            // SAFETY: `state` holds the loop's two u32 (index, count).
+            let (i, n) = unsafe {
+                let p = state as *mut u32;
+                *p += 1;
+                (*p, *p.add(1))
+            };
+            if i >= n {
+                break;
+            }
+        },
     }
     Ok(())
 }

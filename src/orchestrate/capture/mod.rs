@@ -14,6 +14,7 @@
 //! Everything is owned by the step that made it until the last one, so an
 //! error anywhere releases all of it; the session stays open.
 
+mod looped;
 mod run;
 mod slots;
 mod step_io;
@@ -238,6 +239,7 @@ fn record(
             provide: true,
             param_grads: None,
             step_microbatch: (0, 1),
+            step_index: 0,
         };
         let graph = r.spent(Span::Capture, |r| r.call(p, call))?;
         graphs[p.instance].passes[p.kind.index()] = graph;
@@ -308,6 +310,7 @@ fn warmup(r: &mut Runner, order: &[PassRef]) -> Result<Option<Arena>> {
                 provide: false,
                 param_grads: None,
                 step_microbatch: (0, 1),
+                step_index: 0,
             };
             r.call(p, call)?;
         }

@@ -69,6 +69,8 @@ pub(super) struct Call<'a> {
     pub param_grads: Option<&'a [DevPtr]>,
     /// Under a step's capture: its microbatch, of how many.
     pub step_microbatch: (u32, u32),
+    /// In a loop's body: where the device holds the running microbatch.
+    pub step_index: DevPtr,
 }
 
 /// The state warmup and capture share: the session, its placed instances,
@@ -131,6 +133,7 @@ impl Runner<'_> {
             iteration: call.iteration,
             step_microbatch: call.step_microbatch.0,
             step_microbatches: call.step_microbatch.1,
+            step_index: call.step_index,
             stream: self.stream,
             inputs: &bufs.inputs,
             params: &bufs.params,

@@ -69,6 +69,7 @@ impl Runner<'_> {
                 provide: false,
                 param_grads: Some(&grads),
                 step_microbatch: (0, 1),
+                step_index: 0,
             };
             if let Some(graph) = self.call(p, call)? {
                 slots.push(SlotGraph { block, graph });

@@ -7,7 +7,7 @@ use super::super::instance::{PassRef, Placed};
 use super::super::spec::{CallableSpec, StepSpec};
 use super::super::steps::region;
 use super::super::tensor::{Feed, Place};
-use crate::backend::{Backend, DevPtr, StreamRef};
+use crate::backend::{Backend, DevPtr, IndexedCopy, StreamRef};
 use crate::core::layout::Role;
 use crate::core::returns::ParamReturn;
 use crate::core::strided::Strided;
@@ -45,6 +45,38 @@ impl IoCopy {
             true => backend.copy(self.buffer, at, bytes, s),
             false => backend.copy(at, self.buffer, bytes, s),
         }
+    }
+}
+
+impl IoCopy {
+    /// Enqueues this copy, for the microbatch whose index the device holds
+    /// at `index`, if it goes `before` (or after) pass `p` (in a loop's
+    /// body).
+    pub fn enqueue_indexed(
+        &self,
+        backend: &dyn Backend,
+        p: PassRef,
+        before: bool,
+        index: DevPtr,
+        s: StreamRef,
+    ) -> Result<()> {
+        if self.instance != p.instance || self.kind != p.kind || self.copied_in != before {
+            return Ok(());
+        }
+        let (caller, stride) = (self.caller.ptr, self.caller.stride as usize);
+        let (dst, dst_stride, src, src_stride) = match self.copied_in {
+            true => (self.buffer, 0, caller, stride),
+            false => (caller, stride, self.buffer, 0),
+        };
+        let c = IndexedCopy {
+            dst,
+            dst_stride,
+            src,
+            src_stride,
+            bytes: self.caller.bytes as usize,
+            index,
+        };
+        backend.copy_indexed(c, s)
     }
 }
 

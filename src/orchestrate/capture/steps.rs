@@ -10,11 +10,11 @@ use super::super::captured::CapturedStep;
 use super::super::external::Provided;
 use super::super::grads::{enqueue_destinations, enqueue_sums};
 use super::super::instance::{PassRef, Placed};
-use super::super::spec::{LogLevel, Phase};
+use super::super::spec::{LogLevel, Looping, Phase};
 use super::super::tensor::Param;
 use super::run::{Call, Runner, ViewBuffers};
 use super::step_io::{self, IoCopy};
-use crate::backend::{DevPtr, Graph};
+use crate::backend::{DevPtr, DeviceMemory, Graph};
 use crate::error::{Error, Result};
 
 /// Why a step's graph cannot follow a parameter until verification says
@@ -68,13 +68,15 @@ fn overwritten(instances: &[&Placed]) -> Vec<usize> {
 
 /// A step's passes with where each instance's destinations start, its
 /// microbatch count and its copies in and out.
-struct Sequence<'a> {
-    passes: &'a [PassRef],
-    instances: &'a [usize],
-    first: &'a [usize],
-    dsts: &'a [DevPtr],
-    microbatches: u32,
-    io: &'a [IoCopy],
+pub(super) struct Sequence<'a> {
+    pub passes: &'a [PassRef],
+    pub instances: &'a [usize],
+    pub first: &'a [usize],
+    pub dsts: &'a [DevPtr],
+    pub microbatches: u32,
+    pub io: &'a [IoCopy],
+    /// Looping on the device: the loop's index and count.
+    pub state: Option<DevPtr>,
 }
 
 impl Runner<'_> {
@@ -128,6 +130,19 @@ impl Runner<'_> {
         step_io::check_sums(si, step.microbatches, &placed, &names, slots)?;
         let all: Vec<&Placed> = self.placed.iter().collect();
         let io = step_io::resolve(si, step, self.s.callables, &instances, &all)?;
+        let loop_state = match step.looping {
+            Looping::Unrolled => None,
+            Looping::Device => {
+                let m = DeviceMemory::new(self.s.backend, 8)?;
+                // The count until a replay sets it: verification replays run all.
+                let init: Vec<u8> = [0u32, step.microbatches]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                self.s.backend.upload(m.ptr(), &init)?;
+                Some(m)
+            }
+        };
         let seq = Sequence {
             passes: &passes,
             instances: &instances,
@@ -135,6 +150,7 @@ impl Runner<'_> {
             dsts: &dsts,
             microbatches: step.microbatches,
             io: &io,
+            state: loop_state.as_ref().map(|m| m.ptr()),
         };
         let looped = step.looped();
         let (mut graph, mut slot_graphs) = (None, Vec::new());
@@ -170,6 +186,8 @@ impl Runner<'_> {
             at: params.iter().map(|q| q.ptr).collect(),
             params,
             looped,
+            microbatches: step.microbatches,
+            loop_state,
         })
     }
 
@@ -187,6 +205,9 @@ impl Runner<'_> {
         block: impl Fn(usize) -> Option<DevPtr>,
         iteration: u32,
     ) -> Result<Box<dyn Graph>> {
+        if let Some(state) = seq.state {
+            return self.capture_looped(seq, state, &block, iteration);
+        }
         self.scratch.restart();
         let backend = self.s.backend.clone();
         backend.begin_capture(self.stream, self.s.opts.capture_mode)?;
@@ -204,6 +225,7 @@ impl Runner<'_> {
                 provide: false,
                 param_grads: None,
                 step_microbatch: (mb, seq.microbatches),
+                step_index: 0,
             };
             for &p in seq.passes {
                 last = p;

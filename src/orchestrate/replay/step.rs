@@ -8,7 +8,7 @@
 //! whose graphs loop over microbatches or copy data in and out has no
 //! pass-by-pass replay: it refuses instead, naming what stops it.
 
-use super::super::captured::Captured;
+use super::super::captured::{Captured, CapturedStep};
 use super::super::returned::{CloneBlock, Returned};
 use super::super::spec::ReplayArgs;
 use super::{check, run_pass, stage, Parts, Replayed};
@@ -25,12 +25,14 @@ pub(crate) fn step<'a>(
     step: u32,
     stream: StreamRef,
     params: Option<&[DevPtr]>,
+    microbatches: u32,
 ) -> Result<Replayed<'a>> {
     let n = p.cap.steps.len();
     let st = p.cap.steps.get(step as usize).ok_or_else(|| {
         Error::invalid(format!("step {step} does not exist (the session has {n})"))
     })?;
     let who = || format!("the replay of step {step}");
+    let count = count(st, step, microbatches)?;
     let _ctx = p.backend.bind()?;
     check::streams(p.backend.as_ref(), stream, None, who)?;
     if p.opts.strict_leases {
@@ -86,7 +88,7 @@ pub(crate) fn step<'a>(
             }
         }
     };
-    if let Err(e) = launch(&p, step as usize, chosen, stream) {
+    if let Err(e) = launch(&p, step as usize, chosen, stream, count) {
         put_back(&p, step as usize, &mut taken);
         p.cap.stage.taken = taken;
         return Err(e);
@@ -209,8 +211,34 @@ fn free_slot(
     Ok(None)
 }
 
-/// Launches the step's graph (or slot `chosen`'s), in the pool's order.
-fn launch(p: &Parts, step: usize, chosen: Option<usize>, stream: StreamRef) -> Result<()> {
+/// How many microbatches this replay runs (`asked`, 0: all), checked
+/// against the step's declaration.
+fn count(st: &CapturedStep, step: u32, asked: u32) -> Result<u32> {
+    let n = st.microbatches;
+    match asked {
+        0 => Ok(n),
+        a if a == n => Ok(n),
+        a if st.loop_state.is_some() && a < n => Ok(a),
+        a if st.loop_state.is_some() => Err(Error::invalid(format!(
+            "step {step} was asked for {a} microbatches; it was declared with {n}, and its io regions \
+             hold no more"
+        ))),
+        a => Err(Error::invalid(format!(
+            "step {step} was asked for {a} microbatches; it was captured unrolled for {n} (a count per \
+             replay needs GRAPHED_STEP_LOOP_WHILE)"
+        ))),
+    }
+}
+
+/// Launches the step's graph (or slot `chosen`'s), in the pool's order;
+/// a loop on the device is told its count first.
+fn launch(
+    p: &Parts,
+    step: usize,
+    chosen: Option<usize>,
+    stream: StreamRef,
+    count: u32,
+) -> Result<()> {
     let st = &p.cap.steps[step];
     let graph = match (&st.graph, chosen) {
         (Some(g), _) => g,
@@ -220,6 +248,9 @@ fn launch(p: &Parts, step: usize, chosen: Option<usize>, stream: StreamRef) -> R
     for pp in &st.passes {
         let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
         p.pool.replaying(p.key, pos)?;
+    }
+    if let Some(state) = &st.loop_state {
+        p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
     }
     graph.launch(stream)
 }

@@ -23,6 +23,7 @@ fn session(f: Fixture) -> Session {
             param_dsts: Some(&st.param_dsts),
             microbatches: st.microbatches,
             io: st.io,
+            looping: st.looping,
         })
         .unwrap();
     }
@@ -255,7 +256,7 @@ fn step_out(
     b: &Arc<dyn Backend>,
     at: Option<&[DevPtr]>,
 ) -> crate::error::Result<f32> {
-    s.step(0, StreamRef(0), at)?;
+    s.step(0, StreamRef(0), at, 0)?;
     let out = s.buffers(1, 0, Role::Output).unwrap()[0];
     Ok(read_floats(b.as_ref(), out)[0])
 }
@@ -275,10 +276,10 @@ fn a_step_follows_moved_parameters_in_its_own_graph() {
     // the registered memory.
     let input = s_input(&s);
     assert_eq!(forward(&mut s, &b, input, None).unwrap(), 1.0 + 2.0);
-    let e = s.step(0, StreamRef(0), Some(&[0])).err().unwrap();
+    let e = s.step(0, StreamRef(0), Some(&[0]), 0).err().unwrap();
     assert!(e.to_string().contains("passed to step 0"), "{e}");
     let e = s
-        .step(0, StreamRef(0), Some(&[odd.ptr(), 0]))
+        .step(0, StreamRef(0), Some(&[odd.ptr(), 0]), 0)
         .err()
         .unwrap();
     assert!(matches!(e, Error::ParamMoved(_)), "{e}");

@@ -1,0 +1,333 @@
+//! Loops inside a graph: a conditional WHILE node (CUDA 12.4 and later)
+//! whose body is captured once and runs while the microbatch index at
+//! `state[0]` is below the count at `state[1]`. The loop's kernels
+//! (scripts/gen_ptx.py, loops.ptx) are loaded on first use, apart from the
+//! others: the step kernel calls the device runtime's
+//! `cudaGraphSetConditional`, which a driver before 12.4 cannot link. The
+//! conditional-node entry points are newer than the bindings graphed builds
+//! with (cudarc's CUDA 12.0 set), so they are looked up here by name.
+
+use super::device::Inner;
+use super::driver::{check, driver_version};
+use crate::backend::{CaptureMode, DevPtr, StreamRef};
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::ptr::null_mut;
+
+/// The loop kernels, NUL-terminated for cuModuleLoadData.
+static LOOPS_PTX: &str = concat!(include_str!("loops.ptx"), "\0");
+
+/// `cuGraphConditionalHandleCreate`.
+type HandleCreate =
+    unsafe extern "C" fn(*mut u64, sys::CUgraph, sys::CUcontext, u32, u32) -> sys::CUresult;
+/// `cuGraphAddNode` (the CUDA 12.2 signature, without edge data).
+type AddNode = unsafe extern "C" fn(
+    *mut sys::CUgraphNode,
+    sys::CUgraph,
+    *const sys::CUgraphNode,
+    usize,
+    *mut NodeParams,
+) -> sys::CUresult;
+
+/// `CUDA_CONDITIONAL_NODE_PARAMS`.
+#[repr(C)]
+struct ConditionalParams {
+    handle: u64,
+    kind: u32,
+    size: u32,
+    graphs_out: *mut sys::CUgraph,
+    ctx: sys::CUcontext,
+}
+
+/// `CUgraphNodeParams` holding a conditional node's parameters: the type,
+/// reserved words, the 232-byte union, a reserved word (256 bytes).
+#[repr(C)]
+struct NodeParams {
+    kind: u32,
+    reserved0: [i32; 3],
+    conditional: ConditionalParams,
+    rest_of_union: [i64; 25],
+    reserved2: i64,
+}
+
+const NODE_TYPE_CONDITIONAL: u32 = 13;
+const CONDITIONAL_WHILE: u32 = 1;
+/// The handle's value is reset to its default at every launch.
+const ASSIGN_DEFAULT: u32 = 1;
+/// The first CUDA version with conditional WHILE nodes that kernels set.
+const NEEDS: i32 = 12040;
+
+/// The loop kernels and entry points of one device.
+pub(super) struct Loops {
+    pub module: sys::CUmodule,
+    copy_indexed: sys::CUfunction,
+    next: sys::CUfunction,
+    handle_create: HandleCreate,
+    add_node: AddNode,
+}
+
+/// Looks an entry point up by name.
+fn symbol<T: Copy>(name: &str) -> Result<T> {
+    // SAFETY: the driver is loaded (a device is open); `get` only looks
+    // the symbol up, and T is the function type its CUDA header declares.
+    let lib = unsafe { sys::culib() };
+    // SAFETY: as above.
+    unsafe { lib.get::<T>(name.as_bytes()) }
+        .map(|f| *f)
+        .map_err(|_| Error::Unsupported(format!("the CUDA driver has no {name}")))
+}
+
+/// Loads the loop kernels and entry points (the context is bound); an
+/// Unsupported error says why a driver cannot loop.
+pub(super) fn load_loops() -> Result<Loops> {
+    let v = driver_version()?;
+    if v < NEEDS {
+        return Err(Error::Unsupported(format!(
+            "looping over microbatches in one graph needs conditional graph nodes (CUDA 12.4 or newer); \
+             this driver is CUDA {}.{}",
+            v / 1000,
+            (v % 1000) / 10
+        )));
+    }
+    let handle_create = symbol::<HandleCreate>("cuGraphConditionalHandleCreate")?;
+    let add_node = symbol::<AddNode>("cuGraphAddNode")?;
+    let mut module: sys::CUmodule = null_mut();
+    // SAFETY: the image is a NUL-terminated PTX string; the context is bound.
+    check("cuModuleLoadData(loop kernels)", unsafe {
+        sys::cuModuleLoadData(&mut module, LOOPS_PTX.as_ptr().cast())
+    })?;
+    let get = |name: &'static [u8]| -> Result<sys::CUfunction> {
+        let mut f: sys::CUfunction = null_mut();
+        // SAFETY: the module is loaded; `name` is NUL-terminated.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut f, module, name.as_ptr().cast())
+        })?;
+        Ok(f)
+    };
+    match (get(b"graphed_copy_indexed\0"), get(b"graphed_loop_next\0")) {
+        (Ok(copy_indexed), Ok(next)) => Ok(Loops {
+            module,
+            copy_indexed,
+            next,
+            handle_create,
+            add_node,
+        }),
+        (Err(e), _) | (_, Err(e)) => {
+            // SAFETY: loaded above, not used after this.
+            unsafe { sys::cuModuleUnload(module) };
+            Err(e)
+        }
+    }
+}
+
+/// Launches `f` with `args` (u64 parameters, passed by address) on one
+/// grid of `blocks` x 256 threads.
+///
+/// # Safety
+/// `f` takes exactly these u64 parameters, and the memory they name holds
+/// what the kernel reads and writes.
+unsafe fn launch(
+    f: sys::CUfunction,
+    args: &mut [u64],
+    blocks: u32,
+    stream: StreamRef,
+) -> Result<()> {
+    let mut params: Vec<*mut c_void> = args.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+    // SAFETY: per this function's contract.
+    check("cuLaunchKernel(loop kernel)", unsafe {
+        sys::cuLaunchKernel(
+            f,
+            blocks,
+            1,
+            1,
+            256,
+            1,
+            1,
+            0,
+            stream.0 as sys::CUstream,
+            params.as_mut_ptr(),
+            null_mut(),
+        )
+    })
+}
+
+impl Loops {
+    /// Copies `bytes` from `src + i * src_stride` to `dst + i * dst_stride`,
+    /// i the u32 at `index` when the copy runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_indexed(
+        &self,
+        sm_count: u32,
+        dst: DevPtr,
+        dst_stride: usize,
+        src: DevPtr,
+        src_stride: usize,
+        bytes: usize,
+        index: DevPtr,
+        stream: StreamRef,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let blocks = (bytes / 16).div_ceil(256).clamp(1, sm_count as usize * 8) as u32;
+        let mut args = [
+            dst,
+            dst_stride as u64,
+            src,
+            src_stride as u64,
+            bytes as u64,
+            index,
+        ];
+        // SAFETY: the kernel takes these six u64; the caller's regions hold
+        // `bytes` at every index the loop reaches, and `index` a u32.
+        unsafe { launch(self.copy_indexed, &mut args, blocks, stream) }
+    }
+
+    /// Records, into the capture running on `stream`, a WHILE node whose
+    /// body `body` records (into the stream it is given) and ends with the
+    /// loop's step kernel on `state`; the capture goes on after the node.
+    /// The body always runs once: the node's value is 1 at each launch.
+    pub fn capture(
+        &self,
+        inner: &Inner,
+        stream: StreamRef,
+        state: DevPtr,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        let s = stream.0 as sys::CUstream;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph, mut deps, mut ndeps) = (0u64, null_mut(), std::ptr::null(), 0usize);
+        // SAFETY: a capturing stream and valid out pointers; `deps` points
+        // into driver memory valid until the next capture call on `s`.
+        check("cuStreamGetCaptureInfo_v2", unsafe {
+            sys::cuStreamGetCaptureInfo_v2(
+                s,
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut ndeps,
+            )
+        })?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null()
+        {
+            return Err(Error::state(
+                "a loop is recorded only into an active capture",
+            ));
+        }
+        let mut handle = 0u64;
+        // SAFETY: the capture's graph, our bound context, a valid out pointer.
+        check("cuGraphConditionalHandleCreate", unsafe {
+            (self.handle_create)(&mut handle, graph, inner.ctx, 1, ASSIGN_DEFAULT)
+        })?;
+        let mut p = NodeParams {
+            kind: NODE_TYPE_CONDITIONAL,
+            reserved0: [0; 3],
+            conditional: ConditionalParams {
+                handle,
+                kind: CONDITIONAL_WHILE,
+                size: 1,
+                graphs_out: null_mut(),
+                ctx: inner.ctx,
+            },
+            rest_of_union: [0; 25],
+            reserved2: 0,
+        };
+        let mut node: sys::CUgraphNode = null_mut();
+        // SAFETY: the capture's graph and its current dependencies (read
+        // just above, nothing captured since); params laid out as the
+        // driver's CUgraphNodeParams.
+        check("cuGraphAddNode(while)", unsafe {
+            (self.add_node)(&mut node, graph, deps, ndeps, &mut p)
+        })?;
+        if p.conditional.graphs_out.is_null() {
+            return Err(Error::Internal(
+                "the WHILE node came without a body graph".into(),
+            ));
+        }
+        // SAFETY: the driver filled one body graph (size 1), owned by the node.
+        let body_graph = unsafe { *p.conditional.graphs_out };
+        // The capture goes on after the loop.
+        // SAFETY: a node of the capture's graph.
+        check("cuStreamUpdateCaptureDependencies", unsafe {
+            sys::cuStreamUpdateCaptureDependencies(
+                s,
+                &mut node,
+                1,
+                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
+                    as u32,
+            )
+        })?;
+        self.capture_body(inner, body_graph, state, handle, mode, body)
+    }
+
+    /// Captures the body on a stream of its own into a graph, then adds
+    /// that graph to the WHILE node's body as a child graph.
+    fn capture_body(
+        &self,
+        inner: &Inner,
+        body_graph: sys::CUgraph,
+        state: DevPtr,
+        handle: u64,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        let _ctx = inner.bind()?;
+        let mut ls: sys::CUstream = null_mut();
+        // SAFETY: valid out pointer, context bound.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut ls, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
+        let loop_stream = StreamRef(ls as usize);
+        let mode = match mode {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            }
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: a fresh stream, not capturing.
+        let begun = check("cuStreamBeginCapture(loop body)", unsafe {
+            sys::cuStreamBeginCapture_v2(ls, mode)
+        });
+        let ran = begun.and_then(|_| body(loop_stream)).and_then(|_| {
+            let mut args = [state, handle];
+            // SAFETY: the step kernel takes (state, handle); state holds two u32.
+            unsafe { launch(self.next, &mut args, 1, loop_stream) }
+        });
+        let mut captured: sys::CUgraph = null_mut();
+        // SAFETY: ends the capture begun above (an error if it was not).
+        let ended = check("cuStreamEndCapture(loop body)", unsafe {
+            sys::cuStreamEndCapture(ls, &mut captured)
+        });
+        let added = match (&ran, &ended) {
+            (Ok(()), Ok(())) if !captured.is_null() => {
+                let mut child: sys::CUgraphNode = null_mut();
+                // SAFETY: the WHILE node's body graph and a captured graph
+                // (cloned into the child node).
+                check("cuGraphAddChildGraphNode(loop body)", unsafe {
+                    sys::cuGraphAddChildGraphNode(
+                        &mut child,
+                        body_graph,
+                        std::ptr::null(),
+                        0,
+                        captured,
+                    )
+                })
+            }
+            _ => Ok(()),
+        };
+        if !captured.is_null() {
+            // SAFETY: the captured graph was cloned into the child node (or
+            // is not used); destroyed once.
+            unsafe { sys::cuGraphDestroy(captured) };
+        }
+        // SAFETY: our stream; its capture has ended.
+        unsafe { sys::cuStreamDestroy_v2(ls) };
+        ran?;
+        ended?;
+        added
+    }
+}

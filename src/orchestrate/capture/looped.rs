@@ -1,0 +1,159 @@
+//! Steps that loop on the device: one capture holds a prologue (the loop's
+//! index set to 0, the sums the grads go into started at -0.0) and one
+//! conditional WHILE node whose body is one microbatch (its copies in, at
+//! offsets the device computes from the index, the passes, its copies
+//! out, every grad added to its sum). The graph is the same size whatever
+//! the count, and a replay names the count. Adding to -0.0 gives each sum's
+//! first grad exactly (-0.0 + x is x for every x), so the sums equal eager
+//! accumulation bit for bit, as the unrolled capture's do.
+
+use super::super::external::Provided;
+use super::super::grads::enqueue_sums;
+use super::super::instance::PassRef;
+use super::super::spec::Phase;
+use super::run::{Call, Runner, ViewBuffers};
+use super::steps::Sequence;
+use crate::backend::{AccItem, DevPtr, Graph, StreamRef};
+use crate::core::returns::ParamReturn;
+use crate::error::{Error, Result};
+
+/// -0.0's bits in an element of `size` bytes (f32; f16 and bf16).
+fn negative_zero(size: usize) -> Option<u32> {
+    match size {
+        4 => Some(0x8000_0000),
+        2 => Some(0x8000),
+        _ => None,
+    }
+}
+
+impl Runner<'_> {
+    /// Captures the looped form of a step (see the module comment); an
+    /// instance with a block (`block(instance)`) sums its CLONE grads
+    /// there. `state` holds the loop's index and count.
+    pub(super) fn capture_looped(
+        &mut self,
+        seq: &Sequence,
+        state: DevPtr,
+        block: &dyn Fn(usize) -> Option<DevPtr>,
+        iteration: u32,
+    ) -> Result<Box<dyn Graph>> {
+        self.scratch.restart();
+        let backend = self.s.backend.clone();
+        let mode = self.s.opts.capture_mode;
+        let main = self.stream;
+        backend.begin_capture(main, mode)?;
+        let mut prologue = backend.fill(state, 0, 4, 1, main);
+        if prologue.is_ok() {
+            prologue = self.start_sums(seq, block);
+        }
+        let (mut ran, mut last) = (Ok(()), seq.passes[0]);
+        let mut body = Ok(());
+        if prologue.is_ok() {
+            let mut acc = Vec::new();
+            body = backend.capture_loop(main, state, mode, &mut |ls| {
+                self.stream = ls;
+                let out =
+                    self.loop_body(seq, state, block, iteration, &mut ran, &mut last, &mut acc);
+                self.stream = main;
+                out
+            });
+        }
+        let ended = backend.end_capture(main);
+        let g = self.finish(last, ran, ended)?;
+        prologue?;
+        body?;
+        Ok(g)
+    }
+
+    /// Sets every sum the loop adds grads to (COPY_INTO destinations, CLONE
+    /// places in the blocks) to -0.0, on the capturing stream.
+    fn start_sums(&self, seq: &Sequence, block: &dyn Fn(usize) -> Option<DevPtr>) -> Result<()> {
+        let backend = self.s.backend.as_ref();
+        for (k, &i) in seq.instances.iter().enumerate() {
+            let inst = &self.placed[i];
+            for (j, t) in inst.param_grads.iter().enumerate() {
+                let at = match t.ret {
+                    ParamReturn::CopyInto => seq.dsts[seq.first[k] + j],
+                    ParamReturn::Clone { offset } => match block(i) {
+                        Some(b) => b + offset as DevPtr,
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                let size = t.dtype.size();
+                let pattern = negative_zero(size).ok_or_else(|| {
+                    Error::Incompatible(format!(
+                        "param {j} of callable '{}' has {} grads, which graphed does not sum",
+                        self.s.callables[inst.callable].name,
+                        t.dtype.name()
+                    ))
+                })?;
+                backend.fill(at, pattern, size, t.bytes / size, self.stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One microbatch, recorded on the loop's stream (`self.stream` while
+    /// it runs). A failed callback leaves its code in `ran` and stops.
+    #[allow(clippy::too_many_arguments)]
+    fn loop_body(
+        &mut self,
+        seq: &Sequence,
+        state: DevPtr,
+        block: &dyn Fn(usize) -> Option<DevPtr>,
+        iteration: u32,
+        ran: &mut std::result::Result<(), i32>,
+        last: &mut PassRef,
+        acc: &mut Vec<AccItem>,
+    ) -> Result<()> {
+        let backend = self.s.backend.clone();
+        let s: StreamRef = self.stream;
+        let call = Call {
+            phase: Phase::Capture,
+            iteration,
+            hooks: false,
+            provide: false,
+            param_grads: None,
+            step_microbatch: (0, seq.microbatches),
+            step_index: state,
+        };
+        for &p in seq.passes {
+            *last = p;
+            let inst = &self.placed[p.instance];
+            for c in seq.io {
+                c.enqueue_indexed(backend.as_ref(), p, true, state, s)?;
+            }
+            let context = self.context(p, "the capture of a step's loop");
+            let provided = Provided::new(Vec::new(), context.clone());
+            self.scratch.set_context(context);
+            let bufs = ViewBuffers::of(inst, None);
+            let view = self.view(&bufs, p, &call, Some(self.scratch), Some(&provided));
+            *ran = self.s.callables[inst.callable].callbacks.run(&view);
+            if ran.is_err() {
+                return Err(Error::state("a callback of the loop's body failed"));
+            }
+            if backend.capture_invalidated(s)? {
+                return Err(Error::state(format!(
+                    "the capture of the loop's body was invalidated by the {} callback of callable '{}' \
+                     (a loop's body holds kernels, copies and sets only: no events, no forked work)",
+                    p.kind, self.s.callables[inst.callable].name
+                )));
+            }
+            for c in seq.io {
+                c.enqueue_indexed(backend.as_ref(), p, false, state, s)?;
+            }
+            if p.kind == inst.grad_pass() {
+                let k = seq
+                    .instances
+                    .iter()
+                    .position(|&i| i == p.instance)
+                    .unwrap_or(0);
+                let base = seq.first[k];
+                let dst = |j: usize| seq.dsts[base + j];
+                enqueue_sums(backend.as_ref(), inst, dst, block(p.instance), acc, s)?;
+            }
+        }
+        Ok(())
+    }
+}
