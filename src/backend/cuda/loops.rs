@@ -7,7 +7,6 @@
 //! conditional-node entry points are newer than the bindings graphed builds
 //! with (cudarc's CUDA 12.0 set), so they are looked up here by name.
 
-use super::device::Inner;
 use super::driver::{check, driver_version};
 use crate::backend::{CaptureMode, DevPtr, StreamRef};
 use crate::error::{Error, Result};
@@ -188,9 +187,10 @@ impl Loops {
     /// body `body` records (into the stream it is given) and ends with the
     /// loop's step kernel on `state`; the capture goes on after the node.
     /// The body always runs once: the node's value is 1 at each launch.
+    /// `ctx` is the device's context, bound.
     pub fn capture(
         &self,
-        inner: &Inner,
+        ctx: sys::CUcontext,
         stream: StreamRef,
         state: DevPtr,
         mode: CaptureMode,
@@ -220,7 +220,7 @@ impl Loops {
         let mut handle = 0u64;
         // SAFETY: the capture's graph, our bound context, a valid out pointer.
         check("cuGraphConditionalHandleCreate", unsafe {
-            (self.handle_create)(&mut handle, graph, inner.ctx, 1, ASSIGN_DEFAULT)
+            (self.handle_create)(&mut handle, graph, ctx, 1, ASSIGN_DEFAULT)
         })?;
         let mut p = NodeParams {
             kind: NODE_TYPE_CONDITIONAL,
@@ -230,7 +230,7 @@ impl Loops {
                 kind: CONDITIONAL_WHILE,
                 size: 1,
                 graphs_out: null_mut(),
-                ctx: inner.ctx,
+                ctx,
             },
             rest_of_union: [0; 25],
             reserved2: 0,
@@ -260,21 +260,19 @@ impl Loops {
                     as u32,
             )
         })?;
-        self.capture_body(inner, body_graph, state, handle, mode, body)
+        self.capture_body(body_graph, state, handle, mode, body)
     }
 
     /// Captures the body on a stream of its own into a graph, then adds
     /// that graph to the WHILE node's body as a child graph.
     fn capture_body(
         &self,
-        inner: &Inner,
         body_graph: sys::CUgraph,
         state: DevPtr,
         handle: u64,
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()> {
-        let _ctx = inner.bind()?;
         let mut ls: sys::CUstream = null_mut();
         // SAFETY: valid out pointer, context bound.
         check("cuStreamCreate", unsafe {

@@ -158,9 +158,10 @@ impl Backend for CudaBackend {
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()> {
+        let _ctx = self.inner.bind()?;
         self.inner
             .loops()?
-            .capture(&self.inner, stream, state, mode, body)
+            .capture(self.inner.ctx, stream, state, mode, body)
     }
 
     fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()> {

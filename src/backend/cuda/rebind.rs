@@ -443,10 +443,12 @@ pub(super) fn plan(
             // Events, waits, empty nodes and graph allocations take no
             // address of the range.
             NODE_EMPTY..=NODE_MEM_FREE => {}
-            other => return Ok(RebindPlan::Refused(format!(
+            other => {
+                return Ok(RebindPlan::Refused(format!(
                 "the graph has a node of type {other} (a conditional node, or a type newer than \
                      graphed), which is not looked into"
-            ))),
+            )))
+            }
         }
     }
     if patches.is_empty() {
