@@ -8,7 +8,9 @@
 //! fuzzed descriptors, capture, replay forward/backward/weight-grad with
 //! fuzzed arguments, release and retain clone blocks and leases (live,
 //! stale and forged), query stats, buffers, policies and the plan dump,
-//! reset and destroy in any order; replays and step replays are given the
+//! declare steps (over microbatches, with io copies into harness memory,
+//! in descriptors of every layout) and replay them, reset and destroy in
+//! any order; replays and step replays are given the
 //! parameters' addresses (registered, NULL, moved, aligned or not, wrong
 //! counts), which the host backend never follows (PARAM_MOVED, and a
 //! refusal changes nothing). The callbacks read their behaviour from
@@ -209,15 +211,20 @@ fn run(data: &[u8]) {
     let mut ops = 0;
     while !i.done() && ops < 200 {
         ops += 1;
+        let at = i.pos.get();
         let b = i.byte();
         let op = b % 24;
-        trace!("op {op} ({b})");
+        trace!("op {op} ({b}) at {at}");
         if b >= 248 {
-            // The parameters' addresses and whether they can move: the
-            // last byte values (read as ops 8 to 15 before), so that inputs
-            // without them keep their meaning.
+            // The parameters' addresses and whether they can move, and
+            // steps over microbatches with io copies: the last byte values
+            // (read as ops 8 to 15 before), so that inputs without them
+            // keep their meaning.
             match b {
-                248..=250 => op_replay_params(0),
+                248 | 250 => op_replay_params(0),
+                // Once op_replay_params(0) too: the inputs that read it
+                // here (18 of the committed 2083) now declare a step.
+                249 => op_add_step_io(),
                 251 => op_replay_params(1),
                 252 => op_replay_params(2),
                 253 | 254 => op_step_replay_params(),

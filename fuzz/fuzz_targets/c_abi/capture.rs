@@ -111,7 +111,14 @@ pub fn op_capture(t: Target) {
     trace!("capture {t:?} want {want:?}");
     mark();
     let st = graphed_session_capture(t.ptr());
-    trace!("capture {t:?} -> {st:?}");
+    trace!(
+        "capture {t:?} -> {st:?}{}",
+        if st == S::Ok {
+            String::new()
+        } else {
+            format!(": {}", msg())
+        }
+    );
     wd.depth.set(wd.depth.get() - 1);
     let frame = if let (Some(_), false) = (k, pre_only) {
         wd.frames.borrow_mut().pop()
@@ -135,14 +142,14 @@ pub fn op_capture(t: Target) {
             }
         }
         (Some(f), None) => {
-            let bad_step = k.is_some_and(step_lacks_destination);
-            let mut ok: Vec<graphed_status> = match f.first {
-                Some(e) => vec![e],
-                // A step's destinations are checked when it is captured,
-                // after every pass.
-                None if bad_step => vec![S::InvalidArgument],
+            let step_err = k.and_then(step_capture_error);
+            let mut ok: Vec<graphed_status> = match (f.first, &step_err) {
+                (Some(e), _) => vec![e],
+                // Steps are checked when they are captured, after every
+                // pass, one after the other.
+                (None, Some(e)) => e.statuses.clone(),
                 // The measured scratch arena may be too large to allocate.
-                None => vec![S::Ok, S::OutOfMemory],
+                (None, None) => vec![S::Ok, S::OutOfMemory],
             };
             if lenient_sched && !f.ran {
                 ok.push(S::InvalidSchedule);
@@ -151,6 +158,17 @@ pub fn op_capture(t: Target) {
                 ok.push(S::OutOfMemory);
             }
             expect(st, &ok, "graphed_session_capture", "capture outcome");
+            if let (None, Some(e)) = (f.first, &step_err) {
+                if st == e.statuses[0] {
+                    let m = msg();
+                    for t in &e.texts {
+                        assert!(
+                            m.contains(t.as_str()),
+                            "capture refused a step: {m:?} does not say {t:?}"
+                        );
+                    }
+                }
+            }
             if st == S::CallbackFailed {
                 let m = msg();
                 match &f.said {

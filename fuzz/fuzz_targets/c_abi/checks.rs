@@ -62,6 +62,12 @@ pub fn check_clones() {
                 "a held clone changed before its release"
             );
         }
+        for &(p, n, v) in &b.words {
+            assert!(
+                all_words(p, n, v),
+                "a held clone (a sum over microbatches) changed before its release"
+            );
+        }
     }
 }
 

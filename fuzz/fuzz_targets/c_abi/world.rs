@@ -85,12 +85,33 @@ pub struct Sess {
     pub steps: Vec<StepModel>,
 }
 
-/// A declared step: its callables, and one destination per parameter of
-/// theirs, in order (0: none).
+/// A declared step: its callables, one destination per parameter of
+/// theirs, in order (0: none), its microbatch count and its copies in and
+/// out (graphed_step_io, into memory of `mem`).
 #[derive(Clone, Debug)]
 pub struct StepModel {
     pub callables: Vec<usize>,
     pub dsts: Vec<usize>,
+    pub microbatches: u32,
+    pub io: Vec<IoModel>,
+}
+
+impl StepModel {
+    /// Whether its graph loops over microbatches or copies data (no
+    /// pass-by-pass replay then).
+    pub fn looped(&self) -> bool {
+        self.microbatches > 1 || !self.io.is_empty()
+    }
+}
+
+/// A graphed_step_io entry as the library reads it.
+#[derive(Clone, Debug)]
+pub struct IoModel {
+    pub callable: u32,
+    pub role: u32,
+    pub index: u32,
+    pub ptr: usize,
+    pub stride: usize,
 }
 
 /// A capture call in progress.
@@ -117,7 +138,15 @@ pub struct HeldBlock {
     pub owner: usize,
     pub refs: usize,
     pub sess: usize,
+    /// Clones holding one byte value each: (ptr, bytes, value).
     pub grads: Vec<(usize, usize, u8)>,
+    /// Clones holding one 4-byte element value each (the f32 sums of a
+    /// step over microbatches): (ptr, bytes, element bits).
+    pub words: Vec<(usize, usize, u32)>,
+    /// The instance whose clone ring it came from: (callable, microbatch).
+    pub inst: (usize, u32),
+    /// Known to be a clone slot block (a looped step's replay took it).
+    pub slot: bool,
 }
 
 pub struct Lease {
@@ -259,4 +288,12 @@ pub fn all_bytes(p: usize, n: usize, b: u8) -> bool {
     unsafe { std::slice::from_raw_parts(p as *const u8, n) }
         .iter()
         .all(|&x| x == b)
+}
+
+/// Whether every 4-byte element of `n` bytes at `p` holds `v`.
+pub fn all_words(p: usize, n: usize, v: u32) -> bool {
+    // SAFETY: as all_bytes.
+    unsafe { std::slice::from_raw_parts(p as *const u8, n) }
+        .chunks_exact(4)
+        .all(|c| u32::from_ne_bytes(c.try_into().unwrap()) == v)
 }

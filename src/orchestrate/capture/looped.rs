@@ -12,6 +12,7 @@ use super::super::grads::enqueue_sums;
 use super::super::instance::PassRef;
 use super::super::spec::Phase;
 use super::run::{Call, Runner, ViewBuffers};
+use super::step_io::summable;
 use super::steps::Sequence;
 use crate::backend::{AccItem, DevPtr, Graph, StreamRef};
 use crate::core::returns::ParamReturn;
@@ -80,14 +81,10 @@ impl Runner<'_> {
                     },
                     _ => continue,
                 };
+                summable(&self.s.callables[inst.callable].name, j, t.dtype)?;
                 let size = t.dtype.size();
-                let pattern = negative_zero(size).ok_or_else(|| {
-                    Error::Incompatible(format!(
-                        "param {j} of callable '{}' has {} grads, which graphed does not sum",
-                        self.s.callables[inst.callable].name,
-                        t.dtype.name()
-                    ))
-                })?;
+                let pattern = negative_zero(size)
+                    .ok_or_else(|| Error::Internal(format!("-0.0 of {}", t.dtype.name())))?;
                 backend.fill(at, pattern, size, t.bytes / size, self.stream)?;
             }
         }

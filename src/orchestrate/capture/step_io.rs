@@ -8,6 +8,7 @@ use super::super::spec::{CallableSpec, StepSpec};
 use super::super::steps::region;
 use super::super::tensor::{Feed, Place};
 use crate::backend::{Backend, DevPtr, IndexedCopy, StreamRef};
+use crate::core::dtype::DType;
 use crate::core::layout::Role;
 use crate::core::returns::ParamReturn;
 use crate::core::strided::Strided;
@@ -193,7 +194,29 @@ pub(crate) fn check_sums(
             )));
         }
     }
+    // Every later microbatch's grads are added to the first's: only the
+    // dtypes graphed adds (ACCUMULATE_INTO grads were checked at
+    // registration).
+    for (inst, name) in placed.iter().zip(names) {
+        for (j, t) in inst.param_grads.iter().enumerate() {
+            if matches!(t.ret, ParamReturn::Clone { .. } | ParamReturn::CopyInto) {
+                summable(name, j, t.dtype)?;
+            }
+        }
+    }
     Ok(())
+}
+
+/// Refuses grads of a dtype graphed does not add (it adds f32, f16, bf16).
+pub(crate) fn summable(callable: &str, j: usize, dtype: DType) -> Result<()> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::Bf16 => Ok(()),
+        other => Err(Error::Incompatible(format!(
+            "param {j} of callable '{callable}' has {} grads, which graphed does not sum over \
+             microbatches (it sums f32, f16 and bf16)",
+            other.name()
+        ))),
+    }
 }
 
 #[cfg(test)]

@@ -41,6 +41,7 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
     assert!(ctx.phase <= 1 && ctx.pass <= 2);
     let (cl, sess_h, mb_known) = {
         let s = &wd.sessions.borrow()[cb.sess];
+        check_step_microbatch(ctx, cb, s);
         (s.callables[cb.callable].clone(), s.h, s.mb)
     };
     if mb_known != 0 {
@@ -161,5 +162,35 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         gins,
         pgrads,
         measuring,
+    }
+}
+
+/// Which microbatch of a step the call records: 0 of 1 outside the
+/// capture of a step over several (and for hooks, which steps do not run,
+/// and in warmup); under it, one of a count a step of this callable was
+/// declared with, on the callable's first instance. No step here loops on
+/// the device: no index to read there.
+fn check_step_microbatch(ctx: &graphed_pass_ctx, cb: &Cb, s: &Sess) {
+    let (m, n) = (ctx.step_microbatch, ctx.step_microbatches);
+    assert!(
+        ctx.step_microbatch_index.is_null(),
+        "step_microbatch_index outside a loop on the device"
+    );
+    assert!(m < n, "step_microbatch {m} of {n}");
+    if cb.hook || ctx.phase == 0 {
+        assert_eq!((m, n), (0, 1), "step microbatch of a hook or a warmup call");
+    }
+    if n > 1 {
+        assert!(
+            s.steps
+                .iter()
+                .any(|st| st.microbatches == n && st.callables.contains(&cb.callable)),
+            "step_microbatches {n}: no step of callable {} has that many",
+            cb.callable
+        );
+        assert_eq!(
+            ctx.microbatch, 0,
+            "a step's callables are their first instances"
+        );
     }
 }

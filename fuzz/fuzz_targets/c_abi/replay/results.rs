@@ -201,6 +201,9 @@ pub(super) fn check_results(kind: u32, func: &str, epoch: u8, built: Built) {
                         refs: 0,
                         sess: k,
                         grads: Vec::new(),
+                        words: Vec::new(),
+                        inst: (c as usize, mb),
+                        slot: false,
                     });
                     assert_eq!(
                         blk.owner, r.owner,

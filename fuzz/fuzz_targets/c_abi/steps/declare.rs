@@ -1,10 +1,27 @@
 //! Declaring a step (graphed_session_add_step) with fuzzed callables,
-//! destinations and descriptor, checked in graphed's order against the
-//! model.
+//! destinations and descriptor (and, from `op_add_step_io`, microbatches,
+//! io copies, the loop mode and the descriptor's layout), checked in
+//! graphed's order against the model.
 
 use super::*;
 
 pub fn op_add_step() {
+    add_step_with(false)
+}
+
+/// A step with a fuzzed microbatch count and io array, in a descriptor of
+/// any layout since the first release (read after every other choice).
+pub fn op_add_step_io() {
+    add_step_with(true)
+}
+
+/// The fields a descriptor of `size` bytes holds past the first release's:
+/// (io and its count, microbatches, loop_mode).
+fn layout_holds(size: usize) -> (bool, bool, bool) {
+    (size >= 64, size >= 68, size >= 72)
+}
+
+fn add_step_with(ext: bool) {
     let wd = w();
     let i = &wd.input;
     let t = target_where(|s| s.st == St::Open && !s.callables.is_empty());
@@ -63,6 +80,25 @@ pub fn op_add_step() {
         _ => {}
     }
     let mut d = graphed_step_desc_default();
+    assert_eq!(
+        (
+            d.struct_size,
+            d.magic,
+            d.io,
+            d.num_io,
+            d.microbatches,
+            d.loop_mode
+        ),
+        (
+            size_of::<graphed_step_desc>(),
+            GRAPHED_STEP_DESC_MAGIC,
+            null(),
+            0,
+            1,
+            0
+        ),
+        "graphed_step_desc_default"
+    );
     d.callables = if cs.is_empty() && i.chance(60) {
         null()
     } else {
@@ -100,6 +136,30 @@ pub fn op_add_step() {
         2 => d.struct_size = size_of::<graphed_step_desc>() + 8,
         _ => {}
     }
+    // Microbatches, io and the layout: after every other choice.
+    let mut io = None;
+    let mut loop_bad = None;
+    if ext {
+        d.microbatches = fuzz_microbatches();
+        let a = fuzz_io(&calls, &cs, d.microbatches);
+        d.io = a.ptr;
+        d.num_io = a.count;
+        io = Some(a);
+        if i.chance(16) {
+            d.loop_mode = i.pick(&[2, u32::MAX]);
+            loop_bad = Some(d.loop_mode);
+        }
+        let size = i.pick(&[72, 72, 72, 72, 48, 56, 64, 68]);
+        if struct_err.is_none() && d.struct_size == size_of::<graphed_step_desc>() {
+            d.struct_size = size;
+        }
+    }
+    let (io_read, mb_read, loop_read) = layout_holds(d.struct_size);
+    // Kept until the call returns; what the library reads of it.
+    let io_arg = io;
+    let io = io_arg.as_ref().filter(|_| io_read && d.num_io > 0);
+    let microbatches = if mb_read { d.microbatches } else { 1 };
+    let loop_bad = loop_bad.filter(|_| loop_read);
     let mut buf = vec![0u64; size_of::<graphed_step_desc>() / 8 + 2];
     // SAFETY: buf holds the struct.
     unsafe { (buf.as_mut_ptr() as *mut graphed_step_desc).write(d) };
@@ -118,7 +178,24 @@ pub fn op_add_step() {
     first(&mut want, struct_err);
     first(&mut want, callables_null.then_some(S::NullPointer));
     first(&mut want, dst_count_null.then_some(S::InvalidArgument));
+    let mut text: Option<String> = None;
+    let mut refuse = |want: &mut Option<graphed_status>, r: Option<Refusal>| {
+        if want.is_none() {
+            if let Some((e, m)) = r {
+                *want = Some(e);
+                text = Some(m);
+            }
+        }
+    };
+    refuse(&mut want, io.and_then(|a| a.read_err.clone()));
     first(&mut want, t.lock());
+    refuse(
+        &mut want,
+        loop_bad.map(|v| {
+            let m = format!("desc.loop_mode: {v} is not a graphed_step_loop value");
+            (S::InvalidArgument, m)
+        }),
+    );
     if let Some((st, calls, sched)) = &model {
         match st {
             St::Captured => first(&mut want, Some(S::WrongState)),
@@ -130,6 +207,17 @@ pub fn op_add_step() {
             (!matches!(sched, Some(None))).then_some(S::Incompatible),
         );
         first(&mut want, cs.is_empty().then_some(S::InvalidArgument));
+        refuse(
+            &mut want,
+            match microbatches {
+                0 => Some((S::InvalidArgument, "microbatches is 0".into())),
+                m if m > GRAPHED_STEP_MAX_MICROBATCHES => Some((
+                    S::InvalidArgument,
+                    format!("microbatches is {m}: a step's graph holds at most 4096"),
+                )),
+                _ => None,
+            },
+        );
         for (k, &c) in cs.iter().enumerate() {
             // Callables are checked in order: an unknown one ends the checks.
             if c as usize >= calls.len() {
@@ -146,9 +234,16 @@ pub fn op_add_step() {
             &mut want,
             (given.len() != params.len()).then_some(S::InvalidArgument),
         );
+        if let Some(a) = io {
+            refuse(&mut want, io_refusal(calls, &cs, microbatches, &a.entries));
+        }
     }
     let mut index = 0xabcd_u32;
-    trace!("add_step {t:?} callables {cs:?} dsts {given:?} want {want:?}");
+    trace!(
+        "add_step {t:?} callables {cs:?} dsts {given:?} size {} mb {microbatches} io {:?} want {want:?} {text:?}",
+        d.struct_size,
+        io.as_ref().map(|a| (a.count, &a.entries))
+    );
     mark();
     // SAFETY: every pointer is NULL or to a live local of the stated size.
     let r = unsafe {
@@ -166,6 +261,13 @@ pub fn op_add_step() {
     );
     if r != S::Ok {
         assert_eq!(index, 0xabcd, "step index written on failure");
+        if let Some(t) = text.filter(|_| want == Some(r)) {
+            let m = msg();
+            assert!(
+                m.contains(&t),
+                "graphed_session_add_step: {m:?} does not say {t:?}"
+            );
+        }
         return;
     }
     let Target::Live(k) = t else { unreachable!() };
@@ -174,5 +276,7 @@ pub fn op_add_step() {
     ss[k].steps.push(StepModel {
         callables: cs.iter().map(|&c| c as usize).collect(),
         dsts: given,
+        microbatches,
+        io: io.map_or(Vec::new(), |a| a.entries.clone()),
     });
 }

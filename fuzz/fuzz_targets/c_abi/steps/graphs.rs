@@ -1,6 +1,5 @@
 //! The model of declared steps: whether their callables have external
-//! buffers or lack a destination, and how many step graphs a capture makes
-//! of them.
+//! buffers, and how many step graphs a capture makes of them.
 
 use super::*;
 
@@ -14,21 +13,6 @@ pub fn step_has_external(s: &Sess) -> bool {
 
 pub fn callable_is_external(cl: &Callable) -> bool {
     cl.inputs.iter().chain(&cl.outputs).any(|t| t.external) || cl.params.iter().any(|p| p.external)
-}
-
-/// Whether a declared step of session `k` lacks a destination that a
-/// parameter's frozen policy (COPY_INTO, ACCUMULATE_INTO) needs: capture
-/// then fails with INVALID_ARGUMENT.
-pub fn step_lacks_destination(k: usize) -> bool {
-    let s = &w().sessions.borrow()[k];
-    s.steps.iter().any(|st| {
-        let pols = st
-            .callables
-            .iter()
-            .flat_map(|&c| s.callables[c].params.iter().map(|p| p.resolved(s.clone)));
-        pols.zip(&st.dsts)
-            .any(|(p, &d)| (p == 3 || p == 4) && d == 0)
-    })
 }
 
 /// The step graphs capture makes: one per step, or with CLONE grads one

@@ -1,16 +1,20 @@
-//! Steps (graphed_session_add_step): their declaration, the model of the
-//! step graphs a capture makes of them, and their replay, checked against
-//! that model.
+//! Steps (graphed_session_add_step): their declaration (with microbatches
+//! and io copies), the model of the step graphs a capture makes of them
+//! and of what it refuses, and their replay, checked against that model.
 
 use super::*;
 
 mod declare;
 mod graphs;
+mod io;
+mod looped;
 mod replay;
 mod results;
 
 pub use declare::*;
 pub use graphs::*;
+pub use io::*;
+pub use looped::*;
 pub use replay::*;
 use results::*;
 

@@ -1,7 +1,8 @@
 //! What a successful step replay returns: one ref per parameter of the
 //! step's callables, by frozen policy (clones holding the grads, aliases
-//! and their leases, COPY_INTO and ACCUMULATE_INTO destinations), and the
-//! clone blocks and leases the model then holds.
+//! and their leases, COPY_INTO and ACCUMULATE_INTO destinations; over
+//! several microbatches their f32 sums), what its copies out wrote, and
+//! the clone blocks and leases the model then holds.
 
 use super::*;
 
@@ -25,6 +26,8 @@ pub(super) fn check_step_refs(
     let mut new_leases = Vec::new();
     // Destroyed when idle from inside this replay: its aliases went with it.
     let gone = !wd.sessions.borrow()[k].alive;
+    // A step over microbatches returns their grads' sums.
+    let n = st_model.microbatches;
     for (at, (c, j, p)) in params.iter().enumerate() {
         let r = read_ref(refs, at * stride);
         let b = seed(k, *c, 0, ROLE_PARAM, *j) ^ epoch;
@@ -38,18 +41,39 @@ pub(super) fn check_step_refs(
             1 => {
                 assert_eq!(r.kind, 2, "step param {at}: CLONE");
                 assert!(r.owner != 0 && r.ptr != 0 && r.bytes == p.bytes && r.lease == 0);
-                assert!(all_bytes(r.ptr, p.bytes, b), "step param {at}: the clone");
-                match blocks.iter_mut().find(|x| x.owner == r.owner) {
-                    Some(x) => {
-                        x.refs += 1;
-                        x.grads.push((r.ptr, r.bytes, b));
+                let x = match blocks.iter_mut().position(|x| x.owner == r.owner) {
+                    Some(x) => x,
+                    None => {
+                        blocks.push(HeldBlock {
+                            owner: r.owner,
+                            refs: 0,
+                            sess: k,
+                            grads: Vec::new(),
+                            words: Vec::new(),
+                            inst: (*c, 0),
+                            // A looped step's clones come from a slot.
+                            slot: st_model.looped(),
+                        });
+                        blocks.len() - 1
                     }
-                    None => blocks.push(HeldBlock {
-                        owner: r.owner,
-                        refs: 1,
-                        sess: k,
-                        grads: vec![(r.ptr, r.bytes, b)],
-                    }),
+                };
+                let x = &mut blocks[x];
+                assert_eq!(
+                    x.inst,
+                    (*c, 0),
+                    "step param {at}: two callables' clones in one block"
+                );
+                x.refs += 1;
+                if n == 1 {
+                    assert!(all_bytes(r.ptr, p.bytes, b), "step param {at}: the clone");
+                    x.grads.push((r.ptr, r.bytes, b));
+                } else if p.dtype == 0 {
+                    let sum = f32_times(u32::from_ne_bytes([b; 4]), n);
+                    assert!(
+                        all_words(r.ptr, p.bytes, sum),
+                        "step param {at}: the clone of the sum over {n} microbatches"
+                    );
+                    x.words.push((r.ptr, r.bytes, sum));
                 }
             }
             2 => {
@@ -76,7 +100,15 @@ pub(super) fn check_step_refs(
                     (r.kind, r.ptr, r.bytes, r.owner, r.lease),
                     (3, dst, p.bytes, 0, 0)
                 );
-                assert!(all_bytes(dst, p.bytes, b), "step param {at}: COPY_INTO");
+                if n == 1 {
+                    assert!(all_bytes(dst, p.bytes, b), "step param {at}: COPY_INTO");
+                } else if p.dtype == 0 {
+                    let sum = f32_times(u32::from_ne_bytes([b; 4]), n);
+                    assert!(
+                        all_words(dst, p.bytes, sum),
+                        "step param {at}: COPY_INTO of the sum over {n} microbatches"
+                    );
+                }
             }
             _ => {
                 assert_eq!(
@@ -84,7 +116,7 @@ pub(super) fn check_step_refs(
                     (4, dst, p.bytes, 0, 0)
                 );
                 if p.dtype == 0 && !before[at].is_empty() {
-                    check_accumulated(&before[at], dst, b, &format!("step param {at}"));
+                    check_accumulated_n(&before[at], dst, b, n, &format!("step param {at}"));
                 }
             }
         }
@@ -103,4 +135,7 @@ pub(super) fn check_step_refs(
     }
     wd.blocks.borrow_mut().extend(blocks);
     wd.leases.borrow_mut().extend(new_leases);
+    if !gone {
+        check_copies_out(k, st_model, epoch);
+    }
 }
