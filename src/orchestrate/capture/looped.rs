@@ -141,13 +141,7 @@ impl Runner<'_> {
                 c.enqueue_indexed(backend.as_ref(), p, false, state, s)?;
             }
             if p.kind == inst.grad_pass() {
-                let k = seq
-                    .instances
-                    .iter()
-                    .position(|&i| i == p.instance)
-                    .unwrap_or(0);
-                let base = seq.first[k];
-                let dst = |j: usize| seq.dsts[base + j];
+                let dst = seq.dsts_of(p.instance);
                 enqueue_sums(backend.as_ref(), inst, dst, block(p.instance), acc, s)?;
             }
         }

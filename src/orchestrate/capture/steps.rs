@@ -79,6 +79,19 @@ pub(super) struct Sequence<'a> {
     pub state: Option<DevPtr>,
 }
 
+impl Sequence<'_> {
+    /// Where parameter j of `instance`'s grads go (its destinations).
+    pub fn dsts_of(&self, instance: usize) -> impl Fn(usize) -> DevPtr + '_ {
+        let k = self
+            .instances
+            .iter()
+            .position(|&i| i == instance)
+            .unwrap_or(0);
+        let base = self.first[k];
+        move |j| self.dsts[base + j]
+    }
+}
+
 impl Runner<'_> {
     /// Captures step `si` with the instances' clone slot blocks
     /// (`slot_blocks[instance][k]`).
@@ -260,13 +273,7 @@ impl Runner<'_> {
                 }
                 enqueued = copies(false);
                 if enqueued.is_ok() && p.kind == inst.grad_pass() {
-                    let k = seq
-                        .instances
-                        .iter()
-                        .position(|&i| i == p.instance)
-                        .unwrap_or(0);
-                    let base = seq.first[k];
-                    let dst = |j: usize| seq.dsts[base + j];
+                    let dst = seq.dsts_of(p.instance);
                     enqueued = match mb {
                         0 => {
                             enqueue_destinations(backend.as_ref(), inst, dst, &mut acc, self.stream)
