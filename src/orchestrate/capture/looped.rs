@@ -14,7 +14,7 @@ use super::super::spec::Phase;
 use super::run::{Call, Runner, ViewBuffers};
 use super::step_io::summable;
 use super::steps::Sequence;
-use crate::backend::{AccItem, DevPtr, Graph, StreamRef};
+use crate::backend::{AccItem, CaptureEnd, DevPtr, Graph, StreamRef};
 use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
 
@@ -53,13 +53,24 @@ impl Runner<'_> {
             let mut acc = Vec::new();
             body = backend.capture_loop(main, state, mode, &mut |ls| {
                 self.stream = ls;
-                let out =
-                    self.loop_body(seq, state, block, iteration, &mut ran, &mut last, &mut acc);
+                let out = self.loop_body(
+                    seq, state, block, iteration, main, &mut ran, &mut last, &mut acc,
+                );
                 self.stream = main;
                 out
             });
         }
         let ended = backend.end_capture(main);
+        // A body that broke the loop's own capture (the enclosing one
+        // still valid) is the root cause, also when its callback failed
+        // after.
+        let main_broken = matches!(ended, Ok(CaptureEnd::Invalidated(_)));
+        if !main_broken {
+            if let Err(e @ Error::CaptureInvalidated { .. }) = body {
+                drop(ended);
+                return Err(e);
+            }
+        }
         let g = self.finish(last, ran, ended)?;
         prologue?;
         body?;
@@ -92,7 +103,9 @@ impl Runner<'_> {
     }
 
     /// One microbatch, recorded on the loop's stream (`self.stream` while
-    /// it runs). A failed callback leaves its code in `ran` and stops.
+    /// it runs; `main` holds the capture around the loop). A failed
+    /// callback leaves its code in `ran` and stops; so does a callback that
+    /// broke either capture.
     #[allow(clippy::too_many_arguments)]
     fn loop_body(
         &mut self,
@@ -100,6 +113,7 @@ impl Runner<'_> {
         state: DevPtr,
         block: &dyn Fn(usize) -> Option<DevPtr>,
         iteration: u32,
+        main: StreamRef,
         ran: &mut std::result::Result<(), i32>,
         last: &mut PassRef,
         acc: &mut Vec<AccItem>,
@@ -127,15 +141,28 @@ impl Runner<'_> {
             let bufs = ViewBuffers::of(inst, None);
             let view = self.view(&bufs, p, &call, Some(self.scratch), Some(&provided));
             *ran = self.s.callables[inst.callable].callbacks.run(&view);
-            if ran.is_err() {
-                return Err(Error::state("a callback of the loop's body failed"));
+            // The enclosing capture broken: no later callback runs, and
+            // `finish` names this pass from the capture's end.
+            if backend.capture_invalidated(main)? {
+                return Err(Error::state("the capture around the loop was invalidated"));
             }
             if backend.capture_invalidated(s)? {
-                return Err(Error::state(format!(
-                    "the capture of the loop's body was invalidated by the {} callback of callable '{}' \
-                     (a loop's body holds kernels, copies and sets only: no events, no forked work)",
-                    p.kind, self.s.callables[inst.callable].name
-                )));
+                let mut detail = "the capture of the loop's body was invalidated (a loop's body \
+                     holds kernels, copies and sets only: no events, no forked work, no \
+                     synchronisation)"
+                    .to_string();
+                if let Err(code) = ran {
+                    detail.push_str(&format!("; the callback then returned {code}"));
+                }
+                return Err(Error::CaptureInvalidated {
+                    callable: self.s.callables[inst.callable].name.clone(),
+                    pass: p.kind,
+                    microbatch: inst.microbatch,
+                    detail,
+                });
+            }
+            if ran.is_err() {
+                return Err(Error::state("a callback of the loop's body failed"));
             }
             for c in seq.io {
                 c.enqueue_indexed(backend.as_ref(), p, false, state, s)?;
