@@ -887,6 +887,7 @@ void param_guard_table(kit::Device& dev, bench::Tools& tools, const std::vector<
 int main(int argc, char** argv) {
     std::string backend = "cuda", out, torch_json;
     bool quick = false, capture_only = false, param_guard = false, microbatches = false;
+    std::vector<uint32_t> counts = {1, 4, 16, 64};  // --microbatches: the N of the table
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
         if (a == "--backend" && i + 1 < argc) backend = argv[++i];
@@ -896,9 +897,13 @@ int main(int argc, char** argv) {
         else if (a == "--microbatches") microbatches = true;
         else if (a == "--out" && i + 1 < argc) out = argv[++i];
         else if (a == "--torch-json" && i + 1 < argc) torch_json = argv[++i];
-        else {
+        else if (a == "--counts" && i + 1 < argc) {
+            counts.clear();
+            std::stringstream list(argv[++i]);
+            for (std::string n; std::getline(list, n, ',');) counts.push_back(uint32_t(std::stoul(n)));
+        } else {
             std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches] "
-                         "[--out FILE] "
+                         "[--counts N,N,...] [--out FILE] "
                          "[--torch-json FILE]\n",
                          argv[0]);
             return 2;
@@ -923,7 +928,7 @@ int main(int argc, char** argv) {
         report << "Measured on " << tools->describe() << " with graphed " << graphed_version() << ".\n";
         if (microbatches) {
             if (blas && !quick)
-                failures += bench::microbatch_table(*blas, *tools, report, 24, 256, 64, {1, 4, 16, 64}, 50);
+                failures += bench::microbatch_table(*blas, *tools, report, 24, 256, 64, counts, 50);
             else
                 failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
         } else if (param_guard) {

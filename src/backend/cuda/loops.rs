@@ -314,6 +314,24 @@ impl Loops {
                         captured,
                     )
                 })
+                .map_err(|e| match e {
+                    Error::Cuda {
+                        call,
+                        code,
+                        name,
+                        description,
+                    } => Error::Cuda {
+                        call,
+                        code,
+                        name,
+                        description: format!(
+                            "{description}; the driver refused the loop's body as a WHILE \
+                             node's body ({})",
+                            describe(captured)
+                        ),
+                    },
+                    other => other,
+                })
             }
             _ => Ok(()),
         };
@@ -328,4 +346,75 @@ impl Loops {
         ended?;
         added
     }
+}
+
+/// `cuGraphGetEdges_v2` (CUDA 12.3), which also reports each edge's type.
+type GetEdges = unsafe extern "C" fn(
+    sys::CUgraph,
+    *mut sys::CUgraphNode,
+    *mut sys::CUgraphNode,
+    *mut [u8; 8],
+    *mut usize,
+) -> sys::CUresult;
+
+/// What a captured body holds, for the message of a body the driver
+/// refused: its nodes by type (CUgraphNodeType values) and its
+/// programmatic edges (programmatic dependent launch), which conditional
+/// bodies may not hold.
+fn describe(graph: sys::CUgraph) -> String {
+    let mut n = 0usize;
+    // SAFETY: a live graph; NULL nodes asks for the count.
+    if unsafe { sys::cuGraphGetNodes(graph, null_mut(), &mut n) } != sys::CUresult::CUDA_SUCCESS
+        || n == 0
+    {
+        return "its nodes unknown".into();
+    }
+    let mut nodes = vec![null_mut(); n];
+    // SAFETY: room for `n` nodes.
+    if unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+        != sys::CUresult::CUDA_SUCCESS
+    {
+        return "its nodes unknown".into();
+    }
+    nodes.truncate(n);
+    let mut by_type = std::collections::BTreeMap::<u32, usize>::new();
+    for node in &nodes {
+        let mut ty = u32::MAX;
+        // SAFETY: a node of the live graph; the driver writes one 32-bit
+        // CUgraphNodeType, read as a u32 (types newer than the bindings).
+        unsafe { sys::cuGraphNodeGetType(*node, (&mut ty as *mut u32).cast()) };
+        *by_type.entry(ty).or_default() += 1;
+    }
+    let mut text = format!("{n} nodes; by CUgraphNodeType:");
+    for (ty, count) in by_type {
+        text.push_str(&format!(" {ty}: {count}"));
+    }
+    if let Ok(get) = symbol::<GetEdges>("cuGraphGetEdges_v2") {
+        let mut e = 0usize;
+        // SAFETY: a live graph; NULL arrays ask for the count.
+        let r = unsafe { get(graph, null_mut(), null_mut(), null_mut(), &mut e) };
+        if r == sys::CUresult::CUDA_SUCCESS && e > 0 {
+            let (mut from, mut to) = (vec![null_mut(); e], vec![null_mut(); e]);
+            let mut data = vec![[0u8; 8]; e];
+            // SAFETY: room for `e` edges in each array (CUgraphEdgeData
+            // is 8 bytes: from_port, to_port, type, 5 reserved).
+            let r = unsafe {
+                get(
+                    graph,
+                    from.as_mut_ptr(),
+                    to.as_mut_ptr(),
+                    data.as_mut_ptr(),
+                    &mut e,
+                )
+            };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                let special = data[..e.min(data.len())]
+                    .iter()
+                    .filter(|d| d[0] != 0 || d[1] != 0 || d[2] != 0)
+                    .count();
+                text.push_str(&format!("; {e} edges, {special} of them programmatic"));
+            }
+        }
+    }
+    text
 }
