@@ -121,7 +121,12 @@ class BlasDevice final : public kit::Device {
         if (dt != GRAPHED_DTYPE_F32 && dt != GRAPHED_DTYPE_BF16) return -1;
         cudaDataType t = dt == GRAPHED_DTYPE_F32 ? CUDA_R_32F : CUDA_R_16BF;
         const float one = 1.0f, zero = 0.0f;
+        // cublasSetStream puts the handle back on cuBLAS's default
+        // workspace, which it allocates under capture (cudaMallocAsync:
+        // graph nodes a loop's body may not hold); our workspace again.
+        // One workspace for every stream: the benchmarks run one at a time.
         cublasSetStream(h_, cs(s));
+        cublasSetWorkspace(h_, ws_, kWorkspace);
         cublasStatus_t st = cublasGemmEx(h_, ta, tb, m, n, k, &one, a, t, lda, b, t, ldb, &zero, c, t, ldc,
                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         return st == CUBLAS_STATUS_SUCCESS ? 0 : 3000 + int(st);

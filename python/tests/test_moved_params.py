@@ -464,12 +464,16 @@ def test_memory_less_aligned_than_at_capture_is_refused_with_graphed_message():
     xs, dys = batch(dtype, 4)
     want = train(copy.deepcopy(base), xs, dys)
     model = graphed(copy.deepcopy(base), dtype)
+    kept = []
 
     def between(model, k):
         if k != 2:
             return
         p = model.blocks[1].mlp.c_fc.weight
         old = p.data_ptr()
+        # Held, so that the caching allocator cannot give the clone below
+        # the captured address back (that would be no move at all).
+        kept.append(p.data)
         buf = torch.empty(p.numel() + 1, device="cuda", dtype=p.dtype)
         view = buf[1:].view_as(p)  # 4 bytes past an allocation
         view.copy_(p.detach())

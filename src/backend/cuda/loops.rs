@@ -51,6 +51,9 @@ struct NodeParams {
 }
 
 const NODE_TYPE_CONDITIONAL: u32 = 13;
+/// CUgraphNodeType values of memory allocation and free nodes.
+const NODE_MEM_ALLOC: u32 = 10;
+const NODE_MEM_FREE: u32 = 11;
 const CONDITIONAL_WHILE: u32 = 1;
 /// The handle's value is reset to its default at every launch.
 const ASSIGN_DEFAULT: u32 = 1;
@@ -386,8 +389,15 @@ fn describe(graph: sys::CUgraph) -> String {
         *by_type.entry(ty).or_default() += 1;
     }
     let mut text = format!("{n} nodes; by CUgraphNodeType:");
-    for (ty, count) in by_type {
+    for (ty, count) in &by_type {
         text.push_str(&format!(" {ty}: {count}"));
+    }
+    if by_type.contains_key(&NODE_MEM_ALLOC) || by_type.contains_key(&NODE_MEM_FREE) {
+        text.push_str(
+            "; memory allocated or freed in the body (cudaMallocAsync, cudaFreeAsync; cuBLAS \
+             allocates its workspace so after cublasSetStream unless cublasSetWorkspace \
+             follows), which a conditional node's body may not hold",
+        );
     }
     if let Ok(get) = symbol::<GetEdges>("cuGraphGetEdges_v2") {
         let mut e = 0usize;
