@@ -911,7 +911,9 @@ int main(int argc, char** argv) {
     }
     std::string why;
     std::unique_ptr<kit::Device> dev, blas;
-    std::unique_ptr<bench::Tools> tools;
+    // Event timing records on its device's stream: a table run on the
+    // cuBLAS device is timed by tools of its own (its stream is not dev's).
+    std::unique_ptr<bench::Tools> tools, btools;
     if (backend == "cuda") {
         dev = kit::make_cuda_device(&why);
         if (!dev) {
@@ -920,6 +922,7 @@ int main(int argc, char** argv) {
         }
         tools = bench::make_cuda_tools(*dev);
         blas = bench::make_blas_device(&why);
+        if (blas) btools = bench::make_cuda_tools(*blas);
     } else {
         dev = kit::make_host_device();
         tools = bench::make_host_tools(*dev);
@@ -928,7 +931,7 @@ int main(int argc, char** argv) {
         report << "Measured on " << tools->describe() << " with graphed " << graphed_version() << ".\n";
         if (microbatches) {
             if (blas && !quick)
-                failures += bench::microbatch_table(*blas, *tools, report, 24, 256, 64, counts, 50);
+                failures += bench::microbatch_table(*blas, *btools, report, 24, 256, 64, counts, 50);
             else
                 failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
         } else if (param_guard) {
@@ -940,7 +943,7 @@ int main(int argc, char** argv) {
                 param_guard_table(*dev, *tools, {1, 8}, 20, 400, 20);
             failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
         } else if (capture_only) {
-            capture_table(blas ? *blas : *dev, *tools, backend == "cuda" ? 24 : 6, backend == "cuda" ? 256 : 32,
+            capture_table(blas ? *blas : *dev, blas ? *btools : *tools, backend == "cuda" ? 24 : 6, backend == "cuda" ? 256 : 32,
                           backend == "cuda" ? 64 : 8, backend == "cuda" ? 5 : 3);
         } else if (backend == "cuda" && !quick) {
             const std::vector<Size> sizes = {{64, 16u << 10}, {64, 4u << 20}, {8, 256u << 20}};
@@ -948,17 +951,17 @@ int main(int argc, char** argv) {
             accumulate_table(*dev, *tools, sizes, 50);
             host_cost_table(*dev, *tools, 2000);
             if (blas) {
-                mlp_table(*blas, *tools, {{1024, 32, GRAPHED_DTYPE_F32, 8}, {4096, 2048, GRAPHED_DTYPE_BF16, 8}}, 50);
-                step_table(*blas, *tools, 24, 256, 64, 200, torch_json);
+                mlp_table(*blas, *btools, {{1024, 32, GRAPHED_DTYPE_F32, 8}, {4096, 2048, GRAPHED_DTYPE_BF16, 8}}, 50);
+                step_table(*blas, *btools, 24, 256, 64, 200, torch_json);
                 memory_table(*blas, {8, 24}, 256, 64, torch_json);
             } else {
                 report << "\n## 4. End to end\n\nNot run: " << why << "\n";
             }
             rebind_table(*dev, "the kit's CUDA kernels", true, 2000);
             if (blas) rebind_table(*blas, "cuBLAS GEMMs and the kit's kernels", false, 2000);
-            if (blas) capture_table(*blas, *tools, 24, 256, 64, 5);
+            if (blas) capture_table(*blas, *btools, 24, 256, 64, 5);
             param_guard_table(*dev, *tools, {1, 8, 64, 256}, 50, 10000, 500);
-            if (blas) failures += bench::microbatch_table(*blas, *tools, report, 24, 256, 64, {1, 4, 16, 64}, 50);
+            if (blas) failures += bench::microbatch_table(*blas, *btools, report, 24, 256, 64, {1, 4, 16, 64}, 50);
         } else {
             const std::vector<Size> sizes = {{64, 16u << 10}, {8, 256u << 10}};
             clone_table(*dev, *tools, sizes, 5);

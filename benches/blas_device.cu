@@ -75,6 +75,10 @@ class BlasDevice final : public kit::Device {
     int mul(graphed_stream s, uint32_t dt, const void* a, const void* b, void* o, size_t n) override {
         return in_->mul(s, dt, a, b, o, n);
     }
+    int dropout(graphed_stream s, uint32_t dt, const void* x, void* y, size_t n, float p, uint64_t seed,
+                uint32_t mb_host, const uint32_t* mb_at) override {
+        return in_->dropout(s, dt, x, y, n, p, seed, mb_host, mb_at);
+    }
     int illegal(graphed_stream s) override { return in_->illegal(s); }
     int copy(graphed_stream s, void* d, const void* src, size_t b) override { return in_->copy(s, d, src, b); }
 

@@ -4,7 +4,8 @@
 // parameter grads come back as the sum eager accumulation makes, bit for
 // bit: f32 grads added in microbatch order, as autograd adds them into
 // .grad. Checked for owned clones of the sum and for ACCUMULATE_INTO, on
-// the host and on CUDA (the kit's kernels, or cuBLAS where built).
+// the host and on CUDA (the kit's kernels, or cuBLAS where built), and with
+// dropout: each microbatch draws its own masks, as eager's would.
 #include "expect.hpp"
 #include "layers.hpp"
 #include "support.hpp"
@@ -29,11 +30,13 @@ class MicrobatchStep : public BackendTest {
     // Eager accumulation over the `n` microbatches: each one's grads (lr
     // 0: the weights stay), added in order onto `sum` (empty: the first
     // microbatch's grads start it).
+    // `same_masks`: every microbatch draws microbatch 0's dropout masks
+    // (what a step that did not tell its callbacks apart would give).
     static void accumulate(kit::Mlp& eager, uint32_t n, const kit::Buffer& xs, const kit::Buffer& ts,
-                           kit::StepGrads& sum) {
+                           kit::StepGrads& sum, bool same_masks = false) {
         // (n microbatches from the start of xs and ts)
         for (uint32_t i = 0; i < n; ++i) {
-            kit::StepGrads g = eager.eager_step(at(xs, i), at(ts, i), 0.0f);
+            kit::StepGrads g = eager.eager_step(at(xs, i), at(ts, i), 0.0f, true, same_masks ? 0 : i);
             if (sum.w.empty()) {
                 sum = g;
                 continue;
@@ -222,6 +225,48 @@ TEST_P(MicrobatchStep, ALoopAccumulatesIntoDestinations) {
         EXPECT_EQ(want.w[i], kit::fetch<float>(*dev, dst[2 * i].get(), dst[2 * i].bytes() / 4)) << "layer " << i;
         EXPECT_EQ(want.b[i], kit::fetch<float>(*dev, dst[2 * i + 1].get(), dst[2 * i + 1].bytes() / 4))
             << "bias of layer " << i;
+    }
+}
+
+// Dropout after every layer: the callbacks key their masks on the
+// microbatch the step runs (graphed_pass_ctx.step_microbatch when unrolled,
+// the device's running index, step_microbatch_index, in a WHILE loop), so
+// each microbatch draws the mask eager accumulation draws for it, and the
+// grads are eager's bit for bit. The masks differ per microbatch: the same
+// sum with microbatch 0's masks everywhere is checked to differ.
+TEST_P(MicrobatchStep, DropoutDrawsEachMicrobatchsOwnMasks) {
+    const uint32_t n = 4;
+    for (uint32_t mode : {uint32_t(GRAPHED_STEP_LOOP_UNROLLED), uint32_t(GRAPHED_STEP_LOOP_WHILE)}) {
+        SCOPED_TRACE(mode == GRAPHED_STEP_LOOP_WHILE ? "while" : "unrolled");
+        kit::Mlp eager(*dev, kLayers, kBatch, kWidth, 53), graphed(*dev, kLayers, kBatch, kWidth, 53);
+        eager.set_dropout(0.25f, 0xD5);
+        graphed.set_dropout(0.25f, 0xD5);
+        kit::Buffer xs(*dev, kAct * n), ts(*dev, kAct * n);
+        data(n, 900, xs, ts);
+        graphed::Session s(config());
+        const uint32_t step = build(s, graphed, n, xs, ts, {}, mode);
+        s.capture();
+        std::vector<graphed::Ref> grads;
+        const std::vector<uint32_t> counts = mode == GRAPHED_STEP_LOOP_WHILE ? std::vector<uint32_t>{4, 3, 4}
+                                                                             : std::vector<uint32_t>{0, 0};
+        for (size_t round = 0; round < counts.size(); ++round) {
+            const uint32_t count = counts[round] == 0 ? n : counts[round];
+            SCOPED_TRACE(testing::Message() << "replay " << round << ", " << count << " microbatches");
+            data(n, 910 + uint32_t(round), xs, ts);
+            kit::StepGrads want, same;
+            accumulate(eager, count, xs, ts, want);
+            accumulate(eager, count, xs, ts, same, true);
+            ASSERT_NE(want.w, same.w) << "the masks of different microbatches differ";
+            s.step(step, dev->stream(), grads, {}, counts[round]);
+            dev->sync();
+            for (int l = 0; l < kLayers; ++l) {
+                const graphed::Ref& gw = grads[2 * size_t(l)];
+                const graphed::Ref& gb = grads[2 * size_t(l) + 1];
+                ASSERT_EQ(want.w[l], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << l;
+                ASSERT_EQ(want.b[l], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << l;
+            }
+            for (auto& g : grads) g.release();
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 // element, a fixed summation order in f32, every product and sum rounded
 // explicitly so the compiler cannot fuse them), launched on the given
 // stream, for f32, f16 and bf16 storage.
+#include "dropout.hpp"
 #include "kit.hpp"
 
 #include <cuda_bf16.h>
@@ -98,6 +99,15 @@ template <class T>
 __global__ void k_mul(const T* a, const T* b, T* o, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i < n) st(o, i, __fmul_rn(ld(a, i), ld(b, i)));
+}
+
+template <class T>
+__global__ void k_dropout(const T* x, T* y, size_t n, float p, float scale, uint64_t seed, uint32_t mb_host,
+                          const uint32_t* mb_at) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const uint32_t mb = mb_at ? *mb_at : mb_host;
+    st(y, i, dropout_keeps(seed, mb, i, p) ? __fmul_rn(ld(x, i), scale) : 0.0f);
 }
 
 // Calls f with a typed null pointer of the storage type of `dt`.
@@ -201,6 +211,13 @@ class CudaDevice final : public Device {
     }
     int mul(graphed_stream s, uint32_t dt, const void* a, const void* b, void* o, size_t n) override {
         return dispatch(dt, [&](auto t) { k_mul<<<blocks(n), 256, 0, cs(s)>>>(in(a, t), in(b, t), out(o, t), n); });
+    }
+    int dropout(graphed_stream s, uint32_t dt, const void* x, void* y, size_t n, float p, uint64_t seed,
+                uint32_t mb_host, const uint32_t* mb_at) override {
+        const float scale = 1.0f / (1.0f - p);
+        return dispatch(dt, [&](auto t) {
+            k_dropout<<<blocks(n), 256, 0, cs(s)>>>(in(x, t), out(y, t), n, p, scale, seed, mb_host, mb_at);
+        });
     }
     int illegal(graphed_stream s) override {
         // Synchronizing a capturing stream is illegal; CUDA returns an error

@@ -1,6 +1,7 @@
 // The kit's host device: graphed's host backend. Memory is host memory and
 // every op is a task enqueued with graphed_host_enqueue, so under capture it
 // is recorded and replays run it again.
+#include "dropout.hpp"
 #include "half.hpp"
 #include "kit.hpp"
 
@@ -143,6 +144,14 @@ class HostDevice final : public Device {
     int mul(graphed_stream s, uint32_t dt, const void* a, const void* b, void* out, size_t n) override {
         return enqueue(s, [=, e = Elems{dt}] {
             for (size_t i = 0; i < n; ++i) e.set(out, i, e.get(a, i) * e.get(b, i));
+        });
+    }
+    int dropout(graphed_stream s, uint32_t dt, const void* x, void* y, size_t n, float p, uint64_t seed,
+                uint32_t mb_host, const uint32_t* mb_at) override {
+        return enqueue(s, [=, e = Elems{dt}] {
+            const uint32_t mb = mb_at ? *mb_at : mb_host;
+            const float scale = 1.0f / (1.0f - p);
+            for (size_t i = 0; i < n; ++i) e.set(y, i, dropout_keeps(seed, mb, i, p) ? e.get(x, i) * scale : 0.0f);
         });
     }
     int illegal(graphed_stream s) override {

@@ -99,6 +99,13 @@ class Device {
     }
     // out = round(a * b) elementwise in `dtype` (f32, f16, bf16), computed in f32.
     virtual int mul(graphed_stream s, uint32_t dtype, const void* a, const void* b, void* out, size_t n) = 0;
+    // Dropout with probability p: y[i] = x[i] * (1 / (1 - p)) where
+    // dropout_keeps(seed, mb, i, p) (dropout.hpp), else 0; in place when y
+    // is x. The microbatch `mb` is read at run time from `mb_at` (device
+    // memory, e.g. graphed_pass_ctx.step_microbatch_index) when it is not
+    // NULL, else it is `mb_host`. Backward is the same call on the grad.
+    virtual int dropout(graphed_stream s, uint32_t dt, const void* x, void* y, size_t n, float p, uint64_t seed,
+                        uint32_t mb_host, const uint32_t* mb_at) = 0;
     // Something illegal under stream capture (a synchronize of the stream).
     virtual int illegal(graphed_stream s) = 0;
     // Copy on a stream.

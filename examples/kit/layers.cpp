@@ -27,17 +27,28 @@ graphed::Callable LinearLayer::callable(const void* sample_input, bool input_req
     return c;
 }
 
-int LinearLayer::eager_forward(graphed_stream s, const void* x, void* z, void* y) const {
-    if (!relu) return dev->linear_fwd(s, dtype, x, w, b, y, batch, in, out);
-    if (int e = dev->linear_fwd(s, dtype, x, w, b, z, batch, in, out)) return e;
-    return dev->relu_fwd(s, dtype, z, y, size_t(batch) * out);
+int LinearLayer::eager_forward(graphed_stream s, const void* x, void* z, void* y, uint32_t mb,
+                               const uint32_t* mb_at) const {
+    const size_t n = size_t(batch) * out;
+    if (!relu) {
+        if (int e = dev->linear_fwd(s, dtype, x, w, b, y, batch, in, out)) return e;
+    } else {
+        if (int e = dev->linear_fwd(s, dtype, x, w, b, z, batch, in, out)) return e;
+        if (int e = dev->relu_fwd(s, dtype, z, y, n)) return e;
+    }
+    return dropout > 0.0f ? dev->dropout(s, dtype, y, y, n, dropout, dropout_seed, mb, mb_at) : 0;
 }
 
 int LinearLayer::eager_backward(graphed_stream s, const void* x, const void* z, const void* gy, void* gz, void* gx,
-                                void* gw, void* gb) const {
+                                void* gw, void* gb, uint32_t mb, const uint32_t* mb_at) const {
+    const size_t n = size_t(batch) * out;
     const void* g = gy;
+    if (dropout > 0.0f) {
+        if (int e = dev->dropout(s, dtype, gy, gz, n, dropout, dropout_seed, mb, mb_at)) return e;
+        g = gz;
+    }
     if (relu) {
-        if (int e = dev->relu_bwd(s, dtype, gy, z, gz, size_t(batch) * out)) return e;
+        if (int e = dev->relu_bwd(s, dtype, g, z, gz, n)) return e;
         g = gz;
     }
     if (gx)
@@ -53,7 +64,8 @@ int32_t LinearLayer::forward(const graphed_pass_ctx* ctx, void* self) {
             z = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
             *ctx->tape = z;
         }
-        return L->eager_forward(ctx->stream, ctx->inputs[0], z, ctx->outputs[0]);
+        return L->eager_forward(ctx->stream, ctx->inputs[0], z, ctx->outputs[0], ctx->step_microbatch,
+                                ctx->step_microbatch_index);
     });
 }
 
@@ -65,9 +77,15 @@ int32_t LinearLayer::backward(const graphed_pass_ctx* ctx, void* self) {
         const size_t n = size_t(L->batch) * L->out;
         const void* g = ctx->grad_outputs[0];
         void* gz = nullptr;
+        if (L->relu || L->dropout > 0.0f) gz = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
+        if (L->dropout > 0.0f) {
+            if (int e = L->dev->dropout(ctx->stream, L->dtype, g, gz, n, L->dropout, L->dropout_seed,
+                                        ctx->step_microbatch, ctx->step_microbatch_index))
+                return e;
+            g = gz;
+        }
         if (L->relu) {
             void* z = *ctx->tape;
-            gz = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
             if (int e = L->dev->relu_bwd(ctx->stream, L->dtype, g, z, gz, n)) return e;
             graphed::scratch_free(*ctx, z);
             g = gz;
@@ -76,7 +94,7 @@ int32_t LinearLayer::backward(const graphed_pass_ctx* ctx, void* self) {
             if (int e = L->dev->linear_bwd_input(ctx->stream, L->dtype, g, L->w, gx, L->batch, L->in, L->out))
                 return e;
         if (L->split_wgrad) {
-            *ctx->tape = gz;  // kept for the weight-grad pass (NULL without ReLU: it reads the grad-output)
+            *ctx->tape = gz;  // kept for the weight-grad pass (NULL without ReLU or dropout: it reads the grad-output)
             return 0;
         }
         if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, x, ctx->param_grads[0], ctx->param_grads[1],
@@ -174,9 +192,16 @@ std::vector<float> Mlp::values(const void* p, size_t bytes) {
     return from_dtype(raw, dtype_);
 }
 
-StepGrads Mlp::eager_step(const void* x, const void* target, float lr, bool keep) {
+void Mlp::set_dropout(float p, uint64_t seed) {
+    for (auto& L : layer_) {
+        L.dropout = p;
+        L.dropout_seed = seed;
+    }
+}
+
+StepGrads Mlp::eager_step(const void* x, const void* target, float lr, bool keep, uint32_t microbatch) {
     graphed_stream s = dev_.stream();
-    eager_pass(s, x, target);
+    eager_pass(s, x, target, microbatch);
     StepGrads out;
     for (int i = 0; i < layers(); ++i) {
         if (keep) {
@@ -190,11 +215,11 @@ StepGrads Mlp::eager_step(const void* x, const void* target, float lr, bool keep
     return out;
 }
 
-void Mlp::eager_pass(graphed_stream s, const void* x, const void* target) {
+void Mlp::eager_pass(graphed_stream s, const void* x, const void* target, uint32_t microbatch) {
     size_t act = size_t(batch_) * width_;
     const void* in = x;
     for (int i = 0; i < layers(); ++i) {
-        if (layer_[i].eager_forward(s, in, z_[i].get(), y_[i].get()) != 0)
+        if (layer_[i].eager_forward(s, in, z_[i].get(), y_[i].get(), microbatch) != 0)
             throw std::runtime_error("eager forward failed");
         in = y_[i].get();
     }
@@ -203,7 +228,8 @@ void Mlp::eager_pass(graphed_stream s, const void* x, const void* target) {
     for (int i = layers() - 1; i >= 0; --i) {
         const void* xi = i == 0 ? x : y_[i - 1].get();
         void* gx = i == 0 ? nullptr : gx_[i].get();
-        if (layer_[i].eager_backward(s, xi, z_[i].get(), g, gz_[i].get(), gx, gw_[i].get(), gb_[i].get()) != 0)
+        if (layer_[i].eager_backward(s, xi, z_[i].get(), g, gz_[i].get(), gx, gw_[i].get(), gb_[i].get(),
+                                     microbatch) != 0)
             throw std::runtime_error("eager backward failed");
         g = gx;
     }

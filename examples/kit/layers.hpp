@@ -25,6 +25,11 @@ struct LinearLayer {
     void* w = nullptr;
     void* b = nullptr;
     std::string name;
+    // Dropout after the activation with this probability (0: none), its
+    // mask drawn per microbatch (Device::dropout): under a step's capture
+    // from graphed_pass_ctx's step_microbatch or step_microbatch_index.
+    float dropout = 0.0f;
+    uint64_t dropout_seed = 0;
 
     // Filled by callable(); its tensor descriptors point at them.
     int64_t in_shape[2] = {0, 0}, out_shape[2] = {0, 0};
@@ -39,10 +44,12 @@ struct LinearLayer {
 
     size_t act_bytes(int features) const { return size_t(batch) * features * graphed::dtype_size(dtype); }
 
-    // The same math eagerly, on explicit buffers.
-    int eager_forward(graphed_stream s, const void* x, void* z, void* y) const;
+    // The same math eagerly, on explicit buffers, as microbatch `mb` (read
+    // from device memory `mb_at` at run time when it is not NULL).
+    int eager_forward(graphed_stream s, const void* x, void* z, void* y, uint32_t mb = 0,
+                      const uint32_t* mb_at = nullptr) const;
     int eager_backward(graphed_stream s, const void* x, const void* z, const void* gy, void* gz, void* gx, void* gw,
-                       void* gb) const;
+                       void* gb, uint32_t mb = 0, const uint32_t* mb_at = nullptr) const;
 };
 
 // The squared-error loss as a callable: inputs y (chained to a layer's
@@ -98,13 +105,16 @@ class Mlp {
     // Device memory of `values` in the model's dtype.
     Buffer tensor(const std::vector<float>& values);
 
+    // Dropout with probability p after every layer (LinearLayer::dropout).
+    void set_dropout(float p, uint64_t seed);
+
     // One eager step: forward, loss grad, backward, SGD. Returns the grads
     // (copied to the host only when `keep` is true; else the step is left
-    // running on the device).
-    StepGrads eager_step(const void* x, const void* target, float lr, bool keep = true);
+    // running on the device). `microbatch` picks the dropout masks.
+    StepGrads eager_step(const void* x, const void* target, float lr, bool keep = true, uint32_t microbatch = 0);
     // The same step's forward, loss grad and backward on stream `s`, without
     // the SGD and without waiting (what a hand-captured step graph holds).
-    void eager_pass(graphed_stream s, const void* x, const void* target);
+    void eager_pass(graphed_stream s, const void* x, const void* target, uint32_t microbatch = 0);
 
     // 0.5 * sum((y - target)^2) of the last step.
     double last_loss();
