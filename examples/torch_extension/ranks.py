@@ -7,7 +7,7 @@ starts the ranks as child processes with a time limit, so nothing can hang,
 then checks them against the same model run eagerly in one process.
 
     python3 examples/torch_extension/ranks.py pipeline [--reuse] [--aliases] [--wgrad]
-    python3 examples/torch_extension/ranks.py ddp
+    python3 examples/torch_extension/ranks.py ddp [--accumulate]
     python3 examples/torch_extension/ranks.py teardown --order group_first|graphs_first
     python3 examples/torch_extension/ranks.py pipeline --fail-rank 1
 
@@ -182,20 +182,24 @@ def pipeline_rank(rank, a, dev, base, data):
     return got
 
 
-def ddp_train(dev, graphed, rank, backend):
+def ddp_train(dev, graphed, rank, backend, accumulate=False):
     """Three Linear + ReLU layers under DDP (small buckets: several
     all-reduces per backward), two microbatches per step, the first under
-    no_sync(); each rank its own data."""
+    no_sync(); each rank its own data. `accumulate`: the grads live in the
+    reducer's bucket views (gradient_as_bucket_view=True) and the graphed
+    layers add into them (accumulate_param_grads_into="grad")."""
     torch.manual_seed(7)
     layers = [torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.ReLU()).to(dev) for _ in range(3)]
     if graphed:
         import graphed.torch as gt
 
-        layers = [gt.make_graphed_callables(m, (torch.randn(B, H, device=dev, requires_grad=i > 0),))
+        into = "grad" if accumulate else None
+        layers = [gt.make_graphed_callables(m, (torch.randn(B, H, device=dev, requires_grad=i > 0),),
+                                            accumulate_param_grads_into=into)
                   for i, m in enumerate(layers)]
     ids = [dev.index] if dev.type == "cuda" and backend == "nccl" else None
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers), device_ids=ids,
-                                                      bucket_cap_mb=0.01)
+                                                      bucket_cap_mb=0.01, gradient_as_bucket_view=accumulate)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
@@ -269,7 +273,8 @@ def rank_main(rank, a, path):
             base, data = torch.load(os.path.join(a.work, "inputs.pt"), weights_only=False)
             result = pipeline_rank(rank, a, dev, base, data)
         elif a.mode == "ddp":
-            result = {"eager": ddp_train(dev, False, rank, a.backend), "graphed": ddp_train(dev, not a.eager, rank, a.backend)}
+            result = {"eager": ddp_train(dev, False, rank, a.backend, a.accumulate),
+                      "graphed": ddp_train(dev, not a.eager, rank, a.backend, a.accumulate)}
         else:
             result = teardown_rank(rank, a, dev)
         if dist.is_initialized():
@@ -321,6 +326,8 @@ def main():
     ap.add_argument("--reuse", action="store_true", help="graph input and output buffers reused")
     ap.add_argument("--aliases", action="store_true", help="parameter grads not cloned on return")
     ap.add_argument("--wgrad", action="store_true", help="delayed weight-grad passes")
+    ap.add_argument("--accumulate", action="store_true",
+                    help="ddp: grads added into the reducer's bucket views (gradient_as_bucket_view)")
     ap.add_argument("--order", default="group_first", choices=["group_first", "graphs_first"])
     ap.add_argument("--fail-rank", type=int, default=None, help="this rank exits abruptly mid-step")
     ap.add_argument("--fail-event", type=int, default=3, help="at its n-th event of the schedule")
@@ -333,7 +340,7 @@ def main():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     a.port, a.port2 = free_port(), free_port()
     what = f"{a.mode} ({a.backend}, {a.device}{', eager ranks' if a.eager else ''}"
-    what += "".join(f", {k}" for k in ("reuse", "aliases", "wgrad") if getattr(a, k)) + ")"
+    what += "".join(f", {k}" for k in ("reuse", "aliases", "wgrad", "accumulate") if getattr(a, k)) + ")"
     with tempfile.TemporaryDirectory() as work:
         a.work = work
         dev = torch.device(a.device)

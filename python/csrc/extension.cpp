@@ -162,6 +162,8 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
     o.layers_per_chunk = get<std::vector<uint32_t>>(d, "layers_per_chunk", {});
     o.reuse_buffers = get<bool>(d, "reuse_buffers", false);
+    if (d.contains("accumulate_into") && !d["accumulate_into"].is_none())
+        o.accumulate_into = d["accumulate_into"].cast<std::string>();
     if (d.contains("pool") && !d["pool"].is_none()) {
         auto p = d["pool"].cast<std::pair<unsigned long long, unsigned long long>>();
         o.pool = c10::MempoolId_t{p.first, p.second};
@@ -245,6 +247,26 @@ py::list replay(const graphed_torch::GraphedCallable& g, py::sequence inputs, py
         on.stream = c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(ptr), c10::DeviceIndex(device));
     }
     if (!event.is_none()) on.join_event = reinterpret_cast<cudaEvent_t>(event.cast<uintptr_t>());
+    // Accumulated grads: the attribute of each parameter, read now (the GIL
+    // is held for the whole call); `grad` is created as zeros where it is
+    // None, as AccumulateGrad would create it.
+    if (!g.accumulate_into().empty())
+        on.accumulate_dst = [&g](size_t, const at::Tensor& p) -> at::Tensor {
+            const std::string& attr = g.accumulate_into();
+            py::object param = py::reinterpret_steal<py::object>(THPVariable_Wrap(p));
+            py::object d = py::getattr(param, attr.c_str(), py::none());
+            if (d.is_none() && attr == "grad") {
+                py::object zeros = py::reinterpret_steal<py::object>(
+                    THPVariable_Wrap(at::zeros_like(p, at::MemoryFormat::Contiguous)));
+                py::setattr(param, "grad", zeros);
+                d = zeros;
+            }
+            if (d.is_none()) return at::Tensor();
+            if (!THPVariable_Check(d.ptr()))
+                throw py::type_error("graphed: parameter ." + attr + " must be a tensor, not " +
+                                     std::string(py::str(py::type::handle_of(d).attr("__name__"))));
+            return THPVariable_Unpack(d.ptr());
+        };
     std::vector<at::Tensor> outs = g(ins, on);
     py::list l;
     for (at::Tensor& t : outs) l.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))));

@@ -129,6 +129,11 @@ struct Options {
     // input grads and cloned parameter grads released once consumed, when
     // graphed says (reuse_releases).
     bool reuse_buffers = false;
+    // Non-empty: parameter grads are added by the backward (or weight-grad)
+    // graph into the tensor that attribute of each parameter holds ("grad",
+    // or "main_grad" as Megatron names it), looked up at every forward
+    // (GRAPHED_GRAD_POLICY_ACCUMULATE_INTO), and autograd gets none.
+    std::string accumulate_into;
     // PyTorch graph memory pool to capture into (shared with other captures
     // that name it); default: a new one.
     std::optional<c10::MempoolId_t> pool;
@@ -168,6 +173,11 @@ class ParamMoved : public std::runtime_error {
 struct ReplayOn {
     std::optional<c10::cuda::CUDAStream> stream;
     cudaEvent_t join_event = nullptr;
+    // With Options::accumulate_into: the tensor parameter j's grad is added
+    // into (the attribute of `p` that option names, created where that is
+    // how it works), looked up at every forward. Called for the parameters
+    // whose grads graphed accumulates, the current ones.
+    std::function<at::Tensor(size_t j, const at::Tensor& p)> accumulate_dst;
 };
 
 struct Shared;
@@ -196,6 +206,10 @@ class GraphedCallable {
     bool is_reset() const;
     // The parameters as the last call found them.
     const std::vector<at::Tensor>& params() const;
+    // Options::accumulate_into of its session ("" when grads are returned).
+    const std::string& accumulate_into() const;
+    // The qualified name of parameter j.
+    std::string param_name(size_t j) const;
     // Per parameter: whether a call may find it at another address (its
     // graphs follow it) or would throw ParamMoved (graphed_session_params_movable).
     std::vector<bool> params_movable() const;

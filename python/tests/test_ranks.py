@@ -32,7 +32,8 @@ def ranks(*args):
 
 
 @needs_torch
-@pytest.mark.parametrize("args", [["pipeline"], ["pipeline", "--wgrad"], ["ddp"]], ids=" ".join)
+@pytest.mark.parametrize("args", [["pipeline"], ["pipeline", "--wgrad"], ["ddp"], ["ddp", "--accumulate"]],
+                         ids=" ".join)
 def test_the_schedule_itself_with_eager_ranks_on_the_cpu(args):
     ranks(*args, "--device", "cpu", "--eager")
 
@@ -55,8 +56,9 @@ def test_interleaved_pipeline_over_two_ranks_matches_one_eager_process(args):
 
 
 @needs_gpu
-def test_ddp_over_two_ranks_matches_eager_ddp():
-    out = ranks("ddp")
+@pytest.mark.parametrize("args", [[], ["--accumulate"]], ids=lambda a: " ".join(a) or "owned grads")
+def test_ddp_over_two_ranks_matches_eager_ddp(args):
+    out = ranks("ddp", *args)
     assert "equal eager DDP bit for bit" in out[-2]
 
 

@@ -16,6 +16,19 @@ namespace graphed_torch {
 
 namespace {
 
+// The device pointers of `dsts` (NULL for undefined ones); empty when all are.
+std::vector<void*> pointers_of(const std::vector<at::Tensor>& dsts) {
+    std::vector<void*> v;
+    for (size_t j = 0; j < dsts.size(); ++j)
+        if (dsts[j].defined()) {
+            v.assign(dsts.size(), nullptr);
+            for (size_t k = 0; k < dsts.size(); ++k)
+                if (dsts[k].defined()) v[k] = dsts[k].data_ptr();
+            break;
+        }
+    return v;
+}
+
 // The replay of (index, mb) on `stream` (and on `side`, joined by events,
 // when not NULL), reading `data`.
 graphed::Replay replay_of(size_t index, uint32_t mb, cudaStream_t stream, cudaStream_t side,
@@ -105,6 +118,35 @@ bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const voi
     return moved;
 }
 
+// With Options::accumulate_into: per parameter of `c`, the tensor its grad
+// is added into (undefined where graphed returns it), found by `on`'s
+// lookup and checked: a contiguous tensor of the parameter's shape and
+// dtype on its device, as ACCUMULATE_INTO adds elementwise.
+std::vector<at::Tensor> accumulate_dsts(const Shared& s, const Callable& c, uint32_t mb, const ReplayOn& on) {
+    std::vector<at::Tensor> dsts(c.params.size());
+    for (size_t j = 0; j < c.params.size(); ++j) {
+        if (j >= c.policies.size() || c.policies[j] != GRAPHED_GRAD_POLICY_ACCUMULATE_INTO) continue;
+        if (!on.accumulate_dst)
+            throw std::logic_error("graphed: accumulate_param_grads_into is set but the call gave no destinations");
+        const at::Tensor& p = c.params[j];
+        at::Tensor d = on.accumulate_dst(j, p);
+        const std::string where = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "'." +
+                                  s.opts.accumulate_into;
+        if (!d.defined())
+            throw std::invalid_argument(where + " is None; graphed adds the parameter's grad into it "
+                                                "(accumulate_param_grads_into): give it a tensor first (zeros, "
+                                                "as Megatron allocates main_grad)");
+        if (d.scalar_type() != p.scalar_type() || d.sizes() != p.sizes() || !d.is_cuda() ||
+            d.device() != p.device() || !d.is_contiguous())
+            throw std::invalid_argument(where + " is " + layout_text(d) +
+                                        "; graphed adds the grad elementwise into a contiguous tensor of the "
+                                        "parameter's shape and dtype on its device (" +
+                                        layout_text(p) + "): an accumulator of another dtype is not supported");
+        dsts[j] = std::move(d);
+    }
+    return dsts;
+}
+
 // The backward of one replay, as an autograd node: it replays the backward
 // graph and returns grads per the frozen policies. It holds the session
 // while the autograd graph that may call it exists.
@@ -121,12 +163,16 @@ struct GraphedBackward : public torch::autograd::Node {
     // reads too, kept until then (as autograd's saved tensors keep theirs):
     // a parameter moved or freed in between does not change what it reads.
     std::vector<c10::Storage> params_held;
+    // With Options::accumulate_into: where each parameter's grad is added
+    // (undefined: returned to autograd), as the forward found them.
+    std::vector<at::Tensor> dsts;
 
     std::string name() const override { return "GraphedBackward"; }
 
     void release_variables() override {
         held.clear();
         params_held.clear();
+        dsts.clear();
     }
 
     torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
@@ -158,7 +204,9 @@ struct GraphedBackward : public torch::autograd::Node {
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
         s.rng.prologue(pass_key(s.instance(index, microbatch), Pass::Backward), cur);
-        const graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
+        graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
+        const std::vector<void*> dst_ptrs = pointers_of(dsts);
+        if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
         graphed::Grads g;
         s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
         torch::autograd::variable_list result;
@@ -172,6 +220,9 @@ struct GraphedBackward : public torch::autograd::Node {
         for (size_t j = 0; j < g.params.size(); ++j) {
             switch (g.params[j].kind()) {
                 case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(g.params[j], c->param_meta[j], s.device)); break;
+                // Added into its destination: autograd gets none (and, with
+                // DDP, its hook finds it in param.grad, the bucket view).
+                case GRAPHED_REF_KIND_ACCUMULATE_INTO:
                 case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
                 default:
                     result.push_back(s.wrap_alias(g.params[j], c->param_meta[j],
@@ -220,6 +271,9 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     // their new addresses, which graphed follows or refuses.
     std::vector<const void*> moved_to;
     const bool moved = params_now(s, *c, microbatch_, moved_to);
+    // Where accumulated grads go, looked up before anything is enqueued.
+    std::vector<at::Tensor> dsts;
+    if (grad_mode && !s.opts.accumulate_into.empty()) dsts = accumulate_dsts(s, *c, microbatch_, on);
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     cudaStream_t launch = cur, side = nullptr;
     const bool other = on.stream && on.stream->stream() != cur;
@@ -280,7 +334,11 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         // pass) has read it.
         node->params_held.reserve(c->params.size());
         for (const at::Tensor& p : c->params) node->params_held.push_back(p.storage());
-        if (c->wgrad) c->wgrad_keep[microbatch_] = node->params_held;
+        if (c->wgrad) {
+            c->wgrad_keep[microbatch_] = node->params_held;
+            c->wgrad_dsts[microbatch_] = dsts;
+        }
+        node->dsts = std::move(dsts);
         // The current parameters (params_now refreshed them): a parameter
         // replaced since capture gets its grad, not the one registered.
         node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
@@ -297,16 +355,19 @@ void GraphedCallable::backward_dw() const {
     if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Wgrad), cur);
-    const graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
+    graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
+    const std::vector<void*> dst_ptrs = pointers_of(c->wgrad_dsts[microbatch_]);
+    if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
     std::vector<graphed::Ref> gp;
     s.replay(index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
     // Enqueued: the caching allocator orders a later reuse of this memory
     // after it on the stream.
     c->wgrad_keep[microbatch_].clear();
+    c->wgrad_dsts[microbatch_].clear();
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
-        if (gp[j].kind() == GRAPHED_REF_KIND_NONE) continue;
+        if (gp[j].kind() == GRAPHED_REF_KIND_NONE || gp[j].kind() == GRAPHED_REF_KIND_ACCUMULATE_INTO) continue;
         at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE
                            ? wrap_clone(gp[j], c->param_meta[j], s.device)
                            : s.wrap_alias(gp[j], c->param_meta[j],
@@ -329,6 +390,10 @@ void GraphedCallable::reset() const {
 bool GraphedCallable::is_reset() const { return shared_->is_reset; }
 
 const std::vector<at::Tensor>& GraphedCallable::params() const { return shared_->callables[index_]->params; }
+
+const std::string& GraphedCallable::accumulate_into() const { return shared_->opts.accumulate_into; }
+
+std::string GraphedCallable::param_name(size_t j) const { return shared_->callables[index_]->param_name(j); }
 
 std::vector<bool> GraphedCallable::params_movable() const {
     if (shared_->is_reset) return std::vector<bool>(params().size(), false);

@@ -215,6 +215,9 @@ struct Callable {
     // Per microbatch, with a delayed weight-grad pass: the memory of the
     // parameters its last forward read, kept until backward_dw.
     std::vector<std::vector<c10::Storage>> wgrad_keep;
+    // Per microbatch, with Options::accumulate_into and a delayed
+    // weight-grad pass: the destinations its last forward found.
+    std::vector<std::vector<at::Tensor>> wgrad_dsts;
     std::vector<uint32_t> flags;
     std::vector<bool> in_grad;     // the input is registered as taking a grad
     std::vector<bool> param_grad;  // the parameter is registered as taking a grad

@@ -144,10 +144,16 @@ void register_callable(Shared& s, Callable& c) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
         const bool grad = c.param_grad[j];
-        // The grad policy is graphed's to decide (frozen at capture: see
+        // ACCUMULATE_INTO where asked (Options::accumulate_into), except
+        // for parameters whose real grad is computed outside autograd
+        // (DELAYED_WGRAD); else graphed decides (frozen at capture: see
         // Callable::policies).
+        const bool accumulate =
+            grad && !s.opts.accumulate_into.empty() && !(c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
+        const uint32_t policy =
+            accumulate ? uint32_t(GRAPHED_GRAD_POLICY_ACCUMULATE_INTO) : uint32_t(GRAPHED_GRAD_POLICY_DEFAULT);
         d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
-                                               dtype_code(p.scalar_type(), &exact), GRAPHED_GRAD_POLICY_DEFAULT,
+                                               dtype_code(p.scalar_type(), &exact), policy,
                                                c.flags[j] | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u),
                                                grad));
         c.param_meta.push_back(Meta{p.sizes().vec(), p.scalar_type(), false});
@@ -158,6 +164,7 @@ void register_callable(Shared& s, Callable& c) {
     }
     c.param_at.assign(m, registered);
     c.wgrad_keep.assign(m, {});
+    c.wgrad_dsts.assign(m, {});
     d.name = c.name;
     d.forward = forward_cb;
     d.backward = backward_cb;

@@ -140,6 +140,7 @@ def make_graphed_callables(
     rebind_params=True,
     clones_from_torch_allocator=True,
     generators=None,
+    accumulate_param_grads_into=None,
 ):
     """Graphs `modules` (a module or callable, or a tuple of them), each
     with its sample positional args and keyword args; returns what it was
@@ -164,7 +165,14 @@ def make_graphed_callables(
     with what the graphs read, and points the graphs at one that moved,
     where capture verified they can follow it; a move they cannot follow,
     or a parameter of another shape, dtype, device or layout, raises
-    ParamMovedError naming it; False: any move raises), `generators`.
+    ParamMovedError naming it; False: any move raises), `generators`,
+    `accumulate_param_grads_into` (None: grads go to autograd; "grad", or
+    another attribute of each parameter such as Megatron's "main_grad": the
+    backward graph adds each parameter's grad into the tensor that attribute
+    holds at the forward, a contiguous tensor of the parameter's shape and
+    dtype, `grad` created as zeros where it is None; autograd then gets no
+    grad for it, so nothing copies or adds it again, and DDP finds it in
+    `param.grad`, its bucket view with gradient_as_bucket_view=True).
     """
     # torch's positional order has `pool` fifth, where Transformer Engine
     # has sample_kwargs: a pool handle there is taken as the pool.
@@ -189,6 +197,13 @@ def make_graphed_callables(
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError(
             "make_graphed_callables does not support the autocast caching. Please set `cache_enabled=False`."
+        )
+    if accumulate_param_grads_into is not None and (
+        not isinstance(accumulate_param_grads_into, str) or not accumulate_param_grads_into.isidentifier()
+    ):
+        raise ValueError(
+            "accumulate_param_grads_into must be None or the name of a parameter attribute ('grad', 'main_grad'), "
+            f"not {accumulate_param_grads_into!r}"
         )
     if int(num_warmup_iters) < 0:
         raise ValueError(f"num_warmup_iters must be >= 0, got {num_warmup_iters}")
@@ -316,6 +331,7 @@ def make_graphed_callables(
         steps=schedule.steps if schedule else [],
         layers_per_chunk=schedule.layers_per_chunk if schedule else [],
         reuse_buffers=bool(_reuse_graph_input_output_buffers),
+        accumulate_into=accumulate_param_grads_into,
         pool=_pool_id(pool),
         capture_stream=capture_stream,
         generators=gens,
