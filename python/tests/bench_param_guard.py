@@ -100,8 +100,8 @@ class Variant:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=1000)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--params", default="2,16,64,256")
     ap.add_argument("--out", default=None)
