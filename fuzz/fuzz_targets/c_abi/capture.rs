@@ -105,6 +105,10 @@ pub fn op_capture(t: Target) {
             first: None,
             said: None,
             ran: false,
+            body: 0,
+            loops: Vec::new(),
+            broke: 0,
+            named: Vec::new(),
         });
     }
     wd.depth.set(wd.depth.get() + 1);
@@ -167,6 +171,17 @@ pub fn op_capture(t: Target) {
                             "capture refused a step: {m:?} does not say {t:?}"
                         );
                     }
+                }
+            }
+            if st == S::CaptureInvalidated && f.first == Some(st) {
+                // Broken from a loop's body: CAPTURE_INVALIDATED naming the
+                // pass (tests/loop_capture_failures.rs).
+                let m = msg();
+                for t in &f.named {
+                    assert!(
+                        m.contains(t.as_str()),
+                        "a loop body broke the capture: {m:?} does not say {t:?}"
+                    );
                 }
             }
             if st == S::CallbackFailed {

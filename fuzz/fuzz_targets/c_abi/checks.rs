@@ -62,9 +62,9 @@ pub fn check_clones() {
                 "a held clone changed before its release"
             );
         }
-        for &(p, n, v) in &b.words {
+        for &(p, n, v, width) in &b.words {
             assert!(
-                all_words(p, n, v),
+                all_words(p, n, v, width),
                 "a held clone (a sum over microbatches) changed before its release"
             );
         }

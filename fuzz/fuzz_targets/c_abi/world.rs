@@ -86,21 +86,24 @@ pub struct Sess {
 }
 
 /// A declared step: its callables, one destination per parameter of
-/// theirs, in order (0: none), its microbatch count and its copies in and
-/// out (graphed_step_io, into memory of `mem`).
+/// theirs, in order (0: none), its microbatch count, its copies in and
+/// out (graphed_step_io, into memory of `mem`), and whether it loops on
+/// the device (GRAPHED_STEP_LOOP_WHILE: `microbatches` is then the most a
+/// replay runs).
 #[derive(Clone, Debug)]
 pub struct StepModel {
     pub callables: Vec<usize>,
     pub dsts: Vec<usize>,
     pub microbatches: u32,
     pub io: Vec<IoModel>,
+    pub device_loop: bool,
 }
 
 impl StepModel {
     /// Whether its graph loops over microbatches or copies data (no
     /// pass-by-pass replay then).
     pub fn looped(&self) -> bool {
-        self.microbatches > 1 || !self.io.is_empty()
+        self.microbatches > 1 || !self.io.is_empty() || self.device_loop
     }
 }
 
@@ -132,6 +135,19 @@ pub struct Frame {
     /// graphed_callback_fail_message, when `first` is CALLBACK_FAILED.
     pub said: Option<String>,
     pub ran: bool,
+    /// The stream of the loop body (a WHILE step's) whose callback runs
+    /// now (0: none); it is capturing beside `stream`, and destroyed when
+    /// the body's capture ends.
+    pub body: usize,
+    /// The running microbatch's index of each WHILE step whose body was
+    /// captured, in order: the k-th is the k-th WHILE step's.
+    pub loops: Vec<usize>,
+    /// Captures broken by the running callback: 1 the one around the
+    /// loop (`stream`), 2 the loop body's.
+    pub broke: u8,
+    /// A loop body's callback broke a capture, deciding `first`: the
+    /// words the message must hold.
+    pub named: Vec<String>,
 }
 
 pub struct HeldBlock {
@@ -140,9 +156,9 @@ pub struct HeldBlock {
     pub sess: usize,
     /// Clones holding one byte value each: (ptr, bytes, value).
     pub grads: Vec<(usize, usize, u8)>,
-    /// Clones holding one 4-byte element value each (the f32 sums of a
-    /// step over microbatches): (ptr, bytes, element bits).
-    pub words: Vec<(usize, usize, u32)>,
+    /// Clones holding one element value each (the f32, f16 or bf16 sums
+    /// of a step over microbatches): (ptr, bytes, element bits, width).
+    pub words: Vec<(usize, usize, u32, usize)>,
     /// The instance whose clone ring it came from: (callable, microbatch).
     pub inst: (usize, u32),
     /// Known to be a clone slot block (a looped step's replay took it).
@@ -166,13 +182,41 @@ pub struct KeptStream {
     pub h: usize,
     pub sess: usize,
     pub attempt: u64,
+    /// A loop body's stream: live only while that body is captured.
+    pub body: bool,
 }
 
-/// The user data of a host task recorded by a callback.
+/// The user data of a host task recorded by a callback: each target gets
+/// its byte ^ EPOCH, the parameter grads (`targets[grads..]`) also ^
+/// `grad_mix` of the step microbatch and of the data the task reads.
 pub struct Fill {
     pub targets: Vec<(usize, usize, u8)>,
     pub sess: usize,
     pub action: u8,
+    pub grads: usize,
+    /// The step microbatch this pass records (unrolled; 0 otherwise).
+    pub step_mb: u32,
+    /// In a loop body: where the running microbatch's index is (0: none).
+    pub index: usize,
+    /// In a loop body: a static buffer the step copies each microbatch's
+    /// data into, whose first byte the grads mix in (0: none).
+    pub data: usize,
+}
+
+impl Fill {
+    /// A task writing `targets` only.
+    pub fn plain(targets: Vec<(usize, usize, u8)>, sess: usize, action: u8) -> Fill {
+        let grads = targets.len();
+        Fill {
+            targets,
+            sess,
+            action,
+            grads,
+            step_mb: 0,
+            index: 0,
+            data: 0,
+        }
+    }
 }
 
 /// The user data of a callback or hook.
@@ -290,10 +334,19 @@ pub fn all_bytes(p: usize, n: usize, b: u8) -> bool {
         .all(|&x| x == b)
 }
 
-/// Whether every 4-byte element of `n` bytes at `p` holds `v`.
-pub fn all_words(p: usize, n: usize, v: u32) -> bool {
+/// Whether every `width`-byte element (4 or 2) of `n` bytes at `p` holds
+/// `v`.
+pub fn all_words(p: usize, n: usize, v: u32, width: usize) -> bool {
     // SAFETY: as all_bytes.
     unsafe { std::slice::from_raw_parts(p as *const u8, n) }
-        .chunks_exact(4)
-        .all(|c| u32::from_ne_bytes(c.try_into().unwrap()) == v)
+        .chunks_exact(width)
+        .all(|c| elem_bits(c) == v)
+}
+
+/// An element's bits (4 or 2 bytes, native order).
+pub fn elem_bits(c: &[u8]) -> u32 {
+    match c.len() {
+        4 => u32::from_ne_bytes(c.try_into().unwrap()),
+        _ => u16::from_ne_bytes(c[..2].try_into().unwrap()) as u32,
+    }
 }

@@ -124,7 +124,7 @@ pub(super) fn fuzzed_behaviours(ctx: &graphed_pass_ctx, cb: &Cb, seen: &Seen) ->
                         "graphed_host_synchronize",
                         "own stream under capture",
                     );
-                    wd.frames.borrow_mut().last_mut().unwrap().invalidated = true;
+                    break_captures_on(ctx.stream as usize);
                 } else {
                     expect(
                         r,
@@ -153,6 +153,7 @@ pub(super) fn fuzzed_behaviours(ctx: &graphed_pass_ctx, cb: &Cb, seen: &Seen) ->
                     h: ctx.stream as usize,
                     sess: cb.sess,
                     attempt,
+                    body: !ctx.step_microbatch_index.is_null(),
                 });
             }
             7 => own_session_call(cb.sess),

@@ -99,22 +99,11 @@ pub fn use_kept() {
                 };
                 expect(r, &[want], "graphed_host_synchronize", "kept stream");
                 if capturing && want == S::CaptureInvalidated {
-                    for f in wd
-                        .frames
-                        .borrow_mut()
-                        .iter_mut()
-                        .filter(|f| f.capturing && f.stream == h)
-                    {
-                        f.invalidated = true;
-                    }
+                    break_captures_on(h);
                 }
                 if live && !capturing {
                     let mut x = [0u8; 8];
-                    let fill = Box::new(Fill {
-                        targets: vec![(x.as_mut_ptr() as usize, 8, 9)],
-                        sess: 0,
-                        action: 0,
-                    });
+                    let fill = Box::new(Fill::plain(vec![(x.as_mut_ptr() as usize, 8, 9)], 0, 0));
                     let fp = &*fill as *const Fill as *mut c_void;
                     // SAFETY: runs now (the stream is not capturing).
                     let r =

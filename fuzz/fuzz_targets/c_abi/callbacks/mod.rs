@@ -65,8 +65,23 @@ fn decide_failure(cb: &Cb, seen: &Seen, code: i32, provided: &[(u32, usize)]) {
     } else {
         None
     };
+    if decided == Some(S::CaptureInvalidated) && f.first.is_none() && f.body != 0 {
+        // Broken from a loop's body: named by its pass, the body's own
+        // capture (only) said to be its, the callback's code kept.
+        let pass = ["forward", "backward", "weight-grad"][pass as usize];
+        f.named = vec![format!("capture of the {pass} pass of callable '")];
+        if f.broke == 2 {
+            f.named
+                .push("the capture of the loop's body was invalidated".into());
+        }
+        if code != 0 {
+            f.named.push(format!("; the callback then returned {code}"));
+        }
+    }
     if !cb.hook {
         f.capturing = false;
+        f.body = 0;
+        f.broke = 0;
     }
     // A failing callback says why (some codes), or clears what it said.
     let said = matches!(code, 1 | 7 | i32::MAX).then(|| format!("fuzz callback says {code}"));

@@ -101,6 +101,7 @@ pub fn sync_null() {
         );
         for f in w().frames.borrow_mut().iter_mut().filter(|f| f.capturing) {
             f.invalidated = true;
+            f.broke |= if f.body != 0 { 3 } else { 1 };
         }
     } else {
         expect(r, &[S::Ok], "graphed_host_synchronize", "NULL");

@@ -17,6 +17,12 @@ pub(super) struct Seen {
     pub pgrads: Vec<usize>,
     /// The first iteration of the measuring phase.
     pub measuring: bool,
+    /// What the pass's task mixes into the grads it writes (see `Fill`):
+    /// the step microbatch recorded (unrolled), the running microbatch's
+    /// index and the data buffer (in a loop body).
+    pub step_mb: u32,
+    pub index: usize,
+    pub data: usize,
 }
 
 /// Checks the context of a call of callback `cb` (for pass `which`; 9:
@@ -24,14 +30,22 @@ pub(super) struct Seen {
 pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
     let wd = w();
     trace!(
-        "  callback sess {} callable {} pass {} phase {} it {} mb {} hook {}",
+        "  callback sess {} callable {} pass {} phase {} it {} mb {} hook {} step mb {}/{}{} (reads at {})",
         cb.sess,
         cb.callable,
         ctx.pass,
         ctx.phase,
         ctx.iteration,
         ctx.microbatch,
-        cb.hook
+        cb.hook,
+        ctx.step_microbatch,
+        ctx.step_microbatches,
+        if ctx.step_microbatch_index.is_null() {
+            ""
+        } else {
+            " in a loop body"
+        },
+        wd.input.pos.get()
     );
     assert_eq!(ctx.struct_size, size_of::<graphed_pass_ctx>());
     assert_eq!(ctx.callable as usize, cb.callable, "ctx.callable");
@@ -39,10 +53,13 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         assert_eq!(ctx.pass, which, "a callback ran for another pass");
     }
     assert!(ctx.phase <= 1 && ctx.pass <= 2);
-    let (cl, sess_h, mb_known) = {
+    let in_body = !ctx.step_microbatch_index.is_null();
+    let loop_k = in_body.then(|| loop_of(ctx));
+    let (cl, sess_h, mb_known, looped) = {
         let s = &wd.sessions.borrow()[cb.sess];
-        check_step_microbatch(ctx, cb, s);
-        (s.callables[cb.callable].clone(), s.h, s.mb)
+        let si = check_step_microbatch(ctx, cb, s, loop_k);
+        let looped = si.map(|si| s.steps[si].clone());
+        (s.callables[cb.callable].clone(), s.h, s.mb, looped)
     };
     if mb_known != 0 {
         assert!(ctx.microbatch < mb_known, "microbatch {}", ctx.microbatch);
@@ -136,22 +153,41 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
             f.first
         );
         f.ran = true;
-        if f.stream == 0 {
-            f.stream = ctx.stream as usize;
+        if in_body {
+            // A loop's body is recorded on a stream of its own.
+            assert!(
+                f.stream != 0 && f.stream != ctx.stream as usize,
+                "a loop body's callback on the capture's side stream"
+            );
+            f.body = ctx.stream as usize;
+        } else {
+            if f.stream == 0 {
+                f.stream = ctx.stream as usize;
+            }
+            assert_eq!(
+                f.stream, ctx.stream as usize,
+                "the side stream changed during a capture"
+            );
         }
-        assert_eq!(
-            f.stream, ctx.stream as usize,
-            "the side stream changed during a capture"
-        );
         if !cb.hook {
             f.scratch_fail = false;
             f.capturing = capture_phase;
             if capture_phase {
                 f.invalidated = false;
+                f.broke = 0;
             }
         }
     }
     let measuring = ctx.phase == 0 && ctx.iteration == 0;
+    // In a loop body, the grads also mix in the first byte of the step's
+    // first copy in of this callable, read when the task runs.
+    let data = looped
+        .as_ref()
+        .and_then(|st| data_entry(st, cb.callable))
+        .map_or(0, |e| match e.role {
+            0 => inputs[e.index as usize],
+            _ => gouts[e.index as usize],
+        });
     Seen {
         cl,
         sess_h,
@@ -162,30 +198,79 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         gins,
         pgrads,
         measuring,
+        step_mb: ctx.step_microbatch,
+        index: ctx.step_microbatch_index as usize,
+        data,
+    }
+}
+
+/// Which WHILE step of the innermost capture's session (the k-th) the
+/// loop body whose callback runs belongs to: steps are captured in order,
+/// each loop with an index of its own.
+fn loop_of(ctx: &graphed_pass_ctx) -> usize {
+    let mut fs = w().frames.borrow_mut();
+    let f = fs.last_mut().expect("a loop body outside capture");
+    let ix = ctx.step_microbatch_index as usize;
+    match f.loops.iter().position(|&x| x == ix) {
+        Some(k) => k,
+        None => {
+            f.loops.push(ix);
+            f.loops.len() - 1
+        }
     }
 }
 
 /// Which microbatch of a step the call records: 0 of 1 outside the
 /// capture of a step over several (and for hooks, which steps do not run,
 /// and in warmup); under it, one of a count a step of this callable was
-/// declared with, on the callable's first instance. No step here loops on
-/// the device: no index to read there.
-fn check_step_microbatch(ctx: &graphed_pass_ctx, cb: &Cb, s: &Sess) {
+/// declared with, on the callable's first instance. In the body of the
+/// k-th WHILE step (`loop_k`), 0 of the step's count, its index to read
+/// on the device: returns that step.
+fn check_step_microbatch(
+    ctx: &graphed_pass_ctx,
+    cb: &Cb,
+    s: &Sess,
+    loop_k: Option<usize>,
+) -> Option<usize> {
     let (m, n) = (ctx.step_microbatch, ctx.step_microbatches);
-    assert!(
-        ctx.step_microbatch_index.is_null(),
-        "step_microbatch_index outside a loop on the device"
-    );
     assert!(m < n, "step_microbatch {m} of {n}");
     if cb.hook || ctx.phase == 0 {
         assert_eq!((m, n), (0, 1), "step microbatch of a hook or a warmup call");
     }
+    if let Some(k) = loop_k {
+        assert!(
+            !cb.hook && ctx.phase == 1,
+            "step_microbatch_index outside a loop body's capture"
+        );
+        let si = s
+            .steps
+            .iter()
+            .enumerate()
+            .filter(|(_, st)| st.device_loop)
+            .nth(k)
+            .map(|(si, _)| si);
+        let Some(si) = si else {
+            panic!("loop body {k}: the session has fewer WHILE steps");
+        };
+        let st = &s.steps[si];
+        assert!(
+            st.callables.contains(&cb.callable),
+            "the body of step {si} runs callable {}, not one of its",
+            cb.callable
+        );
+        assert_eq!(
+            (m, n, ctx.microbatch),
+            (0, st.microbatches, 0),
+            "a loop body's step microbatch (of step {si}) and instance"
+        );
+        return Some(si);
+    }
     if n > 1 {
         assert!(
-            s.steps
-                .iter()
-                .any(|st| st.microbatches == n && st.callables.contains(&cb.callable)),
-            "step_microbatches {n}: no step of callable {} has that many",
+            s.steps.iter().any(|st| !st.device_loop
+                && st.microbatches == n
+                && st.callables.contains(&cb.callable)),
+            "step_microbatches {n}: no unrolled step of callable {} has that many",
             cb.callable
         );
         assert_eq!(
@@ -193,4 +278,5 @@ fn check_step_microbatch(ctx: &graphed_pass_ctx, cb: &Cb, s: &Sess) {
             "a step's callables are their first instances"
         );
     }
+    None
 }

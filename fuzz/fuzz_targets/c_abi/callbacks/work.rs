@@ -9,9 +9,26 @@ pub unsafe extern "C" fn fill_task(data: *mut c_void) {
     // SAFETY: a Fill kept alive in the World until every session is gone.
     let f = unsafe { &*(data as *const Fill) };
     let e = EPOCH.load(Ordering::Relaxed);
-    for &(p, n, s) in &f.targets {
+    // The microbatch this run is for: the running one in a loop body.
+    let m = match f.index {
+        0 => f.step_mb,
+        // SAFETY: the loop's index (a u32 graphed keeps with the graph).
+        ix => unsafe { *(ix as *const u32) },
+    };
+    let data = match f.data {
+        0 => 0,
+        // SAFETY: a static buffer of the session (at least one byte), alive
+        // while its graphs run.
+        d => unsafe { *(d as *const u8) },
+    };
+    for (t, &(p, n, s)) in f.targets.iter().enumerate() {
+        let v = if t >= f.grads {
+            s ^ e ^ grad_mix(m, data)
+        } else {
+            s ^ e
+        };
         // SAFETY: static buffers, scratch or harness memory of n bytes.
-        unsafe { std::ptr::write_bytes(p as *mut u8, s ^ e, n) };
+        unsafe { std::ptr::write_bytes(p as *mut u8, v, n) };
     }
     match f.action {
         1 => own_session_call(f.sess),
@@ -70,6 +87,8 @@ pub(super) fn pass_work(
     let (capture_phase, measuring) = (seen.capture_phase, seen.measuring);
     let (outputs, gins, pgrads) = (&seen.outputs, &seen.gins, &seen.pgrads);
     let mut targets: Vec<(usize, usize, u8)> = Vec::new();
+    // targets[grads..] are parameter grads (none: targets.len()).
+    let mut grads = usize::MAX;
     let s = cb.sess;
     let c = cb.callable;
     if !cb.hook && code == 0 {
@@ -140,6 +159,7 @@ pub(super) fn pass_work(
                     }
                 }
                 if (pass == 1 && !cl.wgrad) || pass == 2 {
+                    grads = targets.len();
                     for (j, p) in cl.params.iter().enumerate() {
                         if p.grad {
                             let q = if p.external {
@@ -173,9 +193,13 @@ pub(super) fn pass_work(
             0
         };
         let fill = Box::new(Fill {
+            grads: grads.min(targets.len()),
             targets,
             sess: s,
             action,
+            step_mb: seen.step_mb,
+            index: seen.index,
+            data: seen.data,
         });
         let fp = &*fill as *const Fill as *mut c_void;
         wd.fills.borrow_mut().push(fill);

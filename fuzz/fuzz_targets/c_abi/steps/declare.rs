@@ -1,7 +1,7 @@
 //! Declaring a step (graphed_session_add_step) with fuzzed callables,
 //! destinations and descriptor (and, from `op_add_step_io`, microbatches,
-//! io copies, the loop mode and the descriptor's layout), checked in
-//! graphed's order against the model.
+//! io copies, the loop mode, WHILE included, and the descriptor's layout),
+//! checked in graphed's order against the model.
 
 use super::*;
 
@@ -139,16 +139,29 @@ fn add_step_with(ext: bool) {
     // Microbatches, io and the layout: after every other choice.
     let mut io = None;
     let mut loop_bad = None;
+    let mut at = (0, 0, 0);
     if ext {
+        // Where the count, the loop mode and the layout are read (in the
+        // trace: to write inputs that reach them).
+        at.0 = i.pos.get();
         d.microbatches = fuzz_microbatches();
         let a = fuzz_io(&calls, &cs, d.microbatches);
         d.io = a.ptr;
         d.num_io = a.count;
         io = Some(a);
-        if i.chance(16) {
-            d.loop_mode = i.pick(&[2, u32::MAX]);
-            loop_bad = Some(d.loop_mode);
+        // One byte: 240 and up a value that is no graphed_step_loop, 160
+        // to 239 WHILE (the host backend emulates its loop), below that
+        // UNROLLED (the default).
+        at.1 = i.pos.get();
+        match i.byte() {
+            240.. => {
+                d.loop_mode = i.pick(&[2, u32::MAX]);
+                loop_bad = Some(d.loop_mode);
+            }
+            160.. => d.loop_mode = graphed_step_loop::While as u32,
+            _ => {}
         }
+        at.2 = i.pos.get();
         let size = i.pick(&[72, 72, 72, 72, 48, 56, 64, 68]);
         if struct_err.is_none() && d.struct_size == size_of::<graphed_step_desc>() {
             d.struct_size = size;
@@ -160,6 +173,7 @@ fn add_step_with(ext: bool) {
     let io = io_arg.as_ref().filter(|_| io_read && d.num_io > 0);
     let microbatches = if mb_read { d.microbatches } else { 1 };
     let loop_bad = loop_bad.filter(|_| loop_read);
+    let device_loop = loop_read && d.loop_mode == graphed_step_loop::While as u32;
     let mut buf = vec![0u64; size_of::<graphed_step_desc>() / 8 + 2];
     // SAFETY: buf holds the struct.
     unsafe { (buf.as_mut_ptr() as *mut graphed_step_desc).write(d) };
@@ -240,8 +254,9 @@ fn add_step_with(ext: bool) {
     }
     let mut index = 0xabcd_u32;
     trace!(
-        "add_step {t:?} callables {cs:?} dsts {given:?} size {} mb {microbatches} io {:?} want {want:?} {text:?}",
+        "add_step {t:?} callables {cs:?} dsts {given:?} size {} mb {microbatches}{} io {:?} want {want:?} {text:?} (mb, loop, size read at {at:?})",
         d.struct_size,
+        if device_loop { " WHILE" } else { "" },
         io.as_ref().map(|a| (a.count, &a.entries))
     );
     mark();
@@ -278,5 +293,6 @@ fn add_step_with(ext: bool) {
         dsts: given,
         microbatches,
         io: io.map_or(Vec::new(), |a| a.entries.clone()),
+        device_loop,
     });
 }

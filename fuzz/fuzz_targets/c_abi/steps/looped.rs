@@ -1,7 +1,7 @@
-//! Steps over microbatches or with io copies ("looped"): what capture says
-//! of each declared step in turn, whether a replay finds a clone slot free,
-//! and what a successful replay leaves in caller memory (the copies out)
-//! and in its grads (sums over the microbatches).
+//! Steps over microbatches, with io copies or looping on the device
+//! ("looped"): what capture says of each declared step in turn, whether a
+//! replay finds a clone slot free, and what a successful replay leaves in
+//! caller memory (the copies out, up to its count).
 
 use super::*;
 
@@ -115,6 +115,26 @@ pub fn step_capture_error(k: usize) -> Option<StepRefusal> {
                 )],
             );
         }
+        // A loop on the device sums every microbatch's CLONE and COPY_INTO
+        // grads from -0.0, even for one microbatch: only the dtypes graphed
+        // adds, refused before its body is recorded.
+        if st.device_loop {
+            for &c in &st.callables {
+                let ps = &s.callables[c].params;
+                let bad = ps.iter().position(|p| {
+                    matches!(p.resolved(s.clone), 1 | 3) && sum_width(p.dtype).is_none()
+                });
+                if let Some(j) = bad {
+                    return refusal(
+                        S::Incompatible,
+                        vec![
+                            format!("param {j} of callable '"),
+                            "which graphed does not sum".into(),
+                        ],
+                    );
+                }
+            }
+        }
     }
     None
 }
@@ -158,32 +178,32 @@ pub fn slot_free(k: usize, st: &StepModel) -> Option<bool> {
     None
 }
 
-/// `w` added to itself `n` times in f32, in order (the sum of `n`
-/// microbatches' equal grads).
-pub fn f32_times(w: u32, n: u32) -> u32 {
-    (1..n).fold(w, |acc, _| f32_add(acc, w))
-}
-
-/// An ACCUMULATE_INTO destination after `n` microbatches each added the
-/// grad `b` (every byte of it) in f32.
-pub fn check_accumulated_n(before: &[u8], dst: usize, b: u8, n: u32, what: &str) {
-    // SAFETY: harness memory of before.len() bytes.
-    let got = unsafe { std::slice::from_raw_parts(dst as *const u8, before.len()) };
-    let g = u32::from_ne_bytes([b; 4]);
-    for e in 0..before.len() / 4 {
-        let was = u32::from_ne_bytes(before[e * 4..e * 4 + 4].try_into().unwrap());
-        let want = (0..n).fold(was, |acc, _| f32_add(acc, g));
-        let x = u32::from_ne_bytes(got[e * 4..e * 4 + 4].try_into().unwrap());
-        assert!(
-            x == want || (f32::from_bits(x).is_nan() && f32::from_bits(want).is_nan()),
-            "{what}: ACCUMULATE_INTO over {n} microbatches, element {e}: 0x{x:08x}, expected 0x{want:08x}"
-        );
-    }
+/// The blocks of step `st`'s copies out (of session `k`) that a replay of
+/// `count` microbatches leaves alone (those from `count` on), as they are.
+pub fn copies_out_kept(k: usize, st: &StepModel, count: u32) -> Vec<Vec<u8>> {
+    let s = &w().sessions.borrow()[k];
+    st.io
+        .iter()
+        .map(
+            |e| match io_bytes(&s.callables[e.callable as usize], e.role, e.index) {
+                Some(b) if matches!(e.role, 1 | 3) => (count..st.microbatches)
+                    .flat_map(|m| {
+                        let p = e.ptr + m as usize * e.stride;
+                        // SAFETY: harness memory holding every block.
+                        unsafe { std::slice::from_raw_parts(p as *const u8, b) }.to_vec()
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            },
+        )
+        .collect()
 }
 
 /// After a successful replay of step `st` of session `k` (writing with
-/// `epoch`): every block of every copy out holds what its pass wrote.
-pub fn check_copies_out(k: usize, st: &StepModel, epoch: u8) {
+/// `epoch`) over `count` microbatches: every block of every copy out up to
+/// `count` holds what its pass wrote, the later ones what they held
+/// (`kept`, from `copies_out_kept`).
+pub fn check_copies_out(k: usize, st: &StepModel, epoch: u8, count: u32, kept: &[Vec<u8>]) {
     let s = &w().sessions.borrow()[k];
     for (q, e) in st.io.iter().enumerate() {
         let (role, t) = match e.role {
@@ -199,12 +219,26 @@ pub fn check_copies_out(k: usize, st: &StepModel, epoch: u8) {
         };
         let b = seed(k, e.callable as usize, 0, role, e.index as usize) ^ epoch;
         for m in 0..st.microbatches as usize {
+            let p = e.ptr + m * e.stride;
+            let ok = if m < count as usize {
+                all_bytes(p, t.bytes, b)
+            } else {
+                let at = (m - count as usize) * t.bytes;
+                // SAFETY: as copies_out_kept.
+                let now = unsafe { std::slice::from_raw_parts(p as *const u8, t.bytes) };
+                now == &kept[q][at..at + t.bytes]
+            };
             assert!(
-                all_bytes(e.ptr + m * e.stride, t.bytes, b),
-                "step io[{q}] (role {} {} of callable {}): microbatch {m}'s copy out does not hold what the pass wrote",
+                ok,
+                "step io[{q}] (role {} {} of callable {}): microbatch {m}'s copy out {} (the replay ran {count})",
                 e.role,
                 e.index,
-                e.callable
+                e.callable,
+                if m < count as usize {
+                    "does not hold what the pass wrote"
+                } else {
+                    "changed"
+                }
             );
         }
     }

@@ -1,6 +1,7 @@
-//! Steps (graphed_session_add_step): their declaration (with microbatches
-//! and io copies), the model of the step graphs a capture makes of them
-//! and of what it refuses, and their replay, checked against that model.
+//! Steps (graphed_session_add_step): their declaration (with microbatches,
+//! io copies and loops on the device), the model of the step graphs a
+//! capture makes of them and of what it refuses, and their replay (with a
+//! microbatch count), checked against that model, sums included.
 
 use super::*;
 
@@ -10,6 +11,7 @@ mod io;
 mod looped;
 mod replay;
 mod results;
+mod sums;
 
 pub use declare::*;
 pub use graphs::*;
@@ -17,6 +19,7 @@ pub use io::*;
 pub use looped::*;
 pub use replay::*;
 use results::*;
+pub use sums::*;
 
 /// A session destroyed when idle by code that ran inside the call that
 /// just returned (a callback, a host task) is gone now: its leases go

@@ -1,6 +1,7 @@
 //! Replaying a step (graphed_step_replay, after graphed_step_param_count):
-//! the fuzzed arguments, the expected status in graphed's order, the call,
-//! and a refusal for the parameters' addresses changing nothing.
+//! the fuzzed arguments (a microbatch count too), the expected status in
+//! graphed's order, the call, and a refusal for the parameters' addresses
+//! changing nothing.
 
 use super::*;
 
@@ -100,7 +101,8 @@ fn step_replay_with(with_params: bool) {
     let mut out_mis = false;
     let mut struct_err = None;
     let mut args_null = false;
-    match i.below(16) {
+    let fault = i.below(16);
+    match fault {
         0 => args_null = true,
         1 => {
             a.magic = 0x6772_0007;
@@ -133,6 +135,28 @@ fn step_replay_with(with_params: bool) {
             a.struct_size = std::mem::offset_of!(graphed_step_args, params);
         }
     }
+    // The microbatch count (after every other choice): always for a WHILE
+    // step, for others when the fault above was 7 (so that the inputs
+    // before WHILE steps read as they did).
+    let device_loop = st_model.as_ref().is_some_and(|st| st.device_loop);
+    let declared = st_model.as_ref().map_or(1, |st| st.microbatches);
+    let mut asked = 0;
+    if device_loop || fault == 7 {
+        asked = fuzz_count(declared);
+        let full = size_of::<graphed_step_args>();
+        if a.struct_size == full && i.chance(24) {
+            // The layout before the count: the library reads 0 (all).
+            a.struct_size = std::mem::offset_of!(graphed_step_args, microbatches);
+        }
+        a.microbatches = asked;
+        if a.struct_size < std::mem::offset_of!(graphed_step_args, microbatches) + 4 {
+            asked = 0;
+        }
+    }
+    let count_err = st_model
+        .as_ref()
+        .and_then(|st| count_refusal(step, st, asked));
+    let count = if asked == 0 { declared } else { asked };
     let stride = a.ref_size;
     let mut refs = vec![0xabu8; n * stride.max(REF) + 16];
     let mut p = refs.as_mut_ptr();
@@ -164,6 +188,8 @@ fn step_replay_with(with_params: bool) {
     let mut slot_err = None;
     // ALIAS_HELD would be for the clone slots (the message says so).
     let mut slot_says = false;
+    // INVALID_ARGUMENT would be for the count.
+    let mut count_says = false;
     if let Some((st, _, _, strict, _, pool, custom)) = &model {
         first(&mut want, st_model.is_none().then_some(S::InvalidArgument));
         first(&mut want, (n != np).then_some(S::InvalidArgument));
@@ -181,6 +207,8 @@ fn step_replay_with(with_params: bool) {
             St::Reset => first(&mut want, Some(S::SessionReset)),
             St::Captured => {}
         }
+        first(&mut want, count_err.as_ref().map(|e| e.0));
+        count_says = want.is_some() && want == count_err.as_ref().map(|e| e.0);
         first(&mut want, stream_err);
         if *strict {
             let k = sess.unwrap();
@@ -229,6 +257,15 @@ fn step_replay_with(with_params: bool) {
         .load(Ordering::Relaxed)
         .wrapping_add(1 + i.below(200) as u8);
     EPOCH.store(epoch, Ordering::Relaxed);
+    // Fresh data in the copies in (the grads of a loop body mix it in),
+    // and the blocks of the copies out that a shorter loop leaves alone.
+    let kept_out = match (sess, &model, &st_model) {
+        (Some(k), Some(m), Some(st)) if m.0 == St::Captured => {
+            fresh_data(&m.1, st, epoch);
+            copies_out_kept(k, st, count.min(st.microbatches))
+        }
+        _ => Vec::new(),
+    };
     // Refused for the parameters' addresses alone: the step's instances'
     // buffers are kept to see that the refusal changed nothing.
     let refused_for_params = before_params.is_none() && params_err.is_some();
@@ -253,8 +290,9 @@ fn step_replay_with(with_params: bool) {
         unsafe { graphed_step_replay(t.ptr(), args, p.cast(), n) }
     };
     trace!(
-        "step_replay {t:?} step {step} n {n}/{np} params {:?} want {want:?}",
-        pa.as_ref().map(|p| (p.mode, p.count, p.moved))
+        "step_replay {t:?} step {step} n {n}/{np} params {:?} count {asked}{} want {want:?}",
+        pa.as_ref().map(|p| (p.mode, p.count, p.moved)),
+        if device_loop { " WHILE" } else { "" }
     );
     let mut r = call(args, want);
     let mut ok = vec![want.unwrap_or(S::Ok)];
@@ -305,6 +343,15 @@ fn step_replay_with(with_params: bool) {
             refs.iter().all(|&b| b == 0xab),
             "graphed_step_replay wrote refs on failure"
         );
+        if let (true, Some((e, t))) = (count_says, &count_err) {
+            if r == *e {
+                let m = msg();
+                assert!(
+                    m.contains(t.as_str()),
+                    "graphed_step_replay refused the count: {m:?} does not say {t:?}"
+                );
+            }
+        }
         if r == S::AliasHeld && slot_says {
             let m = msg();
             let n = wd.sessions.borrow()[sess.unwrap()].clone_slots;
@@ -318,8 +365,48 @@ fn step_replay_with(with_params: bool) {
     let k = sess.unwrap();
     let (_, _, _, strict, clone, _, _) = model.unwrap();
     let st_model = st_model.unwrap();
-    check_step_refs(
-        k, strict, clone, &st_model, &params, &refs, stride, epoch, &before,
-    );
+    let run = StepRun {
+        epoch,
+        count,
+        before,
+        kept: kept_out,
+    };
+    check_step_refs(k, strict, clone, &st_model, &params, &refs, stride, &run);
     forget_if_gone(k);
+}
+
+/// graphed_step_args.microbatches for a step of `n`: 0 (all of them), 1 to
+/// n, past n, and the largest.
+fn fuzz_count(n: u32) -> u32 {
+    let i = &w().input;
+    match i.below(8) {
+        0 => 0,
+        1 => 1,
+        2 => n,
+        3 => 1 + i.below(n as usize) as u32,
+        4 => n - 1,
+        5 => n + 1,
+        6 => u32::MAX,
+        _ => i.pick(&[2, 3, 4096, 4097]),
+    }
+}
+
+/// What graphed_step_replay says of a replay of step `step` (`st`) asked
+/// for `asked` microbatches (0: all): a WHILE step runs 1 to its count, an
+/// unrolled one only its own.
+fn count_refusal(step: u32, st: &StepModel, asked: u32) -> Option<Refusal> {
+    let n = st.microbatches;
+    let why = match asked {
+        0 => return None,
+        a if a == n || (st.device_loop && a < n) => return None,
+        a if st.device_loop => format!(
+            "step {step} was asked for {a} microbatches; it was declared with {n}, and its io \
+             regions hold no more"
+        ),
+        a => format!(
+            "step {step} was asked for {a} microbatches; it was captured unrolled for {n} (a \
+             count per replay needs GRAPHED_STEP_LOOP_WHILE)"
+        ),
+    };
+    Some((S::InvalidArgument, why))
 }

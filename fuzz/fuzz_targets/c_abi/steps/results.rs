@@ -1,14 +1,24 @@
 //! What a successful step replay returns: one ref per parameter of the
 //! step's callables, by frozen policy (clones holding the grads, aliases
 //! and their leases, COPY_INTO and ACCUMULATE_INTO destinations; over
-//! several microbatches their f32 sums), what its copies out wrote, and
+//! several microbatches, or in a loop on the device, their f32, f16 or
+//! bf16 sums over the microbatches it ran), what its copies out wrote, and
 //! the clone blocks and leases the model then holds.
 
 use super::*;
 
-/// Checks the refs a successful replay of step `st_model` of session `k`
-/// wrote (`before`: the accumulating destinations before it) and takes
-/// their blocks and leases into the model.
+/// What a successful step replay ran with: its epoch, its microbatch
+/// count, the accumulating destinations before it and the blocks of its
+/// copies out it must leave alone.
+pub(super) struct StepRun {
+    pub epoch: u8,
+    pub count: u32,
+    pub before: Vec<Vec<u8>>,
+    pub kept: Vec<Vec<u8>>,
+}
+
+/// Checks the refs a successful replay `run` of step `st_model` of
+/// session `k` wrote and takes their blocks and leases into the model.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn check_step_refs(
     k: usize,
@@ -18,20 +28,31 @@ pub(super) fn check_step_refs(
     params: &[(usize, usize, Param)],
     refs: &[u8],
     stride: usize,
-    epoch: u8,
-    before: &[Vec<u8>],
+    run: &StepRun,
 ) {
+    let (epoch, before) = (run.epoch, &run.before);
     let wd = w();
     let mut blocks: Vec<HeldBlock> = Vec::new();
     let mut new_leases = Vec::new();
     // Destroyed when idle from inside this replay: its aliases went with it.
     let gone = !wd.sessions.borrow()[k].alive;
-    // A step over microbatches returns their grads' sums.
-    let n = st_model.microbatches;
+    // A step over microbatches returns their grads' sums (see sums.rs); a
+    // loop on the device sums from -0.0, even one microbatch.
+    let summed = st_model.microbatches > 1 || st_model.device_loop;
+    let from_zero = st_model.device_loop;
     for (at, (c, j, p)) in params.iter().enumerate() {
         let r = read_ref(refs, at * stride);
-        let b = seed(k, *c, 0, ROLE_PARAM, *j) ^ epoch;
+        let gs = grads_of(k, st_model, *c, *j, epoch, run.count);
+        let b = gs[gs.len() - 1];
+        let what = format!(
+            "step param {at} (dtype {}) over {} microbatches",
+            p.dtype, run.count
+        );
         let dst = st_model.dsts[at];
+        trace!(
+            "  step param {at}: policy {} grads {gs:02x?}",
+            p.resolved(clone)
+        );
         match p.resolved(clone) {
             0 => assert_eq!(
                 (r.kind, r.ptr, r.bytes, r.owner, r.lease),
@@ -64,16 +85,14 @@ pub(super) fn check_step_refs(
                     "step param {at}: two callables' clones in one block"
                 );
                 x.refs += 1;
-                if n == 1 {
+                if !summed {
                     assert!(all_bytes(r.ptr, p.bytes, b), "step param {at}: the clone");
                     x.grads.push((r.ptr, r.bytes, b));
-                } else if p.dtype == 0 {
-                    let sum = f32_times(u32::from_ne_bytes([b; 4]), n);
-                    assert!(
-                        all_words(r.ptr, p.bytes, sum),
-                        "step param {at}: the clone of the sum over {n} microbatches"
-                    );
-                    x.words.push((r.ptr, r.bytes, sum));
+                } else if let Some(width) = sum_width(p.dtype) {
+                    let sum = sum_of(p.dtype, &gs, from_zero);
+                    let what = format!("{what}: the clone of the sum");
+                    let got = check_sum(r.ptr, p.bytes, p.dtype, sum, &what);
+                    x.words.push((r.ptr, r.bytes, got, width));
                 }
             }
             2 => {
@@ -100,14 +119,11 @@ pub(super) fn check_step_refs(
                     (r.kind, r.ptr, r.bytes, r.owner, r.lease),
                     (3, dst, p.bytes, 0, 0)
                 );
-                if n == 1 {
+                if !summed {
                     assert!(all_bytes(dst, p.bytes, b), "step param {at}: COPY_INTO");
-                } else if p.dtype == 0 {
-                    let sum = f32_times(u32::from_ne_bytes([b; 4]), n);
-                    assert!(
-                        all_words(dst, p.bytes, sum),
-                        "step param {at}: COPY_INTO of the sum over {n} microbatches"
-                    );
+                } else if sum_width(p.dtype).is_some() {
+                    let sum = sum_of(p.dtype, &gs, from_zero);
+                    check_sum(dst, p.bytes, p.dtype, sum, &format!("{what}: COPY_INTO"));
                 }
             }
             _ => {
@@ -115,8 +131,8 @@ pub(super) fn check_step_refs(
                     (r.kind, r.ptr, r.bytes, r.owner, r.lease),
                     (4, dst, p.bytes, 0, 0)
                 );
-                if p.dtype == 0 && !before[at].is_empty() {
-                    check_accumulated_n(&before[at], dst, b, n, &format!("step param {at}"));
+                if sum_width(p.dtype).is_some() && !before[at].is_empty() {
+                    check_accumulated_all(&before[at], dst, p.dtype, &gs, &what);
                 }
             }
         }
@@ -136,6 +152,6 @@ pub(super) fn check_step_refs(
     wd.blocks.borrow_mut().extend(blocks);
     wd.leases.borrow_mut().extend(new_leases);
     if !gone {
-        check_copies_out(k, st_model, epoch);
+        check_copies_out(k, st_model, epoch, run.count, &run.kept);
     }
 }
