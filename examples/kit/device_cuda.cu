@@ -150,8 +150,13 @@ class CudaDevice final : public Device {
         cudaFree(p);
     }
     void upload(void* dst, const void* src, size_t bytes) override {
-        cudaStreamSynchronize(stream_);
-        if (cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+        // On stream() and waited for: a plain cudaMemcpy from pageable
+        // memory runs on the legacy default stream, which a non-blocking
+        // stream does not wait for, and may return before its DMA reached
+        // the device, so kernels enqueued next on stream() could read the
+        // old bytes (seen as a rare mismatch in Processes.*_cuda).
+        if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_) != cudaSuccess ||
+            cudaStreamSynchronize(stream_) != cudaSuccess)
             throw std::runtime_error("upload failed");
     }
     void download(void* dst, const void* src, size_t bytes) override {
