@@ -41,9 +41,10 @@ int microbatch_table(kit::Device& dev, Tools& tools, std::ostream& report, int l
               "from one buffer by the graph's own copies (graphed_step_io). **unrolled**: a step declared with "
               "`microbatches = N` (every microbatch captured); **while**: the same with "
               "`GRAPHED_STEP_LOOP_WHILE` (one microbatch in a conditional WHILE node, the count given per replay); "
-              "**N launches**: a step of one microbatch replayed N times. GPU time: CUDA-event median of "
-           << samples
-           << " optimizer steps after warm-up. Host time: the median wall time of the call(s) that enqueue one "
+              "**N launches**: a step of one microbatch replayed N times. GPU time: CUDA-event medians of "
+           << std::max(1, samples / 5)
+           << " optimizer steps after warm-up in each of 5 rounds that interleave the three variants, the median "
+              "of the rounds. Host time: the median wall time of the call(s) that enqueue one "
               "optimizer step, the device synchronized between samples. Capture: `graphed_session_capture` wall "
               "time (warmup, capture, instantiate, verification). Driver: the device memory capture took "
               "(cuMemGetInfo before and after). The library's static + scratch bytes are those of one "
@@ -136,9 +137,17 @@ int microbatch_table(kit::Device& dev, Tools& tools, std::ostream& report, int l
         auto run_single = [&] {
             for (uint32_t i = 0; i < n; ++i) single.s->step(single.step, dev.stream(), grads);
         };
-        const double gu = tools.median_ms(run_unrolled, [] {}, 5, samples, 1);
-        const double gw = tools.median_ms(run_looped, [] {}, 5, samples, 2);
-        const double gn = tools.median_ms(run_single, [] {}, 5, samples, int(n));
+        // Interleaved: 5 rounds of the three variants, each round a median
+        // of samples / 5 steps after warm-up, the median of the rounds kept,
+        // so that clock drift reaches all three alike.
+        std::vector<double> ru, rw, rn;
+        const int per_round = std::max(1, samples / 5);
+        for (int round = 0; round < 5; ++round) {
+            ru.push_back(tools.median_ms(run_unrolled, [] {}, 2, per_round, 1));
+            rw.push_back(tools.median_ms(run_looped, [] {}, 2, per_round, 2));
+            rn.push_back(tools.median_ms(run_single, [] {}, 2, per_round, int(n)));
+        }
+        const double gu = median(ru), gw = median(rw), gn = median(rn);
         auto host_us = [&](const std::function<void()>& op) {
             std::vector<double> v;
             for (int r = 0; r < samples; ++r) {
