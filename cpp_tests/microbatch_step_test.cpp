@@ -48,6 +48,17 @@ class MicrobatchStep : public BackendTest {
         }
     }
 
+    // A step's returned grads (weight and bias per layer, in order)
+    // against `want`, bit for bit.
+    void expect_grads(const kit::StepGrads& want, const std::vector<graphed::Ref>& grads) {
+        for (int l = 0; l < kLayers; ++l) {
+            const graphed::Ref& gw = grads[2 * size_t(l)];
+            const graphed::Ref& gb = grads[2 * size_t(l) + 1];
+            EXPECT_EQ(want.w[l], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << l;
+            EXPECT_EQ(want.b[l], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << l;
+        }
+    }
+
     // Registers the layers (chained, with the loss) and declares the step
     // over all of them with `n` microbatches read from `xs` and `ts`.
     uint32_t build(graphed::Session& s, kit::Mlp& m, uint32_t n, kit::Buffer& xs, kit::Buffer& ts,
@@ -81,12 +92,7 @@ TEST_P(MicrobatchStep, CloneGradsAreEagerAccumulationBitForBit) {
             s.step(step, dev->stream(), grads);
             dev->sync();
             ASSERT_EQ(grads.size(), size_t(2 * kLayers));
-            for (int l = 0; l < kLayers; ++l) {
-                const graphed::Ref& gw = grads[2 * size_t(l)];
-                const graphed::Ref& gb = grads[2 * size_t(l) + 1];
-                ASSERT_EQ(want.w[l], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << l;
-                ASSERT_EQ(want.b[l], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << l;
-            }
+            expect_grads(want, grads);
             for (auto& g : grads) g.release();
         }
         EXPECT_EQ(0u, s.stats().clone_blocks_outstanding);
@@ -179,12 +185,7 @@ TEST_P(MicrobatchStep, ALoopOnTheDeviceRunsTheCountEachReplayNames) {
         accumulate(eager, count == 0 ? n : count, xs, ts, want);
         s.step(step, dev->stream(), grads, {}, count);
         dev->sync();
-        for (int l = 0; l < kLayers; ++l) {
-            const graphed::Ref& gw = grads[2 * size_t(l)];
-            const graphed::Ref& gb = grads[2 * size_t(l) + 1];
-            ASSERT_EQ(want.w[l], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << l;
-            ASSERT_EQ(want.b[l], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << l;
-        }
+        expect_grads(want, grads);
         for (auto& g : grads) g.release();
     }
     EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.step(step, dev->stream(), grads, {}, n + 1); },
@@ -259,12 +260,7 @@ TEST_P(MicrobatchStep, DropoutDrawsEachMicrobatchsOwnMasks) {
             ASSERT_NE(want.w, same.w) << "the masks of different microbatches differ";
             s.step(step, dev->stream(), grads, {}, counts[round]);
             dev->sync();
-            for (int l = 0; l < kLayers; ++l) {
-                const graphed::Ref& gw = grads[2 * size_t(l)];
-                const graphed::Ref& gb = grads[2 * size_t(l) + 1];
-                ASSERT_EQ(want.w[l], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << l;
-                ASSERT_EQ(want.b[l], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << l;
-            }
+            expect_grads(want, grads);
             for (auto& g : grads) g.release();
         }
     }
