@@ -353,6 +353,7 @@ void Shared::reset() {
         c->end_pass();
         c->samples.clear();
         c->wgrad_keep.clear();
+        c->wgrad_dsts.clear();
         // What it holds of the caller's objects (a module's parameter
         // dicts) goes now, not with the last graphed callable.
         c->param_source = nullptr;
