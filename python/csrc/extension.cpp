@@ -251,7 +251,7 @@ py::list replay(const graphed_torch::GraphedCallable& g, py::sequence inputs, py
     // is held for the whole call); `grad` is created as zeros where it is
     // None, as AccumulateGrad would create it.
     if (!g.accumulate_into().empty())
-        on.accumulate_dst = [&g](size_t, const at::Tensor& p) -> at::Tensor {
+        on.accumulate_dst = [&g](const at::Tensor& p) -> at::Tensor {
             const std::string& attr = g.accumulate_into();
             py::object param = py::reinterpret_steal<py::object>(THPVariable_Wrap(p));
             py::object d = py::getattr(param, attr.c_str(), py::none());

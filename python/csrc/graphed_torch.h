@@ -173,11 +173,11 @@ class ParamMoved : public std::runtime_error {
 struct ReplayOn {
     std::optional<c10::cuda::CUDAStream> stream;
     cudaEvent_t join_event = nullptr;
-    // With Options::accumulate_into: the tensor parameter j's grad is added
-    // into (the attribute of `p` that option names, created where that is
-    // how it works), looked up at every forward. Called for the parameters
-    // whose grads graphed accumulates, the current ones.
-    std::function<at::Tensor(size_t j, const at::Tensor& p)> accumulate_dst;
+    // With Options::accumulate_into: the tensor parameter `p`'s grad is
+    // added into (the attribute of `p` that option names, created where
+    // that is how it works), looked up at every forward. Called for the
+    // parameters whose grads graphed accumulates, the current ones.
+    std::function<at::Tensor(const at::Tensor& p)> accumulate_dst;
 };
 
 struct Shared;
@@ -208,8 +208,6 @@ class GraphedCallable {
     const std::vector<at::Tensor>& params() const;
     // Options::accumulate_into of its session ("" when grads are returned).
     const std::string& accumulate_into() const;
-    // The qualified name of parameter j.
-    std::string param_name(size_t j) const;
     // Per parameter: whether a call may find it at another address (its
     // graphs follow it) or would throw ParamMoved (graphed_session_params_movable).
     std::vector<bool> params_movable() const;

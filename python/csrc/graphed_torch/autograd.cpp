@@ -18,14 +18,14 @@ namespace {
 
 // The device pointers of `dsts` (NULL for undefined ones); empty when all are.
 std::vector<void*> pointers_of(const std::vector<at::Tensor>& dsts) {
-    std::vector<void*> v;
+    std::vector<void*> v(dsts.size(), nullptr);
+    bool any = false;
     for (size_t j = 0; j < dsts.size(); ++j)
         if (dsts[j].defined()) {
-            v.assign(dsts.size(), nullptr);
-            for (size_t k = 0; k < dsts.size(); ++k)
-                if (dsts[k].defined()) v[k] = dsts[k].data_ptr();
-            break;
+            v[j] = dsts[j].data_ptr();
+            any = true;
         }
+    if (!any) v.clear();
     return v;
 }
 
@@ -129,19 +129,23 @@ std::vector<at::Tensor> accumulate_dsts(const Shared& s, const Callable& c, uint
         if (!on.accumulate_dst)
             throw std::logic_error("graphed: accumulate_param_grads_into is set but the call gave no destinations");
         const at::Tensor& p = c.params[j];
-        at::Tensor d = on.accumulate_dst(j, p);
-        const std::string where = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "'." +
-                                  s.opts.accumulate_into;
+        at::Tensor d = on.accumulate_dst(p);
+        // The message is built only for a refusal: this runs at every forward.
+        auto where = [&] {
+            return callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "'." + s.opts.accumulate_into;
+        };
         if (!d.defined())
-            throw std::invalid_argument(where + " is None; graphed adds the parameter's grad into it "
-                                                "(accumulate_param_grads_into): give it a tensor first (zeros, "
-                                                "as Megatron allocates main_grad)");
+            throw std::invalid_argument(where() + " is None; graphed adds the parameter's grad into it "
+                                                  "(accumulate_param_grads_into): give it a tensor first (zeros, "
+                                                  "as Megatron allocates main_grad)");
         if (d.scalar_type() != p.scalar_type() || d.sizes() != p.sizes() || !d.is_cuda() ||
             d.device() != p.device() || !d.is_contiguous())
-            throw std::invalid_argument(where + " is " + layout_text(d) +
-                                        "; graphed adds the grad elementwise into a contiguous tensor of the "
-                                        "parameter's shape and dtype on its device (" +
-                                        layout_text(p) + "): an accumulator of another dtype is not supported");
+            throw std::invalid_argument(
+                where() + " is " + layout_text(d) +
+                "; graphed adds the grad elementwise into a contiguous tensor of the parameter's shape and dtype "
+                "on its device (" +
+                layout_text(p) + ")" +
+                (d.scalar_type() != p.scalar_type() ? ": an accumulator of another dtype is not supported" : ""));
         dsts[j] = std::move(d);
     }
     return dsts;
@@ -392,8 +396,6 @@ bool GraphedCallable::is_reset() const { return shared_->is_reset; }
 const std::vector<at::Tensor>& GraphedCallable::params() const { return shared_->callables[index_]->params; }
 
 const std::string& GraphedCallable::accumulate_into() const { return shared_->opts.accumulate_into; }
-
-std::string GraphedCallable::param_name(size_t j) const { return shared_->callables[index_]->param_name(j); }
 
 std::vector<bool> GraphedCallable::params_movable() const {
     if (shared_->is_reset) return std::vector<bool>(params().size(), false);
