@@ -274,7 +274,7 @@ def rank_main(rank, a, path):
             result = pipeline_rank(rank, a, dev, base, data)
         elif a.mode == "ddp":
             result = {"eager": ddp_train(dev, False, rank, a.backend, a.accumulate),
-                      "graphed": ddp_train(dev, not a.eager, rank, a.backend, a.accumulate)}
+                      "graphed": ddp_train(dev, True, rank, a.backend, a.accumulate)}
         else:
             result = teardown_rank(rank, a, dev)
         if dist.is_initialized():
@@ -337,6 +337,9 @@ def main():
     a = ap.parse_args()
     if a.device == "cpu" and not a.eager:
         raise SystemExit("--device cpu needs --eager: graphed's graphs need a GPU")
+    if a.eager and a.mode != "pipeline":
+        raise SystemExit(f"--eager checks the pipeline's schedule; {a.mode} with eager ranks would compare "
+                         "eager with eager")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     a.port, a.port2 = free_port(), free_port()
     what = f"{a.mode} ({a.backend}, {a.device}{', eager ranks' if a.eager else ''}"

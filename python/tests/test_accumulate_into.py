@@ -23,10 +23,22 @@ if torch is not None:
 MICROBATCHES, STEPS = 3, 3
 
 
-def train(model, dtype, accumulate=None, zero_to_none=True):
+def assert_created_by_the_forward(params):
+    """Where `.grad` was None before a forward, the forward made it zeros:
+    graphed looked it up as the destination (autograd would leave it None
+    until the backward), so equality with eager afterwards means the graph
+    added the grads there, and autograd did not add them again."""
+    for p in params:
+        assert p.grad is not None, "the forward did not create .grad: nothing accumulates into it"
+        assert torch.count_nonzero(p.grad) == 0
+
+
+def train(model, dtype, accumulate=None, zero_to_none=True, graphed=False):
     """STEPS AdamW steps, each over MICROBATCHES microbatches; returns the
     outputs, the final parameters and grads (`.grad`, or `accumulate`'s
-    attribute), and the grads' addresses per step."""
+    attribute), and the grads' addresses per step. `graphed` with `.grad`:
+    each step's first forward must create the grads (a model graphed with
+    accumulate_param_grads_into="grad")."""
     xs, dys = batch(dtype, STEPS * MICROBATCHES)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     torch.manual_seed(99)
@@ -41,6 +53,8 @@ def train(model, dtype, accumulate=None, zero_to_none=True):
         for m in range(MICROBATCHES):
             k = step * MICROBATCHES + m
             y = model(xs[k])
+            if graphed and attr == "grad" and m == 0 and zero_to_none:
+                assert_created_by_the_forward(model.parameters())
             y.backward(dys[k])
             outs.append(y.detach().clone())
         grads = [getattr(p, attr) for p in model.parameters()]
@@ -75,7 +89,7 @@ def test_accumulation_into_grad_equals_eager_with_adamw(dtype, dropout):
     base = gpt(dtype, dropout)
     want = train(copy.deepcopy(base), dtype)
     model = graphed(copy.deepcopy(base), dtype, accumulate_param_grads_into="grad")
-    got = train(model, dtype)
+    got = train(model, dtype, graphed=True)
     model.reset()
     assert_same_training(got, want)
 
@@ -143,7 +157,10 @@ def ddp_train(accumulate):
         opt.zero_grad(set_to_none=False)
         x, dy = torch.randn(32, 256, device="cuda"), torch.randn(32, 256, device="cuda")
         with model.no_sync():
-            model(x).backward(dy)
+            y = model(x)
+            if accumulate and not views:
+                assert_created_by_the_forward(model.parameters())
+            y.backward(dy)
         x, dy = torch.randn(32, 256, device="cuda"), torch.randn(32, 256, device="cuda")
         model(x).backward(dy)
         views.append([p.grad.data_ptr() for p in model.parameters()])
@@ -188,6 +205,12 @@ def test_delayed_weight_grads_accumulate_too():
                                   _num_layers_per_chunk=[1, 1], accumulate_param_grads_into="grad")
     fwd = [list(g[0:2]), list(g[2:4])]
     dw = [[f.backward_dw for f in fwd[0]], [f.backward_dw for f in fwd[1]]]
+    # The first chunk's first microbatch, once outside the schedule's
+    # iterations (no optimizer step): its forward creates the grads.
+    y = fwd[0][0](data[0][0][0])
+    assert_created_by_the_forward(mods[0].parameters())
+    y.backward(torch.zeros_like(y))
+    dw[0][0]()
     got = run(WGRAD_ORDER, fwd, params_of(mods), data, dw)
     for c in g:
         c.reset()
