@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from _support import gpu_error, needs_torch
+from _support import needs_gpu, needs_torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torch_extension", "ranks.py")
 
@@ -41,9 +41,6 @@ def test_the_schedule_itself_with_eager_ranks_on_the_cpu(args):
 def test_a_rank_dying_mid_step_is_an_error_on_the_other_cpu():
     out = ranks("pipeline", "--device", "cpu", "--eager", "--fail-rank", "1")
     assert "rank 1 died mid-step: rank 0 exit status 3" in out[-2]
-
-
-needs_gpu = pytest.mark.skipif(gpu_error() is not None, reason=str(gpu_error()))
 
 
 @needs_gpu
