@@ -37,8 +37,8 @@ def train(model, dtype, accumulate=None, zero_to_none=True, graphed=False):
     """STEPS AdamW steps, each over MICROBATCHES microbatches; returns the
     outputs, the final parameters and grads (`.grad`, or `accumulate`'s
     attribute), and the grads' addresses per step. `graphed` with `.grad`:
-    each step's first forward must create the grads (a model graphed with
-    accumulate_param_grads_into="grad")."""
+    the first forward of each step where they are None must create the
+    grads (a model graphed with accumulate_param_grads_into="grad")."""
     xs, dys = batch(dtype, STEPS * MICROBATCHES)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     torch.manual_seed(99)
@@ -53,7 +53,7 @@ def train(model, dtype, accumulate=None, zero_to_none=True, graphed=False):
         for m in range(MICROBATCHES):
             k = step * MICROBATCHES + m
             y = model(xs[k])
-            if graphed and attr == "grad" and m == 0 and zero_to_none:
+            if graphed and attr == "grad" and m == 0 and (zero_to_none or step == 0):
                 assert_created_by_the_forward(model.parameters())
             y.backward(dys[k])
             outs.append(y.detach().clone())
@@ -97,7 +97,7 @@ def test_accumulation_into_grad_equals_eager_with_adamw(dtype, dropout):
 @needs_gpu
 def test_the_same_grad_tensors_serve_every_step():
     model = graphed(gpt(torch.float32), torch.float32, accumulate_param_grads_into="grad")
-    *_, addresses = train(model, torch.float32, zero_to_none=False)
+    *_, addresses = train(model, torch.float32, zero_to_none=False, graphed=True)
     model.reset()
     assert addresses[0] == addresses[1] == addresses[2], "the grads were replaced between steps"
 
