@@ -1153,8 +1153,14 @@ typedef struct graphed_step_desc {
    */
   uint32_t magic;
   /**
-   * The callables of the step, each once, in registration order (none
-   * with external buffers; the session has no pipeline schedule).
+   * The callables of the step, each once, in registration order (the
+   * session has no pipeline schedule). Callables with external buffers
+   * (GRAPHED_TENSOR_FLAGS_EXTERNAL, GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD)
+   * may be part of it: in every capture of the step's graph each pass
+   * finds its external buffers at the addresses its own capture
+   * provided (ctx->outputs, ctx->grad_inputs, ctx->param_grads) and
+   * writes its results there; graphed_pass_set_buffer is refused there
+   * (GRAPHED_STATUS_WRONG_STATE). io entries may name them.
    */
   const uint32_t *callables;
   size_t num_callables;
@@ -1204,6 +1210,25 @@ typedef struct graphed_step_desc {
    * event records or waits: no work forked to other streams).
    */
   uint32_t loop_mode;
+  /**
+   * Optional hook around each capture of the step's graph (its one
+   * graph, each of its clone-slot graphs, or its looped graph): called
+   * outside stream capture with `when` 0 right before that capture
+   * begins and 1 right after it ended, also after a capture that failed
+   * (whose error then stands). The step's capture runs the callables
+   * again, back to back, and per-callable hooks do not run there: this
+   * is where a framework routes its allocator to the graph's private
+   * pool and makes its random generators graph-safe for the step's
+   * capture, and undoes that after. Non-zero fails the capture with
+   * GRAPHED_STATUS_CALLBACK_FAILED, naming the hook, the step and the
+   * value; the session is then as after any failed capture. NULL:
+   * none (default).
+   */
+  graphed_session_hook_fn capture_hook;
+  /**
+   * Passed to capture_hook as `user_data`.
+   */
+  void *capture_hook_data;
 } graphed_step_desc;
 
 /**
@@ -1578,7 +1603,10 @@ graphed_status graphed_scratch_free(struct graphed_scratch *scratch, void *ptr);
  * stay valid, at that address, while the session's graphs exist; replays
  * return it. Every external buffer of a pass must be provided, or capture
  * fails naming it. Outside capture (ctx->capture NULL):
- * GRAPHED_STATUS_WRONG_STATE.
+ * GRAPHED_STATUS_WRONG_STATE; also in the capture of a step
+ * (graphed_session_add_step), where each external buffer is already
+ * where the pass's own capture provided it (ctx->outputs,
+ * ctx->grad_inputs, ctx->param_grads) and the callback writes there.
  */
 graphed_status graphed_pass_set_buffer(struct graphed_capture *capture,
                                        uint32_t role,
@@ -1665,10 +1693,10 @@ struct graphed_step_desc graphed_step_desc_default(void);
  * one graph: every forward in order, then every backward in reverse (each
  * weight-grad right after its backward), each grad pass followed by its
  * COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
- * around these captures. Per-callable replays keep working. Steps do not
- * go with a pipeline schedule nor with callables that have external
- * buffers: GRAPHED_STATUS_INCOMPATIBLE (also at capture, for a callable
- * flagged external after the step was declared).
+ * around these captures (desc->capture_hook does). Per-callable replays
+ * keep working. Callables with external buffers are fine: the step's
+ * passes write them where their own captures provided them. Steps do not
+ * go with a pipeline schedule: GRAPHED_STATUS_INCOMPATIBLE.
  *
  * # Safety
  * `desc` must point to a graphed_step_desc initialised by its _default()

@@ -52,6 +52,11 @@ pub enum Error {
         said: String,
     },
 
+    /// A hook of the caller's that is not a callable's (around a step's
+    /// capture) returned non-zero: `hook` names it and when it ran.
+    #[error("{hook} returned {code}")]
+    HookFailed { hook: String, code: i32 },
+
     #[error("capture of the {pass} pass of callable '{callable}' (microbatch {microbatch}) was invalidated: {detail}")]
     CaptureInvalidated {
         callable: String,

@@ -763,40 +763,6 @@ fn an_invalidated_step_capture_runs_no_further_callback() {
 }
 
 #[test]
-fn a_step_whose_callable_turned_external_after_declaration_is_refused_at_capture() {
-    let mut m = Model::new(1);
-    let s = create(&host());
-    add_layer(
-        s,
-        &tensor(true),
-        &mut m.weights[0],
-        graphed_grad_policy::Default as u32,
-    );
-    let callables = [0u32];
-    let mut d = graphed_step_desc_default();
-    d.callables = callables.as_ptr();
-    d.num_callables = 1;
-    let mut idx = 0;
-    // SAFETY: a valid descriptor.
-    ok(unsafe { graphed_session_add_step(s, &d, &mut idx) });
-    // Declared without external buffers; the flag comes afterwards.
-    ok(graphed_session_set_param_flags(
-        s,
-        0,
-        0,
-        graphed_param_flags::ExternalGrad as u32,
-    ));
-    assert_eq!(
-        graphed_session_capture(s),
-        graphed_status::Incompatible,
-        "{}",
-        msg()
-    );
-    assert!(msg().contains("has external buffers"), "{}", msg());
-    ok(graphed_session_destroy(s));
-}
-
-#[test]
 fn a_step_refused_by_its_shared_pool_keeps_no_clone_block() {
     let mut m = Model::new(2);
     let a = create(&host());

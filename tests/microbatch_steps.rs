@@ -581,6 +581,41 @@ fn an_old_descriptor_declares_one_microbatch() {
     ok(graphed_session_capture(b.0));
 }
 
+/// Counts its calls in the u32 its data points to.
+unsafe extern "C" fn counting_hook(_when: u32, data: *mut c_void) -> i32 {
+    // SAFETY: the test passes a live u32.
+    unsafe { *data.cast::<u32>() += 1 };
+    0
+}
+
+#[test]
+fn a_descriptor_without_the_hook_fields_runs_no_hook() {
+    for (size, expected) in [
+        (std::mem::offset_of!(graphed_step_desc, capture_hook), 0u32),
+        (std::mem::size_of::<graphed_step_desc>(), 2),
+    ] {
+        let mut d = Data::new(1);
+        let b = session(&mut d, &CLONE);
+        let callables = [0u32, 1];
+        let mut calls = 0u32;
+        let mut desc = graphed_step_desc_default();
+        desc.callables = callables.as_ptr();
+        desc.num_callables = 2;
+        desc.capture_hook = Some(counting_hook);
+        desc.capture_hook_data = (&mut calls as *mut u32).cast();
+        // The size before the hook: its fields are not read.
+        desc.struct_size = size;
+        let mut idx = 9;
+        // SAFETY: a valid descriptor of that size.
+        ok(unsafe { graphed_session_add_step(b.0, &desc, &mut idx) });
+        ok(graphed_session_capture(b.0));
+        // With it: before and after each of the step's graphs (one per
+        // clone slot, at least one).
+        assert_eq!(calls % 2, 0, "size {size}");
+        assert_eq!(calls.min(2), expected, "size {size}: {calls} calls");
+    }
+}
+
 #[test]
 fn a_loop_on_the_device_runs_the_count_each_replay_asks() {
     let mut d = Data::new(6);

@@ -268,7 +268,10 @@ pub extern "C" fn graphed_scratch_free(
 /// stay valid, at that address, while the session's graphs exist; replays
 /// return it. Every external buffer of a pass must be provided, or capture
 /// fails naming it. Outside capture (ctx->capture NULL):
-/// GRAPHED_STATUS_WRONG_STATE.
+/// GRAPHED_STATUS_WRONG_STATE; also in the capture of a step
+/// (graphed_session_add_step), where each external buffer is already
+/// where the pass's own capture provided it (ctx->outputs,
+/// ctx->grad_inputs, ctx->param_grads) and the callback writes there.
 #[no_mangle]
 pub extern "C" fn graphed_pass_set_buffer(
     capture: *mut graphed_capture,

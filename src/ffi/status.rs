@@ -152,7 +152,9 @@ impl From<&Error> for graphed_status {
             Error::OutOfMemory(_) => graphed_status::OutOfMemory,
             Error::WrongState(_) => graphed_status::WrongState,
             Error::SessionReset(_) => graphed_status::SessionReset,
-            Error::CallbackFailed { .. } => graphed_status::CallbackFailed,
+            Error::CallbackFailed { .. } | Error::HookFailed { .. } => {
+                graphed_status::CallbackFailed
+            }
             Error::CaptureInvalidated { .. } | Error::IllegalUnderCapture(_) => {
                 graphed_status::CaptureInvalidated
             }

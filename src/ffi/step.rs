@@ -7,6 +7,7 @@ use super::args::{
 };
 use super::boundary::boundary;
 use super::callback::graphed_stream;
+use super::config::graphed_session_hook_fn;
 use super::enums::{graphed_buffer_role, graphed_step_loop};
 use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
@@ -14,10 +15,11 @@ use super::session::session;
 use super::status::graphed_status;
 use crate::backend::{DevPtr, StreamRef};
 use crate::error::Result;
-use crate::orchestrate::spec::StepIo;
+use crate::orchestrate::spec::{CaptureHook, HookPoint, StepIo};
 use crate::orchestrate::steps::StepRequest;
 use std::ffi::c_void;
 use std::mem::size_of;
+use std::sync::Arc;
 
 /// The magics the _default() functions set.
 pub const GRAPHED_STEP_DESC_MAGIC: u32 = 0x6772_0007;
@@ -36,8 +38,14 @@ pub struct graphed_step_desc {
     pub struct_size: usize,
     /// GRAPHED_STEP_DESC_MAGIC; set by the _default() function.
     pub magic: u32,
-    /// The callables of the step, each once, in registration order (none
-    /// with external buffers; the session has no pipeline schedule).
+    /// The callables of the step, each once, in registration order (the
+    /// session has no pipeline schedule). Callables with external buffers
+    /// (GRAPHED_TENSOR_FLAGS_EXTERNAL, GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD)
+    /// may be part of it: in every capture of the step's graph each pass
+    /// finds its external buffers at the addresses its own capture
+    /// provided (ctx->outputs, ctx->grad_inputs, ctx->param_grads) and
+    /// writes its results there; graphed_pass_set_buffer is refused there
+    /// (GRAPHED_STATUS_WRONG_STATE). io entries may name them.
     pub callables: *const u32,
     pub num_callables: usize,
     /// One destination per parameter of the step's callables, in order:
@@ -78,6 +86,21 @@ pub struct graphed_step_desc {
     /// otherwise. The body may hold kernels, copies and sets only (no
     /// event records or waits: no work forked to other streams).
     pub loop_mode: u32,
+    /// Optional hook around each capture of the step's graph (its one
+    /// graph, each of its clone-slot graphs, or its looped graph): called
+    /// outside stream capture with `when` 0 right before that capture
+    /// begins and 1 right after it ended, also after a capture that failed
+    /// (whose error then stands). The step's capture runs the callables
+    /// again, back to back, and per-callable hooks do not run there: this
+    /// is where a framework routes its allocator to the graph's private
+    /// pool and makes its random generators graph-safe for the step's
+    /// capture, and undoes that after. Non-zero fails the capture with
+    /// GRAPHED_STATUS_CALLBACK_FAILED, naming the hook, the step and the
+    /// value; the session is then as after any failed capture. NULL:
+    /// none (default).
+    pub capture_hook: graphed_session_hook_fn,
+    /// Passed to capture_hook as `user_data`.
+    pub capture_hook_data: *mut c_void,
 }
 
 /// One copy of a step over microbatches: a static buffer of one of the
@@ -165,6 +188,8 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
         num_io: 0,
         microbatches: 1,
         loop_mode: graphed_step_loop::Unrolled as u32,
+        capture_hook: None,
+        capture_hook_data: std::ptr::null_mut(),
     }
 }
 
@@ -173,10 +198,10 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
 /// one graph: every forward in order, then every backward in reverse (each
 /// weight-grad right after its backward), each grad pass followed by its
 /// COPY_INTO and ACCUMULATE_INTO returns. Per-callable hooks do not run
-/// around these captures. Per-callable replays keep working. Steps do not
-/// go with a pipeline schedule nor with callables that have external
-/// buffers: GRAPHED_STATUS_INCOMPATIBLE (also at capture, for a callable
-/// flagged external after the step was declared).
+/// around these captures (desc->capture_hook does). Per-callable replays
+/// keep working. Callables with external buffers are fine: the step's
+/// passes write them where their own captures provided them. Steps do not
+/// go with a pipeline schedule: GRAPHED_STATUS_INCOMPATIBLE.
 ///
 /// # Safety
 /// `desc` must point to a graphed_step_desc initialised by its _default()
@@ -216,11 +241,45 @@ pub unsafe extern "C" fn graphed_session_add_step(
             microbatches: d.microbatches,
             io,
             looping: graphed_step_loop::decode(d.loop_mode, "desc.loop_mode")?,
+            capture_hook: capture_hook(d.capture_hook, d.capture_hook_data),
         })?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
         Ok(())
     })
+}
+
+/// The caller's context of a step's capture hook.
+struct HookData(*mut c_void);
+// SAFETY: the caller's pointer, only handed back to its hook; the API
+// contract lets hooks run on whichever thread captures the session.
+unsafe impl Send for HookData {}
+// SAFETY: as for Send; the library never reads or writes through it.
+unsafe impl Sync for HookData {}
+
+impl HookData {
+    // A method, so that closures capture the whole (Send, Sync) wrapper.
+    fn get(&self) -> *mut c_void {
+        self.0
+    }
+}
+
+/// The step's capture hook as the orchestration calls it (None: unset).
+fn capture_hook(f: graphed_session_hook_fn, data: *mut c_void) -> Option<CaptureHook> {
+    let f = f?;
+    let data = HookData(data);
+    Some(CaptureHook(Arc::new(move |point: HookPoint| {
+        let when = match point {
+            HookPoint::Pre => 0,
+            HookPoint::Post => 1,
+        };
+        // SAFETY: the caller's hook with its own context, per the
+        // contract of graphed_step_desc.capture_hook.
+        match unsafe { f(when, data.get()) } {
+            0 => Ok(()),
+            code => Err(code),
+        }
+    })))
 }
 
 /// Writes the number of refs a replay of `step` writes to `*count_out`:
@@ -347,9 +406,10 @@ mod tests {
     #[test]
     fn the_first_released_layouts_are_todays() {
         // Since the first release: copies in and out, microbatches, loop.
+        // Then the capture hook and its data.
         assert_eq!(
             size_of::<graphed_step_desc>(),
-            graphed_step_desc::MIN_SIZE + 24
+            graphed_step_desc::MIN_SIZE + 24 + 16
         );
         assert_eq!(size_of::<graphed_step_io>(), graphed_step_io::MIN_SIZE);
         assert_eq!(

@@ -4,7 +4,9 @@
 //! and autograd's grads). The library places nothing for such a buffer; the
 //! callback hands its address over during capture (graphed_pass_set_buffer),
 //! and replays return that address. One `Provided` collects the addresses
-//! of one captured pass.
+//! of one captured pass. A step's captures repeat passes whose own capture
+//! already provided them: there the callback finds them in its view and
+//! providing one again is refused (`Provided::in_step`).
 
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
@@ -18,6 +20,8 @@ pub struct Provided {
     got: Mutex<Vec<(Role, usize, DevPtr)>>,
     /// Which pass, for messages.
     context: String,
+    /// Under the capture of this step: every buffer is already provided.
+    step: Option<usize>,
 }
 
 impl Provided {
@@ -26,11 +30,32 @@ impl Provided {
             expected,
             got: Mutex::new(Vec::new()),
             context,
+            step: None,
+        })
+    }
+
+    /// A pass under the capture of step `step`: its external buffers are
+    /// where its own capture provided them, and it provides none.
+    pub fn in_step(step: usize, context: String) -> Arc<Provided> {
+        Arc::new(Provided {
+            expected: Vec::new(),
+            got: Mutex::new(Vec::new()),
+            context,
+            step: Some(step),
         })
     }
 
     /// The callback provides `ptr` for (role, index).
     pub fn set(&self, role: Role, index: usize, ptr: DevPtr) -> Result<()> {
+        if let Some(step) = self.step {
+            return Err(Error::state(format!(
+                "{}: {} {index} cannot be provided in the capture of step {step}: external buffers are \
+                 where the pass's own capture provided them (ctx->outputs, ctx->grad_inputs, \
+                 ctx->param_grads): write the results there",
+                self.context,
+                role.name()
+            )));
+        }
         if !self.expected.contains(&(role, index)) {
             return Err(Error::invalid(format!(
                 "{}: {} {index} was not declared external for this pass (only buffers registered with \

@@ -8,7 +8,6 @@ use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::core::schedule::ScheduleStep;
 use crate::core::PassKind;
-use crate::error::Error;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -117,24 +116,6 @@ pub struct CallableSpec {
     pub callbacks: Box<dyn PassCallbacks>,
 }
 
-impl CallableSpec {
-    /// Whether its callbacks provide any buffer (external tensors or
-    /// parameter grads): a step cannot capture such a callable.
-    pub fn has_external_buffers(&self) -> bool {
-        self.inputs.iter().chain(&self.outputs).any(|t| t.external)
-            || self.params.iter().any(|p| p.external_grad())
-    }
-
-    /// Why a step cannot hold this callable, as an error.
-    pub fn step_refusal(&self) -> Error {
-        Error::Incompatible(format!(
-            "callable '{}' has external buffers; a step captures its callables back to back and \
-             cannot take buffers provided by callbacks",
-            self.name
-        ))
-    }
-}
-
 /// Allocator for returned clones (the caller's, e.g. PyTorch's caching
 /// allocator). Errors are the callback's code.
 pub trait CloneAllocator: Send + Sync {
@@ -153,6 +134,29 @@ pub enum LogLevel {
 
 pub type Logger = Box<dyn Fn(LogLevel, &str) + Send>;
 pub type SessionHook = Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>;
+
+/// A step's capture hook: called before (`Pre`) and after (`Post`) each
+/// capture of the step's graph, outside stream capture, so that a
+/// framework can prepare its allocator and random-number state for the
+/// callables' back-to-back captures (their own hooks do not run there).
+/// Shared, so that a step's spec stays cloneable.
+#[derive(Clone)]
+pub struct CaptureHook(pub Arc<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send + Sync>);
+
+impl std::fmt::Debug for CaptureHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CaptureHook")
+    }
+}
+
+impl PartialEq for CaptureHook {
+    /// The same hook: the same closure.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for CaptureHook {}
 
 /// A pipeline schedule as configured (validated against the callables at
 /// capture).
@@ -176,6 +180,8 @@ pub struct StepSpec {
     pub microbatches: u32,
     pub io: Vec<StepIo>,
     pub looping: Looping,
+    /// Called around each capture of the step's graph (None: nothing).
+    pub capture_hook: Option<CaptureHook>,
 }
 
 /// How a step's graph holds its microbatches.
@@ -197,6 +203,7 @@ impl StepSpec {
             microbatches: 1,
             io: Vec::new(),
             looping: Looping::Unrolled,
+            capture_hook: None,
         }
     }
 

@@ -3,7 +3,7 @@
 //! the copies of each microbatch's data in and out). Capture checks the
 //! rest, where placement and policies are known (capture/steps.rs).
 
-use super::spec::{CallableSpec, Looping, StepIo, StepSpec};
+use super::spec::{CallableSpec, CaptureHook, Looping, StepIo, StepSpec};
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
 use crate::core::strided::Strided;
@@ -20,6 +20,7 @@ pub struct StepRequest<'a> {
     pub microbatches: u32,
     pub io: Vec<StepIo>,
     pub looping: Looping,
+    pub capture_hook: Option<CaptureHook>,
 }
 
 /// Checks a step's declaration against the session's callables and makes
@@ -31,6 +32,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         microbatches,
         io,
         looping,
+        capture_hook,
     } = r;
     if callables.is_empty() {
         return Err(Error::invalid("a step needs at least one callable"));
@@ -60,9 +62,6 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
                 callables[k - 1]
             )));
         }
-        if spec.has_external_buffers() {
-            return Err(spec.step_refusal());
-        }
         params += spec.params.len();
     }
     let param_dsts = match param_dsts {
@@ -82,6 +81,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         microbatches,
         io,
         looping,
+        capture_hook,
     })
 }
 

@@ -1,23 +1,25 @@
 //! Fixtures for the orchestration's unit tests: host-backend sessions of
 //! small layers whose callbacks enqueue host copies (which the host
 //! backend's graphs can rebind), so that every step of capture runs
-//! without a GPU.
+//! without a GPU; and a layer whose output and parameter grads are
+//! external, provided as a framework's allocator would.
 
 use super::context::Inputs;
 use super::instance::{PassRef, Placed};
 use super::place;
 use super::pool::Pool;
 use super::spec::{
-    CallableSpec, HookPoint, MemCounters, PassCallbacks, PassView, SessionOptions, StepSpec,
+    CallableSpec, HookPoint, MemCounters, PassCallbacks, PassView, Phase, SessionOptions, StepSpec,
     TensorSpec,
 };
 use crate::backend::host::HostBackend;
 use crate::backend::{AccItem, Backend, DevPtr, DeviceMemory};
 use crate::core::dtype::DType;
+use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamFlags, ParamSpec};
 use crate::core::schedule::Schedule;
 use crate::core::PassKind;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Elements per tensor and parameter of a test layer.
 pub const N: usize = 16;
@@ -83,6 +85,92 @@ impl PassCallbacks for CopyLayer {
 
     fn has_wgrad(&self) -> bool {
         self.wgrad
+    }
+
+    fn hook(&self, _: HookPoint, _: &PassView) -> Result<(), i32> {
+        Ok(())
+    }
+}
+
+/// What an `ExternalLayer` saw under capture: per pass kind, the address
+/// its callback wrote its external output (forward) or first parameter
+/// grad (grad pass) to, and whether the library handed it that address
+/// (false: the callback provided it); and what providing one again said.
+#[derive(Default)]
+pub struct ExternalLog {
+    pub writes: Vec<(PassKind, DevPtr, bool)>,
+    pub refusals: Vec<String>,
+}
+
+/// A `CopyLayer` whose output and parameter grads are external: where its
+/// view holds no address for one (warmup, its own capture), it allocates
+/// fresh memory as a framework's allocator would, and provides it under
+/// capture; where the view holds one (a step's capture), it writes there.
+/// With `provide_again`, it also tries to provide that one again, and
+/// fails with 3 when that is refused.
+struct ExternalLayer {
+    backend: Arc<dyn Backend>,
+    provide_again: bool,
+    held: Mutex<Vec<DeviceMemory>>,
+    log: Arc<Mutex<ExternalLog>>,
+}
+
+impl ExternalLayer {
+    /// The address to write (role, index) to: the view's, or fresh memory
+    /// (provided under capture).
+    fn target(&self, v: &PassView, role: Role, index: usize, at: DevPtr) -> Result<DevPtr, i32> {
+        let capture = v.phase == Phase::Capture;
+        if at != 0 {
+            if let (true, true, Some(p)) = (capture, self.provide_again, v.provided) {
+                if let Err(e) = p.set(role, index, at) {
+                    self.log.lock().unwrap().refusals.push(e.to_string());
+                    return Err(3);
+                }
+            }
+            return Ok(at);
+        }
+        let m = DeviceMemory::new(&self.backend, BYTES).map_err(|_| 4)?;
+        let ptr = m.ptr();
+        self.held.lock().unwrap().push(m);
+        if let (true, Some(p)) = (capture, v.provided) {
+            p.set(role, index, ptr).map_err(|_| 5)?;
+        }
+        Ok(ptr)
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, v: &PassView) -> Result<(), i32> {
+        self.backend.copy(dst, src, BYTES, v.stream).map_err(|_| 1)
+    }
+}
+
+impl PassCallbacks for ExternalLayer {
+    fn run(&self, v: &PassView) -> Result<(), i32> {
+        let capture = v.phase == Phase::Capture;
+        let (role, index, at) = match v.pass {
+            PassKind::Forward => (Role::Output, 0, v.outputs[0]),
+            _ => (Role::ParamGrads, 0, v.param_grads[0]),
+        };
+        let handed = at != 0;
+        let dst = self.target(v, role, index, at)?;
+        if capture {
+            self.log.lock().unwrap().writes.push((v.pass, dst, handed));
+        }
+        match v.pass {
+            PassKind::Forward => self.copy(dst, v.inputs[0], v),
+            _ => {
+                self.copy(v.grad_inputs[0], v.grad_outputs[0], v)?;
+                self.copy(dst, v.grad_outputs[0], v)?;
+                for (j, &g) in v.param_grads.iter().enumerate().skip(1) {
+                    let g = self.target(v, Role::ParamGrads, j, g)?;
+                    self.copy(g, v.grad_outputs[0], v)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn has_wgrad(&self) -> bool {
+        false
     }
 
     fn hook(&self, _: HookPoint, _: &PassView) -> Result<(), i32> {
@@ -184,6 +272,24 @@ impl Fixture {
                 reads_params: false,
             }),
         }
+    }
+
+    /// Makes callable `c` an `ExternalLayer` (its output and every
+    /// parameter grad external); returns what it sees under capture.
+    pub fn external(&mut self, c: usize, provide_again: bool) -> Arc<Mutex<ExternalLog>> {
+        let log = Arc::new(Mutex::new(ExternalLog::default()));
+        let spec = &mut self.callables[c];
+        spec.outputs[0].external = true;
+        for p in &mut spec.params {
+            p.flags.external_grad = true;
+        }
+        spec.callbacks = Box::new(ExternalLayer {
+            backend: self.backend.clone(),
+            provide_again,
+            held: Mutex::new(Vec::new()),
+            log: log.clone(),
+        });
+        log
     }
 
     /// Makes callable `c` a layer whose forward adds its parameters to its

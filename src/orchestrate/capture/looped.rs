@@ -136,7 +136,7 @@ impl Runner<'_> {
                 c.enqueue_indexed(backend.as_ref(), p, true, state, s)?;
             }
             let context = self.context(p, "the capture of a step's loop");
-            let provided = Provided::new(Vec::new(), context.clone());
+            let provided = Provided::in_step(seq.step, context.clone());
             self.scratch.set_context(context);
             let bufs = ViewBuffers::of(inst, None);
             let view = self.view(&bufs, p, &call, Some(self.scratch), Some(&provided));

@@ -49,16 +49,7 @@ struct Recorded {
 }
 
 /// The order of the session's passes: the schedule's, or the default.
-/// Steps are checked again here, where parameter flags freeze.
 fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
-    for step in s.steps {
-        for &c in &step.callables {
-            let spec = &s.callables[c as usize];
-            if spec.has_external_buffers() {
-                return Err(spec.step_refusal());
-            }
-        }
-    }
     let has_wgrad: Vec<bool> = s
         .callables
         .iter()

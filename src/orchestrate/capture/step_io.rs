@@ -159,13 +159,15 @@ pub(crate) fn resolve(
 
 /// What a step over `n` microbatches needs of its instances' parameter
 /// grads: sums it can keep (no ALIAS grad, which would hold the last
-/// microbatch's only) and, for CLONE grads, clone slots to sum them in.
+/// microbatch's only) and, for CLONE grads, clone slots to sum them in
+/// (`no_slots`: why there are none).
 pub(crate) fn check_sums(
     si: usize,
     n: u32,
     placed: &[&Placed],
     names: &[&str],
     clone_slots: usize,
+    no_slots: &str,
 ) -> Result<()> {
     if n <= 1 {
         return Ok(());
@@ -189,8 +191,7 @@ pub(crate) fn check_sums(
         if cloned && clone_slots == 0 {
             return Err(Error::Incompatible(format!(
                 "step {si} runs {n} microbatches and callable '{name}' returns CLONE grads: their sums are \
-                 made in clone slots, and the session has none (clone_slots is 0, or a caller allocator \
-                 is set)"
+                 made in clone slots, and the step has none ({no_slots})"
             )));
         }
     }

@@ -4,13 +4,15 @@
 //! CLONE grads, once per clone slot, each instance's CLONE grads going
 //! into its slot block k. A step over several microbatches holds them all,
 //! each with its copies in and out (step_io.rs), the grads summed. A step
-//! then replays with one launch.
+//! then replays with one launch. The passes see their external buffers
+//! where their own captures provided them, and the step's capture hook
+//! runs around each of its captures.
 
 use super::super::captured::CapturedStep;
 use super::super::external::Provided;
 use super::super::grads::{enqueue_destinations, enqueue_sums};
 use super::super::instance::{PassRef, Placed};
-use super::super::spec::{LogLevel, Looping, Phase};
+use super::super::spec::{CaptureHook, HookPoint, LogLevel, Looping, Phase};
 use super::super::tensor::Param;
 use super::run::{Call, Runner, ViewBuffers};
 use super::step_io::{self, IoCopy};
@@ -69,6 +71,10 @@ fn overwritten(instances: &[&Placed]) -> Vec<usize> {
 /// A step's passes with where each instance's destinations start, its
 /// microbatch count and its copies in and out.
 pub(super) struct Sequence<'a> {
+    /// The step's index, for messages.
+    pub step: usize,
+    /// Called before and after each capture of the step's graph.
+    pub hook: Option<&'a CaptureHook>,
     pub passes: &'a [PassRef],
     pub instances: &'a [usize],
     pub first: &'a [usize],
@@ -138,9 +144,28 @@ impl Runner<'_> {
             .map(|&i| slot_blocks[i].len())
             .min()
             .unwrap_or(0);
+        // Why a step with CLONE grads would have no clone slot.
+        let no_slots = cloned
+            .iter()
+            .find(|&&i| {
+                let inst = &self.placed[i];
+                slot_blocks[i].is_empty()
+                    && (!inst.provided_by(inst.grad_pass()).is_empty()
+                        || !inst.returns.clone.external.is_empty())
+            })
+            .map_or_else(
+                || "clone_slots is 0, or a caller allocator is set".to_string(),
+                |&i| {
+                    let name = &self.s.callables[self.placed[i].callable].name;
+                    format!(
+                        "callable '{name}' has external parameter or input grads, whose pass gets \
+                         no clone slots"
+                    )
+                },
+            );
         let overwritten = overwritten(&placed);
         let dsts = step.param_dsts.clone();
-        step_io::check_sums(si, step.microbatches, &placed, &names, slots)?;
+        step_io::check_sums(si, step.microbatches, &placed, &names, slots, &no_slots)?;
         let all: Vec<&Placed> = self.placed.iter().collect();
         let io = step_io::resolve(si, step, self.s.callables, &instances, &all)?;
         let loop_state = match step.looping {
@@ -157,6 +182,8 @@ impl Runner<'_> {
             }
         };
         let seq = Sequence {
+            step: si,
+            hook: step.capture_hook.as_ref(),
             passes: &passes,
             instances: &instances,
             first: &first,
@@ -171,14 +198,14 @@ impl Runner<'_> {
             graph = Some(self.capture_sequence(&seq, |_| None, iteration)?);
         } else if slots == 0 && looped {
             return Err(Error::Incompatible(format!(
-                "step {si} copies data in or out and returns CLONE grads, which need a clone slot; the \
-                 session has none (clone_slots is 0, or a caller allocator is set)"
+                "step {si} copies data in or out and returns CLONE grads, which need a clone slot; it \
+                 has none ({no_slots})"
             )));
         } else if slots == 0 {
             self.s.log(LogLevel::Warn, || {
                 format!(
-                    "step {si} returns CLONE grads but has no clone slots (clone_slots is 0, or a caller \
-                     allocator is set): it replays pass by pass"
+                    "step {si} returns CLONE grads but has no clone slots ({no_slots}): it replays pass \
+                     by pass"
                 )
             });
         } else {
@@ -204,6 +231,41 @@ impl Runner<'_> {
         })
     }
 
+    /// Captures a sequence into one graph (`record_sequence`), with the
+    /// step's capture hook called before and after, outside the stream
+    /// capture. The after-call comes also after a failed capture, whose
+    /// error then stands; a failing hook fails the capture, its graph
+    /// dropped.
+    fn capture_sequence(
+        &mut self,
+        seq: &Sequence,
+        block: impl Fn(usize) -> Option<DevPtr>,
+        iteration: u32,
+    ) -> Result<Box<dyn Graph>> {
+        let hook = |point: HookPoint| -> Result<()> {
+            let Some(h) = seq.hook else {
+                return Ok(());
+            };
+            (h.0)(point).map_err(|code| Error::HookFailed {
+                hook: format!(
+                    "the capture hook {} the capture of step {}",
+                    match point {
+                        HookPoint::Pre => "before",
+                        HookPoint::Post => "after",
+                    },
+                    seq.step
+                ),
+                code,
+            })
+        };
+        hook(HookPoint::Pre)?;
+        let captured = self.record_sequence(seq, block, iteration);
+        let after = hook(HookPoint::Post);
+        let graph = captured?;
+        after?;
+        Ok(graph)
+    }
+
     /// Captures a sequence of passes back to back into one graph, each grad
     /// pass followed by its COPY_INTO and ACCUMULATE_INTO returns; an
     /// instance with a block (`block(instance)`) writes its CLONE grads
@@ -212,7 +274,7 @@ impl Runner<'_> {
     /// the copies in before the pass that reads them and the copies out
     /// after the pass that writes them; from the second microbatch on, the
     /// grads are added to the first's (`enqueue_sums`).
-    fn capture_sequence(
+    fn record_sequence(
         &mut self,
         seq: &Sequence,
         block: impl Fn(usize) -> Option<DevPtr>,
@@ -254,9 +316,10 @@ impl Runner<'_> {
                     break 'microbatches;
                 }
                 let context = self.context(p, "the capture of a step");
-                // Under capture every callback gets ctx->capture; a step's
-                // callables have no external buffers, so it expects none.
-                let provided = Provided::new(Vec::new(), context.clone());
+                // Under capture every callback gets ctx->capture; in a step
+                // its external buffers are already provided (the view holds
+                // them), so it refuses any.
+                let provided = Provided::in_step(seq.step, context.clone());
                 self.scratch.set_context(context);
                 // The first microbatch writes CLONE grads straight into the
                 // block; later ones into the static buffers, added after.
@@ -299,8 +362,9 @@ impl Runner<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::super::spec::StepSpec;
-    use super::super::super::testing::{host_inputs, BYTES};
+    use super::super::super::testing::{host_inputs, BYTES, N};
     use super::super::capture;
+    use crate::core::layout::Role;
     use crate::core::policy::GradPolicy;
 
     #[test]
@@ -345,5 +409,227 @@ mod tests {
                 .unwrap();
             assert_eq!(got, [9u8; BYTES], "{}", inst.callable);
         }
+    }
+
+    use super::super::super::spec::{CaptureHook, HookPoint, Looping, MemCounters, StepIo};
+    use super::super::super::testing::{floats, read_floats, Fixture};
+    use crate::backend::{DevPtr, DeviceMemory, StreamRef};
+    use crate::core::PassKind;
+    use crate::error::Error;
+    use std::sync::{Arc, Mutex};
+
+    /// a (external output and parameter grad, COPY_INTO `dst`) then b
+    /// (CLONE grads), in one step with two clone slots.
+    fn external_step(provide_again: bool) -> (Fixture, DeviceMemory) {
+        let mut f = host_inputs(&[("a", 1, false), ("b", 1, false)]);
+        f.opts.clone_slots = 2;
+        f.external(0, provide_again);
+        f.callables[0].params[0].policy = GradPolicy::CopyInto;
+        let dst = DeviceMemory::new(&f.backend, BYTES).unwrap();
+        f.steps = vec![StepSpec::plain(vec![0, 1], vec![dst.ptr(), 0])];
+        (f, dst)
+    }
+
+    #[test]
+    fn a_step_writes_external_buffers_where_their_passes_provided_them() {
+        let (mut f, dst) = external_step(false);
+        let log = f.external(0, false);
+        let (cap, _) = capture(&f.inputs(), 1).unwrap();
+        let a = &cap.instances[0];
+        let (out, grad) = (a.outputs[0].ptr, a.param_grads[0].ptr);
+        let writes = log.lock().unwrap().writes.clone();
+        // a's own forward and backward provided them; each slot graph of
+        // the step was handed them and wrote there.
+        let own = [
+            (PassKind::Forward, out, false),
+            (PassKind::Backward, grad, false),
+        ];
+        assert_eq!(writes[..2], own[..]);
+        let step = [
+            (PassKind::Forward, out, true),
+            (PassKind::Backward, grad, true),
+        ];
+        assert_eq!(writes[2..], [step, step].concat()[..], "{writes:x?}");
+        let st = &cap.steps[0];
+        assert_eq!(st.slots.len(), 2, "b's CLONE grads take the slots");
+        let backend = f.backend.as_ref();
+        let s = StreamRef(0);
+        backend.upload(a.inputs[0].ptr, &floats(1.0)).unwrap();
+        // The per-pass replays.
+        backend.upload(a.grad_outputs[0].ptr, &floats(2.0)).unwrap();
+        a.graph(PassKind::Forward).unwrap().launch(s).unwrap();
+        a.graph(PassKind::Backward).unwrap().launch(s).unwrap();
+        let per_pass = (read_floats(backend, out), read_floats(backend, grad));
+        assert_eq!(per_pass, (vec![1.0; N], vec![2.0; N]));
+        // The step, after the buffers were cleared.
+        for p in [out, grad] {
+            backend.upload(p, &floats(0.0)).unwrap();
+        }
+        st.slots[1].launch(s).unwrap();
+        assert_eq!(read_floats(backend, out), per_pass.0);
+        assert_eq!(read_floats(backend, grad), per_pass.1);
+        assert_eq!(
+            read_floats(backend, dst.ptr()),
+            per_pass.1,
+            "COPY_INTO read it"
+        );
+    }
+
+    #[test]
+    fn step_io_reads_and_writes_external_buffers_unrolled_and_looped() {
+        for looping in [Looping::Unrolled, Looping::Device] {
+            let (mut f, dst) = external_step(false);
+            let backend = f.backend.clone();
+            let xs = DeviceMemory::new(&backend, 2 * BYTES).unwrap();
+            let ys = DeviceMemory::new(&backend, 2 * BYTES).unwrap();
+            let gs = DeviceMemory::new(&backend, 2 * BYTES).unwrap();
+            backend
+                .upload(xs.ptr(), &[floats(1.0), floats(3.0)].concat())
+                .unwrap();
+            backend
+                .upload(gs.ptr(), &[floats(2.0), floats(5.0)].concat())
+                .unwrap();
+            let io = |role, ptr| StepIo {
+                callable: 0,
+                role,
+                index: 0,
+                ptr,
+                stride: BYTES,
+            };
+            let st = &mut f.steps[0];
+            st.microbatches = 2;
+            st.looping = looping;
+            st.io = vec![
+                io(Role::Input, xs.ptr()),
+                io(Role::Output, ys.ptr()),
+                io(Role::GradOutput, gs.ptr()),
+            ];
+            let (cap, _) = capture(&f.inputs(), 1).unwrap();
+            cap.steps[0].slots[0].launch(StreamRef(0)).unwrap();
+            let b = backend.as_ref();
+            let out = cap.instances[0].outputs[0].ptr;
+            assert_eq!(read_floats(b, ys.ptr()), vec![1.0; N], "{looping:?}");
+            assert_eq!(read_floats(b, ys.ptr() + BYTES as DevPtr), vec![3.0; N]);
+            assert_eq!(read_floats(b, out), vec![3.0; N], "the external output");
+            assert_eq!(
+                read_floats(b, dst.ptr()),
+                vec![7.0; N],
+                "{looping:?}: 2 + 5"
+            );
+        }
+    }
+
+    #[test]
+    fn providing_a_buffer_again_in_a_step_is_refused_saying_where_it_is() {
+        let (mut f, _dst) = external_step(true);
+        let log = f.external(0, true);
+        let err = capture(&f.inputs(), 1).err().unwrap();
+        assert!(
+            matches!(err, Error::CallbackFailed { code: 3, .. }),
+            "{err}"
+        );
+        let refusals = log.lock().unwrap().refusals.clone();
+        assert_eq!(refusals.len(), 1, "{refusals:?}");
+        let r = &refusals[0];
+        for words in [
+            "the forward callback of callable 'a'",
+            "output 0 cannot be provided in the capture of step 0",
+            "where the pass's own capture provided them (ctx->outputs",
+            "write the results there",
+        ] {
+            assert!(r.contains(words), "{r}");
+        }
+    }
+
+    /// Sets step 0's capture hook; it records its calls and returns 7 at
+    /// `fail`.
+    fn hooked(f: &mut Fixture, fail: Option<HookPoint>) -> Arc<Mutex<Vec<HookPoint>>> {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        f.steps[0].capture_hook = Some(CaptureHook(Arc::new(move |p| {
+            seen.lock().unwrap().push(p);
+            if Some(p) == fail {
+                Err(7)
+            } else {
+                Ok(())
+            }
+        })));
+        calls
+    }
+
+    fn nothing_kept(f: &Fixture) {
+        let get = MemCounters::get;
+        assert_eq!(get(&f.counters.static_bytes), 0);
+        assert_eq!(get(&f.counters.scratch_bytes), 0);
+        assert_eq!(get(&f.counters.clone_cached_bytes), 0);
+        assert_eq!(f.pool.bytes(), 0);
+    }
+
+    #[test]
+    fn the_capture_hook_runs_around_each_capture_of_the_step() {
+        use HookPoint::{Post, Pre};
+        // No CLONE grads: one graph, also looped.
+        for looping in [Looping::Unrolled, Looping::Device] {
+            let mut f = host_inputs(&[("a", 0, false), ("b", 0, false)]);
+            f.steps = vec![StepSpec::plain(vec![0, 1], vec![])];
+            f.steps[0].looping = looping;
+            let calls = hooked(&mut f, None);
+            let (cap, _) = capture(&f.inputs(), 1).unwrap();
+            assert!(cap.steps[0].graph.is_some());
+            assert_eq!(*calls.lock().unwrap(), [Pre, Post], "{looping:?}");
+        }
+        // CLONE grads with 3 slots: one graph per slot.
+        let mut f = host_inputs(&[("a", 1, false)]);
+        f.opts.clone_slots = 3;
+        f.steps = vec![StepSpec::plain(vec![0], vec![0])];
+        let calls = hooked(&mut f, None);
+        let (cap, _) = capture(&f.inputs(), 1).unwrap();
+        assert_eq!(cap.steps[0].slots.len(), 3);
+        assert_eq!(*calls.lock().unwrap(), [Pre, Post].repeat(3));
+    }
+
+    #[test]
+    fn a_failing_capture_hook_fails_the_capture_and_keeps_nothing() {
+        use HookPoint::{Post, Pre};
+        for (fail, calls_made, words) in [
+            (
+                Pre,
+                vec![Pre],
+                "the capture hook before the capture of step 0 returned 7",
+            ),
+            (
+                Post,
+                vec![Pre, Post],
+                "the capture hook after the capture of step 0 returned 7",
+            ),
+        ] {
+            let mut f = host_inputs(&[("a", 1, false)]);
+            f.opts.clone_slots = 2;
+            f.steps = vec![StepSpec::plain(vec![0], vec![0])];
+            let calls = hooked(&mut f, Some(fail));
+            let err = capture(&f.inputs(), 1).err().unwrap();
+            assert!(matches!(err, Error::HookFailed { code: 7, .. }), "{err}");
+            assert_eq!(err.to_string(), words);
+            assert_eq!(
+                *calls.lock().unwrap(),
+                calls_made,
+                "the first slot's capture stopped it"
+            );
+            nothing_kept(&f);
+        }
+    }
+
+    #[test]
+    fn the_after_call_follows_a_failed_capture_whose_error_stands() {
+        let (mut f, _dst) = external_step(true);
+        f.external(0, true);
+        let calls = hooked(&mut f, Some(HookPoint::Post));
+        let err = capture(&f.inputs(), 1).err().unwrap();
+        assert!(
+            matches!(err, Error::CallbackFailed { code: 3, .. }),
+            "{err}"
+        );
+        assert_eq!(*calls.lock().unwrap(), [HookPoint::Pre, HookPoint::Post]);
+        nothing_kept(&f);
     }
 }

@@ -24,6 +24,7 @@ fn session(f: Fixture) -> Session {
             microbatches: st.microbatches,
             io: st.io,
             looping: st.looping,
+            capture_hook: st.capture_hook,
         })
         .unwrap();
     }
