@@ -564,6 +564,177 @@ TEST_P(GradLifetime, ExternalBuffersProvidedAtCapture) {
     EXPECT_EQ(0u, missing.stats().graph_count);
 }
 
+// ExternalLayer as a step finds it: its own captures provide its memory;
+// the step's captures hand those addresses over in ctx (outputs,
+// grad_inputs, param_grads), and it writes there. Counts how many step
+// calls found its own memory there, and keeps what providing the output
+// again in a step's capture answered.
+struct StepExternal {
+    kit::LinearLayer* L;
+    Buffer y, gx, gw, gb;
+    int handed = 0;
+    graphed_status again = GRAPHED_STATUS_OK;
+    std::string again_said;
+    // Where to write: the address ctx holds, or (not handed yet) `mine`.
+    static void* at(void* given, Buffer& mine) { return given != nullptr ? given : mine.get(); }
+    static int32_t forward(const graphed_pass_ctx* c, void* self) {
+        return graphed::guard([&] {
+            auto* e = static_cast<StepExternal*>(self);
+            void* z = graphed::scratch_alloc(*c, e->L->act_bytes(e->L->out));
+            *c->tape = z;
+            void* y = at(c->outputs[0], e->y);
+            if (int r = e->L->eager_forward(c->stream, c->inputs[0], z, y)) return r;
+            if (c->phase != GRAPHED_PHASE_CAPTURE) return 0;
+            if (c->outputs[0] == nullptr) {
+                graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_OUTPUT, 0, y);
+                return 0;
+            }
+            e->handed += y == e->y.get();
+            e->again = graphed_pass_set_buffer(c->capture, GRAPHED_BUFFER_ROLE_OUTPUT, 0, y);
+            e->again_said = graphed_last_error_message();
+            return 0;
+        });
+    }
+    static int32_t backward(const graphed_pass_ctx* c, void* self) {
+        return graphed::guard([&] {
+            auto* e = static_cast<StepExternal*>(self);
+            void* z = *c->tape;
+            void* gz = graphed::scratch_alloc(*c, e->L->act_bytes(e->L->out));
+            void* gx = at(c->grad_inputs[0], e->gx);
+            void* gw = at(c->param_grads[0], e->gw);
+            void* gb = at(c->param_grads[1], e->gb);
+            if (int r = e->L->eager_backward(c->stream, c->inputs[0], z, c->grad_outputs[0], gz, gx, gw, gb)) return r;
+            graphed::scratch_free(*c, gz);
+            graphed::scratch_free(*c, z);
+            if (c->phase != GRAPHED_PHASE_CAPTURE) return 0;
+            if (c->grad_inputs[0] != nullptr) {
+                e->handed += gx == e->gx.get() && gw == e->gw.get() && gb == e->gb.get();
+                return 0;
+            }
+            graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_GRAD_INPUT, 0, gx);
+            graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_PARAM_GRADS, 0, gw);
+            graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_PARAM_GRADS, 1, gb);
+            return 0;
+        });
+    }
+};
+
+// A step over a callable with an external output, input grad and parameter
+// grads (COPY_INTO), unrolled and looped: its graph writes them where the
+// callable's own capture provided them, its io copies read them there, and
+// everything equals eager.
+TEST_P(GradLifetime, ExternalBuffersInAStepEqualEager) {
+    // Eager, for x[1] and gy[1].
+    Buffer z(*dev, B * OUT * 4), y(*dev, B * OUT * 4), gz(*dev, B * OUT * 4), gx(*dev, B * IN * 4);
+    Buffer gw(*dev, OUT * IN * 4), gb(*dev, OUT * 4);
+    ASSERT_EQ(0, layer.eager_forward(dev->stream(), x[1].f32(), z.f32(), y.f32()));
+    ASSERT_EQ(0, layer.eager_backward(dev->stream(), x[1].f32(), z.f32(), gy[1].f32(), gz.f32(), gx.f32(), gw.f32(),
+                                      gb.f32()));
+    for (uint32_t mode : {GRAPHED_STEP_LOOP_UNROLLED, GRAPHED_STEP_LOOP_WHILE}) {
+        SCOPED_TRACE(mode == GRAPHED_STEP_LOOP_WHILE ? "looped" : "unrolled");
+        StepExternal e{&layer, Buffer(*dev, B * OUT * 4), Buffer(*dev, B * IN * 4), Buffer(*dev, OUT * IN * 4),
+                       Buffer(*dev, OUT * 4)};
+        graphed::Session s(config());
+        graphed::Callable c = layer.callable(x[0].get(), true);
+        c.inputs[0].flags = c.outputs[0].flags = GRAPHED_TENSOR_FLAGS_EXTERNAL;
+        for (auto& p : c.params) {
+            p.flags = GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD;
+            p.policy = GRAPHED_GRAD_POLICY_COPY_INTO;
+        }
+        c.forward = &StepExternal::forward;
+        c.backward = &StepExternal::backward;
+        c.user_data = &e;
+        s.add_callable(c);
+        Buffer yo(*dev, B * OUT * 4), gxo(*dev, B * IN * 4), dgw(*dev, OUT * IN * 4), dgb(*dev, OUT * 4);
+        using S = graphed::Session;
+        const std::vector<graphed_step_io> io = {
+            S::step_io(0, GRAPHED_BUFFER_ROLE_INPUT, 0, x[1].get(), B * IN * 4),
+            S::step_io(0, GRAPHED_BUFFER_ROLE_OUTPUT, 0, yo.get(), B * OUT * 4),
+            S::step_io(0, GRAPHED_BUFFER_ROLE_GRAD_OUTPUT, 0, gy[1].get(), B * OUT * 4),
+            S::step_io(0, GRAPHED_BUFFER_ROLE_GRAD_INPUT, 0, gxo.get(), B * IN * 4),
+        };
+        const uint32_t step = s.add_step({0}, {dgw.get(), dgb.get()}, 1, io, mode);
+        s.capture();
+        EXPECT_EQ(1u, s.stats().step_graphs) << "no CLONE grads: one graph";
+        EXPECT_EQ(2, e.handed) << "the step's forward and backward found the provided memory";
+        EXPECT_EQ(GRAPHED_STATUS_WRONG_STATE, e.again) << e.again_said;
+        EXPECT_NE(std::string::npos, e.again_said.find("in the capture of step 0")) << e.again_said;
+        EXPECT_NE(std::string::npos, e.again_said.find("write the results there")) << e.again_said;
+        std::vector<graphed::Ref> grads;
+        s.step(step, dev->stream(), grads);
+        dev->sync();
+        ASSERT_EQ(2u, grads.size());
+        EXPECT_EQ(GRAPHED_REF_KIND_COPY_INTO, grads[0].kind());
+        EXPECT_EQ(fetch<float>(*dev, gw.get(), OUT * IN), fetch<float>(*dev, dgw.get(), OUT * IN));
+        EXPECT_EQ(fetch<float>(*dev, gb.get(), OUT), fetch<float>(*dev, dgb.get(), OUT));
+        EXPECT_EQ(fetch<float>(*dev, y.get(), B * OUT), fetch<float>(*dev, yo.get(), B * OUT)) << "io out of y";
+        EXPECT_EQ(fetch<float>(*dev, gx.get(), B * IN), fetch<float>(*dev, gxo.get(), B * IN)) << "io out of gx";
+        EXPECT_EQ(fetch<float>(*dev, gw.get(), OUT * IN), fetch<float>(*dev, e.gw.get(), OUT * IN))
+            << "the provided memory holds the grad";
+    }
+}
+
+// Records a step's capture hook calls; returns 7 at `fail` (-1: never).
+struct StepHookLog {
+    std::vector<uint32_t> calls;
+    int fail = -1;
+    static int32_t hook(uint32_t when, void* self) {
+        auto* h = static_cast<StepHookLog*>(self);
+        h->calls.push_back(when);
+        return int(when) == h->fail ? 7 : 0;
+    }
+};
+
+// The step's capture hook runs before (0) and after (1) each capture of the
+// step's graph (here one per clone slot); a failing call fails the capture
+// naming it, the session keeping nothing, and after a failed capture the
+// after-call still comes, the capture's own error standing.
+TEST_P(GradLifetime, StepCaptureHookRunsAroundEachGraphAndCanFail) {
+    StepHookLog ok;
+    graphed::Session s(config());
+    s.add_callable(layer.callable(x[0].get(), true));
+    s.add_step({0}, {}, 1, {}, GRAPHED_STEP_LOOP_UNROLLED, &StepHookLog::hook, &ok);
+    s.capture();
+    const uint32_t graphs = s.stats().step_graphs;
+    EXPECT_EQ(2u, graphs) << "one per clone slot";
+    std::vector<uint32_t> want;
+    for (uint32_t k = 0; k < graphs; ++k) want.insert(want.end(), {0, 1});
+    EXPECT_EQ(want, ok.calls);
+
+    for (int fail : {0, 1}) {
+        StepHookLog h;
+        h.fail = fail;
+        graphed::Session f(config());
+        f.add_callable(layer.callable(x[0].get(), true));
+        f.add_step({0}, {}, 1, {}, GRAPHED_STEP_LOOP_UNROLLED, &StepHookLog::hook, &h);
+        const std::string words = fail == 0 ? "the capture hook before the capture of step 0 returned 7"
+                                            : "the capture hook after the capture of step 0 returned 7";
+        EXPECT_TRUE(fails_with(GRAPHED_STATUS_CALLBACK_FAILED, graphed_session_capture(f.get()), words));
+        EXPECT_EQ((fail == 0 ? std::vector<uint32_t>{0} : std::vector<uint32_t>{0, 1}), h.calls);
+        expect_nothing_held(f);
+    }
+
+    // A step capture that fails (its forward returns 5): the after-call
+    // comes, and its failure does not replace the callback's.
+    struct Failing {
+        kit::LinearLayer* layer;
+        int captures = 0;
+        static int32_t forward(const graphed_pass_ctx* c, void* self) {
+            auto* w = static_cast<Failing*>(self);
+            if (c->phase == GRAPHED_PHASE_CAPTURE && ++w->captures > 1) return 5;
+            return kit::LinearLayer::forward(c, w->layer);
+        }
+    } failing{&layer};
+    StepHookLog h;
+    h.fail = 1;
+    graphed::Session f(config());
+    f.add_callable(wrapped(&failing));
+    f.add_step({0}, {}, 1, {}, GRAPHED_STEP_LOOP_UNROLLED, &StepHookLog::hook, &h);
+    EXPECT_TRUE(fails_with(GRAPHED_STATUS_CALLBACK_FAILED, graphed_session_capture(f.get()), "returned 5"));
+    EXPECT_EQ((std::vector<uint32_t>{0, 1}), h.calls);
+    expect_nothing_held(f);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, GradLifetime, backends(), BackendName());
 INSTANTIATE_TEST_SUITE_P(Backends, GradLifetimeFaults, backends(), BackendName());
 

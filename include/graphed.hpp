@@ -734,9 +734,12 @@ class Session {
     /// copies of each microbatch's data in and out (see graphed_step_desc).
     /// `loop_mode` GRAPHED_STEP_LOOP_WHILE holds one microbatch in a
     /// conditional WHILE node, and a replay names how many to run.
+    /// `capture_hook` (with `capture_hook_data`) runs before (0) and after
+    /// (1) each capture of the step's graph (graphed_step_desc.capture_hook).
     uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {},
                       uint32_t microbatches = 1, const std::vector<graphed_step_io>& io = {},
-                      uint32_t loop_mode = GRAPHED_STEP_LOOP_UNROLLED) {
+                      uint32_t loop_mode = GRAPHED_STEP_LOOP_UNROLLED, graphed_session_hook_fn capture_hook = nullptr,
+                      void* capture_hook_data = nullptr) {
         graphed_step_desc d = graphed_step_desc_default();
         d.callables = callables.data();
         d.num_callables = callables.size();
@@ -746,6 +749,8 @@ class Session {
         d.io = io.empty() ? nullptr : io.data();
         d.num_io = io.size();
         d.loop_mode = loop_mode;
+        d.capture_hook = capture_hook;
+        d.capture_hook_data = capture_hook_data;
         uint32_t index = 0;
         check(graphed_session_add_step(raw_, &d, &index));
         step_params(index);
