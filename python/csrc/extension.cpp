@@ -230,6 +230,33 @@ py::list make(py::list specs, py::dict options) {
     return result;
 }
 
+// make() for a step (graphed_torch::make_graphed_step): returns (per
+// callable its graphs for microbatch 0, the step). `step` holds
+// microbatches, loop and destination (a function of a parameter returning
+// the tensor its grad is added into, called once per parameter here).
+py::tuple make_step(py::list specs, py::dict options, py::dict step) {
+    std::vector<graphed_torch::CallableSpec> v;
+    for (py::handle h : specs) v.push_back(spec_of(h.cast<py::dict>()));
+    graphed_torch::Options o = options_of(options);
+    graphed_torch::StepOptions so;
+    so.microbatches = get<uint32_t>(step, "microbatches", 1);
+    so.loop = get<bool>(step, "loop", false);
+    auto dst = hold(step["destination"]);
+    so.destination = [dst](const at::Tensor& p) -> at::Tensor {
+        py::gil_scoped_acquire gil;
+        py::object d = (*dst)(py::reinterpret_steal<py::object>(THPVariable_Wrap(p)));
+        return d.is_none() ? at::Tensor() : tensor_of(d, "the step's grad destination");
+    };
+    std::optional<std::pair<std::vector<graphed_torch::GraphedCallable>, graphed_torch::GraphedStep>> out;
+    {
+        py::gil_scoped_release nogil;
+        out.emplace(graphed_torch::make_graphed_step(std::move(v), o, so));
+    }
+    py::list callables;
+    for (auto& g : out->first) callables.append(py::cast(g));
+    return py::make_tuple(callables, py::cast(out->second));
+}
+
 py::list replay(const graphed_torch::GraphedCallable& g, py::sequence inputs, py::object stream, py::object event) {
     std::vector<at::Tensor> ins;
     ins.reserve(py::len(inputs));
@@ -369,6 +396,21 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
         .def("params_movable", &graphed_torch::GraphedCallable::params_movable);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
+    py::class_<graphed_torch::GraphedStep>(m, "GraphedStep")
+        .def(
+            "replay",
+            [](const graphed_torch::GraphedStep& st, py::sequence data, uint32_t n) {
+                std::vector<at::Tensor> v = tensors_of(data, "data");
+                return st(v, n);
+            },
+            py::arg("data"), py::arg("n") = 0)
+        .def_property_readonly("destinations", &graphed_torch::GraphedStep::destinations)
+        .def_property_readonly("microbatches", &graphed_torch::GraphedStep::microbatches)
+        .def_property_readonly("data_names", &graphed_torch::GraphedStep::data_names);
+    m.def("make_step", &make_step, py::arg("specs"), py::arg("options"), py::arg("step"));
+    m.def(
+        "storage_use_count", [](const at::Tensor& t) { return t.storage().use_count(); },
+        "How many tensors (and other holders) share t's storage.");
     m.def(
         "pass_order",
         [](size_t n, const std::vector<std::pair<uint32_t, uint32_t>>& steps, const std::vector<uint32_t>& layers) {

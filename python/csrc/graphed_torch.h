@@ -233,6 +233,58 @@ class GraphedCallable {
 // (for_microbatch gives the others).
 std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& options = {});
 
+// ---- a training step in one launch ---------------------------------------------------------
+//
+// A chain of callables with its loss captured as one graph (graphed's
+// step): callable k+1's first inputs are callable k's outputs, all of
+// them, in order; the last callable is the loss (one output, its backward
+// seeded with ones). Every other input is data, copied in per microbatch.
+// One replay runs the forward and backward of every microbatch in turn
+// and adds each parameter's grad into the tensor Options::accumulate_into
+// names (required), as eager accumulation would.
+struct StepOptions {
+    // Microbatches per replay (at most GRAPHED_STEP_MAX_MICROBATCHES).
+    uint32_t microbatches = 1;
+    // False: every microbatch captured (unrolled); true: one microbatch in
+    // a conditional WHILE node, a replay running 1 to `microbatches` (a
+    // step that draws random numbers is refused there: each iteration
+    // would draw the same ones).
+    bool loop = false;
+    // Where parameter p's grad is added (the attribute accumulate_into
+    // names), asked once per parameter at capture: the step's graph adds
+    // into that tensor at every replay.
+    std::function<at::Tensor(const at::Tensor& p)> destination;
+};
+
+class GraphedStep {
+  public:
+    explicit GraphedStep(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+    // Runs `n` microbatches (0: all the step holds; a looped step any count
+    // from 1 to that, an unrolled one only its own): `data` holds each data
+    // input (callable order, the chained ones left out) as one tensor of
+    // shape [n, *sample shape] (or the sample's shape when the step holds
+    // one microbatch), of the sample's dtype, on its device. Returns each
+    // microbatch's loss, shape [n] (a copy). Parameters that moved are
+    // followed where capture verified it, else ParamMoved; nothing is
+    // enqueued when a check fails.
+    at::Tensor operator()(const std::vector<at::Tensor>& data, uint32_t n = 0) const;
+    // The grad destinations, one per parameter of the step's callables in
+    // order (undefined for parameters without a grad).
+    std::vector<at::Tensor> destinations() const;
+    uint32_t microbatches() const;
+    // The data inputs: "callable 'name': input i", in order.
+    std::vector<std::string> data_names() const;
+
+  private:
+    std::shared_ptr<Shared> shared_;
+};
+
+// make_graphed_callables for a step: the callables are captured as usual
+// (each still callable on its own) and, once more, as one step.
+std::pair<std::vector<GraphedCallable>, GraphedStep> make_graphed_step(std::vector<CallableSpec> specs,
+                                                                        const Options& options,
+                                                                        const StepOptions& step);
+
 // The passes of one iteration in warmup and capture order: (callable,
 // microbatch, pass), as graphed derives them (graphed_schedule_passes); the
 // callables of chunks with weight-grad steps have weight-grad passes.

@@ -93,30 +93,6 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
     throw ParamMoved(msg);
 }
 
-// The parameters of `c` where they are now (refreshed from its source),
-// against what the graphs of microbatch `mb` read: returns whether any
-// moved, `to` then holding the new addresses (NULL where unchanged). One
-// the graphs cannot read as it is throws ParamMoved naming it.
-bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
-    if (c.params.empty()) return false;
-    if (c.param_source) c.param_source(c.params);
-    const std::vector<const void*>& bound = c.param_at[mb];
-    bool moved = false;
-    for (size_t j = 0; j < c.params.size(); ++j) {
-        const at::Tensor& p = c.params[j];
-        const Meta& m = c.param_layout[j];
-        if (!p.defined() || !p.is_cuda() || p.device().index() != s.device || p.scalar_type() != m.dtype ||
-            p.sizes() != at::IntArrayRef(m.sizes) ||
-            !(m.strides.empty() ? p.is_contiguous() : p.strides() == at::IntArrayRef(m.strides)))
-            param_changed(s, c, mb, j);
-        const void* ptr = p.data_ptr();
-        if (ptr == bound[j]) continue;
-        if (!moved) to.assign(c.params.size(), nullptr);
-        moved = true;
-        to[j] = ptr;
-    }
-    return moved;
-}
 
 // With Options::accumulate_into: per parameter of `c`, the tensor its grad
 // is added into (undefined where graphed returns it), found by `on`'s
@@ -238,6 +214,28 @@ struct GraphedBackward : public torch::autograd::Node {
 };
 
 }  // namespace
+
+// Declared in internal.h (also the step's replay uses it).
+bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
+    if (c.params.empty()) return false;
+    if (c.param_source) c.param_source(c.params);
+    const std::vector<const void*>& bound = c.param_at[mb];
+    bool moved = false;
+    for (size_t j = 0; j < c.params.size(); ++j) {
+        const at::Tensor& p = c.params[j];
+        const Meta& m = c.param_layout[j];
+        if (!p.defined() || !p.is_cuda() || p.device().index() != s.device || p.scalar_type() != m.dtype ||
+            p.sizes() != at::IntArrayRef(m.sizes) ||
+            !(m.strides.empty() ? p.is_contiguous() : p.strides() == at::IntArrayRef(m.strides)))
+            param_changed(s, c, mb, j);
+        const void* ptr = p.data_ptr();
+        if (ptr == bound[j]) continue;
+        if (!moved) to.assign(c.params.size(), nullptr);
+        moved = true;
+        to[j] = ptr;
+    }
+    return moved;
+}
 
 std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor>& inputs, const ReplayOn& on) const {
     Shared& s = *shared_;

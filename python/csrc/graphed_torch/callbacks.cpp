@@ -204,6 +204,7 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
 int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
     auto* c = static_cast<Callable*>(self);
     Shared& s = *c->shared;
+    if (s.step && s.step->capturing) return step_forward(ctx, c);
     return guarded(c, [&] {
         const uint32_t mb = ctx->microbatch;
         if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
@@ -226,6 +227,7 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
 int32_t backward_cb(const graphed_pass_ctx* ctx, void* self) {
     auto* c = static_cast<Callable*>(self);
     if (!c->shared->opts.training) return 0;
+    if (c->shared->step && c->shared->step->capturing) return step_backward(ctx, c);
     return guarded(c, [&] { backward_body(ctx, c, true, !c->wgrad); });
 }
 

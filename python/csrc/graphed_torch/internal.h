@@ -11,6 +11,7 @@
 //   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
 //   make.cpp       session setup, discovery, registration, capture, reset
 //   autograd.cpp   replays: GraphedCallable and its autograd node, GraphedBackward
+//   step.cpp       a chain of callables with its loss as one step graph: its capture and replay
 #pragma once
 
 #include "graphed_torch.h"
@@ -260,6 +261,31 @@ struct Callable {
     }
 };
 
+// A step (make_graphed_step): what its declaration, capture and replays share.
+struct StepState {
+    StepOptions opts;
+    uint32_t index = 0;  // graphed's step index
+    // Per callable: how many of its leading inputs are the previous
+    // callable's outputs (0 for the first).
+    std::vector<size_t> chained;
+    // The data inputs, copied in per microbatch from `staging` ([N, *shape]).
+    struct Data {
+        size_t callable, input;
+        at::Tensor staging;
+    };
+    std::vector<Data> data;
+    at::Tensor losses;             // [N]: each microbatch's loss, copied out
+    std::vector<at::Tensor> dsts;  // per parameter of the step, in order
+    size_t rng_key = 0;            // the step's draws (RngStates::passes)
+    cudaEvent_t done = nullptr;    // after the last replay (staging reusable)
+    // Between the capture hook's before and after: the step's capture runs.
+    bool capturing = false;
+    // During it: each callable's outputs and input grads of the microbatch
+    // being captured (the chain).
+    std::vector<std::vector<at::Tensor>> outs, gins;
+    std::string error;  // of the capture hook
+};
+
 struct Shared {
     std::optional<graphed::Session> session;  // empty once reset
     c10::DeviceIndex device = 0;
@@ -275,6 +301,7 @@ struct Shared {
     std::vector<std::vector<Release>> releases;  // by capture position
     size_t capture_position = 0;
     std::string hook_error;
+    std::unique_ptr<StepState> step;  // make_graphed_step only
     bool is_reset = false;
     // Strict leases: what each lease still held is, for messages.
     std::mutex lease_mu;
@@ -333,5 +360,28 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self);
 int32_t backward_cb(const graphed_pass_ctx* ctx, void* self);
 int32_t wgrad_cb(const graphed_pass_ctx* ctx, void* self);
 int32_t session_hook(uint32_t when, void* self);
+
+// ---- the step (step.cpp) ---------------------------------------------------------------------
+
+// The forward and backward callbacks while the step's graph is captured
+// (StepState::capturing): the chain carried from callable to callable.
+int32_t step_forward(const graphed_pass_ctx* ctx, Callable* c);
+int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c);
+
+// ---- session setup (make.cpp) ------------------------------------------------------------------
+
+// Sets up the session, discovers, registers and captures `specs`;
+// `declare` runs between registration and capture (a step's declaration)
+// and `captured` after a successful capture. Throws std::runtime_error
+// with graphed's message and the callbacks' errors, the session reset.
+std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Options& o,
+                                     const std::function<void(Shared&)>& declare,
+                                     const std::function<void(Shared&)>& captured);
+
+// The parameters of `c` where they are now, against what the graphs of
+// microbatch `mb` read (autograd.cpp): whether any moved, `to` then
+// holding the new addresses (NULL where unchanged). One the graphs cannot
+// read as it is throws ParamMoved naming it.
+bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to);
 
 }  // namespace graphed_torch

@@ -229,7 +229,9 @@ graphed_session_config config_of(Shared& s, const Options& o) {
 
 }  // namespace
 
-std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& o) {
+std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Options& o,
+                                     const std::function<void(Shared&)>& declare,
+                                     const std::function<void(Shared&)>& captured) {
     if (specs.empty()) throw std::invalid_argument("make_graphed_callables: no callables");
     auto shared = std::make_shared<Shared>();
     Shared& s = *shared;
@@ -293,6 +295,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
                    "in generators=, or register it with graphed.torch.register_generator, so that its numbers are "
                    "drawn afresh at every replay)";
         if (!s.hook_error.empty()) msg += "\n  post_warmup_hook: " + s.hook_error;
+        if (s.step && !s.step->error.empty()) msg += "\n  the step's capture hook: " + s.step->error;
         s.reset();
         throw std::runtime_error(msg);
     };
@@ -306,6 +309,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         }
         discover(s, plan.order);
         for (auto& c : s.callables) register_callable(s, *c);
+        if (declare) declare(s);
     } catch (const std::exception& e) {
         fail(std::string("make_graphed_callables: ") + e.what());
     }
@@ -325,8 +329,20 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
         c->rebound.assign(s.microbatches, std::vector<bool>(c->in.size(), false));
     }
     if (o.rebind_inputs) mark_rebound(s);
+    if (captured) {
+        try {
+            captured(s);
+        } catch (const std::exception& e) {
+            fail(std::string("make_graphed_callables: ") + e.what());
+        }
+    }
+    return shared;
+}
+
+std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> specs, const Options& o) {
+    std::shared_ptr<Shared> shared = make_session(std::move(specs), o, nullptr, nullptr);
     std::vector<GraphedCallable> out;
-    for (size_t i = 0; i < s.callables.size(); ++i) out.emplace_back(shared, i);
+    for (size_t i = 0; i < shared->callables.size(); ++i) out.emplace_back(shared, i);
     return out;
 }
 
@@ -359,6 +375,13 @@ void Shared::reset() {
         c->param_source = nullptr;
     }
     rng.passes.clear();
+    if (step) {
+        step->data.clear();
+        step->losses = at::Tensor();
+        step->dsts.clear();
+        step->outs.clear();
+        step->gins.clear();
+    }
     for (; pool_refs > 0; --pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
 }
 
@@ -370,6 +393,7 @@ Shared::~Shared() {
     if (ev_fork) cudaEventDestroy(ev_fork);
     if (ev_join) cudaEventDestroy(ev_join);
     if (ev_replay) cudaEventDestroy(ev_replay);
+    if (step && step->done) cudaEventDestroy(step->done);
 }
 
 }  // namespace graphed_torch

@@ -22,6 +22,8 @@ from ._errors import AliasHeldError, ParamMovedError
 _LAZY = {
     "make_graphed_callables": "_make",
     "graph_pool_handle": "_make",
+    "make_graphed_step": "_step",
+    "GraphedStep": "_step",
     "register_generator": "_rng",
     "registered_generators": "_rng",
 }
@@ -35,9 +37,11 @@ def __getattr__(name):
 
 __all__ = [
     "AliasHeldError",
+    "GraphedStep",
     "ParamMovedError",
     "graph_pool_handle",
     "make_graphed_callables",
+    "make_graphed_step",
     "register_generator",
     "registered_generators",
 ]

@@ -107,6 +107,47 @@ def _device_of(bindings, callables):
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def callable_spec(ext, k, fn, binding, hooks):
+    """What the extension needs of callable `k` (a module or a function)
+    with its flattened sample `binding` and capture-time `hooks`: its name,
+    its output flattener and its spec."""
+    base = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "callable")
+    name = f"{base}_{k}"
+    out = Outputs(f"graphed callable '{name}'")
+
+    # A module's own forward, taken now: its forward attribute is replaced later.
+    call = fn.forward if isinstance(fn, torch.nn.Module) else fn
+
+    def forward(flat, call=call, binding=binding, out=out):
+        args, kwargs = binding.unflatten(flat)
+        return out.flatten(call(*args, **kwargs))
+
+    named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
+    # Where each parameter lives: its owning module's _parameters dict
+    # and key, which every call reads (a Parameter replaced there, as
+    # load_state_dict(assign=True) does, is then the one the graphs
+    # read and the one that gets the grad).
+    slots = [_param_slot(fn, qualified, p) for qualified, p in named]
+    hook = None
+    if hooks is not None and not _hooks.is_empty(hooks):
+        hook = _hooks.Dispatcher(fn, hooks, binding.unflatten, out.unflatten, ext.PASS_FORWARD, ext.PASS_BACKWARD)
+    spec = dict(
+        name=name,
+        forward=forward,
+        samples=binding.samples,
+        input_names=binding.names,
+        params=[p for _, p in named],
+        param_names=[n for n, _ in named],
+        param_slots=slots if named else None,
+        # Frozen here: a later change does not move a grad between clone and alias.
+        param_flags=[
+            ext.PARAM_FLAGS_DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0 for _, p in named
+        ],
+        hook=hook,
+    )
+    return name, out, spec
+
+
 def make_graphed_callables(
     modules,
     sample_args,
@@ -274,47 +315,10 @@ def make_graphed_callables(
     ext = extension()
     names, outputs, specs = [], [], []
     for k, fn in enumerate(callables):
-        base = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "callable")
-        name = f"{base}_{k}"
+        name, out, spec = callable_spec(ext, k, fn, bindings[k], hooks[k])
         names.append(name)
-        binding, out = bindings[k], Outputs(f"graphed callable '{name}'")
         outputs.append(out)
-
-        # A module's own forward, taken now: its forward attribute is replaced below.
-        call = fn.forward if isinstance(fn, torch.nn.Module) else fn
-
-        def forward(flat, call=call, binding=binding, out=out):
-            args, kwargs = binding.unflatten(flat)
-            return out.flatten(call(*args, **kwargs))
-
-        named = list(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else []
-        # Where each parameter lives: its owning module's _parameters dict
-        # and key, which every call reads (a Parameter replaced there, as
-        # load_state_dict(assign=True) does, is then the one the graphs
-        # read and the one that gets the grad).
-        slots = [_param_slot(fn, qualified, p) for qualified, p in named]
-        hook = None
-        if not _hooks.is_empty(hooks[k]):
-            hook = _hooks.Dispatcher(
-                fn, hooks[k], binding.unflatten, out.unflatten, ext.PASS_FORWARD, ext.PASS_BACKWARD
-            )
-        specs.append(
-            dict(
-                name=name,
-                forward=forward,
-                samples=binding.samples,
-                input_names=binding.names,
-                params=[p for _, p in named],
-                param_names=[n for n, _ in named],
-                param_slots=slots if named else None,
-                # Frozen here: a later change does not move a grad between clone and alias.
-                param_flags=[
-                    ext.PARAM_FLAGS_DELAYED_WGRAD if getattr(p, "skip_backward_post_hook", False) else 0
-                    for _, p in named
-                ],
-                hook=hook,
-            )
-        )
+        specs.append(spec)
     if capture_stream is not None:
         capture_stream = (capture_stream.cuda_stream, capture_stream.device_index)
     gens = _rng.generators_for(device, generators)

@@ -1,0 +1,230 @@
+"""make_graphed_step: a training step (a chain of layers and its loss, over
+N microbatches) captured as one graph and replayed with one launch, each
+parameter's grad added into `param.grad` (or another attribute, such as
+Megatron's `main_grad`) as eager gradient accumulation adds it.
+
+    step = graphed.torch.make_graphed_step(blocks, loss_fn, (x,), (y,), microbatches=4)
+    losses = step((xs,), (ys,))     # xs: [4, *x.shape]; losses: [4]
+    optimizer.step(); optimizer.zero_grad()
+
+The modules keep their own forward (eager); `step.callables` are their
+graphs, callable on their own, in the step's memory."""
+import gc
+import sys
+
+import torch
+
+from . import _rng
+from ._binding import Binding
+from ._errors import AliasHeldError
+from ._make import _device_of, _module_checks, _param_slot, _pool_id, callable_spec, extension
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _chain_samples(layers, sample_input, sample_target, loss_fn):
+    """Each layer's sample inputs (the previous layer's outputs on the
+    samples, run eagerly) and the loss's (the last outputs, then the
+    targets). Outputs take a grad where they require one."""
+    samples, args = [], _as_tuple(sample_input)
+    for layer in layers:
+        samples.append(args)
+        with torch.enable_grad():
+            outs = _as_tuple(layer(*args))
+        args = tuple(o.detach().clone().requires_grad_(o.requires_grad) for o in outs)
+    samples.append(args + _as_tuple(sample_target))
+    return samples
+
+
+class GraphedStep:
+    """A training step in one launch (make_graphed_step). Call it with the
+    data of `n` microbatches: `inputs` (what the first layer takes) and
+    `targets` (what the loss takes after the last layer's outputs), each
+    tensor with a leading dimension of `n` (the step's microbatch count;
+    with loop=True any count from 1 to it; a step of one microbatch also
+    takes the sample's shape). It runs the forward and backward of each
+    microbatch in turn, adds each parameter's grad into its `attr`
+    (`param.grad` by default) and returns the losses, shape [n].
+
+    The grads are added into the tensors the parameters held at capture.
+    Set to None between steps (optimizer.zero_grad()), such a tensor is
+    zeroed and given back to its parameter, unless something still holds it
+    (AliasHeldError: the step would write into it); replaced by another
+    tensor, the call raises ValueError."""
+
+    def __init__(self, impl, callables, params, slots, attr, layers):
+        self._impl = impl
+        self._callables = callables
+        self._attr = attr
+        self._layers = layers
+        # (name, parameter at capture, its slot, its destination, what
+        # holds it at capture: Python references and storage users),
+        # grads only.
+        found = []
+        ext = extension()
+        for (name, p), slot, d in zip(params, slots, impl.destinations):
+            # A tied parameter (in two callables) has one destination.
+            if d is not None and not any(e[3] is d for e in found):
+                found.append([name, p, slot, d, None])
+        self._dsts = []
+        for name, p, slot, d, _ in found:
+            entry = (name, p, slot, d, ext.storage_use_count(d))
+            self._dsts.append(entry)
+        del found, d
+        # Python references at a check with nothing else holding it: the
+        # entry, the check's variable and getrefcount's argument, plus any
+        # the extension keeps (counted here, where the parameter's
+        # attribute, the entry and getrefcount's argument hold it).
+        self._refs = [
+            3 + sys.getrefcount(e[3]) - 2 - (getattr(e[1], attr, None) is e[3]) for e in self._dsts
+        ]
+        self.microbatches = impl.microbatches
+
+    def __call__(self, inputs, targets=(), n=None):
+        data = [*_as_tuple(inputs), *_as_tuple(targets)]
+        if n is None:
+            first = data[0] if data and isinstance(data[0], torch.Tensor) else None
+            n = first.shape[0] if first is not None and self.microbatches > 1 else 0
+        self._destinations_ready()
+        return self._impl.replay(data, int(n))
+
+    def _destinations_ready(self):
+        """Each parameter's attribute holds its destination again (zeroed
+        where it was set to None), or the call raises before anything runs."""
+        attr, ext = self._attr, None
+        to_zero, attach = [], []
+        for (name, p, slot, d, uses), refs in zip(self._dsts, self._refs):
+            if slot is not None:
+                p = slot[0].get(slot[1], p)
+            g = getattr(p, attr, None)
+            if g is d:
+                continue
+            if g is not None:
+                raise ValueError(
+                    f"graphed step: parameter '{name}'.{attr} is another tensor than the one the step adds its grad "
+                    f"into (captured: {tuple(d.shape)} at {d.data_ptr():#x}); set it back, or to None "
+                    "(zero_grad()), or make the step again"
+                )
+            ext = ext or extension()
+            if sys.getrefcount(d) > refs or ext.storage_use_count(d) > uses:
+                raise AliasHeldError(
+                    f"graphed step: parameter '{name}'.{attr} was set to None, but its tensor from the last step is "
+                    "still referenced; the step would zero it and add this step's grad into it. Drop that reference "
+                    "(or clone it), or zero the grads in place (zero_grad(set_to_none=False))"
+                )
+            to_zero.append(d)
+            attach.append((p, d))
+        if to_zero:
+            torch._foreach_zero_(to_zero)
+            for p, d in attach:
+                setattr(p, attr, d)
+
+    @property
+    def callables(self):
+        """The layers and the loss, graphed (each replayable on its own)."""
+        return self._callables
+
+    def session_stats(self):
+        """graphed's memory and graph figures of the step's session."""
+        return self._callables[0].session_stats()
+
+    def reset(self):
+        """Frees the step's graphs and memory; calls then raise."""
+        self._callables[0].reset()
+
+    @property
+    def is_reset(self):
+        return self._callables[0].is_reset
+
+
+def make_graphed_step(
+    layers,
+    loss_fn,
+    sample_input,
+    sample_target=(),
+    *,
+    microbatches=1,
+    loop=False,
+    accumulate_param_grads_into="grad",
+    num_warmup_iters=3,
+    generators=None,
+    pool=None,
+    capture_stream=None,
+    rebind_params=True,
+):
+    """Captures a training step: `layers` (modules or functions, in order:
+    layer k+1 takes layer k's outputs) and `loss_fn` (takes the last
+    layer's outputs, then the targets; returns a one-element tensor), for
+    `microbatches` microbatches per launch (unrolled, each drawing its own
+    random numbers; loop=True: one captured microbatch in a conditional
+    WHILE node, a call running 1 to `microbatches`, refused for a step that
+    draws random numbers). `sample_input` and `sample_target` are one
+    microbatch's data (a tensor or a tuple). Each parameter's grad is added
+    into its `accumulate_param_grads_into` attribute ("grad", created as
+    zeros where None; "main_grad"; ...), a contiguous tensor of its shape and
+    dtype. Returns a GraphedStep."""
+    layers = tuple(layers) if isinstance(layers, (tuple, list)) else (layers,)
+    if not layers:
+        raise ValueError("make_graphed_step: no layers")
+    if not isinstance(accumulate_param_grads_into, str) or not accumulate_param_grads_into.isidentifier():
+        raise ValueError(
+            "accumulate_param_grads_into must name a parameter attribute ('grad', 'main_grad'), "
+            f"not {accumulate_param_grads_into!r}"
+        )
+    callables = layers + (loss_fn,)
+    for fn in callables:
+        _module_checks(fn)
+        if isinstance(fn, torch.nn.Module) and not fn.training:
+            raise RuntimeError("make_graphed_step: a step trains; every module must be in training mode")
+    if len({id(fn) for fn in callables}) != len(callables):
+        raise ValueError("make_graphed_step: a module is given twice; each layer is graphed once")
+    if not torch.cuda.is_available():
+        raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
+    ext = extension()
+    attr = accumulate_param_grads_into
+
+    def destination(p):
+        d = getattr(p, attr, None)
+        if d is None:
+            d = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            setattr(p, attr, d)
+        return d
+
+    gens = None
+    saved = None
+    collecting = gc.isenabled()
+    try:
+        probe = Binding(_as_tuple(sample_input), {})
+        device = _device_of([probe], callables)
+        gens = _rng.generators_for(device, generators)
+        saved = _rng.save(device, gens)
+        samples = _chain_samples(layers, sample_input, sample_target, loss_fn)
+        _rng.restore(saved)
+        specs, params, slots, names = [], [], [], []
+        for k, fn in enumerate(callables):
+            name, _, spec = callable_spec(ext, k, fn, Binding(samples[k], {}), None)
+            names.append(name)
+            specs.append(spec)
+            params += [(f"{name}.{n}", p) for n, p in zip(spec["param_names"], spec["params"])]
+            slots += spec["param_slots"] or [None] * len(spec["params"])
+        options = dict(
+            num_warmup_iters=int(num_warmup_iters),
+            training=True,
+            rebind_params=bool(rebind_params),
+            accumulate_into=attr,
+            pool=_pool_id(pool),
+            capture_stream=None if capture_stream is None else (capture_stream.cuda_stream, capture_stream.device_index),
+            generators=gens,
+        )
+        step = dict(microbatches=int(microbatches), loop=bool(loop), destination=destination)
+        gc.disable()
+        with torch.cuda.device(device):
+            impls, impl = ext.make_step(specs, options, step)
+    finally:
+        if collecting:
+            gc.enable()
+        if saved is not None:
+            _rng.restore(saved)
+    return GraphedStep(impl, impls, params, slots, attr, layers)

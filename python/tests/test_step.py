@@ -1,0 +1,227 @@
+"""make_graphed_step: a small GPT (token and position embeddings, nanoGPT
+blocks with causal attention, LayerNorm and dropout, an LM head with
+cross-entropy) trained with AdamW over N microbatches per optimizer step,
+each step one launch of graphed's step graph, equal to eager gradient
+accumulation bit for bit: fp32 and bf16, dropout 0 and 0.1 (each
+microbatch draws its own masks, the generator ends where eager's ends),
+unrolled and looped (WHILE) steps, grads in `.grad` (set to None between
+steps, or zeroed in place) or in `main_grad`. Weight tying (the head
+reading the token embedding) matches to rounding only: eager sums the
+tied weight's two grads before adding them into `.grad`, the step adds
+each into it in turn. Refusals: data of the wrong shape or count, a
+microbatch count the step does not run, a `.grad` replaced by another
+tensor, a `.grad` set to None while its tensor is still held, a loss of
+more than one element, a looped step that draws random numbers, a reset
+step."""
+import pytest
+
+from _support import needs_gpu, torch
+
+pytestmark = needs_gpu
+
+if torch is not None:
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import graphed.torch as gt
+    from _models import assert_all_equal
+    from test_moved_params import SEQ, Block, EMBD
+
+VOCAB, BATCH, STEPS = 96, 2, 3
+
+
+class Embed(nn.Module if torch is not None else object):
+    def __init__(self, dropout):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, EMBD)
+        self.wpe = nn.Embedding(SEQ, EMBD)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class Head(nn.Module if torch is not None else object):
+    """Final LayerNorm, LM head and cross-entropy: the step's loss."""
+
+    def __init__(self, tied=None):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(EMBD)
+        self.lm_head = nn.Linear(EMBD, VOCAB, bias=False)
+        if tied is not None:
+            self.lm_head.weight = tied
+
+    def forward(self, x, targets):
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+
+
+def gpt(dtype, dropout, layers=2, tied=False, seed=3):
+    torch.manual_seed(seed)
+    embed = Embed(dropout)
+    blocks = [Block(dropout) for _ in range(layers)]
+    head = Head(embed.wte.weight if tied else None)
+    mods = [m.to(device="cuda", dtype=dtype) for m in [embed, *blocks, head]]
+    if tied:
+        mods[-1].lm_head.weight = mods[0].wte.weight
+    return mods
+
+
+def data(n, seed=7):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (STEPS, n, BATCH, SEQ), device="cuda", generator=g)
+    tgt = torch.randint(0, VOCAB, (STEPS, n, BATCH, SEQ), device="cuda", generator=g)
+    return idx, tgt
+
+
+def params_of(mods):
+    seen, out = set(), []
+    for m in mods:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def train(mods, n, step=None, attr="grad", set_to_none=True, counts=None):
+    """STEPS AdamW steps over `n` microbatches each (`counts[s]` with a
+    looped step): eagerly, or through `step`. Returns the losses, the final
+    parameters and grads, and the generator's state after."""
+    idx, tgt = data(n)
+    params = params_of(mods)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    torch.manual_seed(1234)
+    losses = []
+    for s in range(STEPS):
+        k = counts[s] if counts else n
+        if attr == "grad":
+            opt.zero_grad(set_to_none=set_to_none)
+        else:
+            for p in params:
+                p.main_grad.zero_()
+                p.grad = None
+        if step is None:
+            for m in range(k):
+                x = idx[s, m]
+                for mod in mods[:-1]:
+                    x = mod(x)
+                loss = mods[-1](x, tgt[s, m])
+                loss.backward()
+                losses.append(loss.detach().reshape(1))
+            if attr != "grad":
+                for p in params:
+                    p.main_grad += p.grad
+                    p.grad = None
+        else:
+            losses.append(step(idx[s, :k], tgt[s, :k]))
+        if attr != "grad":
+            for p in params:
+                p.grad = p.main_grad.clone()
+        opt.step()
+    grads = [p.grad.clone() for p in params]
+    return torch.cat(losses), [p.detach().clone() for p in params], grads, torch.cuda.get_rng_state()
+
+
+def sample():
+    idx, tgt = data(1, seed=5)
+    return idx[0, 0], tgt[0, 0]
+
+
+def make_step(mods, n, **kw):
+    x, t = sample()
+    return gt.make_graphed_step(mods[:-1], mods[-1], (x,), (t,), microbatches=n, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("n", [1, 4])
+def test_step_trains_as_eager_accumulation(dtype, dropout, n):
+    dt = getattr(torch, dtype)
+    want = train(gpt(dt, dropout), n)
+    mods = gpt(dt, dropout)
+    step = make_step(mods, n)
+    assert step.session_stats()["step_graphs"] == 1
+    got = train(mods, n, step=step)
+    assert_all_equal(got[0], want[0])
+    assert_all_equal(got[1], want[1])
+    assert_all_equal(got[2], want[2])
+    assert torch.equal(got[3], want[3]), "the generator did not end where eager's ends"
+
+
+def test_grads_zeroed_in_place_and_main_grad():
+    want = train(gpt(torch.float32, 0.1), 2, set_to_none=False)
+    mods = gpt(torch.float32, 0.1)
+    got = train(mods, 2, step=make_step(mods, 2), set_to_none=False)
+    assert_all_equal(got[1], want[1])
+
+    base = gpt(torch.float32, 0.1)
+    for p in params_of(base):
+        p.main_grad = torch.zeros_like(p)
+    want = train(base, 2, attr="main_grad")
+    mods = gpt(torch.float32, 0.1)
+    for p in params_of(mods):
+        p.main_grad = torch.zeros_like(p)
+    step = make_step(mods, 2, accumulate_param_grads_into="main_grad")
+    got = train(mods, 2, step=step, attr="main_grad")
+    assert_all_equal(got[1], want[1])
+    assert_all_equal(got[2], want[2])
+
+
+def test_looped_step_runs_any_count_as_eager():
+    counts = [4, 1, 3]
+    want = train(gpt(torch.float32, 0.0), 4, counts=counts)
+    mods = gpt(torch.float32, 0.0)
+    step = make_step(mods, 4, loop=True)
+    got = train(mods, 4, step=step, counts=counts)
+    assert_all_equal(got[0], want[0])
+    assert_all_equal(got[1], want[1])
+    assert_all_equal(got[2], want[2])
+
+
+def test_weight_tying_matches_to_rounding():
+    want = train(gpt(torch.float32, 0.0, tied=True), 3)
+    mods = gpt(torch.float32, 0.0, tied=True)
+    got = train(mods, 3, step=make_step(mods, 3))
+    assert len(got[1]) == len(want[1])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_refusals():
+    mods = gpt(torch.float32, 0.1)
+    step = make_step(mods, 2)
+    idx, tgt = data(2)
+    with pytest.raises(ValueError, match=r"microbatches asked; the step runs exactly 2"):
+        step(idx[0, :1], tgt[0, :1])
+    with pytest.raises(ValueError, match=r"argument 0 is .*the step takes"):
+        step(idx[0, :, :1], tgt[0])
+    with pytest.raises(ValueError, match=r"takes 2 data inputs, got 1"):
+        step(idx[0], ())
+    step(idx[0], tgt[0])
+    p = mods[1].ln_1.weight
+    held = p.grad
+    p.grad = None
+    with pytest.raises(gt.AliasHeldError, match=r"ln_1.weight'.grad was set to None"):
+        step(idx[0], tgt[0])
+    del held
+    step(idx[0], tgt[0])
+    p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=r"ln_1.weight'.grad is another tensor"):
+        step(idx[0], tgt[0])
+    step.reset()
+    with pytest.raises(RuntimeError, match=r"reset"):
+        step(idx[0], tgt[0])
+
+
+def test_capture_refusals():
+    mods = gpt(torch.float32, 0.1)
+    with pytest.raises(RuntimeError, match=r"looped step.*draws random numbers"):
+        make_step(mods, 2, loop=True)
+    mods = gpt(torch.float32, 0.0)
+    x, _ = sample()
+    with pytest.raises(RuntimeError, match=r"one tensor of one element"):
+        gt.make_graphed_step(mods[:-1], lambda y: y * 2, (x,), ())
+    with pytest.raises(ValueError, match=r"accumulate_param_grads_into"):
+        gt.make_graphed_step(mods[:-1], mods[-1], (x,), (x,), accumulate_param_grads_into=None)
