@@ -72,9 +72,6 @@ pub fn op_capture(t: Target) {
             St::Captured => Some(S::WrongState),
             St::Reset => Some(S::SessionReset),
             St::Open if s.callables.is_empty() => Some(S::WrongState),
-            // A flag set after the step was declared made a callable of it
-            // external: refused before anything runs.
-            St::Open if step_has_external(s) => Some(S::Incompatible),
             St::Open => match schedule_fits(s) {
                 Some(false) => Some(S::InvalidSchedule),
                 None => {
@@ -109,6 +106,9 @@ pub fn op_capture(t: Target) {
             loops: Vec::new(),
             broke: 0,
             named: Vec::new(),
+            captured: Vec::new(),
+            last: None,
+            in_steps: false,
         });
     }
     wd.depth.set(wd.depth.get() + 1);

@@ -97,6 +97,9 @@ pub struct StepModel {
     pub microbatches: u32,
     pub io: Vec<IoModel>,
     pub device_loop: bool,
+    /// Its capture hook as the library read it: 0 none, 1 fine, 2 failing
+    /// before a capture, 3 failing after (see `step_hook`).
+    pub hook: usize,
 }
 
 impl StepModel {
@@ -148,6 +151,13 @@ pub struct Frame {
     /// A loop body's callback broke a capture, deciding `first`: the
     /// words the message must hold.
     pub named: Vec<String>,
+    /// The passes (callable, microbatch, pass) whose callbacks ran under
+    /// capture, and the last: each pass is captured alone first (its clone
+    /// slots right after), then the steps, which repeat passes.
+    pub captured: Vec<(usize, u32, u32)>,
+    pub last: Option<(usize, u32, u32)>,
+    /// The steps' captures have begun (a pass ran again after another).
+    pub in_steps: bool,
 }
 
 pub struct HeldBlock {

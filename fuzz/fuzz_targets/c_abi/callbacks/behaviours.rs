@@ -198,6 +198,9 @@ pub(super) fn fuzzed_behaviours(ctx: &graphed_pass_ctx, cb: &Cb, seen: &Seen) ->
                     S::WrongState
                 } else if role > 4 {
                     S::InvalidArgument
+                } else if seen.in_step {
+                    // Already handed over: a step's capture takes none.
+                    S::WrongState
                 } else if !declared {
                     S::InvalidArgument
                 } else if null_ptr {

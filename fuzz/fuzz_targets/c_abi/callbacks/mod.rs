@@ -57,6 +57,7 @@ fn decide_failure(cb: &Cb, seen: &Seen, code: i32, provided: &[(u32, usize)]) {
     } else if code != 0 {
         Some(S::CallbackFailed)
     } else if capture_phase
+        && !seen.in_step
         && externals(cl, pass)
             .iter()
             .any(|&(r, j, _)| !provided.contains(&(r, j)))

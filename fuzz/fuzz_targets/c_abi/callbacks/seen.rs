@@ -23,6 +23,9 @@ pub(super) struct Seen {
     pub step_mb: u32,
     pub index: usize,
     pub data: usize,
+    /// Under a step's capture (after every pass's own): external buffers
+    /// are handed over in ctx, and none can be provided.
+    pub in_step: bool,
 }
 
 /// Checks the context of a call of callback `cb` (for pass `which`; 9:
@@ -178,6 +181,40 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
             }
         }
     }
+    // The external buffers this pass writes: all handed over (a step's
+    // capture, after the pass's own) or none (its own capture).
+    let mine: Vec<usize> = externals(&cl, pass)
+        .iter()
+        .map(|&(role, j, _)| match role {
+            ROLE_OUT => outputs[j],
+            ROLE_GIN => gins[j],
+            _ => pgrads[j],
+        })
+        .collect();
+    let in_step = capture_phase && {
+        let mut fs = wd.frames.borrow_mut();
+        let f = fs.last_mut().expect("a callback outside capture");
+        let key = (cb.callable, mb, pass);
+        if f.captured.contains(&key) && f.last != Some(key) {
+            f.in_steps = true;
+        }
+        if !f.captured.contains(&key) {
+            f.captured.push(key);
+        }
+        f.last = Some(key);
+        f.in_steps
+    };
+    // Its own capture provides them; a step's capture hands them over
+    // (hooks, outside capture, see them once provided).
+    assert!(
+        !capture_phase || mine.iter().all(|&p| (p != 0) == in_step),
+        "external buffers of pass {pass} of callable {} {} a step's capture: {mine:x?}",
+        cb.callable,
+        if in_step { "in" } else { "outside" }
+    );
+    if in_step && !mine.is_empty() {
+        trace!("  in a step's capture, external buffers handed over: {mine:x?}");
+    }
     let measuring = ctx.phase == 0 && ctx.iteration == 0;
     // In a loop body, the grads also mix in the first byte of the step's
     // first copy in of this callable, read when the task runs.
@@ -201,6 +238,7 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         step_mb: ctx.step_microbatch,
         index: ctx.step_microbatch_index as usize,
         data,
+        in_step,
     }
 }
 

@@ -178,12 +178,21 @@ pub(super) fn pass_work(
                 let q = ext_mem(s, c, mb, role, j, bytes);
                 let r = graphed_pass_set_buffer(ctx.capture, role, j, q as *mut c_void);
                 let again = provided.contains(&(role, j));
-                expect(
-                    r,
-                    &[if again { S::InvalidArgument } else { S::Ok }],
-                    "graphed_pass_set_buffer",
-                    "plain hand-over",
-                );
+                let want = if seen.in_step {
+                    S::WrongState
+                } else if again {
+                    S::InvalidArgument
+                } else {
+                    S::Ok
+                };
+                expect(r, &[want], "graphed_pass_set_buffer", "plain hand-over");
+                if seen.in_step {
+                    let m = msg();
+                    assert!(
+                        m.contains("in the capture of step") && m.contains("write the results there"),
+                        "graphed_pass_set_buffer in a step's capture: {m:?}"
+                    );
+                }
                 provided.push((role, j));
             }
         }

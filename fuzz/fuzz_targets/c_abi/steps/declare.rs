@@ -16,9 +16,9 @@ pub fn op_add_step_io() {
 }
 
 /// The fields a descriptor of `size` bytes holds past the first release's:
-/// (io and its count, microbatches, loop_mode).
-fn layout_holds(size: usize) -> (bool, bool, bool) {
-    (size >= 64, size >= 68, size >= 72)
+/// (io and its count, microbatches, loop_mode, the capture hook).
+fn layout_holds(size: usize) -> (bool, bool, bool, bool) {
+    (size >= 64, size >= 68, size >= 72, size >= 88)
 }
 
 fn add_step_with(ext: bool) {
@@ -87,7 +87,9 @@ fn add_step_with(ext: bool) {
             d.io,
             d.num_io,
             d.microbatches,
-            d.loop_mode
+            d.loop_mode,
+            d.capture_hook.is_none(),
+            d.capture_hook_data
         ),
         (
             size_of::<graphed_step_desc>(),
@@ -95,7 +97,9 @@ fn add_step_with(ext: bool) {
             null(),
             0,
             1,
-            0
+            0,
+            true,
+            null_mut()
         ),
         "graphed_step_desc_default"
     );
@@ -123,6 +127,21 @@ fn add_step_with(ext: bool) {
     } else {
         vec![0; params.len()]
     };
+    // Sometimes a capture hook, sometimes failing before or after.
+    let hook_mode = match i.below(8) {
+        0 => 1,
+        1 => 2,
+        2 => 3,
+        _ => 0,
+    };
+    if hook_mode != 0 {
+        d.capture_hook = Some(step_hook);
+        let sess = match t {
+            Target::Live(k) => k,
+            _ => 0,
+        };
+        d.capture_hook_data = hook_data(sess, hook_mode);
+    }
     let mut struct_err = None;
     match i.below(16) {
         0 => {
@@ -162,12 +181,13 @@ fn add_step_with(ext: bool) {
             _ => {}
         }
         at.2 = i.pos.get();
-        let size = i.pick(&[72, 72, 72, 72, 48, 56, 64, 68]);
+        let size = i.pick(&[88, 88, 88, 72, 48, 56, 64, 68]);
         if struct_err.is_none() && d.struct_size == size_of::<graphed_step_desc>() {
             d.struct_size = size;
         }
     }
-    let (io_read, mb_read, loop_read) = layout_holds(d.struct_size);
+    let (io_read, mb_read, loop_read, hook_read) = layout_holds(d.struct_size);
+    let hook_mode = if hook_read { hook_mode } else { 0 };
     // Kept until the call returns; what the library reads of it.
     let io_arg = io;
     let io = io_arg.as_ref().filter(|_| io_read && d.num_io > 0);
@@ -241,8 +261,6 @@ fn add_step_with(ext: bool) {
             if k > 0 && c <= cs[k - 1] {
                 first(&mut want, Some(S::InvalidArgument));
             }
-            let external = callable_is_external(&calls[c as usize]);
-            first(&mut want, external.then_some(S::Incompatible));
         }
         first(
             &mut want,
@@ -294,5 +312,6 @@ fn add_step_with(ext: bool) {
         microbatches,
         io: io.map_or(Vec::new(), |a| a.entries.clone()),
         device_loop,
+        hook: hook_mode,
     });
 }

@@ -5,22 +5,6 @@
 
 use super::*;
 
-/// The clone slots a session's steps get (none with a caller allocator).
-fn slots_of(s: &Sess) -> u32 {
-    if s.custom_alloc {
-        0
-    } else {
-        s.clone_slots
-    }
-}
-
-/// Whether callable `c` of `s` returns CLONE grads.
-fn clones(s: &Sess, c: usize) -> bool {
-    s.callables[c]
-        .params
-        .iter()
-        .any(|p| p.resolved(s.clone) == 1)
-}
 
 /// A capture's refusal of a step: the statuses it may answer (the first
 /// with `texts` in its message).
@@ -43,8 +27,8 @@ fn refusal(st: graphed_status, texts: Vec<String>) -> Option<StepRefusal> {
 /// grads no sum can hold while its microbatches are recorded.
 pub fn step_capture_error(k: usize) -> Option<StepRefusal> {
     let s = &w().sessions.borrow()[k];
-    let slots = slots_of(s);
     for (si, st) in s.steps.iter().enumerate() {
+        let slots = step_slots(s, st);
         let n = st.microbatches;
         let mut at = 0;
         for &c in &st.callables {
@@ -115,6 +99,20 @@ pub fn step_capture_error(k: usize) -> Option<StepRefusal> {
                 )],
             );
         }
+        // The hook runs around each capture of the step's graph: failing
+        // before the first, nothing of it is recorded.
+        let hook = |when: &str| {
+            refusal(
+                S::CallbackFailed,
+                vec![format!(
+                    "the capture hook {when} the capture of step {si} returned 11"
+                )],
+            )
+        };
+        let captured = graphs_of(s, st) > 0;
+        if captured && st.hook == 2 {
+            return hook("before");
+        }
         // A loop on the device sums every microbatch's CLONE and COPY_INTO
         // grads from -0.0, even for one microbatch: only the dtypes graphed
         // adds, refused before its body is recorded.
@@ -134,6 +132,11 @@ pub fn step_capture_error(k: usize) -> Option<StepRefusal> {
                     );
                 }
             }
+        }
+        // Failing after a capture that succeeded (a failed one's error
+        // stands).
+        if captured && st.hook == 3 {
+            return hook("after");
         }
     }
     None
@@ -161,7 +164,7 @@ pub fn slot_free(k: usize, st: &StepModel) -> Option<bool> {
     if cloned.is_empty() {
         return Some(true);
     }
-    let slots = slots_of(s) as usize;
+    let slots = step_slots(s, st) as usize;
     let blocks = wd.blocks.borrow();
     let of = |c: usize, known: bool| {
         blocks
