@@ -9,8 +9,9 @@
 //! fuzzed arguments, release and retain clone blocks and leases (live,
 //! stale and forged), query stats, buffers, policies and the plan dump,
 //! declare steps (over microbatches, with io copies into harness memory,
-//! unrolled or looping on the device, in descriptors of every layout) and
-//! replay them (with a microbatch count), reset and destroy in
+//! unrolled or looping on the device, over callables with external
+//! buffers, with a capture hook that may fail, in descriptors of every
+//! layout) and replay them (with a microbatch count), reset and destroy in
 //! any order; replays and step replays are given the
 //! parameters' addresses (registered, NULL, moved, aligned or not, wrong
 //! counts), which the host backend never follows (PARAM_MOVED, and a
