@@ -520,6 +520,25 @@ mod tests {
     }
 
     #[test]
+    fn a_step_without_slots_for_external_clone_grads_says_why() {
+        // a's CLONE grad is external: its grad pass gets no clone slot, so
+        // a step over microbatches has none to sum it in.
+        let mut f = host_inputs(&[("a", 1, false)]);
+        f.external(0, false);
+        f.steps = vec![StepSpec::plain(vec![0], vec![0])];
+        f.steps[0].microbatches = 2;
+        let err = capture(&f.inputs(), 1).err().unwrap().to_string();
+        assert!(
+            err.contains("the step has none (callable 'a' has external parameter or input grads"),
+            "{err}"
+        );
+        // One microbatch: it replays pass by pass (no step graph).
+        f.steps[0].microbatches = 1;
+        let (cap, _) = capture(&f.inputs(), 1).unwrap();
+        assert!(cap.steps[0].graph.is_none() && cap.steps[0].slots.is_empty());
+    }
+
+    #[test]
     fn providing_a_buffer_again_in_a_step_is_refused_saying_where_it_is() {
         let (mut f, _dst) = external_step(true);
         let log = f.external(0, true);
