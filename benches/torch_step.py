@@ -8,7 +8,10 @@ docs/benchmarks.md section 11): an MLP of Linear + ReLU layers, the loss
 - torch.cuda.make_graphed_callables per layer, driven from Python;
 - one graph captured by hand with torch.cuda.graph around all N
   microbatches' forward and backward (grads zeroed inside the graph);
-- graphed's step, unrolled (every microbatch captured);
+- graphed's step, unrolled (every microbatch captured), grads added into
+  .grad (set to None before each step, as eager's), and with
+  param_grads="set" (.grad set to the step's grads, no zeroing: what the
+  hand-captured graph does);
 - graphed's step, looped (one microbatch in a conditional WHILE node).
 
 Every variant's grads are checked against eager's first, bit for bit (the
@@ -74,12 +77,14 @@ def whole_step_graph(model, xs, ts):
     return g
 
 
-def graphed_step(layers, width, batch, dev, n, loop):
+def graphed_step(layers, width, batch, dev, n, loop, param_grads="add"):
     model = mlp(layers, width, dev)
     x = torch.randn(batch, width, device=dev)
     t = torch.randn(batch, width, device=dev)
     t0 = time.perf_counter()
-    step = gt.make_graphed_step(list(model), loss_of, (x,), (t,), microbatches=n, loop=loop)
+    step = gt.make_graphed_step(
+        list(model), loss_of, (x,), (t,), microbatches=n, loop=loop, param_grads=param_grads
+    )
     torch.cuda.synchronize()
     return model, step, (time.perf_counter() - t0) * 1e3
 
@@ -119,11 +124,13 @@ def main():
         whole = mlp(args.layers, args.width, dev)
         g = whole_step_graph(whole, xs, ts)
         unrolled, step_u, capture_u = graphed_step(args.layers, args.width, args.batch, dev, n, False)
+        setting, step_s, _ = graphed_step(args.layers, args.width, args.batch, dev, n, False, "set")
         fns = {
             "eager": lambda: (none_grads(eager), accumulate(eager, xs, ts)),
             "torch per-layer graphs": lambda: (none_grads(per_layer), accumulate(chained, xs, ts)),
             "torch whole-step graph": g.replay,
             "graphed step": lambda: (none_grads(unrolled), step_u(xs, ts)),
+            "graphed step, set": lambda: step_s(xs, ts),
         }
         capture_l = None
         if not args.no_loop:
@@ -133,10 +140,19 @@ def main():
             fn()
         torch.cuda.synchronize()
         for name, model in (("torch per-layer graphs", per_layer), ("torch whole-step graph", whole),
-                            ("graphed step", unrolled)) + ((("graphed looped step", looped),) if capture_l else ()):
+                            ("graphed step", unrolled), ("graphed step, set", setting)) + (
+                                (("graphed looped step", looped),) if capture_l else ()):
             check(f"{name} (N={n})", model, want)
         gpu = interleaved(fns, args.rounds, args.iters, args.warmup)
         host = {k: host_us(fn, args.iters * args.rounds) for k, fn in fns.items()}
+        # Where the graphed step's host time goes.
+        parts = {
+            "p.grad = None x params": lambda: none_grads(unrolled),
+            "destinations checked (all set)": step_s._destinations_ready,
+            "replay (copies in, launch, losses)": lambda: step_s._impl.replay([xs, ts], 0),
+        }
+        print("host us, graphed step parts: "
+              + ", ".join(f"{k} {host_us(fn, args.iters * args.rounds):.1f}" for k, fn in parts.items()), flush=True)
         rows.append((n, gpu, host, capture_u, capture_l))
         print(f"N={n}: GPU ms {gpu}; host us {host}; capture ms {capture_u:.1f} / {capture_l}", flush=True)
         del fns, g, step_u
@@ -147,13 +163,13 @@ def main():
         f"batch {args.batch} per microbatch, fp32, grads accumulated into .grad over N microbatches; every "
         "variant's grads equal eager's bit for bit. GPU time per step (ms, CUDA-event medians, variants "
         f"interleaved over {args.rounds} rounds of {args.iters}); host time per step (us).\n\n"
-        "| N | " + " | ".join(f"GPU ms, {k}" for k in names) + " | graphed step / torch whole-step | "
+        "| N | " + " | ".join(f"GPU ms, {k}" for k in names) + " | graphed step, set / torch whole-step | "
         "torch per-layer / graphed step | " + " | ".join(f"host us, {k}" for k in names) + " | capture ms, graphed step"
         + (", unrolled / looped" if not args.no_loop else "") + " |\n"
         "|" + "---|" * (2 * len(names) + 4) + "\n"
     )
     for n, gpu, host, cu, cl in rows:
-        ratio = gpu["graphed step"] / gpu["torch whole-step graph"]
+        ratio = gpu["graphed step, set"] / gpu["torch whole-step graph"]
         speedup = gpu["torch per-layer graphs"] / gpu["graphed step"]
         cap = f"{cu:.0f}" + (f" / {cl:.0f}" if cl is not None else "")
         text += (

@@ -164,6 +164,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.reuse_buffers = get<bool>(d, "reuse_buffers", false);
     if (d.contains("accumulate_into") && !d["accumulate_into"].is_none())
         o.accumulate_into = d["accumulate_into"].cast<std::string>();
+    o.copy_into = get<bool>(d, "copy_into", false);
     if (d.contains("pool") && !d["pool"].is_none()) {
         auto p = d["pool"].cast<std::pair<unsigned long long, unsigned long long>>();
         o.pool = c10::MempoolId_t{p.first, p.second};

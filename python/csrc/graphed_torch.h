@@ -134,6 +134,9 @@ struct Options {
     // or "main_grad" as Megatron names it), looked up at every forward
     // (GRAPHED_GRAD_POLICY_ACCUMULATE_INTO), and autograd gets none.
     std::string accumulate_into;
+    // With accumulate_into: the grads replace what the attribute holds
+    // (GRAPHED_GRAD_POLICY_COPY_INTO) instead of being added to it.
+    bool copy_into = false;
     // PyTorch graph memory pool to capture into (shared with other captures
     // that name it); default: a new one.
     std::optional<c10::MempoolId_t> pool;
@@ -241,6 +244,7 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
 // seeded with ones). Every other input is data, copied in per microbatch.
 // One replay runs the forward and backward of every microbatch in turn
 // and adds each parameter's grad into the tensor Options::accumulate_into
+// (with Options::copy_into: sets it to the step's sum of grads)
 // names (required), as eager accumulation would.
 struct StepOptions {
     // Microbatches per replay (at most GRAPHED_STEP_MAX_MICROBATCHES).

@@ -21,6 +21,7 @@
 #include <graphed.hpp>
 #include <torch/headeronly/version.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -278,8 +279,11 @@ struct StepState {
     std::vector<at::Tensor> dsts;  // per parameter of the step, in order
     size_t rng_key = 0;            // the step's draws (RngStates::passes)
     cudaEvent_t done = nullptr;    // after the last replay (staging reusable)
-    // Between the capture hook's before and after: the step's capture runs.
+    // Between the capture hook's before and after: the step's capture runs,
+    // its callbacks on `stream` (graphed's; allocations there go to the
+    // private pool).
     bool capturing = false;
+    std::atomic<cudaStream_t> stream{nullptr};
     // During it: each callable's outputs and input grads of the microbatch
     // being captured (the chain).
     std::vector<std::vector<at::Tensor>> outs, gins;

@@ -150,8 +150,9 @@ void register_callable(Shared& s, Callable& c) {
         // Callable::policies).
         const bool accumulate =
             grad && !s.opts.accumulate_into.empty() && !(c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
-        const uint32_t policy =
-            accumulate ? uint32_t(GRAPHED_GRAD_POLICY_ACCUMULATE_INTO) : uint32_t(GRAPHED_GRAD_POLICY_DEFAULT);
+        const uint32_t policy = !accumulate        ? uint32_t(GRAPHED_GRAD_POLICY_DEFAULT)
+                                : s.opts.copy_into ? uint32_t(GRAPHED_GRAD_POLICY_COPY_INTO)
+                                                   : uint32_t(GRAPHED_GRAD_POLICY_ACCUMULATE_INTO);
         d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
                                                dtype_code(p.scalar_type(), &exact), policy,
                                                c.flags[j] | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u),

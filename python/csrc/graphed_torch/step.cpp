@@ -40,6 +40,7 @@ int32_t step_hook(uint32_t when, void* self) {
             st.capturing = true;
         } else {
             st.capturing = false;
+            st.stream.store(nullptr);
             s->end_routing();
             s->rng.end(st.rng_key);
             st.outs.clear();
@@ -152,14 +153,25 @@ void check_captured(Shared& s) {
             "whose microbatches each draw their own, as eager accumulation does");
 }
 
+// Runs `fn` on graphed's stream itself, current for PyTorch, its
+// allocations routed to the private pool: no fork to the work stream and
+// back, which a looped step's body (captured on a stream of its own, while
+// the outer capture is open) may not hold.
+void on_step_stream(Shared& s, const graphed_pass_ctx* ctx, const std::function<void()>& fn) {
+    auto raw = static_cast<cudaStream_t>(ctx->stream);
+    s.step->stream.store(raw);
+    s.rng.enter(raw);
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(raw, s.device));
+    fn();
+}
+
 }  // namespace
 
 int32_t step_forward(const graphed_pass_ctx* ctx, Callable* c) {
     Shared& s = *c->shared;
     StepState& st = *s.step;
     return guarded(c, [&] {
-        s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
-        s.on_work_stream(ctx->stream, [&] {
+        on_step_stream(s, ctx, [&] {
             const size_t k = c->index;
             std::vector<at::Tensor> ins = wrap_static(ctx->inputs, c->in, s.device, true);
             for (size_t i = 0; i < st.chained[k]; ++i)
@@ -179,8 +191,7 @@ int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c) {
     Shared& s = *c->shared;
     StepState& st = *s.step;
     return guarded(c, [&] {
-        s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
-        s.on_work_stream(ctx->stream, [&] {
+        on_step_stream(s, ctx, [&] {
             const size_t k = c->index;
             const bool last = k + 1 == s.callables.size();
             std::vector<at::Tensor> gouts(c->out.size());
@@ -271,8 +282,15 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     // The staging is read by the last replay, perhaps on another stream.
     cuda_check(cudaStreamWaitEvent(cur, st.done, 0), "cudaStreamWaitEvent");
-    for (size_t d = 0; d < data.size(); ++d)
-        st.data[d].staging.narrow(0, 0, n).view(data[d].sizes()).copy_(data[d], /*non_blocking=*/true);
+    for (size_t d = 0; d < data.size(); ++d) {
+        const at::Tensor& x = data[d];
+        if (x.is_contiguous())  // one copy call (the usual case)
+            cuda_check(cudaMemcpyAsync(st.data[d].staging.data_ptr(), x.data_ptr(), size_t(x.nbytes()),
+                                       cudaMemcpyDeviceToDevice, cur),
+                       "cudaMemcpyAsync (a step's data)");
+        else
+            st.data[d].staging.narrow(0, 0, n).view(x.sizes()).copy_(x, /*non_blocking=*/true);
+    }
     s.rng.prologue(st.rng_key, cur);
     std::vector<graphed::Ref> refs;
     try {

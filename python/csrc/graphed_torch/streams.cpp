@@ -31,8 +31,11 @@ c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device) {
 }
 
 void Shared::begin_routing() {
-    c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, pool,
-                                                         [s = work.stream()](cudaStream_t st) { return st == s; });
+    // The work stream, and while a step's graph is captured the stream its
+    // callbacks run on (a looped step's body is captured on its own).
+    c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, pool, [this, s = work.stream()](cudaStream_t st) {
+        return st == s || (step && st == step->stream.load());
+    });
     ++pool_refs;
     routing = true;
 }

@@ -54,35 +54,44 @@ class GraphedStep:
     (AliasHeldError: the step would write into it); replaced by another
     tensor, the call raises ValueError."""
 
-    def __init__(self, impl, callables, params, slots, attr, layers):
+    def __init__(self, impl, callables, params, slots, attr, overwrite):
         self._impl = impl
         self._callables = callables
         self._attr = attr
-        self._layers = layers
+        self._overwrite = overwrite
         # (name, parameter at capture, its slot, its destination, what
         # holds it at capture: Python references and storage users),
         # grads only.
         found = []
-        ext = extension()
         for (name, p), slot, d in zip(params, slots, impl.destinations):
             # A tied parameter (in two callables) has one destination.
             if d is not None and not any(e[3] is d for e in found):
                 found.append([name, p, slot, d, None])
-        self._dsts = []
-        for name, p, slot, d, _ in found:
-            entry = (name, p, slot, d, ext.storage_use_count(d))
-            self._dsts.append(entry)
-        del found, d
-        # Python references at a check with nothing else holding it: the
-        # entry, the check's variable and getrefcount's argument, plus any
-        # the extension keeps (counted here, where the parameter's
-        # attribute, the entry and getrefcount's argument hold it).
-        self._refs = [
-            3 + sys.getrefcount(e[3]) - 2 - (getattr(e[1], attr, None) is e[3]) for e in self._dsts
-        ]
+            del d
+        self._dsts = [(name, p, slot, d, 0) for name, p, slot, d, _ in found]
+        del found
+        # What holds each destination when its attribute is None and
+        # nothing else does (measured so, as the check counts: this list's
+        # entry, the check's variable, getrefcount's argument, and whatever
+        # the extension keeps), so that a call can tell a tensor still held.
+        self._refs = []
+        for k in range(len(self._dsts)):
+            self._refs.append(self._baseline(k))
         self.microbatches = impl.microbatches
 
+    def _baseline(self, k):
+        name, p, slot, d, _ = self._dsts[k]
+        attached = getattr(p, self._attr, None) is d
+        setattr(p, self._attr, None)
+        refs = sys.getrefcount(d)
+        self._dsts[k] = (name, p, slot, d, extension().storage_use_count(d))
+        if attached:
+            setattr(p, self._attr, d)
+        return refs
+
     def __call__(self, inputs, targets=(), n=None):
+        if self.is_reset:
+            raise RuntimeError("graphed step: it was reset")
         data = [*_as_tuple(inputs), *_as_tuple(targets)]
         if n is None:
             first = data[0] if data and isinstance(data[0], torch.Tensor) else None
@@ -94,32 +103,35 @@ class GraphedStep:
         """Each parameter's attribute holds its destination again (zeroed
         where it was set to None), or the call raises before anything runs."""
         attr, ext = self._attr, None
-        to_zero, attach = [], []
-        for (name, p, slot, d, uses), refs in zip(self._dsts, self._refs):
+        # First every check (a refusal's traceback then holds no destination).
+        none = []
+        for k, ((name, p, slot, d, uses), refs) in enumerate(zip(self._dsts, self._refs)):
             if slot is not None:
                 p = slot[0].get(slot[1], p)
             g = getattr(p, attr, None)
             if g is d:
                 continue
             if g is not None:
+                shape, address = tuple(d.shape), d.data_ptr()
+                del d  # not kept alive by this frame in the traceback
                 raise ValueError(
                     f"graphed step: parameter '{name}'.{attr} is another tensor than the one the step adds its grad "
-                    f"into (captured: {tuple(d.shape)} at {d.data_ptr():#x}); set it back, or to None "
-                    "(zero_grad()), or make the step again"
+                    f"into (captured: {shape} at {address:#x}); set it back, or to None (zero_grad()), or make the "
+                    "step again"
                 )
             ext = ext or extension()
             if sys.getrefcount(d) > refs or ext.storage_use_count(d) > uses:
+                del d  # not kept alive by this frame in the traceback
                 raise AliasHeldError(
                     f"graphed step: parameter '{name}'.{attr} was set to None, but its tensor from the last step is "
                     "still referenced; the step would zero it and add this step's grad into it. Drop that reference "
                     "(or clone it), or zero the grads in place (zero_grad(set_to_none=False))"
                 )
-            to_zero.append(d)
-            attach.append((p, d))
-        if to_zero:
-            torch._foreach_zero_(to_zero)
-            for p, d in attach:
-                setattr(p, attr, d)
+            none.append((k, p))
+        if none and not self._overwrite:
+            torch._foreach_zero_([self._dsts[k][3] for k, _ in none])
+            for k, p in none:
+                setattr(p, attr, self._dsts[k][3])
 
     @property
     def callables(self):
@@ -148,6 +160,7 @@ def make_graphed_step(
     microbatches=1,
     loop=False,
     accumulate_param_grads_into="grad",
+    param_grads="add",
     num_warmup_iters=3,
     generators=None,
     pool=None,
@@ -164,10 +177,14 @@ def make_graphed_step(
     microbatch's data (a tensor or a tuple). Each parameter's grad is added
     into its `accumulate_param_grads_into` attribute ("grad", created as
     zeros where None; "main_grad"; ...), a contiguous tensor of its shape and
-    dtype. Returns a GraphedStep."""
+    dtype; with param_grads="set" each call sets it to the call's grads
+    instead (the sum over its microbatches, no zeroing needed between
+    steps: torch's whole-step capture recipe). Returns a GraphedStep."""
     layers = tuple(layers) if isinstance(layers, (tuple, list)) else (layers,)
     if not layers:
         raise ValueError("make_graphed_step: no layers")
+    if param_grads not in ("add", "set"):
+        raise ValueError(f"param_grads must be 'add' or 'set', not {param_grads!r}")
     if not isinstance(accumulate_param_grads_into, str) or not accumulate_param_grads_into.isidentifier():
         raise ValueError(
             "accumulate_param_grads_into must name a parameter attribute ('grad', 'main_grad'), "
@@ -214,6 +231,7 @@ def make_graphed_step(
             training=True,
             rebind_params=bool(rebind_params),
             accumulate_into=attr,
+            copy_into=param_grads == "set",
             pool=_pool_id(pool),
             capture_stream=None if capture_stream is None else (capture_stream.cuda_stream, capture_stream.device_index),
             generators=gens,
@@ -227,4 +245,4 @@ def make_graphed_step(
             gc.enable()
         if saved is not None:
             _rng.restore(saved)
-    return GraphedStep(impl, impls, params, slots, attr, layers)
+    return GraphedStep(impl, impls, params, slots, attr, param_grads == "set")
