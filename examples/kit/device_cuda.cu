@@ -142,7 +142,17 @@ class CudaDevice final : public Device {
     void* alloc(size_t bytes) override {
         void* p = nullptr;
         if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc failed");
-        cudaMemset(p, 0, bytes);
+        // Zeroed on stream() and waited for, like upload: a plain cudaMemset
+        // of device memory runs on the legacy default stream and returns
+        // before it ran; stream() (non-blocking) is not ordered after it, so
+        // an upload or kernel on stream() could land first and the late
+        // memset then zero the weights or inputs just written (more likely
+        // when another process holds the GPU's compute engine while the copy
+        // engine serves this one, as in Processes.*_cuda).
+        if (cudaMemsetAsync(p, 0, bytes, stream_) != cudaSuccess || cudaStreamSynchronize(stream_) != cudaSuccess) {
+            cudaFree(p);
+            throw std::runtime_error("zeroing new device memory failed");
+        }
         return p;
     }
     void release(void* p) override {
