@@ -90,10 +90,19 @@ def graphed_step(layers, width, batch, dev, n, loop, param_grads="add"):
 
 
 def check(name, model, want):
+    """Whether the grads equal eager accumulation's bit for bit; a graphed
+    variant that differs ends the run. torch's per-layer graphs differ from
+    2 microbatches on: the grad autograd takes from the first replay is the
+    graph's static buffer, which the next replay overwrites (PyTorch issue
+    181723); reported, not fatal."""
     got = grads(model)
-    if not all(torch.equal(a, b) for a, b in zip(got, want)):
-        diff = max((a - b).abs().max().item() for a, b in zip(got, want))
-        raise SystemExit(f"CHECK FAILED: {name}: grads differ from eager accumulation's (max abs {diff:.3g})")
+    if all(torch.equal(a, b) for a, b in zip(got, want)):
+        return True
+    diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+    print(f"{name}: grads differ from eager accumulation's (max abs {diff:.3g})", flush=True)
+    if name.startswith("graphed"):
+        raise SystemExit(f"CHECK FAILED: {name}")
+    return False
 
 
 def main():
@@ -109,7 +118,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rows = []
+    rows, wrong = [], set()
     for n in [int(c) for c in args.counts.split(",")]:
         xs = torch.randn(n, args.batch, args.width, device=dev)
         ts = 0.1 * torch.randn(n, args.batch, args.width, device=dev)
@@ -142,7 +151,8 @@ def main():
         for name, model in (("torch per-layer graphs", per_layer), ("torch whole-step graph", whole),
                             ("graphed step", unrolled), ("graphed step, set", setting)) + (
                                 (("graphed looped step", looped),) if capture_l else ()):
-            check(f"{name} (N={n})", model, want)
+            if not check(f"{name} (N={n})", model, want):
+                wrong.add((n, name))
         gpu = interleaved(fns, args.rounds, args.iters, args.warmup)
         host = {k: host_us(fn, args.iters * args.rounds) for k, fn in fns.items()}
         # Where the graphed step's host time goes.
@@ -161,7 +171,7 @@ def main():
     text = (
         f"torch {torch.__version__} on {torch.cuda.get_device_name()}: {args.layers} x Linear({args.width}) + ReLU, "
         f"batch {args.batch} per microbatch, fp32, grads accumulated into .grad over N microbatches; every "
-        "variant's grads equal eager's bit for bit. GPU time per step (ms, CUDA-event medians, variants "
+        "variant's grads equal eager's bit for bit unless marked wrong. GPU time per step (ms, CUDA-event medians, variants "
         f"interleaved over {args.rounds} rounds of {args.iters}); host time per step (us).\n\n"
         "| N | " + " | ".join(f"GPU ms, {k}" for k in names) + " | graphed step, set / torch whole-step | "
         "torch per-layer / graphed step | " + " | ".join(f"host us, {k}" for k in names) + " | capture ms, graphed step"
@@ -173,7 +183,7 @@ def main():
         speedup = gpu["torch per-layer graphs"] / gpu["graphed step"]
         cap = f"{cu:.0f}" + (f" / {cl:.0f}" if cl is not None else "")
         text += (
-            f"| {n} | " + " | ".join(f"{gpu[k]:.4f}" for k in names) + f" | {ratio:.2f}x | {speedup:.1f}x | "
+            f"| {n} | " + " | ".join(f"{gpu[k]:.4f}" + (" (wrong grads)" if (n, k) in wrong else "") for k in names) + f" | {ratio:.2f}x | {speedup:.1f}x | "
             + " | ".join(f"{host[k]:.0f}" for k in names) + f" | {cap} |\n"
         )
     print(text)
