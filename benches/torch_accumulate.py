@@ -68,6 +68,42 @@ def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def none_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def per_layer_graphs(layers, width, batch, dev):
+    """The MLP with each layer graphed by torch.cuda.make_graphed_callables:
+    (the model, its graphed layers chained)."""
+    model = mlp(layers, width, dev)
+    samples = [(torch.randn(batch, width, device=dev, requires_grad=i > 0),) for i in range(layers)]
+    return model, torch.nn.Sequential(*torch.cuda.make_graphed_callables(tuple(model), tuple(samples)))
+
+
+def whole_step_graph(model, xs, ts):
+    """One graph captured by hand around the N microbatches' forward and
+    backward, grads zeroed inside it (after 3 warm-up steps on a side
+    stream): (the graph, capture and instantiate ms, the pool's bytes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            none_grads(model)
+            accumulate(model, xs, ts)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_allocated()
+    a = time.perf_counter()
+    with torch.cuda.graph(g):
+        for p in model.parameters():
+            p.grad.zero_()
+        accumulate(model, xs, ts)
+    torch.cuda.synchronize()
+    return g, (time.perf_counter() - a) * 1e3, torch.cuda.memory_allocated() - before
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
@@ -86,8 +122,7 @@ def main():
         eager = mlp(args.layers, args.width, dev)
 
         def eager_step():
-            for p in eager.parameters():
-                p.grad = None
+            none_grads(eager)
             accumulate(eager, xs, ts)
 
         eager_ms = gpu_ms(eager_step, args.iters, args.warmup)
@@ -95,38 +130,17 @@ def main():
         eager_step()
         want = grads(eager)
 
-        per_layer = mlp(args.layers, args.width, dev)
-        samples = [(torch.randn(args.batch, args.width, device=dev, requires_grad=i > 0),) for i in range(args.layers)]
-        graphed = torch.nn.Sequential(*torch.cuda.make_graphed_callables(tuple(per_layer), tuple(samples)))
+        per_layer, graphed = per_layer_graphs(args.layers, args.width, args.batch, dev)
 
         def per_layer_step():
-            for p in per_layer.parameters():
-                p.grad = None
+            none_grads(per_layer)
             accumulate(graphed, xs, ts)
 
         per_layer_ms = gpu_ms(per_layer_step, args.iters, args.warmup)
         per_layer_host = host_us(per_layer_step, args.iters)
 
         whole = mlp(args.layers, args.width, dev)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                for p in whole.parameters():
-                    p.grad = None
-                accumulate(whole, xs, ts)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_allocated()
-        a = time.perf_counter()
-        with torch.cuda.graph(g):
-            for p in whole.parameters():
-                p.grad.zero_()
-            accumulate(whole, xs, ts)
-        torch.cuda.synchronize()
-        capture_ms = (time.perf_counter() - a) * 1e3
-        pool_bytes = torch.cuda.memory_allocated() - before
+        g, capture_ms, pool_bytes = whole_step_graph(whole, xs, ts)
         g.replay()
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for a, b in zip(grads(whole), want))

@@ -32,14 +32,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_accumulate import accumulate, grads, host_us, loss_of, mlp  # noqa: E402
+from torch_accumulate import (  # noqa: E402
+    accumulate, grads, host_us, loss_of, mlp, none_grads, per_layer_graphs, whole_step_graph,
+)
 
 import graphed.torch as gt  # noqa: E402
-
-
-def none_grads(model):
-    for p in model.parameters():
-        p.grad = None
 
 
 def interleaved(fns, rounds, iters, warmup):
@@ -58,23 +55,6 @@ def interleaved(fns, rounds, iters, warmup):
                 b.synchronize()
                 per[k].append(a.elapsed_time(b))
     return {k: statistics.median(v) for k, v in per.items()}
-
-
-def whole_step_graph(model, xs, ts):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            none_grads(model)
-            accumulate(model, xs, ts)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for p in model.parameters():
-            p.grad.zero_()
-        accumulate(model, xs, ts)
-    return g
 
 
 def graphed_step(layers, width, batch, dev, n, loop, param_grads="add"):
@@ -127,11 +107,9 @@ def main():
         accumulate(eager, xs, ts)
         want = grads(eager)
 
-        per_layer = mlp(args.layers, args.width, dev)
-        samples = [(torch.randn(args.batch, args.width, device=dev, requires_grad=i > 0),) for i in range(args.layers)]
-        chained = torch.nn.Sequential(*torch.cuda.make_graphed_callables(tuple(per_layer), tuple(samples)))
+        per_layer, chained = per_layer_graphs(args.layers, args.width, args.batch, dev)
         whole = mlp(args.layers, args.width, dev)
-        g = whole_step_graph(whole, xs, ts)
+        g, _, _ = whole_step_graph(whole, xs, ts)
         unrolled, step_u, capture_u = graphed_step(args.layers, args.width, args.batch, dev, n, False)
         setting, step_s, _ = graphed_step(args.layers, args.width, args.batch, dev, n, False, "set")
         fns = {
