@@ -351,3 +351,15 @@ pub fn host_inputs(layers: &[(&str, usize, bool)]) -> Fixture {
         .collect();
     f
 }
+
+/// a (external output and parameter grad, COPY_INTO `dst`) then b
+/// (CLONE grads), in one step with two clone slots.
+pub fn external_step(provide_again: bool) -> (Fixture, DeviceMemory) {
+    let mut f = host_inputs(&[("a", 1, false), ("b", 1, false)]);
+    f.opts.clone_slots = 2;
+    f.external(0, provide_again);
+    f.callables[0].params[0].policy = GradPolicy::CopyInto;
+    let dst = DeviceMemory::new(&f.backend, BYTES).unwrap();
+    f.steps = vec![StepSpec::plain(vec![0, 1], vec![dst.ptr(), 0])];
+    (f, dst)
+}

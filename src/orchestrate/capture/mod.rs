@@ -19,6 +19,7 @@ mod run;
 mod slots;
 mod step_io;
 mod steps;
+mod unrolled;
 
 use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage};
 use super::clock::{CaptureTimes, Span};
