@@ -406,8 +406,7 @@ PYBIND11_MODULE(_torch_ext, m) {
             },
             py::arg("data"), py::arg("n") = 0)
         .def_property_readonly("destinations", &graphed_torch::GraphedStep::destinations)
-        .def_property_readonly("microbatches", &graphed_torch::GraphedStep::microbatches)
-        .def_property_readonly("data_names", &graphed_torch::GraphedStep::data_names);
+        .def_property_readonly("microbatches", &graphed_torch::GraphedStep::microbatches);
     m.def("make_step", &make_step, py::arg("specs"), py::arg("options"), py::arg("step"));
     m.def(
         "storage_use_count", [](const at::Tensor& t) { return t.storage().use_count(); },

@@ -276,8 +276,6 @@ class GraphedStep {
     // order (undefined for parameters without a grad).
     std::vector<at::Tensor> destinations() const;
     uint32_t microbatches() const;
-    // The data inputs: "callable 'name': input i", in order.
-    std::vector<std::string> data_names() const;
 
   private:
     std::shared_ptr<Shared> shared_;

@@ -334,7 +334,7 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
         try {
             captured(s);
         } catch (const std::exception& e) {
-            fail(std::string("make_graphed_callables: ") + e.what());
+            fail(e.what());  // the caller's message says whose
         }
     }
     return shared;

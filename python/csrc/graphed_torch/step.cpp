@@ -153,69 +153,65 @@ void check_captured(Shared& s) {
             "whose microbatches each draw their own, as eager accumulation does");
 }
 
-// Runs `fn` on graphed's stream itself, current for PyTorch, its
-// allocations routed to the private pool: no fork to the work stream and
-// back, which a looped step's body (captured on a stream of its own, while
-// the outer capture is open) may not hold.
-void on_step_stream(Shared& s, const graphed_pass_ctx* ctx, const std::function<void()>& fn) {
-    auto raw = static_cast<cudaStream_t>(ctx->stream);
-    s.step->stream.store(raw);
-    s.rng.enter(raw);
-    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(raw, s.device));
-    fn();
+// A callback of `c` in the step's capture: `fn(s, st, k)` (k: the
+// callable's place in the chain) runs on graphed's stream itself, current
+// for PyTorch, its allocations routed to the private pool: no fork to the
+// work stream and back, which a looped step's body (captured on a stream
+// of its own, while the outer capture is open) may not hold. An exception
+// fails the callback with its message.
+int32_t in_step(const graphed_pass_ctx* ctx, Callable* c,
+                const std::function<void(Shared& s, StepState& st, size_t k)>& fn) {
+    Shared& s = *c->shared;
+    return guarded(c, [&] {
+        auto raw = static_cast<cudaStream_t>(ctx->stream);
+        s.step->stream.store(raw);
+        s.rng.enter(raw);
+        c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(raw, s.device));
+        fn(s, *s.step, c->index);
+    });
 }
 
 }  // namespace
 
 int32_t step_forward(const graphed_pass_ctx* ctx, Callable* c) {
-    Shared& s = *c->shared;
-    StepState& st = *s.step;
-    return guarded(c, [&] {
-        on_step_stream(s, ctx, [&] {
-            const size_t k = c->index;
-            std::vector<at::Tensor> ins = wrap_static(ctx->inputs, c->in, s.device, true);
-            for (size_t i = 0; i < st.chained[k]; ++i)
-                ins[i] = st.outs[k - 1].at(i).detach().requires_grad_(c->in[i].requires_grad);
-            std::vector<at::Tensor> outs = c->run_forward(ins);
-            if (k + 1 == s.callables.size()) {
-                at::AutoGradMode no_grad(false);
-                over(ctx->outputs[0], c->out[0], options_of(c->out[0].dtype, s.device)).copy_(outs[0]);
-            }
-            st.outs[k] = outs;
-            c->tapes[0] = Tape{std::move(ins), std::move(outs)};
-        });
+    return in_step(ctx, c, [&](Shared& s, StepState& st, size_t k) {
+        std::vector<at::Tensor> ins = wrap_static(ctx->inputs, c->in, s.device, true);
+        for (size_t i = 0; i < st.chained[k]; ++i)
+            ins[i] = st.outs[k - 1].at(i).detach().requires_grad_(c->in[i].requires_grad);
+        std::vector<at::Tensor> outs = c->run_forward(ins);
+        if (k + 1 == s.callables.size()) {
+            at::AutoGradMode no_grad(false);
+            over(ctx->outputs[0], c->out[0], options_of(c->out[0].dtype, s.device)).copy_(outs[0]);
+        }
+        st.outs[k] = outs;
+        c->tapes[0] = Tape{std::move(ins), std::move(outs)};
     });
 }
 
 int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c) {
-    Shared& s = *c->shared;
-    StepState& st = *s.step;
-    return guarded(c, [&] {
-        on_step_stream(s, ctx, [&] {
-            const size_t k = c->index;
-            const bool last = k + 1 == s.callables.size();
-            std::vector<at::Tensor> gouts(c->out.size());
-            for (size_t i = 0; i < c->out.size(); ++i) {
-                const Meta& m = c->out[i];
-                if (!m.requires_grad) continue;
-                at::Tensor g = last ? at::Tensor() : st.gins[k + 1].at(i);
-                gouts[i] = g.defined() ? g
-                                       : in_layout((last ? at::ones(m.sizes, options_of(m.dtype, s.device))
-                                                         : at::zeros(m.sizes, options_of(m.dtype, s.device))),
-                                                   m);
+    return in_step(ctx, c, [&](Shared& s, StepState& st, size_t k) {
+        const bool last = k + 1 == s.callables.size();
+        std::vector<at::Tensor> gouts(c->out.size());
+        for (size_t i = 0; i < c->out.size(); ++i) {
+            const Meta& m = c->out[i];
+            if (!m.requires_grad) continue;
+            at::Tensor g = last ? at::Tensor() : st.gins[k + 1].at(i);
+            gouts[i] = g.defined() ? g
+                                   : in_layout((last ? at::ones(m.sizes, options_of(m.dtype, s.device))
+                                                     : at::zeros(m.sizes, options_of(m.dtype, s.device))),
+                                               m);
+        }
+        std::vector<at::Tensor> grads = c->run_backward(c->tapes[0], gouts, k > 0, true, false, false);
+        st.gins[k].assign(grads.begin(), grads.begin() + int64_t(c->in.size()));
+        at::AutoGradMode no_grad(false);
+        for (size_t j = 0; j < c->params.size(); ++j)
+            if (c->param_grad[j]) {
+                if (!ctx->param_grads || !ctx->param_grads[j])
+                    throw std::runtime_error("graphed gave no buffer for parameter '" + c->param_name(j) +
+                                             "'s grad in the step's capture");
+                over(ctx->param_grads[j], c->param_meta[j], options_of(c->param_meta[j].dtype, s.device))
+                    .copy_(grads[c->in.size() + j]);
             }
-            std::vector<at::Tensor> grads = c->run_backward(c->tapes[0], gouts, k > 0, true, false, false);
-            st.gins[k].assign(grads.begin(), grads.begin() + int64_t(c->in.size()));
-            at::AutoGradMode no_grad(false);
-            for (size_t j = 0; j < c->params.size(); ++j)
-                if (c->param_grad[j]) {
-                    if (!ctx->param_grads || !ctx->param_grads[j])
-                        throw std::runtime_error("graphed gave no buffer for parameter '" + c->param_name(j) +
-                                                 "'s grad in the step's capture");
-                    over(ctx->param_grads[j], c->param_meta[j], options_of(c->param_meta[j].dtype, s.device))
-                        .copy_(grads[c->in.size() + j]);
-                }
-        });
     });
 }
 
@@ -307,12 +303,5 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
 std::vector<at::Tensor> GraphedStep::destinations() const { return shared_->step ? shared_->step->dsts : std::vector<at::Tensor>{}; }
 
 uint32_t GraphedStep::microbatches() const { return shared_->step ? shared_->step->opts.microbatches : 0; }
-
-std::vector<std::string> GraphedStep::data_names() const {
-    std::vector<std::string> v;
-    if (shared_->step)
-        for (const StepState::Data& d : shared_->step->data) v.push_back(data_name(*shared_, d));
-    return v;
-}
 
 }  // namespace graphed_torch

@@ -62,21 +62,17 @@ class GraphedStep:
         # (name, parameter at capture, its slot, its destination, what
         # holds it at capture: Python references and storage users),
         # grads only.
-        found = []
+        self._dsts = []
         for (name, p), slot, d in zip(params, slots, impl.destinations):
             # A tied parameter (in two callables) has one destination.
-            if d is not None and not any(e[3] is d for e in found):
-                found.append([name, p, slot, d, None])
+            if d is not None and not any(e[3] is d for e in self._dsts):
+                self._dsts.append((name, p, slot, d, 0))
             del d
-        self._dsts = [(name, p, slot, d, 0) for name, p, slot, d, _ in found]
-        del found
         # What holds each destination when its attribute is None and
         # nothing else does (measured so, as the check counts: this list's
         # entry, the check's variable, getrefcount's argument, and whatever
         # the extension keeps), so that a call can tell a tensor still held.
-        self._refs = []
-        for k in range(len(self._dsts)):
-            self._refs.append(self._baseline(k))
+        self._refs = [self._baseline(k) for k in range(len(self._dsts))]
         self.microbatches = impl.microbatches
 
     def _baseline(self, k):
