@@ -206,12 +206,35 @@ struct SendPtr(*mut c_void);
 // SAFETY: the caller's log/hook context; the API contract allows calling
 // its callbacks from any thread that uses the session.
 unsafe impl Send for SendPtr {}
+// SAFETY: as for Send; the library never reads or writes through it, it
+// only hands it back to the caller's callback.
+unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
     // A method, so that closures capture the whole (Send) wrapper.
     fn get(&self) -> *mut c_void {
         self.0
     }
+}
+
+/// A caller's hook (`graphed_session_hook_fn`, the session's warmup hook
+/// or a step's capture hook) with its context, as the orchestration calls
+/// it: `when` 0 before, 1 after; a non-zero return is its failure. None
+/// where unset.
+pub(super) fn hook_of(
+    f: graphed_session_hook_fn,
+    data: *mut c_void,
+) -> Option<impl Fn(HookPoint) -> std::result::Result<(), i32> + Send + Sync> {
+    let f = f?;
+    let ctx = SendPtr(data);
+    Some(move |point: HookPoint| {
+        // SAFETY: the caller's hook with its own context, per the
+        // contract of the field that holds it.
+        match unsafe { f(if point == HookPoint::Pre { 0 } else { 1 }, ctx.get()) } {
+            0 => Ok(()),
+            code => Err(code),
+        }
+    })
 }
 
 /// What `graphed_session_create` needs from a config, checked.
@@ -262,16 +285,8 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             unsafe { f(ctx.get(), graphed_log_level::encode(level), text.as_ptr()) }
         }) as Box<dyn Fn(LogLevel, &str) + Send>
     });
-    let warmup_hook = cfg.warmup_hook.map(|f| {
-        let ctx = SendPtr(cfg.warmup_hook_data);
-        Box::new(move |point: HookPoint| {
-            // SAFETY: the caller's hook with its context.
-            match unsafe { f(if point == HookPoint::Pre { 0 } else { 1 }, ctx.get()) } {
-                0 => Ok(()),
-                code => Err(code),
-            }
-        }) as Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>
-    });
+    let warmup_hook = hook_of(cfg.warmup_hook, cfg.warmup_hook_data)
+        .map(|h| Box::new(h) as Box<dyn Fn(HookPoint) -> std::result::Result<(), i32> + Send>);
     // SAFETY: the caller passes the stated numbers of steps (of the stated
     // size) and layer counts.
     let schedule = unsafe {

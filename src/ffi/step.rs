@@ -7,7 +7,7 @@ use super::args::{
 };
 use super::boundary::boundary;
 use super::callback::graphed_stream;
-use super::config::graphed_session_hook_fn;
+use super::config::{graphed_session_hook_fn, hook_of};
 use super::enums::{graphed_buffer_role, graphed_step_loop};
 use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
@@ -15,7 +15,7 @@ use super::session::session;
 use super::status::graphed_status;
 use crate::backend::{DevPtr, StreamRef};
 use crate::error::Result;
-use crate::orchestrate::spec::{CaptureHook, HookPoint, StepIo};
+use crate::orchestrate::spec::{CaptureHook, StepIo};
 use crate::orchestrate::steps::StepRequest;
 use std::ffi::c_void;
 use std::mem::size_of;
@@ -241,45 +241,13 @@ pub unsafe extern "C" fn graphed_session_add_step(
             microbatches: d.microbatches,
             io,
             looping: graphed_step_loop::decode(d.loop_mode, "desc.loop_mode")?,
-            capture_hook: capture_hook(d.capture_hook, d.capture_hook_data),
+            capture_hook: hook_of(d.capture_hook, d.capture_hook_data)
+                .map(|h| CaptureHook(Arc::new(h))),
         })?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
         Ok(())
     })
-}
-
-/// The caller's context of a step's capture hook.
-struct HookData(*mut c_void);
-// SAFETY: the caller's pointer, only handed back to its hook; the API
-// contract lets hooks run on whichever thread captures the session.
-unsafe impl Send for HookData {}
-// SAFETY: as for Send; the library never reads or writes through it.
-unsafe impl Sync for HookData {}
-
-impl HookData {
-    // A method, so that closures capture the whole (Send, Sync) wrapper.
-    fn get(&self) -> *mut c_void {
-        self.0
-    }
-}
-
-/// The step's capture hook as the orchestration calls it (None: unset).
-fn capture_hook(f: graphed_session_hook_fn, data: *mut c_void) -> Option<CaptureHook> {
-    let f = f?;
-    let data = HookData(data);
-    Some(CaptureHook(Arc::new(move |point: HookPoint| {
-        let when = match point {
-            HookPoint::Pre => 0,
-            HookPoint::Post => 1,
-        };
-        // SAFETY: the caller's hook with its own context, per the
-        // contract of graphed_step_desc.capture_hook.
-        match unsafe { f(when, data.get()) } {
-            0 => Ok(()),
-            code => Err(code),
-        }
-    })))
 }
 
 /// Writes the number of refs a replay of `step` writes to `*count_out`:
