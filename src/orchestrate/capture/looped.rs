@@ -10,7 +10,6 @@
 use super::super::external::Provided;
 use super::super::grads::enqueue_sums;
 use super::super::instance::PassRef;
-use super::super::spec::Phase;
 use super::run::{Call, Runner, ViewBuffers};
 use super::step_io::summable;
 use super::steps::Sequence;
@@ -120,15 +119,7 @@ impl Runner<'_> {
     ) -> Result<()> {
         let backend = self.s.backend.clone();
         let s: StreamRef = self.stream;
-        let call = Call {
-            phase: Phase::Capture,
-            iteration,
-            hooks: false,
-            provide: false,
-            param_grads: None,
-            step_microbatch: (0, seq.microbatches),
-            step_index: state,
-        };
+        let call = Call::in_step(iteration, (0, seq.microbatches), state);
         for &p in seq.passes {
             *last = p;
             let inst = &self.placed[p.instance];

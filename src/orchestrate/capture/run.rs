@@ -73,6 +73,23 @@ pub(super) struct Call<'a> {
     pub step_index: DevPtr,
 }
 
+impl Call<'_> {
+    /// A pass in a step's capture: no per-callable hooks, nothing
+    /// provided; microbatch `mb` of `n` (the loop's `index` on the device
+    /// in a looped body, else 0).
+    pub fn in_step(iteration: u32, (mb, n): (u32, u32), index: DevPtr) -> Self {
+        Call {
+            phase: Phase::Capture,
+            iteration,
+            hooks: false,
+            provide: false,
+            param_grads: None,
+            step_microbatch: (mb, n),
+            step_index: index,
+        }
+    }
+}
+
 /// The state warmup and capture share: the session, its placed instances,
 /// the scratch allocator, one tape slot per instance, the stream, and the
 /// clock.

@@ -9,7 +9,6 @@
 
 use super::super::external::Provided;
 use super::super::grads::{enqueue_destinations, enqueue_sums};
-use super::super::spec::Phase;
 use super::run::{Call, Runner, ViewBuffers};
 use super::steps::Sequence;
 use crate::backend::{DevPtr, Graph};
@@ -40,15 +39,7 @@ impl Runner<'_> {
             if mb > 0 {
                 self.scratch.restart();
             }
-            let call = Call {
-                phase: Phase::Capture,
-                iteration,
-                hooks: false,
-                provide: false,
-                param_grads: None,
-                step_microbatch: (mb, seq.microbatches),
-                step_index: 0,
-            };
+            let call = Call::in_step(iteration, (mb, seq.microbatches), 0);
             for &p in seq.passes {
                 last = p;
                 let inst = &self.placed[p.instance];
