@@ -34,9 +34,9 @@ def loss_of(y, t):
     return 0.5 * ((y - t) ** 2).sum()
 
 
-def accumulate(model, xs, ts):
+def accumulate(model, xs, ts, loss=loss_of):
     for x, t in zip(xs, ts):
-        loss_of(model(x), t).backward()
+        loss(model(x), t).backward()
 
 
 def gpu_ms(fn, iters, warmup):
@@ -64,24 +64,40 @@ def host_us(fn, iters):
     return statistics.median(times)
 
 
-def grads(model):
-    return [p.grad.clone() for p in model.parameters()]
+def params(model, loss=None):
+    """The parameters of `model`, then those of `loss` where it is a module."""
+    out = list(model.parameters())
+    return out + (list(loss.parameters()) if isinstance(loss, torch.nn.Module) else [])
 
 
-def none_grads(model):
-    for p in model.parameters():
+def grads(model, loss=None):
+    return [p.grad.clone() for p in params(model, loss)]
+
+
+def none_grads(model, loss=None):
+    for p in params(model, loss):
         p.grad = None
 
 
-def per_layer_graphs(layers, width, batch, dev):
-    """The MLP with each layer graphed by torch.cuda.make_graphed_callables:
-    (the model, its graphed layers chained)."""
-    model = mlp(layers, width, dev)
-    samples = [(torch.randn(batch, width, device=dev, requires_grad=i > 0),) for i in range(layers)]
-    return model, torch.nn.Sequential(*torch.cuda.make_graphed_callables(tuple(model), tuple(samples)))
+def per_layer_graphs(model, x, loss=loss_of, t=None):
+    """`model`'s layers (an nn.Sequential) each graphed by
+    torch.cuda.make_graphed_callables, the loss too where it is a module,
+    the samples taken from one eager pass over `x` (every sample but the
+    first requiring grad): (the graphed layers chained, the loss)."""
+    layers, samples, h = list(model), [], x
+    with torch.no_grad():
+        for k, layer in enumerate(layers):
+            samples.append((h.detach().clone().requires_grad_(k > 0),))
+            h = layer(h)
+    callables = tuple(layers)
+    if isinstance(loss, torch.nn.Module):
+        callables += (loss,)
+        samples.append((h.detach().clone().requires_grad_(), t))
+    graphed = torch.cuda.make_graphed_callables(callables, tuple(samples))
+    return torch.nn.Sequential(*graphed[: len(layers)]), (graphed[-1] if len(graphed) > len(layers) else loss)
 
 
-def whole_step_graph(model, xs, ts):
+def whole_step_graph(model, xs, ts, loss=loss_of):
     """One graph captured by hand around the N microbatches' forward and
     backward, grads zeroed inside it (after 3 warm-up steps on a side
     stream): (the graph, capture and instantiate ms, the pool's bytes)."""
@@ -89,17 +105,17 @@ def whole_step_graph(model, xs, ts):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            none_grads(model)
-            accumulate(model, xs, ts)
+            none_grads(model, loss)
+            accumulate(model, xs, ts, loss)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     before = torch.cuda.memory_allocated()
     a = time.perf_counter()
     with torch.cuda.graph(g):
-        for p in model.parameters():
+        for p in params(model, loss):
             p.grad.zero_()
-        accumulate(model, xs, ts)
+        accumulate(model, xs, ts, loss)
     torch.cuda.synchronize()
     return g, (time.perf_counter() - a) * 1e3, torch.cuda.memory_allocated() - before
 
@@ -130,7 +146,8 @@ def main():
         eager_step()
         want = grads(eager)
 
-        per_layer, graphed = per_layer_graphs(args.layers, args.width, args.batch, dev)
+        per_layer = mlp(args.layers, args.width, dev)
+        graphed, _ = per_layer_graphs(per_layer, xs[0])
 
         def per_layer_step():
             none_grads(per_layer)

@@ -1,8 +1,15 @@
 """A training step from Python in one launch (graphed.torch.make_graphed_step)
 against PyTorch, side by side in one process (docs/pytorch.md section 8,
-docs/benchmarks.md section 11): an MLP of Linear + ReLU layers, the loss
-0.5 * |y - t|^2, N microbatches accumulated into .grad per optimizer step
-(the optimizer left out), five ways:
+docs/benchmarks.md section 11), on one of two models:
+
+- `--model mlp`: Linear + ReLU layers, fp32, the loss 0.5 * |y - t|^2;
+- `--model gpt`: nanoGPT (examples/torch_extension/nanogpt.py, untied):
+  the embeddings, transformer blocks (LayerNorm, causal attention through
+  scaled_dot_product_attention, GELU MLP) and the head with its
+  cross-entropy, bf16 parameters, dropout 0;
+
+N microbatches accumulated into .grad per optimizer step (the optimizer
+left out), seven ways:
 
 - eager accumulation;
 - torch.cuda.make_graphed_callables per layer, driven from Python;
@@ -12,16 +19,23 @@ docs/benchmarks.md section 11): an MLP of Linear + ReLU layers, the loss
   .grad (set to None before each step, as eager's), and with
   param_grads="set" (.grad set to the step's grads, no zeroing: what the
   hand-captured graph does);
-- graphed's step, looped (one microbatch in a conditional WHILE node).
+- graphed's step, looped (one microbatch in a conditional WHILE node);
+- graphed's one-microbatch step called N times (what the N-microbatch
+  step replaces).
 
 Every variant's grads are checked against eager's first, bit for bit (the
-script exits non-zero otherwise). GPU time: CUDA-event medians per step,
-the variants interleaved over several rounds; host time: wall time of the
-Python call that enqueues one step, the device synchronized between
-samples. Writes a markdown table.
+script exits non-zero where a graphed variant differs). GPU time: CUDA-event
+medians per step, the variants interleaved over several rounds; host time:
+wall time of the Python call that enqueues one step, the device
+synchronized between samples; capture: wall time of make_graphed_step (or
+of the hand capture); driver MiB: the device memory the capture took
+(torch.cuda.mem_get_info around it, torch's cache emptied on both sides);
+graphed bytes: the step session's static + scratch bytes (session_stats).
+Writes markdown tables.
 
     python3 benches/torch_step.py --layers 24 --width 64 --batch 8 --counts 1 --out step_small.md
     python3 benches/torch_step.py --layers 24 --width 256 --batch 64 --counts 1,4,16,64 --out step_n.md
+    python3 benches/torch_step.py --model gpt --counts 1,4,16,64 --out step_gpt.md
 """
 import argparse
 import os
@@ -31,12 +45,48 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples", "torch_extension"))
+from nanogpt import GPT, step_parts  # noqa: E402
 from torch_accumulate import (  # noqa: E402
     accumulate, grads, host_us, loss_of, mlp, none_grads, per_layer_graphs, whole_step_graph,
 )
 
 import graphed.torch as gt  # noqa: E402
+
+
+class Workload:
+    """The benchmark's model: `build()` gives a fresh copy (the same weights
+    each time) as (an nn.Sequential of the step's layers, the loss);
+    `data(n)` the inputs and targets of n microbatches."""
+
+    def __init__(self, args, dev):
+        self.args, self.dev = args, dev
+        if args.model == "mlp":
+            self.text = (f"{args.layers} x Linear({args.width}) + ReLU, batch {args.batch} per microbatch, fp32, "
+                         "the loss 0.5 * |y - t|^2")
+        else:
+            self.text = (f"nanoGPT, {args.layers} blocks, n_embd {args.width}, {args.heads} heads, "
+                         f"{args.batch} x {args.seq} tokens per microbatch, vocab {args.vocab}, bf16 parameters, "
+                         "dropout 0, untied head, cross-entropy in fp32")
+
+    def build(self):
+        a = self.args
+        if a.model == "mlp":
+            return mlp(a.layers, a.width, self.dev), loss_of
+        torch.manual_seed(0)
+        g = GPT(a.vocab, a.seq, a.layers, a.heads, a.width, dropout=0.0, tie=False)
+        layers, head = step_parts(g.to(self.dev, torch.bfloat16))
+        return torch.nn.Sequential(*layers), head
+
+    def data(self, n, seed=1):
+        a = self.args
+        torch.manual_seed(seed)
+        if a.model == "mlp":
+            return (torch.randn(n, a.batch, a.width, device=self.dev),
+                    0.1 * torch.randn(n, a.batch, a.width, device=self.dev))
+        return tuple(torch.randint(0, a.vocab, (n, a.batch, a.seq), device=self.dev) for _ in range(2))
 
 
 def interleaved(fns, rounds, iters, warmup):
@@ -57,113 +107,174 @@ def interleaved(fns, rounds, iters, warmup):
     return {k: statistics.median(v) for k, v in per.items()}
 
 
-def graphed_step(layers, width, batch, dev, n, loop, param_grads="add"):
-    model = mlp(layers, width, dev)
-    x = torch.randn(batch, width, device=dev)
-    t = torch.randn(batch, width, device=dev)
+def driver_used():
+    """Device bytes in use (the driver's count), torch's unused cache emptied."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def graphed_step(work, n, loop, param_grads="add"):
+    """A fresh model and its graphed step: (the model, its loss, the step,
+    capture ms, driver MiB the capture took)."""
+    model, loss = work.build()
+    xs, ts = work.data(1, seed=2)
+    before = driver_used()
     t0 = time.perf_counter()
     step = gt.make_graphed_step(
-        list(model), loss_of, (x,), (t,), microbatches=n, loop=loop, param_grads=param_grads
+        list(model), loss, (xs[0],), (ts[0],), microbatches=n, loop=loop, param_grads=param_grads
     )
     torch.cuda.synchronize()
-    return model, step, (time.perf_counter() - t0) * 1e3
+    ms = (time.perf_counter() - t0) * 1e3
+    return model, loss, step, ms, (driver_used() - before) / 2**20
 
 
-def check(name, model, want):
+def hand_captured(work, xs, ts):
+    """torch.cuda.graph around the whole step: (the model, its loss, the
+    graph, capture ms, driver MiB the warm-up and capture took)."""
+    model, loss = work.build()
+    before = driver_used()
+    g, ms, _ = whole_step_graph(model, xs, ts, loss)
+    return model, loss, g, ms, (driver_used() - before) / 2**20
+
+
+def check(name, model, loss, want):
     """Whether the grads equal eager accumulation's bit for bit; a graphed
     variant that differs ends the run. torch's per-layer graphs differ from
     2 microbatches on: the grad autograd takes from the first replay is the
     graph's static buffer, which the next replay overwrites (PyTorch issue
     181723); reported, not fatal."""
-    got = grads(model)
+    got = grads(model, loss)
     if all(torch.equal(a, b) for a, b in zip(got, want)):
         return True
-    diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
     print(f"{name}: grads differ from eager accumulation's (max abs {diff:.3g})", flush=True)
     if name.startswith("graphed"):
         raise SystemExit(f"CHECK FAILED: {name}")
     return False
 
 
+def measure(work, n, args):
+    """One row: every variant for n microbatches, checked, then timed."""
+    xs, ts = work.data(n)
+    eager, eager_loss = work.build()
+    none_grads(eager, eager_loss)
+    accumulate(eager, xs, ts, eager_loss)
+    want = grads(eager, eager_loss)
+
+    per_layer, per_layer_loss = work.build()
+    chained, chained_loss = per_layer_graphs(per_layer, xs[0], per_layer_loss, ts[0])
+    whole, whole_loss, g, cap_whole, mib_whole = hand_captured(work, xs, ts)
+    unrolled, unrolled_loss, step_u, cap_u, mib_u = graphed_step(work, n, False)
+    setting, setting_loss, step_s, _, _ = graphed_step(work, n, False, "set")
+    single, single_loss, step_1, _, _ = graphed_step(work, 1, False)
+    fns = {
+        "eager": lambda: (none_grads(eager, eager_loss), accumulate(eager, xs, ts, eager_loss)),
+        "torch per-layer graphs": lambda: (none_grads(per_layer, per_layer_loss),
+                                           accumulate(chained, xs, ts, chained_loss)),
+        "torch whole-step graph": g.replay,
+        "graphed step": lambda: (none_grads(unrolled, unrolled_loss), step_u(xs, ts)),
+        "graphed step, set": lambda: step_s(xs, ts),
+        "graphed 1-microbatch step x N": lambda: (
+            none_grads(single, single_loss), [step_1(xs[i:i + 1], ts[i:i + 1]) for i in range(n)]),
+    }
+    models = {
+        "torch per-layer graphs": (per_layer, per_layer_loss),
+        "torch whole-step graph": (whole, whole_loss),
+        "graphed step": (unrolled, unrolled_loss),
+        "graphed step, set": (setting, setting_loss),
+        "graphed 1-microbatch step x N": (single, single_loss),
+    }
+    cap_l = mib_l = None
+    if not args.no_loop:
+        looped, looped_loss, step_l, cap_l, mib_l = graphed_step(work, n, True)
+        fns["graphed looped step"] = lambda: (none_grads(looped, looped_loss), step_l(xs, ts))
+        models["graphed looped step"] = (looped, looped_loss)
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    wrong = {k for k, (m, lf) in models.items() if not check(f"{k} (N={n})", m, lf, want)}
+    iters = max(2, args.iters * 4 // max(n, 4))
+    gpu = interleaved(fns, args.rounds, iters, args.warmup)
+    host = {k: host_us(fn, iters * args.rounds) for k, fn in fns.items()}
+    parts = {
+        "p.grad = None x params": lambda: none_grads(unrolled, unrolled_loss),
+        "destinations checked (all set)": step_s._destinations_ready,
+        "replay (copies in, launch, losses)": lambda: step_s._impl.replay([xs, ts], 0),
+    }
+    print("host us, graphed step parts: "
+          + ", ".join(f"{k} {host_us(fn, iters * args.rounds):.1f}" for k, fn in parts.items()), flush=True)
+    st = step_u.session_stats()
+    row = dict(n=n, gpu=gpu, host=host, wrong=wrong, capture=(cap_u, cap_l, cap_whole),
+               mib=(mib_u, mib_l, mib_whole), lib_bytes=st["static_bytes"] + st["scratch_bytes"])
+    print(f"N={n}: GPU ms {gpu}; host us {host}; capture ms {row['capture']}; driver MiB {row['mib']}; "
+          f"graphed bytes {row['lib_bytes']}", flush=True)
+    return row
+
+
+def tables(rows, work, args):
+    names = list(rows[0]["gpu"])
+    loop = not args.no_loop
+    text = (
+        f"torch {torch.__version__} on {torch.cuda.get_device_name()}: {work.text}; grads accumulated into "
+        "`.grad` over N microbatches; every variant's grads equal eager's bit for bit unless marked wrong. "
+        f"GPU time per step (ms, CUDA-event medians, variants interleaved over {args.rounds} rounds).\n\n"
+        "| N | " + " | ".join(names) + " | set / torch whole-step | torch per-layer / graphed step | "
+        "graphed step / 1-microbatch x N" + (" | looped / 1-microbatch x N" if loop else "") + " |\n"
+        "|" + "---|" * (len(names) + 4 + loop) + "\n"
+    )
+    for r in rows:
+        gpu = r["gpu"]
+        one = gpu["graphed 1-microbatch step x N"]
+        text += (
+            f"| {r['n']} | " + " | ".join(f"{gpu[k]:.4f}" + (" (wrong grads)" if k in r["wrong"] else "") for k in names)
+            + f" | {gpu['graphed step, set'] / gpu['torch whole-step graph']:.2f}x"
+            + f" | {gpu['torch per-layer graphs'] / gpu['graphed step']:.1f}x"
+            + f" | {gpu['graphed step'] / one:.3f}x" + (f" | {gpu['graphed looped step'] / one:.3f}x" if loop else "")
+            + " |\n"
+        )
+    text += (
+        "\nHost time per step (us, median wall time of the call(s) enqueuing it); capture (ms) and the driver "
+        "memory it took (MiB) for graphed's unrolled step" + (", its looped step" if loop else "")
+        + " and torch's hand-captured graph (with its warm-up); graphed's own static + scratch bytes.\n\n"
+        "| N | " + " | ".join(f"host us, {k}" for k in names) + " | capture ms | driver MiB | graphed bytes |\n"
+        "|" + "---|" * (len(names) + 4) + "\n"
+    )
+    for r in rows:
+        cap = " / ".join(f"{c:.0f}" for c in r["capture"] if c is not None)
+        mib = " / ".join(f"{m:.0f}" for m in r["mib"] if m is not None)
+        text += (f"| {r['n']} | " + " | ".join(f"{r['host'][k]:.0f}" for k in names)
+                 + f" | {cap} | {mib} | {r['lib_bytes']} |\n")
+    return text
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    ap.add_argument("--layers", type=int, default=None, help="layers or blocks (24 for mlp, 6 for gpt)")
+    ap.add_argument("--width", type=int, default=None, help="layer width or n_embd (64 for mlp, 384 for gpt)")
+    ap.add_argument("--batch", type=int, default=None, help="rows or sequences per microbatch (8 for mlp, 4 for gpt)")
+    ap.add_argument("--seq", type=int, default=256, help="gpt: tokens per sequence")
+    ap.add_argument("--heads", type=int, default=6, help="gpt: attention heads")
+    ap.add_argument("--vocab", type=int, default=512, help="gpt: vocabulary")
     ap.add_argument("--counts", default="1")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20, help="steps per round up to N = 4, scaled as 4/N above")
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-loop", action="store_true", help="leave out the looped step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    rows, wrong = [], set()
+    gpt = args.model == "gpt"
+    args.layers = args.layers or (6 if gpt else 24)
+    args.width = args.width or (384 if gpt else 64)
+    args.batch = args.batch or (4 if gpt else 8)
+    work = Workload(args, torch.device("cuda"))
+    rows = []
     for n in [int(c) for c in args.counts.split(",")]:
-        xs = torch.randn(n, args.batch, args.width, device=dev)
-        ts = 0.1 * torch.randn(n, args.batch, args.width, device=dev)
-        eager = mlp(args.layers, args.width, dev)
-        none_grads(eager)
-        accumulate(eager, xs, ts)
-        want = grads(eager)
-
-        per_layer, chained = per_layer_graphs(args.layers, args.width, args.batch, dev)
-        whole = mlp(args.layers, args.width, dev)
-        g, _, _ = whole_step_graph(whole, xs, ts)
-        unrolled, step_u, capture_u = graphed_step(args.layers, args.width, args.batch, dev, n, False)
-        setting, step_s, _ = graphed_step(args.layers, args.width, args.batch, dev, n, False, "set")
-        fns = {
-            "eager": lambda: (none_grads(eager), accumulate(eager, xs, ts)),
-            "torch per-layer graphs": lambda: (none_grads(per_layer), accumulate(chained, xs, ts)),
-            "torch whole-step graph": g.replay,
-            "graphed step": lambda: (none_grads(unrolled), step_u(xs, ts)),
-            "graphed step, set": lambda: step_s(xs, ts),
-        }
-        capture_l = None
-        if not args.no_loop:
-            looped, step_l, capture_l = graphed_step(args.layers, args.width, args.batch, dev, n, True)
-            fns["graphed looped step"] = lambda: (none_grads(looped), step_l(xs, ts))
-        for name, fn in fns.items():
-            fn()
-        torch.cuda.synchronize()
-        for name, model in (("torch per-layer graphs", per_layer), ("torch whole-step graph", whole),
-                            ("graphed step", unrolled), ("graphed step, set", setting)) + (
-                                (("graphed looped step", looped),) if capture_l else ()):
-            if not check(f"{name} (N={n})", model, want):
-                wrong.add((n, name))
-        gpu = interleaved(fns, args.rounds, args.iters, args.warmup)
-        host = {k: host_us(fn, args.iters * args.rounds) for k, fn in fns.items()}
-        # Where the graphed step's host time goes.
-        parts = {
-            "p.grad = None x params": lambda: none_grads(unrolled),
-            "destinations checked (all set)": step_s._destinations_ready,
-            "replay (copies in, launch, losses)": lambda: step_s._impl.replay([xs, ts], 0),
-        }
-        print("host us, graphed step parts: "
-              + ", ".join(f"{k} {host_us(fn, args.iters * args.rounds):.1f}" for k, fn in parts.items()), flush=True)
-        rows.append((n, gpu, host, capture_u, capture_l))
-        print(f"N={n}: GPU ms {gpu}; host us {host}; capture ms {capture_u:.1f} / {capture_l}", flush=True)
-        del fns, g, step_u
+        rows.append(measure(work, n, args))
         torch.cuda.empty_cache()
-    names = list(rows[0][1])
-    text = (
-        f"torch {torch.__version__} on {torch.cuda.get_device_name()}: {args.layers} x Linear({args.width}) + ReLU, "
-        f"batch {args.batch} per microbatch, fp32, grads accumulated into .grad over N microbatches; every "
-        "variant's grads equal eager's bit for bit unless marked wrong. GPU time per step (ms, CUDA-event medians, variants "
-        f"interleaved over {args.rounds} rounds of {args.iters}); host time per step (us).\n\n"
-        "| N | " + " | ".join(f"GPU ms, {k}" for k in names) + " | graphed step, set / torch whole-step | "
-        "torch per-layer / graphed step | " + " | ".join(f"host us, {k}" for k in names) + " | capture ms, graphed step"
-        + (", unrolled / looped" if not args.no_loop else "") + " |\n"
-        "|" + "---|" * (2 * len(names) + 4) + "\n"
-    )
-    for n, gpu, host, cu, cl in rows:
-        ratio = gpu["graphed step, set"] / gpu["torch whole-step graph"]
-        speedup = gpu["torch per-layer graphs"] / gpu["graphed step"]
-        cap = f"{cu:.0f}" + (f" / {cl:.0f}" if cl is not None else "")
-        text += (
-            f"| {n} | " + " | ".join(f"{gpu[k]:.4f}" + (" (wrong grads)" if (n, k) in wrong else "") for k in names) + f" | {ratio:.2f}x | {speedup:.1f}x | "
-            + " | ".join(f"{host[k]:.0f}" for k in names) + f" | {cap} |\n"
-        )
+    text = tables(rows, work, args)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

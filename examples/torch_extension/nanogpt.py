@@ -2,8 +2,9 @@
 embeddings, pre-LayerNorm transformer blocks (causal self-attention through
 scaled_dot_product_attention, a GELU MLP, dropout, residuals), a final
 LayerNorm and a language-model head whose weight is tied to the token
-embedding. Used by the capture-time benchmark and the package's tests: the
-blocks are what users graph."""
+embedding (tie=False unties it). Used by the capture-time and step
+benchmarks: the blocks are what users graph; `step_parts` splits a GPT into
+the layers and loss of a training step (make_graphed_step)."""
 import math
 
 import torch
@@ -55,7 +56,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab=512, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0):
+    def __init__(self, vocab=512, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0, tie=True):
         super().__init__()
         self.wte = nn.Embedding(vocab, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -63,7 +64,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
+        if tie:
+            self.lm_head.weight = self.wte.weight  # weight tying
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -78,16 +80,51 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
-    def embed(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
-
-    def head(self, x, targets):
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-
     def forward(self, idx, targets):
-        x = self.embed(idx)
+        x = embed(self, idx)
         for b in self.blocks:
             x = b(x)
-        return self.head(x, targets)
+        return head(self, x, targets)
+
+
+def embed(m, idx):
+    """Token plus position embeddings, then dropout (`m` has wte, wpe, drop)."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    return m.drop(m.wte(idx) + m.wpe(pos))
+
+
+def head(m, x, targets):
+    """The final LayerNorm, the LM head, and cross-entropy in fp32 (`m` has
+    ln_f, lm_head)."""
+    logits = m.lm_head(m.ln_f(x))
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class Embed(nn.Module):
+    """A GPT's embeddings as a layer of its own (token ids in, activations out)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+
+    def forward(self, idx):
+        return embed(self, idx)
+
+
+class Head(nn.Module):
+    """A GPT's final LayerNorm, LM head and cross-entropy: a step's loss
+    (activations and targets in, the mean loss out)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x, targets):
+        return head(self, x, targets)
+
+
+def step_parts(gpt):
+    """(the layers, the loss) of a training step over `gpt`: its embeddings
+    and blocks in order, then the head with its loss; the modules share the
+    GPT's parameters."""
+    return [Embed(gpt), *gpt.blocks], Head(gpt)
