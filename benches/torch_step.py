@@ -6,7 +6,9 @@ docs/benchmarks.md section 11), on one of two models:
 - `--model gpt`: nanoGPT (examples/torch_extension/nanogpt.py, untied):
   the embeddings, transformer blocks (LayerNorm, causal attention through
   scaled_dot_product_attention, GELU MLP) and the head with its
-  cross-entropy, bf16 parameters, dropout 0;
+  cross-entropy, bf16 parameters, dropout 0, torch's deterministic
+  algorithms on (flash attention's backward otherwise adds its query grads
+  with atomics, in an order that differs from run to run);
 
 N microbatches accumulated into .grad per optimizer step (the optimizer
 left out), seven ways:
@@ -69,7 +71,7 @@ class Workload:
         else:
             self.text = (f"nanoGPT, {args.layers} blocks, n_embd {args.width}, {args.heads} heads, "
                          f"{args.batch} x {args.seq} tokens per microbatch, vocab {args.vocab}, bf16 parameters, "
-                         "dropout 0, untied head, cross-entropy in fp32")
+                         "dropout 0, untied head, cross-entropy in fp32, deterministic algorithms")
 
     def build(self):
         a = self.args
@@ -266,6 +268,9 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpt = args.model == "gpt"
+    if gpt:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     args.layers = args.layers or (6 if gpt else 24)
     args.width = args.width or (384 if gpt else 64)
     args.batch = args.batch or (4 if gpt else 8)
