@@ -18,7 +18,11 @@ left out), seven ways:
 - one graph captured by hand with torch.cuda.graph around all N
   microbatches' forward and backward (grads zeroed inside the graph);
 - graphed's step, unrolled (every microbatch captured), grads added into
-  .grad (set to None before each step, as eager's), and with
+  .grad (set to None before the checked step, as eager's; timed without
+  that, the grads adding up, so that the time is the step's alone: the
+  Python loop setting .grad to None and the zeros the next step creates
+  cost the host a few hundred microseconds that the GPU would wait for,
+  printed apart as "graphed step parts"), and with
   param_grads="set" (.grad set to the step's grads, no zeroing: what the
   hand-captured graph does);
 - graphed's step, looped (one microbatch in a conditional WHILE node);
@@ -197,6 +201,11 @@ def measure(work, n, args):
         fn()
     torch.cuda.synchronize()
     wrong = {k for k, (m, lf) in models.items() if not check(f"{k} (N={n})", m, lf, want)}
+    # Timed without setting .grad to None: the step (or steps) alone.
+    fns["graphed step"] = lambda: step_u(xs, ts)
+    fns["graphed 1-microbatch step x N"] = lambda: [step_1(xs[i:i + 1], ts[i:i + 1]) for i in range(n)]
+    if not args.no_loop:
+        fns["graphed looped step"] = lambda: step_l(xs, ts)
     iters = max(2, args.iters * 4 // max(n, 4))
     gpu = interleaved(fns, args.rounds, iters, args.warmup)
     host = {k: host_us(fn, iters * args.rounds) for k, fn in fns.items()}
