@@ -92,7 +92,9 @@ def per_layer_graphs(model, x, loss=loss_of, t=None):
     callables = tuple(layers)
     if isinstance(loss, torch.nn.Module):
         callables += (loss,)
-        samples.append((h.detach().clone().requires_grad_(), t))
+        # A copy: torch's graphed callable copies each call's inputs into
+        # its samples (a view of the caller's targets would be overwritten).
+        samples.append((h.detach().clone().requires_grad_(), t.clone()))
     graphed = torch.cuda.make_graphed_callables(callables, tuple(samples))
     return torch.nn.Sequential(*graphed[: len(layers)]), (graphed[-1] if len(graphed) > len(layers) else loss)
 

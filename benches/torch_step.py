@@ -74,7 +74,7 @@ class Workload:
                          "the loss 0.5 * |y - t|^2")
         else:
             self.text = (f"nanoGPT, {args.layers} blocks, n_embd {args.width}, {args.heads} heads, "
-                         f"{args.batch} x {args.seq} tokens per microbatch, vocab {args.vocab}, bf16 parameters, "
+                         f"{args.batch} x {args.seq} tokens per microbatch, vocab {args.vocab}, {args.dtype} parameters, "
                          "dropout 0, untied head, cross-entropy in fp32, deterministic algorithms")
 
     def build(self):
@@ -83,7 +83,7 @@ class Workload:
             return mlp(a.layers, a.width, self.dev), loss_of
         torch.manual_seed(0)
         g = GPT(a.vocab, a.seq, a.layers, a.heads, a.width, dropout=0.0, tie=False)
-        layers, head = step_parts(g.to(self.dev, torch.bfloat16))
+        layers, head = step_parts(g.to(self.dev, getattr(torch, a.dtype)))
         return torch.nn.Sequential(*layers), head
 
     def data(self, n, seed=1):
@@ -155,7 +155,10 @@ def check(name, model, loss, want):
     if all(torch.equal(a, b) for a, b in zip(got, want)):
         return True
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
-    print(f"{name}: grads differ from eager accumulation's (max abs {diff:.3g})", flush=True)
+    where = [(k, (a.float() - b.float()).abs().max().item(), b.float().abs().max().item(), tuple(b.shape))
+             for k, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    print(f"{name}: grads differ from eager accumulation's (max abs {diff:.3g}); "
+          f"{len(where)} of {len(want)} differ (index, max abs diff, max abs eager, shape): {where[:6]}", flush=True)
     if name.startswith("graphed"):
         raise SystemExit(f"CHECK FAILED: {name}")
     return False
@@ -168,6 +171,10 @@ def measure(work, n, args):
     none_grads(eager, eager_loss)
     accumulate(eager, xs, ts, eager_loss)
     want = grads(eager, eager_loss)
+    none_grads(eager, eager_loss)
+    accumulate(eager, xs, ts, eager_loss)
+    if not check(f"eager run again (N={n})", eager, eager_loss, want):
+        print("eager accumulation is not reproducible here: the comparisons below cannot be bit for bit", flush=True)
 
     per_layer, per_layer_loss = work.build()
     chained, chained_loss = per_layer_graphs(per_layer, xs[0], per_layer_loss, ts[0])
@@ -269,6 +276,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256, help="gpt: tokens per sequence")
     ap.add_argument("--heads", type=int, default=6, help="gpt: attention heads")
     ap.add_argument("--vocab", type=int, default=512, help="gpt: vocabulary")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gpt: parameter dtype")
     ap.add_argument("--counts", default="1")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="steps per round up to N = 4, scaled as 4/N above")
