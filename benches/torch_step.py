@@ -221,6 +221,8 @@ def measure(work, n, args):
         "destinations checked (all set)": step_s._destinations_ready,
         "replay (copies in, launch, losses)": lambda: step_s._impl.replay([xs, ts], 0),
     }
+    if not args.no_loop:
+        parts["looped replay"] = lambda: step_l._impl.replay([xs, ts], n)
     print("host us, graphed step parts: "
           + ", ".join(f"{k} {host_us(fn, iters * args.rounds):.1f}" for k, fn in parts.items()), flush=True)
     st = step_u.session_stats()
