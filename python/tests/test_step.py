@@ -4,15 +4,15 @@ cross-entropy) trained with AdamW over N microbatches per optimizer step,
 each step one launch of graphed's step graph, equal to eager gradient
 accumulation bit for bit: fp32 and bf16, dropout 0 and 0.1 (each
 microbatch draws its own masks, the generator ends where eager's ends),
-unrolled and looped (WHILE) steps, grads in `.grad` (set to None between
+unrolled and looped (WHILE) steps (a looped step's iterations each draw
+their own masks too), grads in `.grad` (set to None between
 steps, or zeroed in place) or in `main_grad`. Weight tying (the head
 reading the token embedding) matches to rounding only: eager sums the
 tied weight's two grads before adding them into `.grad`, the step adds
 each into it in turn. Refusals: data of the wrong shape or count, a
 microbatch count the step does not run, a `.grad` replaced by another
 tensor, a `.grad` set to None while its tensor is still held, a loss of
-more than one element, a looped step that draws random numbers, a reset
-step."""
+more than one element, a reset step."""
 import pytest
 
 from _support import needs_gpu, torch
@@ -169,15 +169,31 @@ def test_grads_zeroed_in_place_and_main_grad():
     assert_all_equal(got[2], want[2])
 
 
-def test_looped_step_runs_any_count_as_eager():
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_looped_step_runs_any_count_as_eager(dropout):
+    """One captured microbatch in a WHILE loop, 4, 1 and 3 microbatches per
+    call; with dropout every iteration draws its own masks (the generator's
+    offset moved on by one microbatch's draws at the start of each), so the
+    losses, weights, grads and the generator's final state are eager's."""
     counts = [4, 1, 3]
-    want = train(gpt(torch.float32, 0.0), 4, counts=counts)
-    mods = gpt(torch.float32, 0.0)
+    want = train(gpt(torch.float32, dropout), 4, counts=counts)
+    mods = gpt(torch.float32, dropout)
     step = make_step(mods, 4, loop=True)
     got = train(mods, 4, step=step, counts=counts)
     assert_all_equal(got[0], want[0])
     assert_all_equal(got[1], want[1])
     assert_all_equal(got[2], want[2])
+    assert torch.equal(got[3], want[3]), "the generator did not end where eager's ends"
+
+
+def test_looped_step_draws_other_masks_in_each_microbatch():
+    """The same data in every microbatch: eager's losses differ per
+    microbatch (each draws other masks), and so do the looped step's."""
+    mods = gpt(torch.float32, 0.3)
+    step = make_step(mods, 3, loop=True)
+    x, t = sample()
+    losses = step(x.expand(3, *x.shape).contiguous(), t.expand(3, *t.shape).contiguous())
+    assert len(set(losses.tolist())) == 3, losses
 
 
 def grads_of_one_step(mods, n, step=None):
@@ -259,9 +275,6 @@ def test_refusals():
 
 
 def test_capture_refusals():
-    mods = gpt(torch.float32, 0.1)
-    with pytest.raises(RuntimeError, match=r"draws random numbers.*looped step"):
-        make_step(mods, 2, loop=True)
     mods = gpt(torch.float32, 0.0)
     x, _ = sample()
     with pytest.raises(RuntimeError, match=r"one tensor of one element"):

@@ -147,11 +147,16 @@ struct RngStates {
     void end(size_t key);
     // Before a replay of pass `key` on `stream`: the generators' seeds and
     // offsets go to the pass's memory and the generators advance by what it
-    // draws, so that every replay draws fresh numbers.
-    void prologue(size_t key, cudaStream_t stream);
-    // Undoes the advance of prologue(key) for a replay refused before it
-    // enqueued anything (the state memory it wrote is read by nothing).
-    void unwind(size_t key);
+    // draws, so that every replay draws fresh numbers. A graph that runs
+    // the captured pass `times` times in a loop whose every iteration first
+    // moves the offsets in that memory on by one pass's draws (`looped`):
+    // the offsets written are one pass's draws back, and the generators
+    // advance by `times` passes' draws.
+    void prologue(size_t key, cudaStream_t stream, uint32_t times = 1, bool looped = false);
+    // Undoes the advance of prologue(key, ..., times) for a replay refused
+    // before it enqueued anything (the state memory it wrote is read by
+    // nothing).
+    void unwind(size_t key, uint32_t times = 1);
     // Restores every state left open by a failed capture.
     void abandon();
 
@@ -278,6 +283,11 @@ struct StepState {
     at::Tensor losses;             // [N]: each microbatch's loss, copied out
     std::vector<at::Tensor> dsts;  // per parameter of the step, in order
     size_t rng_key = 0;            // the step's draws (RngStates::passes)
+    // A looped step: per generator, what one microbatch draws (written
+    // after capture), added at the start of each iteration to the offsets
+    // in `loop_offsets` (the step's generator memory; defined only when its
+    // passes draw), so that microbatch i draws where eager's i-th would.
+    at::Tensor loop_inc, loop_offsets;
     cudaEvent_t done = nullptr;    // after the last replay (staging reusable)
     // Between the capture hook's before and after: the step's capture runs,
     // its callbacks on `stream` (graphed's; allocations there go to the

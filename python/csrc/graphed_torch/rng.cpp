@@ -165,7 +165,7 @@ void RngStates::end(size_t key) {
 // The seed and offset each state has now go to the pass's memory, and the
 // states advance by what the pass draws, so every replay draws fresh
 // numbers, in the order eager execution would.
-void RngStates::prologue(size_t key, cudaStream_t stream) {
+void RngStates::prologue(size_t key, cudaStream_t stream, uint32_t times, bool looped) {
     if (key >= passes.size() || !passes[key].device.defined()) return;
     PassDraws& d = passes[key];
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -183,8 +183,9 @@ void RngStates::prologue(size_t key, cudaStream_t stream) {
         std::lock_guard<std::mutex> states(s->capture_states_mutex_);
 #endif
         host[2 * i] = int64_t(s->seed_);
-        host[2 * i + 1] = int64_t(s->philox_offset_per_thread_);
-        s->philox_offset_per_thread_ += d.increments[i];
+        // Looped: each iteration adds one pass's draws before it draws.
+        host[2 * i + 1] = int64_t(s->philox_offset_per_thread_) - (looped ? int64_t(d.increments[i]) : 0);
+        s->philox_offset_per_thread_ += uint64_t(times) * d.increments[i];
     }
     // Pageable source: the driver stages it before returning.
     cuda_check(cudaMemcpyAsync(d.device.data_ptr(), host.data(), host.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
@@ -192,7 +193,7 @@ void RngStates::prologue(size_t key, cudaStream_t stream) {
                "cudaMemcpyAsync (generator state)");
 }
 
-void RngStates::unwind(size_t key) {
+void RngStates::unwind(size_t key, uint32_t times) {
     if (key >= passes.size() || !passes[key].device.defined()) return;
     const PassDraws& d = passes[key];
     for (size_t i = 0; i < entries.size(); ++i) {
@@ -200,7 +201,7 @@ void RngStates::unwind(size_t key) {
 #if GRAPHED_TORCH_CAPTURE_IDS
         std::lock_guard<std::mutex> states(entries[i].state->capture_states_mutex_);
 #endif
-        entries[i].state->philox_offset_per_thread_ -= d.increments[i];
+        entries[i].state->philox_offset_per_thread_ -= uint64_t(times) * d.increments[i];
     }
 }
 

@@ -14,6 +14,7 @@
 #include "internal.h"
 
 #include <c10/cuda/CUDAGuard.h>
+#include <algorithm>
 #include <torch/autograd.h>
 
 namespace graphed_torch {
@@ -136,21 +137,31 @@ void declare_step(Shared& s) {
         }
     }
     st.rng_key = 3 * s.callables.size() * s.microbatches;
+    // Before any capture: the graph reads it, the capture may not allocate.
+    if (st.opts.loop)
+        st.loop_inc = at::zeros({int64_t(std::max<size_t>(s.rng.entries.size(), 1))}, options_of(at::kLong, s.device));
     cuda_check(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     st.index = s.session->add_step(callables, dsts, n, io,
                                    st.opts.loop ? GRAPHED_STEP_LOOP_WHILE : GRAPHED_STEP_LOOP_UNROLLED, step_hook, &s);
 }
 
-// After capture: a looped step may not draw random numbers (its one
-// captured microbatch would draw the same ones in every iteration).
+// Whether pass `key` draws random numbers (its own capture recorded draws).
+bool draws(const Shared& s, size_t key) { return key < s.rng.passes.size() && s.rng.passes[key].device.defined(); }
+
+// After capture: a looped step that draws learns what one microbatch draws
+// (the body's increments), which each iteration adds to the offsets its
+// kernels read (step_forward), so that every microbatch draws its own.
 void check_captured(Shared& s) {
-    const StepState& st = *s.step;
-    const bool draws = st.rng_key < s.rng.passes.size() && s.rng.passes[st.rng_key].device.defined();
-    if (st.opts.loop && draws)
-        throw std::invalid_argument(
-            "make_graphed_step: the step draws random numbers (dropout?), and a looped step (loop=True) captures one "
-            "microbatch that every iteration would run with the same numbers; use the unrolled step (loop=False), "
-            "whose microbatches each draw their own, as eager accumulation does");
+    StepState& st = *s.step;
+    if (!st.opts.loop) return;
+    if (draws(s, st.rng_key) != st.loop_offsets.defined())
+        throw std::logic_error(std::string("make_graphed_step: the looped step's microbatch ") +
+                               (st.loop_offsets.defined() ? "drew no random numbers where its passes' own captures did"
+                                                          : "drew random numbers where its passes' own captures drew none"));
+    if (!st.loop_offsets.defined()) return;
+    const std::vector<uint64_t>& inc = s.rng.passes[st.rng_key].increments;
+    std::vector<int64_t> host(inc.begin(), inc.end());
+    st.loop_inc.copy_(at::tensor(host, at::kLong));
 }
 
 // A callback of `c` in the step's capture: `fn(s, st, k)` (k: the
@@ -175,6 +186,18 @@ int32_t in_step(const graphed_pass_ctx* ctx, Callable* c,
 
 int32_t step_forward(const graphed_pass_ctx* ctx, Callable* c) {
     return in_step(ctx, c, [&](Shared& s, StepState& st, size_t k) {
+        if (k == 0 && st.opts.loop && s.rng.open_device.defined()) {
+            // The first op of a looped step's microbatch, when its passes draw
+            // random numbers: the offsets move on by one microbatch's draws
+            // (the prologue wrote them one microbatch back). Kept with the
+            // step: the graph writes this memory at every replay.
+            bool any = false;
+            for (size_t key = 0; key < st.rng_key; ++key) any = any || draws(s, key);
+            if (any) {
+                st.loop_offsets = s.rng.open_device;
+                st.loop_offsets.view({-1, 2}).select(1, 1).add_(st.loop_inc);
+            }
+        }
         std::vector<at::Tensor> ins = wrap_static(ctx->inputs, c->in, s.device, true);
         for (size_t i = 0; i < st.chained[k]; ++i)
             ins[i] = st.outs[k - 1].at(i).detach().requires_grad_(c->in[i].requires_grad);
@@ -287,12 +310,15 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
         else
             st.data[d].staging.narrow(0, 0, n).view(x.sizes()).copy_(x, /*non_blocking=*/true);
     }
-    s.rng.prologue(st.rng_key, cur);
+    // An unrolled step's draws are those of all its microbatches; a looped
+    // one's of one, run n times.
+    const uint32_t times = st.opts.loop ? n : 1;
+    s.rng.prologue(st.rng_key, cur, times, st.opts.loop);
     std::vector<graphed::Ref> refs;
     try {
         s.session->step(st.index, cur, refs, where, st.opts.loop ? n : 0);
     } catch (const graphed::Error& e) {
-        s.rng.unwind(st.rng_key);
+        s.rng.unwind(st.rng_key, times);
         if (e.status() == GRAPHED_STATUS_PARAM_MOVED) throw ParamMoved("graphed step: " + std::string(e.what()));
         throw;
     }

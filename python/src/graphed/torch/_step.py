@@ -168,8 +168,8 @@ def make_graphed_step(
     layer's outputs, then the targets; returns a one-element tensor), for
     `microbatches` microbatches per launch (unrolled, each drawing its own
     random numbers; loop=True: one captured microbatch in a conditional
-    WHILE node, a call running 1 to `microbatches`, refused for a step that
-    draws random numbers). `sample_input` and `sample_target` are one
+    WHILE node, a call running 1 to `microbatches`, each iteration drawing
+    its own random numbers too). `sample_input` and `sample_target` are one
     microbatch's data (a tensor or a tuple). Each parameter's grad is added
     into its `accumulate_param_grads_into` attribute ("grad", created as
     zeros where None; "main_grad"; ...), a contiguous tensor of its shape and
