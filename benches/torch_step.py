@@ -6,7 +6,7 @@ docs/benchmarks.md section 11), on one of two models:
 - `--model gpt`: nanoGPT (examples/torch_extension/nanogpt.py, untied):
   the embeddings, transformer blocks (LayerNorm, causal attention through
   scaled_dot_product_attention, GELU MLP) and the head with its
-  cross-entropy, bf16 parameters, dropout 0, torch's deterministic
+  cross-entropy, bf16 parameters, dropout 0 (`--dropout`), torch's deterministic
   algorithms on (flash attention's backward otherwise adds its query grads
   with atomics, in an order that differs from run to run);
 
@@ -61,6 +61,8 @@ from torch_accumulate import (  # noqa: E402
 
 import graphed.torch as gt  # noqa: E402
 
+SEED = 1234
+
 
 class Workload:
     """The benchmark's model: `build()` gives a fresh copy (the same weights
@@ -75,14 +77,14 @@ class Workload:
         else:
             self.text = (f"nanoGPT, {args.layers} blocks, n_embd {args.width}, {args.heads} heads, "
                          f"{args.batch} x {args.seq} tokens per microbatch, vocab {args.vocab}, {args.dtype} parameters, "
-                         "dropout 0, untied head, cross-entropy in fp32, deterministic algorithms")
+                         f"dropout {args.dropout}, untied head, cross-entropy in fp32, deterministic algorithms")
 
     def build(self):
         a = self.args
         if a.model == "mlp":
             return mlp(a.layers, a.width, self.dev), loss_of
         torch.manual_seed(0)
-        g = GPT(a.vocab, a.seq, a.layers, a.heads, a.width, dropout=0.0, tie=False)
+        g = GPT(a.vocab, a.seq, a.layers, a.heads, a.width, dropout=a.dropout, tie=False)
         layers, head = step_parts(g.to(self.dev, getattr(torch, a.dtype)))
         return torch.nn.Sequential(*layers), head
 
@@ -168,11 +170,20 @@ def measure(work, n, args):
     """One row: every variant for n microbatches, checked, then timed."""
     xs, ts = work.data(n)
     eager, eager_loss = work.build()
-    none_grads(eager, eager_loss)
-    accumulate(eager, xs, ts, eager_loss)
+
+    def seeded(fn):
+        """fn() from the same generator state (every checked run draws the
+        same dropout masks as eager's)."""
+        torch.manual_seed(SEED)
+        return fn()
+
+    def eager_step():
+        none_grads(eager, eager_loss)
+        accumulate(eager, xs, ts, eager_loss)
+
+    seeded(eager_step)
     want = grads(eager, eager_loss)
-    none_grads(eager, eager_loss)
-    accumulate(eager, xs, ts, eager_loss)
+    seeded(eager_step)
     if not check(f"eager run again (N={n})", eager, eager_loss, want):
         print("eager accumulation is not reproducible here: the comparisons below cannot be bit for bit", flush=True)
 
@@ -183,7 +194,7 @@ def measure(work, n, args):
     setting, setting_loss, step_s, _, _ = graphed_step(work, n, False, "set")
     single, single_loss, step_1, _, _ = graphed_step(work, 1, False)
     fns = {
-        "eager": lambda: (none_grads(eager, eager_loss), accumulate(eager, xs, ts, eager_loss)),
+        "eager": eager_step,
         "torch per-layer graphs": lambda: (none_grads(per_layer, per_layer_loss),
                                            accumulate(chained, xs, ts, chained_loss)),
         "torch whole-step graph": g.replay,
@@ -205,7 +216,7 @@ def measure(work, n, args):
         fns["graphed looped step"] = lambda: (none_grads(looped, looped_loss), step_l(xs, ts))
         models["graphed looped step"] = (looped, looped_loss)
     for fn in fns.values():
-        fn()
+        seeded(fn)
     torch.cuda.synchronize()
     wrong = {k for k, (m, lf) in models.items() if not check(f"{k} (N={n})", m, lf, want)}
     # Timed without setting .grad to None: the step (or steps) alone.
@@ -279,6 +290,7 @@ def main():
     ap.add_argument("--heads", type=int, default=6, help="gpt: attention heads")
     ap.add_argument("--vocab", type=int, default=512, help="gpt: vocabulary")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="gpt: parameter dtype")
+    ap.add_argument("--dropout", type=float, default=0.0, help="gpt: dropout (each checked run seeded alike)")
     ap.add_argument("--counts", default="1")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="steps per round up to N = 4, scaled as 4/N above")
