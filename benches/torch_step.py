@@ -6,9 +6,9 @@ docs/benchmarks.md section 11), on one of two models:
 - `--model gpt`: nanoGPT (examples/torch_extension/nanogpt.py, untied):
   the embeddings, transformer blocks (LayerNorm, causal attention through
   scaled_dot_product_attention, GELU MLP) and the head with its
-  cross-entropy, bf16 parameters, dropout 0 (`--dropout`), torch's deterministic
-  algorithms on (flash attention's backward otherwise adds its query grads
-  with atomics, in an order that differs from run to run);
+  cross-entropy, bf16 parameters, dropout 0 (`--dropout`), torch's
+  deterministic algorithms on (a precaution: the bit-for-bit checks need
+  eager accumulation to repeat itself, which the script checks first);
 
 N microbatches accumulated into .grad per optimizer step (the optimizer
 left out), seven ways:
