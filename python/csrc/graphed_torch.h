@@ -250,9 +250,9 @@ struct StepOptions {
     // Microbatches per replay (at most GRAPHED_STEP_MAX_MICROBATCHES).
     uint32_t microbatches = 1;
     // False: every microbatch captured (unrolled); true: one microbatch in
-    // a conditional WHILE node, a replay running 1 to `microbatches` (a
-    // step that draws random numbers is refused there: each iteration
-    // would draw the same ones).
+    // a conditional WHILE node, a replay running 1 to `microbatches` (each
+    // iteration drawing its own random numbers, as eager's microbatches:
+    // it first moves the generators' offsets on by one microbatch's draws).
     bool loop = false;
     // Where parameter p's grad is added (the attribute accumulate_into
     // names), asked once per parameter at capture: the step's graph adds
