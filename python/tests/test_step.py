@@ -248,6 +248,28 @@ def test_set_grads_replace_the_previous_steps():
     assert_all_equal(got, [p.grad for p in params_of(base)])
 
 
+def test_set_grads_come_back_after_zero_grad_set_to_none():
+    """param_grads="set" with the optimizer's default zero_grad (set to
+    None) between steps: each call gives `.grad` back, holding that
+    call's grads (an optimizer would otherwise skip every parameter)."""
+    mods = gpt(torch.float32, 0.0)
+    step = make_step(mods, 2, param_grads="set")
+    idx, tgt = data(2, seed=9)
+    params = params_of(mods)
+    for s in range(2):
+        for p in params:
+            p.grad = None
+        step(idx[s], tgt[s])
+        assert all(p.grad is not None for p in params)
+    base = gpt(torch.float32, 0.0)
+    for m in range(2):
+        x = idx[1, m]
+        for mod in base[:-1]:
+            x = mod(x)
+        base[-1](x, tgt[1, m]).backward()
+    assert_all_equal([p.grad for p in params], [p.grad for p in params_of(base)])
+
+
 def test_refusals():
     mods = gpt(torch.float32, 0.1)
     step = make_step(mods, 2)

@@ -124,8 +124,10 @@ class GraphedStep:
                     "(or clone it), or zero the grads in place (zero_grad(set_to_none=False))"
                 )
             none.append((k, p))
-        if none and not self._overwrite:
-            torch._foreach_zero_([self._dsts[k][3] for k, _ in none])
+        if none:
+            # Added into: zeroed first; set: the step overwrites it.
+            if not self._overwrite:
+                torch._foreach_zero_([self._dsts[k][3] for k, _ in none])
             for k, p in none:
                 setattr(p, attr, self._dsts[k][3])
 
