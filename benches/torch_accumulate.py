@@ -39,19 +39,21 @@ def accumulate(model, xs, ts, loss=loss_of):
         loss(model(x), t).backward()
 
 
+def event_ms(fn):
+    """GPU time of one call of fn (CUDA events around it), in ms."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def gpu_ms(fn, iters, warmup):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_ms(fn) for _ in range(iters))
 
 
 def host_us(fn, iters):

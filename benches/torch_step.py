@@ -56,7 +56,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "torch_extension"))
 from nanogpt import GPT, step_parts  # noqa: E402
 from torch_accumulate import (  # noqa: E402
-    accumulate, grads, host_us, loss_of, mlp, none_grads, per_layer_graphs, whole_step_graph,
+    accumulate, event_ms, grads, host_us, loss_of, mlp, none_grads, per_layer_graphs, whole_step_graph,
 )
 
 import graphed.torch as gt  # noqa: E402
@@ -105,13 +105,7 @@ def interleaved(fns, rounds, iters, warmup):
     per = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                per[k].append(a.elapsed_time(b))
+            per[k] += [event_ms(fn) for _ in range(iters)]
     return {k: statistics.median(v) for k, v in per.items()}
 
 
