@@ -47,6 +47,11 @@
 #define GRAPHED_CALLABLE_DESC_MAGIC 1735524354
 
 /**
+ * The most buckets a callable may have (graphed_callable_desc.num_buckets).
+ */
+#define GRAPHED_MAX_BUCKETS 256
+
+/**
  * The magic graphed_replay_args_default() sets.
  */
 #define GRAPHED_REPLAY_ARGS_MAGIC 1735524357
@@ -337,6 +342,14 @@ enum graphed_tensor_flags
    * pass, if any) has run.
    */
   GRAPHED_TENSOR_FLAGS_REBIND = 4,
+  /**
+   * The tensor's first dimension is the callable's dynamic size
+   * (graphed_callable_desc.bucket_sizes): its `shape` is given, with the
+   * largest bucket's size first, and `bytes` are the largest bucket's.
+   * In a bucket of n rows the tensor is the first n rows of its buffer.
+   * Not with CHAINED, EXTERNAL or REBIND.
+   */
+  GRAPHED_TENSOR_FLAGS_DYNAMIC = 8,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -942,6 +955,22 @@ typedef struct graphed_pass_ctx {
    * otherwise.
    */
   const uint32_t *step_microbatch_index;
+  /**
+   * Callables with buckets: which bucket this call records (0-based),
+   * of how many, and its size (the first dimension of its DYNAMIC
+   * tensors); 0, 0 and 0 otherwise.
+   */
+  uint32_t bucket;
+  uint32_t num_buckets;
+  uint64_t bucket_size;
+  /**
+   * Callables with buckets: device memory holding the actual size of
+   * the replay (a uint64_t, at most bucket_size; rows past it are
+   * padding: zeroed inputs and grad-outputs), for kernels that must
+   * mask or average over the actual rows. It holds bucket_size during
+   * warmup. NULL otherwise.
+   */
+  const uint64_t *actual_size;
 } graphed_pass_ctx;
 
 /**
@@ -1002,6 +1031,18 @@ typedef struct graphed_callable_desc {
   graphed_pass_fn pre_hook;
   graphed_pass_fn post_hook;
   void *hook_data;
+  /**
+   * Buckets: `num_buckets` sizes of the dynamic dimension, strictly
+   * ascending, each 1 to 2^32 - 1 (NULL and 0: one shape). The callable
+   * is captured once per bucket, every bucket in the largest one's
+   * static memory; its GRAPHED_TENSOR_FLAGS_DYNAMIC tensors have the
+   * bucket's size as their first dimension. A forward replay names its
+   * actual size (graphed_replay_args.size) and runs the smallest bucket
+   * that holds it. Not with a pipeline schedule, steps or chained
+   * inputs. Copied at registration.
+   */
+  const uint64_t *bucket_sizes;
+  size_t num_buckets;
 } graphed_callable_desc;
 
 /**
@@ -1065,6 +1106,17 @@ typedef struct graphed_replay_args {
    */
   const void *const *params;
   size_t num_params;
+  /**
+   * Callables with buckets (graphed_callable_desc.bucket_sizes): the
+   * actual size of the dynamic dimension, 1 to the largest bucket. A
+   * forward must give it: the smallest bucket that holds it runs, the
+   * DYNAMIC inputs' first `size` rows are copied in and the rest of the
+   * bucket zeroed, and the DYNAMIC outputs come back as their first
+   * `size` rows. Backward and weight-grad replays run the bucket of the
+   * callable's last forward (0 here, or that forward's size). 0 for
+   * callables without buckets.
+   */
+  uint64_t size;
 } graphed_replay_args;
 
 /**

@@ -191,6 +191,9 @@ struct Callable {
     graphed_pass_fn pre_hook = nullptr;
     graphed_pass_fn post_hook = nullptr;
     void* hook_data = nullptr;
+    /// Sizes of the dynamic dimension, strictly ascending (empty: one
+    /// shape); see graphed_callable_desc.bucket_sizes.
+    std::vector<uint64_t> buckets;
 
     /// The C descriptor (from graphed_callable_desc_default()). It points
     /// into this object: use it while this object lives unchanged.
@@ -210,6 +213,8 @@ struct Callable {
         d.pre_hook = pre_hook;
         d.post_hook = post_hook;
         d.hook_data = hook_data;
+        d.num_buckets = buckets.size();
+        d.bucket_sizes = buckets.empty() ? nullptr : buckets.data();
         return d;
     }
 };
@@ -394,6 +399,12 @@ class Replay {
 
     Replay& callable(uint32_t c) {
         raw_.callable = c;
+        return *this;
+    }
+    /// The actual size of the dynamic dimension (callables with buckets;
+    /// graphed_replay_args.size).
+    Replay& size(uint64_t n) {
+        raw_.size = n;
         return *this;
     }
     Replay& microbatch(uint32_t m) {

@@ -590,7 +590,7 @@ fn wrong_counts_and_bad_arrays_are_invalid_arguments() {
     a.num_data = 1;
     a.params = 8 as *const *const c_void;
     a.num_params = usize::MAX;
-    a.struct_size = size_of::<graphed_replay_args>() - 16;
+    a.struct_size = std::mem::offset_of!(graphed_replay_args, params);
     let mut out = empty_ref();
     // SAFETY: the fields past struct_size are not read.
     ok(unsafe { graphed_forward(s, &a, &mut out, 1) });

@@ -24,11 +24,17 @@ graphed::Callable LinearLayer::callable(const void* sample_input, bool input_req
     c.backward = &LinearLayer::backward;
     c.wgrad = split_wgrad ? &LinearLayer::wgrad : nullptr;
     c.user_data = this;
+    if (!buckets.empty()) {
+        c.buckets = buckets;
+        c.inputs[0].flags |= GRAPHED_TENSOR_FLAGS_DYNAMIC;
+        c.outputs[0].flags |= GRAPHED_TENSOR_FLAGS_DYNAMIC;
+    }
     return c;
 }
 
 int LinearLayer::eager_forward(graphed_stream s, const void* x, void* z, void* y, uint32_t mb,
-                               const uint32_t* mb_at) const {
+                               const uint32_t* mb_at, int rows) const {
+    const int batch = rows ? rows : this->batch;
     const size_t n = size_t(batch) * out;
     if (!relu) {
         if (int e = dev->linear_fwd(s, dtype, x, w, b, y, batch, in, out)) return e;
@@ -40,7 +46,8 @@ int LinearLayer::eager_forward(graphed_stream s, const void* x, void* z, void* y
 }
 
 int LinearLayer::eager_backward(graphed_stream s, const void* x, const void* z, const void* gy, void* gz, void* gx,
-                                void* gw, void* gb, uint32_t mb, const uint32_t* mb_at) const {
+                                void* gw, void* gb, uint32_t mb, const uint32_t* mb_at, int rows) const {
+    const int batch = rows ? rows : this->batch;
     const size_t n = size_t(batch) * out;
     const void* g = gy;
     if (dropout > 0.0f) {
@@ -59,13 +66,14 @@ int LinearLayer::eager_backward(graphed_stream s, const void* x, const void* z, 
 int32_t LinearLayer::forward(const graphed_pass_ctx* ctx, void* self) {
     return graphed::guard([&] {
         auto* L = static_cast<LinearLayer*>(self);
+        const int rows = LinearLayer::rows(ctx, L->batch);
         void* z = nullptr;
         if (L->relu) {
-            z = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
+            z = graphed::scratch_alloc(*ctx, L->act_bytes(L->out, rows));
             *ctx->tape = z;
         }
         return L->eager_forward(ctx->stream, ctx->inputs[0], z, ctx->outputs[0], ctx->step_microbatch,
-                                ctx->step_microbatch_index);
+                                ctx->step_microbatch_index, rows);
     });
 }
 
@@ -74,10 +82,11 @@ int32_t LinearLayer::backward(const graphed_pass_ctx* ctx, void* self) {
         auto* L = static_cast<LinearLayer*>(self);
         const void* x = ctx->inputs[0];
         void* gx = ctx->grad_inputs[0];
-        const size_t n = size_t(L->batch) * L->out;
+        const int rows = LinearLayer::rows(ctx, L->batch);
+        const size_t n = size_t(rows) * L->out;
         const void* g = ctx->grad_outputs[0];
         void* gz = nullptr;
-        if (L->relu || L->dropout > 0.0f) gz = graphed::scratch_alloc(*ctx, L->act_bytes(L->out));
+        if (L->relu || L->dropout > 0.0f) gz = graphed::scratch_alloc(*ctx, L->act_bytes(L->out, rows));
         if (L->dropout > 0.0f) {
             if (int e = L->dev->dropout(ctx->stream, L->dtype, g, gz, n, L->dropout, L->dropout_seed,
                                         ctx->step_microbatch, ctx->step_microbatch_index))
@@ -91,14 +100,14 @@ int32_t LinearLayer::backward(const graphed_pass_ctx* ctx, void* self) {
             g = gz;
         }
         if (gx)
-            if (int e = L->dev->linear_bwd_input(ctx->stream, L->dtype, g, L->w, gx, L->batch, L->in, L->out))
+            if (int e = L->dev->linear_bwd_input(ctx->stream, L->dtype, g, L->w, gx, rows, L->in, L->out))
                 return e;
         if (L->split_wgrad) {
             *ctx->tape = gz;  // kept for the weight-grad pass (NULL without ReLU or dropout: it reads the grad-output)
             return 0;
         }
         if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, x, ctx->param_grads[0], ctx->param_grads[1],
-                                              L->batch, L->in, L->out))
+                                              rows, L->in, L->out))
             return e;
         if (gz) graphed::scratch_free(*ctx, gz);
         return 0;
@@ -111,7 +120,7 @@ int32_t LinearLayer::wgrad(const graphed_pass_ctx* ctx, void* self) {
         void* gz = *ctx->tape;
         const void* g = gz ? gz : ctx->grad_outputs[0];
         if (int e = L->dev->linear_bwd_weight(ctx->stream, L->dtype, g, ctx->inputs[0], ctx->param_grads[0],
-                                              ctx->param_grads[1], L->batch, L->in, L->out))
+                                              ctx->param_grads[1], LinearLayer::rows(ctx, L->batch), L->in, L->out))
             return e;
         if (gz) graphed::scratch_free(*ctx, gz);
         return 0;
@@ -244,6 +253,9 @@ double Mlp::last_loss() {
 
 void Mlp::register_layers(graphed::Session& session, const void* sample_x, const Wiring& wiring) {
     for (int i = 0; i < layers(); ++i) {
+        if (!wiring.buckets.empty() && (wiring.chain || wiring.loss))
+            throw std::runtime_error("buckets are registered without chain or loss");
+        layer_[i].buckets = wiring.buckets;
         graphed::Callable c = layer_[i].callable(sample_x, i > 0);
         if (i > 0 && wiring.chain) {
             c.inputs[0].flags = GRAPHED_TENSOR_FLAGS_CHAINED;

@@ -31,6 +31,11 @@ struct LinearLayer {
     float dropout = 0.0f;
     uint64_t dropout_seed = 0;
 
+    // Sizes of the batch dimension to capture (graphed_callable_desc
+    // bucket_sizes; empty: one shape, `batch`). The largest is `batch`; the
+    // callbacks take their rows from graphed_pass_ctx.bucket_size.
+    std::vector<uint64_t> buckets;
+
     // Filled by callable(); its tensor descriptors point at them.
     int64_t in_shape[2] = {0, 0}, out_shape[2] = {0, 0};
 
@@ -42,14 +47,21 @@ struct LinearLayer {
     static int32_t backward(const graphed_pass_ctx* ctx, void* self);
     static int32_t wgrad(const graphed_pass_ctx* ctx, void* self);
 
-    size_t act_bytes(int features) const { return size_t(batch) * features * graphed::dtype_size(dtype); }
+    size_t act_bytes(int features, int rows = 0) const {
+        return size_t(rows ? rows : batch) * features * graphed::dtype_size(dtype);
+    }
+    // The rows a callback works on: its bucket's, else `batch`.
+    static int rows(const graphed_pass_ctx* ctx, int batch) {
+        return ctx->num_buckets ? static_cast<int>(ctx->bucket_size) : batch;
+    }
 
     // The same math eagerly, on explicit buffers, as microbatch `mb` (read
     // from device memory `mb_at` at run time when it is not NULL).
+    // `rows`: the batch rows (0: `batch`).
     int eager_forward(graphed_stream s, const void* x, void* z, void* y, uint32_t mb = 0,
-                      const uint32_t* mb_at = nullptr) const;
+                      const uint32_t* mb_at = nullptr, int rows = 0) const;
     int eager_backward(graphed_stream s, const void* x, const void* z, const void* gy, void* gz, void* gx, void* gw,
-                       void* gb, uint32_t mb = 0, const uint32_t* mb_at = nullptr) const;
+                       void* gb, uint32_t mb = 0, const uint32_t* mb_at = nullptr, int rows = 0) const;
 };
 
 // The squared-error loss as a callable: inputs y (chained to a layer's
@@ -82,6 +94,9 @@ struct Wiring {
     // The last layer's grad-output is rebound to the data each backward
     // replay passes.
     bool rebind_grad_output = false;
+    // Every layer captured in these batch sizes (LinearLayer::buckets; the
+    // largest is the Mlp's batch; not with chain or loss).
+    std::vector<uint64_t> buckets;
 };
 
 // Grads of one training step, copied to the host.

@@ -26,6 +26,10 @@ pub const GRAPHED_TENSOR_DESC_MAGIC: u32 = 0x6772_0003;
 pub const GRAPHED_PARAM_DESC_MAGIC: u32 = 0x6772_0004;
 pub const GRAPHED_CALLABLE_DESC_MAGIC: u32 = 0x6772_0002;
 
+/// The most buckets a callable may have (graphed_callable_desc.num_buckets).
+pub const GRAPHED_MAX_BUCKETS: usize = 256;
+const _: () = assert!(GRAPHED_MAX_BUCKETS == crate::orchestrate::session::MAX_BUCKETS);
+
 /// A static input or output of a callable. Initialise each with
 /// graphed_tensor_desc_default().
 #[repr(C)]
@@ -181,6 +185,16 @@ pub struct graphed_callable_desc {
     pub pre_hook: graphed_pass_fn,
     pub post_hook: graphed_pass_fn,
     pub hook_data: *mut c_void,
+    /// Buckets: `num_buckets` sizes of the dynamic dimension, strictly
+    /// ascending, each 1 to 2^32 - 1 (NULL and 0: one shape). The callable
+    /// is captured once per bucket, every bucket in the largest one's
+    /// static memory; its GRAPHED_TENSOR_FLAGS_DYNAMIC tensors have the
+    /// bucket's size as their first dimension. A forward replay names its
+    /// actual size (graphed_replay_args.size) and runs the smallest bucket
+    /// that holds it. Not with a pipeline schedule, steps or chained
+    /// inputs. Copied at registration.
+    pub bucket_sizes: *const u64,
+    pub num_buckets: usize,
 }
 
 // SAFETY: repr(C), integers, pointers and nullable function pointers only
@@ -215,6 +229,8 @@ pub extern "C" fn graphed_callable_desc_default() -> graphed_callable_desc {
         pre_hook: None,
         post_hook: None,
         hook_data: std::ptr::null_mut(),
+        bucket_sizes: std::ptr::null(),
+        num_buckets: 0,
     }
 }
 
@@ -235,6 +251,7 @@ fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
         external: flags.external,
         chained: flags.chained.then_some((t.chain_callable, t.chain_output)),
         rebind: flags.rebind,
+        dynamic: flags.dynamic,
     })
 }
 
@@ -258,6 +275,16 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
     let inputs = unsafe { read_array(d.inputs, d.num_inputs, "desc.inputs") }?;
     let outputs = unsafe { read_array(d.outputs, d.num_outputs, "desc.outputs") }?;
     let params = unsafe { read_array(d.params, d.num_params, "desc.params") }?;
+    let buckets = match d.num_buckets {
+        0 if !d.bucket_sizes.is_null() => {
+            return Err(Error::invalid(
+                "desc.bucket_sizes is set but desc.num_buckets is 0",
+            ))
+        }
+        0 => Vec::new(),
+        // SAFETY: the caller passes `num_buckets` readable sizes.
+        n => unsafe { arg_slice(d.bucket_sizes, n, "desc.bucket_sizes") }?.to_vec(),
+    };
     let convert = |ts: &[graphed_tensor_desc], what: &str| -> Result<Vec<TensorSpec>> {
         ts.iter()
             .enumerate()
@@ -298,6 +325,7 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
             outputs,
             params,
             callbacks: Box::new(callbacks),
+            buckets,
         },
     ))
 }
@@ -380,9 +408,7 @@ mod tests {
             size_of::<graphed_param_desc>(),
             graphed_param_desc::MIN_SIZE
         );
-        assert_eq!(
-            size_of::<graphed_callable_desc>(),
-            graphed_callable_desc::MIN_SIZE
-        );
+        assert_eq!(graphed_callable_desc::MIN_SIZE, 128);
+        assert_eq!(size_of::<graphed_callable_desc>(), 144, "with buckets");
     }
 }

@@ -86,6 +86,18 @@ pub struct graphed_pass_ctx {
     /// runs; kernels read it there (step_microbatch is 0 then). NULL
     /// otherwise.
     pub step_microbatch_index: *const u32,
+    /// Callables with buckets: which bucket this call records (0-based),
+    /// of how many, and its size (the first dimension of its DYNAMIC
+    /// tensors); 0, 0 and 0 otherwise.
+    pub bucket: u32,
+    pub num_buckets: u32,
+    pub bucket_size: u64,
+    /// Callables with buckets: device memory holding the actual size of
+    /// the replay (a uint64_t, at most bucket_size; rows past it are
+    /// padding: zeroed inputs and grad-outputs), for kernels that must
+    /// mask or average over the actual rows. It holds bucket_size during
+    /// warmup. NULL otherwise.
+    pub actual_size: *const u64,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.
@@ -183,6 +195,10 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
         step_microbatch: v.step_microbatch,
         step_microbatches: v.step_microbatches,
         step_microbatch_index: v.step_index as *const u32,
+        bucket: v.bucket,
+        num_buckets: v.buckets,
+        bucket_size: v.bucket_size,
+        actual_size: v.actual_size as *const u64,
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.

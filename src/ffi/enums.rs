@@ -272,6 +272,12 @@ pub enum graphed_tensor_flags {
     /// it must stay unchanged until that backward (and the weight-grad
     /// pass, if any) has run.
     Rebind = 4,
+    /// The tensor's first dimension is the callable's dynamic size
+    /// (graphed_callable_desc.bucket_sizes): its `shape` is given, with the
+    /// largest bucket's size first, and `bytes` are the largest bucket's.
+    /// In a bucket of n rows the tensor is the first n rows of its buffer.
+    /// Not with CHAINED, EXTERNAL or REBIND.
+    Dynamic = 8,
 }
 
 /// What a tensor's flags say.
@@ -279,17 +285,19 @@ pub(crate) struct TensorFlags {
     pub external: bool,
     pub chained: bool,
     pub rebind: bool,
+    pub dynamic: bool,
 }
 
 impl graphed_tensor_flags {
     /// The flags of a bit set; unknown bits are refused.
     pub(crate) fn decode(bits: u32, what: &str) -> Result<TensorFlags> {
-        let (external, chained, rebind) = (
+        let (external, chained, rebind, dynamic) = (
             graphed_tensor_flags::External as u32,
             graphed_tensor_flags::Chained as u32,
             graphed_tensor_flags::Rebind as u32,
+            graphed_tensor_flags::Dynamic as u32,
         );
-        let known = external | chained | rebind;
+        let known = external | chained | rebind | dynamic;
         if bits & !known != 0 {
             return Err(Error::invalid(format!(
                 "{what} has unknown bits 0x{:x}",
@@ -301,10 +309,17 @@ impl graphed_tensor_flags {
                 "{what}: a chained input is read in place; it cannot also be rebound"
             )));
         }
+        if bits & dynamic != 0 && bits & (chained | external | rebind) != 0 {
+            return Err(Error::invalid(format!(
+                "{what}: a DYNAMIC tensor is copied in and out of its bucket's rows; it cannot also be \
+                 CHAINED, EXTERNAL or REBIND"
+            )));
+        }
         Ok(TensorFlags {
             external: bits & external != 0,
             chained: bits & chained != 0,
             rebind: bits & rebind != 0,
+            dynamic: bits & dynamic != 0,
         })
     }
 }
@@ -391,7 +406,14 @@ mod tests {
         assert!(graphed_param_flags::decode(8, "f").is_err());
         assert!(graphed_param_flags::decode(3, "f").unwrap().external_grad);
         assert!(graphed_param_flags::decode(4, "f").unwrap().rebind);
-        assert!(graphed_tensor_flags::decode(8, "f").is_err());
+        assert!(graphed_tensor_flags::decode(16, "f").is_err());
+        assert!(graphed_tensor_flags::decode(8, "f").unwrap().dynamic);
+        for other in [1, 2, 4] {
+            assert!(
+                graphed_tensor_flags::decode(8 | other, "f").is_err(),
+                "dynamic with {other}"
+            );
+        }
         assert!(
             graphed_tensor_flags::decode(6, "f").is_err(),
             "chained and rebound"

@@ -66,6 +66,15 @@ pub struct graphed_replay_args {
     /// other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT.
     pub params: *const *const c_void,
     pub num_params: usize,
+    /// Callables with buckets (graphed_callable_desc.bucket_sizes): the
+    /// actual size of the dynamic dimension, 1 to the largest bucket. A
+    /// forward must give it: the smallest bucket that holds it runs, the
+    /// DYNAMIC inputs' first `size` rows are copied in and the rest of the
+    /// bucket zeroed, and the DYNAMIC outputs come back as their first
+    /// `size` rows. Backward and weight-grad replays run the bucket of the
+    /// callable's last forward (0 here, or that forward's size). 0 for
+    /// callables without buckets.
+    pub size: u64,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -97,6 +106,7 @@ pub extern "C" fn graphed_replay_args_default() -> graphed_replay_args {
         ref_size: size_of::<graphed_ref>(),
         params: std::ptr::null(),
         num_params: 0,
+        size: 0,
     }
 }
 
@@ -148,6 +158,7 @@ fn replay_args(a: &graphed_replay_args) -> Result<ReplayArgs<'_>> {
         data: ptrs(a.data, a.num_data, "args.data")?,
         param_dsts: ptrs(a.param_dsts.cast(), a.num_param_dsts, "args.param_dsts")?,
         params: ptrs(a.params, a.num_params, "args.params")?,
+        size: a.size,
     })
 }
 

@@ -136,18 +136,57 @@ pub(crate) struct Captured {
     pub stage: Stage,
     /// Parameter moves replays followed.
     pub param_moves: u64,
+    /// Callables with buckets: where the device holds callable c's actual
+    /// size (a u64 at `sizes + 8 c`, in the static allocation; 0 without
+    /// buckets), and per callable the instance and size of its last
+    /// forward (what its backward runs).
+    pub sizes: DevPtr,
+    pub last_forward: Vec<Option<(usize, u64)>>,
     /// Last: fields drop in order, so these go after the graphs.
     pub resources: Resources,
 }
 
 impl Captured {
+    /// The instance of (callable, microbatch) whose buffers queries
+    /// describe: with buckets, the largest bucket's (the others use a
+    /// prefix of its buffers).
     pub fn instance_index(&self, callable: u32, microbatch: u32) -> Result<usize> {
-        let per = self.by_callable.get(callable as usize).ok_or_else(|| {
-            Error::invalid(format!(
-                "callable {callable} does not exist (the session has {} callables)",
-                self.by_callable.len()
-            ))
-        })?;
+        let per = self.per_callable(callable)?;
+        let buckets = self.bucket_count(callable as usize);
+        if buckets > 1 {
+            return match microbatch {
+                0 => Ok(per[buckets - 1]),
+                mb => Err(Error::invalid(format!(
+                    "microbatch {mb} does not exist for callable {callable} (a callable with buckets has one \
+                     microbatch)"
+                ))),
+            };
+        }
+        self.microbatch_index(callable, microbatch)
+    }
+
+    /// How many buckets callable `c` was captured in (1: one shape).
+    pub fn bucket_count(&self, c: usize) -> usize {
+        let per = self.by_callable.get(c).map_or(&[][..], Vec::as_slice);
+        per.iter()
+            .filter(|&&n| self.instances[n].microbatch == 0)
+            .count()
+    }
+
+    fn per_callable(&self, callable: u32) -> Result<&[usize]> {
+        self.by_callable
+            .get(callable as usize)
+            .map(Vec::as_slice)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "callable {callable} does not exist (the session has {} callables)",
+                    self.by_callable.len()
+                ))
+            })
+    }
+
+    fn microbatch_index(&self, callable: u32, microbatch: u32) -> Result<usize> {
+        let per = self.per_callable(callable)?;
         per.get(microbatch as usize).copied().ok_or_else(|| {
             Error::invalid(format!(
                 "microbatch {microbatch} does not exist for callable {callable} (it was captured for {} microbatch(es))",

@@ -24,6 +24,11 @@ pub(crate) struct PassRef {
 pub(crate) struct Placed {
     pub callable: usize,
     pub microbatch: u32,
+    /// Its bucket (0 without buckets): every bucket of a (callable,
+    /// microbatch) lives in the same static buffers, a prefix of them.
+    pub bucket: u32,
+    /// The planned instance (layout, lifetimes) whose buffers it uses.
+    pub site: usize,
     pub inputs: Vec<Tensor>,
     pub outputs: Vec<Tensor>,
     /// One per output (absent where the output takes no grad).

@@ -53,7 +53,10 @@ pub(crate) fn assign(
         planned,
         next: planned.layout.buffers.len(),
     };
-    for (inst, ib) in placed.iter_mut().zip(&planned.layout.instances) {
+    // Every bucket of an instance adds its own slots on the same buffers,
+    // so a lease held on one bucket's alias refuses the others' replays.
+    for inst in placed.iter_mut() {
+        let ib = &planned.layout.instances[inst.site];
         assign_one(s, &mut ids, inst, ib, leases)?;
     }
     Ok(())

@@ -104,7 +104,9 @@ pub(crate) fn plan(s: &Inputs, schedule: &Schedule) -> Result<Planned> {
 }
 
 /// The placed instances of a planned session whose static allocation
-/// starts at `base`, with their passes at their positions in `order`.
+/// starts at `base`, with their passes at their positions in `order`: one
+/// per planned instance and bucket (see [`first_instances`]), every bucket
+/// in the planned instance's buffers.
 pub(crate) fn place(
     s: &Inputs,
     p: &Planned,
@@ -113,7 +115,9 @@ pub(crate) fn place(
 ) -> Result<Vec<Placed>> {
     let mut placed = Vec::with_capacity(p.shapes.len());
     for n in 0..p.shapes.len() {
-        placed.push(place_one(s, p, n, base)?);
+        for b in 0..s.callables[p.owners[n].0].bucket_count() {
+            placed.push(place_one(s, p, n, b, base)?);
+        }
     }
     for (pos, r) in order.iter().enumerate() {
         placed[r.instance].position[r.kind.index()] = Some(pos);
@@ -121,11 +125,29 @@ pub(crate) fn place(
     Ok(placed)
 }
 
-/// One instance's share of a plan, with its static allocation at `base`.
+/// The index of each callable's first placed instance: placed instances
+/// go callable by callable, microbatch by microbatch, bucket by bucket, so
+/// (callable c, microbatch mb, bucket b) is `first[c] + mb * buckets + b`
+/// (a callable with buckets has one microbatch).
+pub(crate) fn first_instances(s: &Inputs, microbatches: usize) -> Vec<usize> {
+    let mut next = 0;
+    s.callables
+        .iter()
+        .map(|c| {
+            let first = next;
+            next += microbatches * c.bucket_count();
+            first
+        })
+        .collect()
+}
+
+/// One instance's share of a plan, with its static allocation at `base`,
+/// in bucket `size` (0: no buckets).
 struct Site<'a> {
     p: &'a Planned,
     n: usize,
     base: DevPtr,
+    size: u64,
 }
 
 impl Site<'_> {
@@ -146,7 +168,10 @@ impl Site<'_> {
         id: Option<usize>,
         place: Place,
     ) -> Tensor {
-        let mut x = Tensor::new(role, i, t.bytes, t.dtype, place);
+        let mut x = Tensor::new(role, i, t.bytes_in(self.size), t.dtype, place);
+        if t.dynamic {
+            x.row_bytes = t.row_bytes();
+        }
         if let (Place::Static | Place::Chained, Some(id)) = (place, id) {
             x.ptr = self.p.at(self.base, id);
         }
@@ -232,10 +257,11 @@ impl Site<'_> {
     }
 }
 
-fn place_one(s: &Inputs, p: &Planned, n: usize, base: DevPtr) -> Result<Placed> {
+fn place_one(s: &Inputs, p: &Planned, n: usize, bucket: usize, base: DevPtr) -> Result<Placed> {
     let (c, mb) = p.owners[n];
     let spec = &s.callables[c];
-    let site = Site { p, n, base };
+    let size = spec.bucket_size(bucket);
+    let site = Site { p, n, base, size };
     let (inputs, grad_inputs) = site.inputs(&spec.inputs);
     let (outputs, grad_outputs) = site.outputs(&spec.outputs);
     let (shape, ib) = (site.shape(), site.ib());
@@ -249,6 +275,8 @@ fn place_one(s: &Inputs, p: &Planned, n: usize, base: DevPtr) -> Result<Placed> 
     Ok(Placed {
         callable: c,
         microbatch: mb as u32,
+        bucket: bucket as u32,
+        site: n,
         inputs,
         outputs,
         grad_outputs,

@@ -79,6 +79,72 @@ fn check_tensor(t: &TensorSpec, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// The most buckets a callable may have: each is captured on its own.
+pub(crate) const MAX_BUCKETS: usize = 256;
+
+/// Checks a callable's buckets against its DYNAMIC tensors.
+fn check_buckets(spec: &CallableSpec, who: &str) -> Result<()> {
+    let tensors = || {
+        let ins = spec
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| ("inputs", i, t));
+        ins.chain(
+            spec.outputs
+                .iter()
+                .enumerate()
+                .map(|(i, t)| ("outputs", i, t)),
+        )
+    };
+    let Some(&largest) = spec.buckets.last() else {
+        return match tensors().find(|(_, _, t)| t.dynamic) {
+            Some((what, i, _)) => Err(Error::invalid(format!(
+                "{who}: {what}[{i}] is DYNAMIC, but the callable has no buckets (desc.bucket_sizes)"
+            ))),
+            None => Ok(()),
+        };
+    };
+    let b = &spec.buckets;
+    if b.len() > MAX_BUCKETS {
+        return Err(Error::invalid(format!(
+            "{who} has {} buckets; at most {MAX_BUCKETS}",
+            b.len()
+        )));
+    }
+    if b[0] == 0 || largest > u32::MAX as u64 {
+        return Err(Error::invalid(format!(
+            "{who}: bucket sizes are 1 to 2^32 - 1 (got {b:?})"
+        )));
+    }
+    if b.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::invalid(format!(
+            "{who}: bucket sizes must be strictly ascending (got {b:?})"
+        )));
+    }
+    if !tensors().any(|(_, _, t)| t.dynamic) {
+        return Err(Error::invalid(format!(
+            "{who} has buckets but no DYNAMIC input or output (GRAPHED_TENSOR_FLAGS_DYNAMIC marks the \
+             tensors whose first dimension is the bucket size)"
+        )));
+    }
+    for (what, i, t) in tensors().filter(|(_, _, t)| t.dynamic) {
+        if t.shape.first() != Some(&(largest as i64)) {
+            return Err(Error::invalid(format!(
+                "{who}: {what}[{i}] is DYNAMIC: its shape's first dimension must be the largest bucket \
+                 ({largest}); its shape is {:?}",
+                t.shape
+            )));
+        }
+    }
+    if let Some((_, i, _)) = tensors().find(|(_, _, t)| t.chained.is_some()) {
+        return Err(Error::invalid(format!(
+            "{who}: inputs[{i}] is CHAINED; callables with buckets take their inputs by copy"
+        )));
+    }
+    Ok(())
+}
+
 impl Session {
     pub fn new(
         backend: Arc<dyn Backend>,
@@ -185,6 +251,7 @@ impl Session {
         for (i, t) in spec.outputs.iter().enumerate() {
             check_tensor(t, &format!("{who}: outputs[{i}]"))?;
         }
+        check_buckets(&spec, &who)?;
         for (i, t) in spec.inputs.iter().enumerate() {
             if let Some(src) = t.chained {
                 self.check_chain(&spec, i, src, &who)?;
@@ -227,6 +294,12 @@ impl Session {
                 self.callables.len()
             ))
         })?;
+        if !producer.buckets.is_empty() {
+            return Err(Error::invalid(format!(
+                "{what}: callable '{}' has buckets; its outputs are not chained to other callables",
+                producer.name
+            )));
+        }
         let out = producer.outputs.get(j as usize).ok_or_else(|| {
             Error::invalid(format!(
                 "{what}: callable '{}' has {} outputs",

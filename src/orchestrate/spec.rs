@@ -36,6 +36,28 @@ pub struct TensorSpec {
     /// Inputs only: a replay with other data points the graphs at it
     /// instead of copying it (when capture could verify that).
     pub rebind: bool,
+    /// Its first dimension is the callable's bucket size (`shape[0]` and
+    /// `bytes` are the largest bucket's); see [`CallableSpec::buckets`].
+    pub dynamic: bool,
+}
+
+impl TensorSpec {
+    /// Bytes of one row (one step of the first dimension) of a dynamic
+    /// tensor; `shape[0]` is non-zero for those (checked at registration).
+    pub fn row_bytes(&self) -> usize {
+        match self.shape.first() {
+            Some(&rows) if rows > 0 => self.bytes / rows as usize,
+            _ => self.bytes,
+        }
+    }
+
+    /// Its bytes in a bucket of `size` rows (all of them when not dynamic).
+    pub fn bytes_in(&self, size: u64) -> usize {
+        match self.dynamic {
+            true => self.row_bytes() * size as usize,
+            false => self.bytes,
+        }
+    }
 }
 
 /// Whether a callback runs eagerly in warmup or under stream capture.
@@ -76,6 +98,13 @@ pub struct PassView<'a> {
     /// In the body of a loop on the device: the u32 the device holds the
     /// running microbatch in (0 elsewhere).
     pub step_index: DevPtr,
+    /// Callables with buckets: which bucket this call records, of how many,
+    /// its size, and the u64 the device holds the replay's actual size in
+    /// (the bucket's size during warmup). (0, 0, 0, 0) otherwise.
+    pub bucket: u32,
+    pub buckets: u32,
+    pub bucket_size: u64,
+    pub actual_size: DevPtr,
     pub stream: StreamRef,
     pub inputs: &'a [DevPtr],
     pub params: &'a [DevPtr],
@@ -114,6 +143,27 @@ pub struct CallableSpec {
     pub params: Vec<ParamSpec>,
     pub outputs: Vec<TensorSpec>,
     pub callbacks: Box<dyn PassCallbacks>,
+    /// Sizes of the dynamic dimension, ascending (empty: one shape). The
+    /// callable is captured once per bucket; every bucket's static buffers
+    /// are a prefix of the largest one's.
+    pub buckets: Vec<u64>,
+}
+
+impl CallableSpec {
+    /// How many shapes it is captured in (1 without buckets).
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len().max(1)
+    }
+
+    /// The dynamic size of bucket `b` (0 without buckets).
+    pub fn bucket_size(&self, b: usize) -> u64 {
+        self.buckets.get(b).copied().unwrap_or(0)
+    }
+
+    /// The smallest bucket holding `size` rows, if one does.
+    pub fn bucket_for(&self, size: u64) -> Option<usize> {
+        self.buckets.iter().position(|&b| b >= size)
+    }
 }
 
 /// Allocator for returned clones (the caller's, e.g. PyTorch's caching
@@ -312,6 +362,9 @@ pub struct ReplayArgs<'a> {
     /// The parameters' current addresses, one per parameter (0: where the
     /// graphs read it now); None: all where they read them now.
     pub params: Option<&'a [DevPtr]>,
+    /// Callables with buckets: the actual size of the dynamic dimension
+    /// (forward: required; backward and weight-grad: 0 or the forward's).
+    pub size: u64,
 }
 
 /// Bytes the library holds, by kind; shared by a session with the buffers

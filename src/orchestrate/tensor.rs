@@ -197,6 +197,9 @@ pub(crate) struct Tensor {
     pub ret: Return,
     /// The strict-lease slot of the alias a replay hands out for it.
     pub lease: Option<usize>,
+    /// A DYNAMIC tensor of a callable with buckets: the bytes of one row
+    /// (`bytes` holds its bucket's rows). 0 otherwise.
+    pub row_bytes: usize,
 }
 
 impl Tensor {
@@ -212,6 +215,7 @@ impl Tensor {
             feed: Feed::NotFed,
             ret: Return::None,
             lease: None,
+            row_bytes: 0,
         }
     }
 

@@ -188,6 +188,7 @@ fn tensor(requires_grad: bool) -> TensorSpec {
         external: false,
         chained: None,
         rebind: false,
+        dynamic: false,
     }
 }
 
@@ -271,6 +272,7 @@ impl Fixture {
                 wgrad,
                 reads_params: false,
             }),
+            buckets: Vec::new(),
         }
     }
 

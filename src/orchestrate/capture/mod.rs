@@ -30,10 +30,11 @@ use super::rebind;
 use super::scratch::Scratch;
 use super::spec::{HookPoint, LogLevel, MemCounters, Phase};
 use super::{leases, place};
-use crate::backend::{DeviceMemory, Event, Stream, StreamRef};
+use crate::backend::{DevPtr, DeviceMemory, Event, Stream, StreamRef};
 use crate::core::lease::Leases;
 use crate::core::policy::{resolve_why, Decided, GradPolicy};
 use crate::core::schedule::Schedule;
+use crate::core::size;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use run::{Call, Runner};
@@ -61,15 +62,54 @@ fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
         None => Schedule::sequential(&has_wgrad),
     };
     let m = schedule.microbatches;
-    let order = schedule
-        .passes
-        .iter()
-        .map(|p| PassRef {
-            instance: p.callable * m + p.microbatch,
-            kind: p.kind,
-        })
-        .collect();
+    check_buckets(s, m)?;
+    // Bucket by bucket: each round runs the schedule's passes of every
+    // callable that has that many buckets, so that the scratch a round's
+    // forwards keep for its backwards is free again before the next round
+    // (buckets share one scratch arena, sized for the largest).
+    let first = place::first_instances(s, m);
+    let rounds = s.callables.iter().map(|c| c.bucket_count()).max();
+    let mut order = Vec::with_capacity(schedule.passes.len());
+    for b in 0..rounds.unwrap_or(1) {
+        for p in &schedule.passes {
+            let buckets = s.callables[p.callable].bucket_count();
+            if b < buckets {
+                order.push(PassRef {
+                    instance: first[p.callable] + p.microbatch * buckets + b,
+                    kind: p.kind,
+                });
+            }
+        }
+    }
     Ok((schedule, order))
+}
+
+/// Refuses buckets where the session has what they do not work with yet:
+/// a pipeline schedule, or a step over a callable with buckets.
+fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
+    let Some(c) = s.callables.iter().find(|c| !c.buckets.is_empty()) else {
+        return Ok(());
+    };
+    if microbatches > 1 || s.opts.schedule.is_some() {
+        return Err(Error::invalid(format!(
+            "callable '{}' has buckets, and the session has a pipeline schedule: buckets need the \
+             default order (one microbatch)",
+            c.name
+        )));
+    }
+    for (i, step) in s.steps.iter().enumerate() {
+        if let Some(&k) = step
+            .callables
+            .iter()
+            .find(|&&k| !s.callables[k as usize].buckets.is_empty())
+        {
+            return Err(Error::invalid(format!(
+                "step {i} holds callable '{}', which has buckets: steps hold callables of one shape",
+                s.callables[k as usize].name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Warmup and capture of every callable of `s`; see the module comment.
@@ -87,7 +127,19 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
         None => Stream::new(backend)?,
     };
     let (ev_in, ev_out) = (Event::new(backend)?, Event::new(backend)?);
-    let statics = DeviceMemory::new(backend, planned.plan.total_bytes)?;
+    // Past the planned buffers: each callable's actual size (a u64), where
+    // callables with buckets.
+    let bucketed = s.callables.iter().any(|c| !c.buckets.is_empty());
+    let sizes_bytes = match bucketed {
+        true => size::aligned(8 * s.callables.len(), "the actual sizes")?,
+        false => 0,
+    };
+    let statics_bytes = size::add(planned.plan.total_bytes, sizes_bytes, "the static buffers")?;
+    let statics = DeviceMemory::new(backend, statics_bytes)?;
+    let sizes = match bucketed {
+        true => statics.ptr() + planned.plan.total_bytes as u64,
+        false => 0,
+    };
     let mut placed = place::place(s, &planned, statics.ptr(), &order)?;
     let mut leases = Leases::new(epoch);
     if s.opts.strict_leases {
@@ -98,7 +150,14 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
 
     // 2, 3. Warm up and record.
     let scratch = Scratch::measuring(backend.clone());
-    let recorded = record(s, &mut placed, &scratch, side.raw(), &order, &mut times);
+    let recorded = record(
+        s,
+        &mut placed,
+        &scratch,
+        (side.raw(), sizes),
+        &order,
+        &mut times,
+    );
     // Whatever happened, nothing may still run on the side stream when the
     // scratch memory or the capture state is released.
     let synced = backend.synchronize(side.raw());
@@ -128,7 +187,8 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
         ev_out,
     };
     times.set_total(started.elapsed());
-    let captured = assemble(s, placed, recorded, planned, order, resources, times);
+    let mut captured = assemble(s, placed, recorded, planned, order, resources, times);
+    captured.sizes = sizes;
     Ok((captured, leases))
 }
 
@@ -165,6 +225,8 @@ fn assemble(
         times,
         stage: Stage::default(),
         param_moves: 0,
+        sizes: 0,
+        last_forward: vec![None; s.callables.len()],
         resources,
     }
 }
@@ -204,7 +266,7 @@ fn record(
     s: &Inputs,
     placed: &mut [Placed],
     scratch: &Arc<Scratch>,
-    stream: StreamRef,
+    (stream, sizes): (StreamRef, DevPtr),
     order: &[PassRef],
     times: &mut CaptureTimes,
 ) -> Result<Recorded> {
@@ -215,6 +277,7 @@ fn record(
         scratch,
         tapes,
         stream,
+        sizes,
         times,
     };
     let arena = r.spent(Span::Warmup, |r| warmup(r, order))?;
@@ -421,6 +484,7 @@ mod tests {
             scratch: &scratch,
             tapes: vec![Cell::new(0)].into(),
             stream: StreamRef(0),
+            sizes: 0,
             times: &mut times,
         };
         let bwd = PassRef {

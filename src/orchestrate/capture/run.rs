@@ -99,6 +99,9 @@ pub(super) struct Runner<'a> {
     pub scratch: &'a Arc<Scratch>,
     pub tapes: Box<[Cell<usize>]>,
     pub stream: StreamRef,
+    /// Where the device holds each callable's actual size (callables with
+    /// buckets; 0: none has them).
+    pub sizes: DevPtr,
     pub times: &'a mut CaptureTimes,
 }
 
@@ -142,7 +145,16 @@ impl Runner<'_> {
         provided: Option<&'v Arc<Provided>>,
     ) -> PassView<'v> {
         let inst = &self.placed[p.instance];
+        let spec = &self.s.callables[inst.callable];
+        let bucketed = !spec.buckets.is_empty();
         PassView {
+            bucket: inst.bucket,
+            buckets: spec.buckets.len() as u32,
+            bucket_size: spec.bucket_size(inst.bucket as usize),
+            actual_size: match bucketed {
+                true => self.actual_size(inst.callable),
+                false => 0,
+            },
             callable: inst.callable as u32,
             microbatch: inst.microbatch,
             pass: p.kind,
@@ -162,6 +174,27 @@ impl Runner<'_> {
             tape: self.tapes[p.instance].as_ptr().cast(),
             scratch,
             provided,
+        }
+    }
+
+    /// Where the device holds callable `c`'s actual size.
+    fn actual_size(&self, c: usize) -> DevPtr {
+        self.sizes + 8 * c as DevPtr
+    }
+
+    /// Before a warmup pass of a callable with buckets: its actual size is
+    /// its bucket's (replays write theirs before they launch).
+    fn set_size(&self, p: PassRef) -> Result<()> {
+        let inst = &self.placed[p.instance];
+        let size = self.s.callables[inst.callable].bucket_size(inst.bucket as usize);
+        match size {
+            0 => Ok(()),
+            // Bucket sizes fit in 32 bits (checked at registration); the
+            // high word stays zero from the zeroed static memory.
+            n => self
+                .s
+                .backend
+                .fill(self.actual_size(inst.callable), n as u32, 4, 1, self.stream),
         }
     }
 
@@ -195,6 +228,9 @@ impl Runner<'_> {
         // Under capture, the external buffers this pass must provide.
         let provided = capture
             .then(|| Provided::new(self.placed[p.instance].provided_by(p.kind), context.clone()));
+        if !capture {
+            self.set_size(p)?;
+        }
         self.hook(p, &call, HookPoint::Pre)?;
         self.scratch.set_context(context);
         let graph = {

@@ -22,7 +22,7 @@ use super::pool::Pool;
 use super::returned::{CloneBlock, Returned};
 use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
 use super::tensor::{Feed, REBIND_ALIGN};
-use crate::backend::{Backend, StreamRef};
+use crate::backend::{Backend, DevPtr, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use stage::Taken;
@@ -143,11 +143,68 @@ fn take_block(p: &Parts, idx: usize, kind: PassKind, s: StreamRef) -> Result<Tak
     })))
 }
 
+/// The instance a replay of `kind` runs, and the actual size of a callable
+/// with buckets (0 without): a forward runs the smallest bucket holding
+/// `a.size`; backward and weight-grad passes the bucket of the callable's
+/// last forward.
+fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, u64)> {
+    let spec = p.callables.get(a.callable as usize);
+    let Some(spec) = spec.filter(|c| !c.buckets.is_empty()) else {
+        if a.size != 0 {
+            let name = spec.map_or("?", |c| c.name.as_str());
+            return Err(Error::invalid(format!(
+                "args.size is {} but callable '{name}' has no buckets: pass 0",
+                a.size
+            )));
+        }
+        return Ok((p.cap.instance_index(a.callable, a.microbatch)?, 0));
+    };
+    // Checks the callable and the microbatch.
+    p.cap.instance_index(a.callable, a.microbatch)?;
+    let (name, buckets) = (&spec.name, &spec.buckets);
+    if kind != PassKind::Forward {
+        return match p.cap.last_forward[a.callable as usize] {
+            None => Err(Error::WrongState(format!(
+                "the {kind} replay of callable '{name}': it has buckets, and no forward ran since capture; a \
+                 {kind} runs the bucket of the callable's last forward"
+            ))),
+            Some((_, size)) if a.size != 0 && a.size != size => Err(Error::invalid(format!(
+                "the {kind} replay of callable '{name}' was given args.size {}, but its last forward ran {size} \
+                 rows: pass 0 or {size}",
+                a.size
+            ))),
+            Some((idx, size)) => Ok((idx, size)),
+        };
+    }
+    if a.size == 0 {
+        return Err(Error::invalid(format!(
+            "callable '{name}' has buckets {buckets:?}: a forward replay names its actual size (args.size)"
+        )));
+    }
+    let b = spec.bucket_for(a.size).ok_or_else(|| {
+        Error::invalid(format!(
+            "args.size {} is above the largest bucket of callable '{name}' ({}; buckets {buckets:?}): nothing \
+             was enqueued",
+            a.size,
+            buckets.last().copied().unwrap_or(0)
+        ))
+    })?;
+    Ok((p.cap.by_callable[a.callable as usize][b], a.size))
+}
+
 /// Feeds the data of a forward (inputs) or backward (grad-outputs):
 /// rebound tensors are read where they are (the graphs are pointed at the
 /// caller's aligned data, else back at the static buffer); the others are
-/// copied into their static buffers (those without one take no data).
-fn feed(p: &mut Parts, idx: usize, kind: PassKind, a: &ReplayArgs, s: StreamRef) -> Result<()> {
+/// copied into their static buffers (those without one take no data). A
+/// DYNAMIC tensor takes the actual size's rows, the rest of its bucket
+/// zeroed (so padding rows add nothing to the parameter grads).
+fn feed(
+    p: &mut Parts,
+    (idx, size): (usize, u64),
+    kind: PassKind,
+    a: &ReplayArgs,
+    s: StreamRef,
+) -> Result<()> {
     let Some(role) = Placed::fed_role(kind) else {
         return Ok(());
     };
@@ -156,6 +213,17 @@ fn feed(p: &mut Parts, idx: usize, kind: PassKind, a: &ReplayArgs, s: StreamRef)
     for (i, t) in tensors.iter_mut().enumerate() {
         // check::data made the data as long as the tensors.
         let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
+        if t.row_bytes > 0 && t.ptr != 0 {
+            // Bounded by the bucket (resolve picked one holding `size`).
+            let rows = t.row_bytes * size as usize;
+            if src != 0 && src != t.ptr {
+                backend.copy(t.ptr, src, rows, s)?;
+            }
+            if rows < t.bytes {
+                backend.zero(t.ptr + rows as DevPtr, t.bytes - rows, s)?;
+            }
+            continue;
+        }
         if src == 0 || t.ptr == 0 {
             if let Feed::Rebound(r) = &mut t.feed {
                 r.bind(t.ptr)?;
@@ -208,12 +276,35 @@ fn launch(
     enqueue_destinations(p.backend.as_ref(), inst, dst, &mut p.cap.stage.acc, s)
 }
 
+/// The other buckets of a forward's instance given parameter addresses:
+/// they follow the same moves, so that every bucket reads the parameters
+/// where the last forward did.
+fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> Vec<usize> {
+    let inst = &p.cap.instances[idx];
+    if kind != PassKind::Forward || a.params.is_none() || a.size == 0 {
+        return Vec::new();
+    }
+    p.cap.by_callable[inst.callable]
+        .iter()
+        .copied()
+        .filter(|&n| n != idx)
+        .collect()
+}
+
 /// Enqueues one pass and leaves its results in the stage.
 fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
-    let idx = p.cap.instance_index(a.callable, a.microbatch)?;
+    let (idx, size) = resolve(p, a, kind)?;
     // The context first: asking about a stream needs it current.
     let _ctx = p.backend.bind()?;
     check_pass(p, a, kind, idx)?;
+    let siblings = buckets_beside(p, idx, kind, a);
+    for &n in &siblings {
+        let inst = &p.cap.instances[n];
+        let name = &p.callables[inst.callable].name;
+        check::params(a.params, &inst.params, true, || {
+            format!("callable '{name}' (bucket {})", inst.bucket)
+        })?;
+    }
     let s = match a.side_stream {
         Some(side) => {
             p.backend
@@ -224,7 +315,16 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     };
     let mut block = take_block(p, idx, kind, s)?;
     p.cap.param_moves += check::bind_params(a.params, &mut p.cap.instances[idx].params)?;
-    feed(p, idx, kind, a, s)?;
+    for &n in &siblings {
+        check::bind_params(a.params, &mut p.cap.instances[n].params)?;
+    }
+    feed(p, (idx, size), kind, a, s)?;
+    if size > 0 && kind == PassKind::Forward {
+        // Sizes fit in 32 bits (resolve bounded it by a bucket); the high
+        // word stays zero.
+        let at = p.cap.sizes + 8 * a.callable as DevPtr;
+        p.backend.fill(at, size as u32, 4, 1, s)?;
+    }
     launch(p, idx, kind, a, &block, s)?;
     if let Some(side) = a.side_stream {
         p.backend
@@ -234,7 +334,10 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         b.set_stream(a.stream);
     }
     let Captured {
-        instances, stage, ..
+        instances,
+        stage,
+        last_forward,
+        ..
     } = &mut *p.cap;
     let inst = &instances[idx];
     stage.a.clear();
@@ -245,10 +348,13 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         stage.blocks.push(b);
     }
     let mut book = p.opts.strict_leases.then(|| p.leases.lock());
+    if kind == PassKind::Forward && size > 0 {
+        last_forward[inst.callable] = Some((idx, size));
+    }
     match kind {
-        PassKind::Forward => stage::aliases(&mut stage.a, &inst.outputs, book.as_deref_mut()),
+        PassKind::Forward => stage::aliases(&mut stage.a, &inst.outputs, size, book.as_deref_mut()),
         PassKind::Backward => {
-            stage::aliases(&mut stage.a, &inst.grad_inputs, book.as_deref_mut());
+            stage::aliases(&mut stage.a, &inst.grad_inputs, size, book.as_deref_mut());
             if returns_params(inst, kind) {
                 stage::params(
                     inst,

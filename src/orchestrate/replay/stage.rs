@@ -29,10 +29,11 @@ fn lease(leases: Option<&mut Leases>, t: &Tensor) -> u64 {
 }
 
 /// Stages aliases of `tensors`' buffers (a default entry where there is
-/// none).
+/// none); a DYNAMIC tensor's holds its first `size` rows.
 pub(super) fn aliases(
     out: &mut Vec<Returned>,
     tensors: &[Tensor],
+    size: u64,
     mut leases: Option<&mut Leases>,
 ) {
     for t in tensors {
@@ -40,7 +41,11 @@ pub(super) fn aliases(
             Returned::default()
         } else {
             let l = lease(leases.as_deref_mut(), t);
-            returned(t, t.ptr, RefKind::Alias, l, 0)
+            let mut r = returned(t, t.ptr, RefKind::Alias, l, 0);
+            if t.row_bytes > 0 {
+                r.bytes = t.row_bytes * size as usize;
+            }
+            r
         });
     }
 }

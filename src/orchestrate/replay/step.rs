@@ -328,6 +328,7 @@ fn by_pass<'a>(
             params: params
                 .filter(|_| pp.kind == PassKind::Forward)
                 .map(|g| &g[first[k]..first[k] + np]),
+            size: 0,
         };
         if let Err(e) = run_pass(&mut p, &a, pp.kind) {
             // Nothing of a failed step reaches the caller: the leases and

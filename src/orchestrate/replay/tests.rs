@@ -45,6 +45,7 @@ fn args<'a>(
         data,
         param_dsts: None,
         params,
+        size: 0,
     }
 }
 

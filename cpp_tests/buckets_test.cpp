@@ -1,0 +1,260 @@
+// Suite Buckets: callables captured in several sizes of their batch
+// dimension (graphed_callable_desc.bucket_sizes, GRAPHED_TENSOR_FLAGS_DYNAMIC),
+// every bucket in the largest one's static memory. A forward names its
+// actual size; the smallest bucket holding it runs on the actual rows with
+// the rest zeroed, and the outputs come back as the actual rows. The MLP's
+// kernels (the kit's: one thread per output element, sums in row order)
+// are row-independent, so outputs, input grads and parameter grads equal
+// an eager MLP of exactly that many rows, bit for bit. Also: memory (one
+// bucket's), the actual size on the device, strict leases across buckets,
+// and every refusal. On the host and on CUDA.
+#include "expect.hpp"
+#include "layers.hpp"
+#include "support.hpp"
+
+#include <cstring>
+
+namespace {
+
+class Buckets : public BackendTest {
+  protected:
+    static constexpr int kLayers = 3, kWidth = 32, kMax = 32;
+    const std::vector<uint64_t> kSizes = {8, 16, 32};
+
+    kit::Buffer floats(size_t n, uint32_t seed) {
+        auto v = kit::random_floats(n, seed);
+        kit::Buffer b(*dev, n * 4);
+        dev->upload(b.get(), v.data(), n * 4);
+        return b;
+    }
+
+    // A captured session of an MLP of kLayers layers whose batch takes the
+    // sizes kSizes (with `strict` leases).
+    graphed::Session mlp_session(kit::Mlp& m, const kit::Buffer& sample, bool strict = false) {
+        graphed_session_config cfg = config();
+        cfg.strict_leases = strict ? 1 : 0;
+        graphed::Session s(cfg);
+        kit::Wiring w;
+        w.buckets = kSizes;
+        m.register_layers(s, sample.get(), w);
+        s.capture();
+        return s;
+    }
+};
+
+// One probe: its forward copies the actual size the device holds into its
+// second output and records what its context said in every call.
+struct Probe {
+    kit::Device* dev = nullptr;
+    std::vector<std::pair<uint64_t, uint64_t>> seen;  // (bucket, bucket_size) per warmup forward
+    int64_t in_shape[2] = {kMaxRows, 4}, out_shape[2] = {kMaxRows, 4};
+    static constexpr int64_t kMaxRows = 24;
+
+    graphed::Callable callable(const std::vector<uint64_t>& sizes) {
+        graphed::Callable c;
+        c.name = "probe";
+        c.inputs = {graphed::tensor_desc(size_t(kMaxRows) * 16)};
+        c.inputs[0].ndim = 2;
+        c.inputs[0].shape = in_shape;
+        c.inputs[0].flags = GRAPHED_TENSOR_FLAGS_DYNAMIC;
+        c.outputs = {graphed::tensor_desc(size_t(kMaxRows) * 16), graphed::tensor_desc(8)};
+        c.outputs[0].ndim = 2;
+        c.outputs[0].shape = out_shape;
+        c.outputs[0].flags = GRAPHED_TENSOR_FLAGS_DYNAMIC;
+        c.forward = &Probe::forward;
+        c.backward = &Probe::backward;
+        c.user_data = this;
+        c.buckets = sizes;
+        return c;
+    }
+    static int32_t forward(const graphed_pass_ctx* ctx, void* self) {
+        auto* p = static_cast<Probe*>(self);
+        if (ctx->phase == GRAPHED_PHASE_WARMUP && ctx->iteration == 0) p->seen.emplace_back(ctx->bucket, ctx->bucket_size);
+        if (ctx->num_buckets == 0 || ctx->actual_size == nullptr) return 7;
+        // The whole bucket: the padding rows must arrive zeroed.
+        if (int e = p->dev->copy(ctx->stream, ctx->outputs[0], ctx->inputs[0], size_t(ctx->bucket_size) * 16)) return e;
+        return p->dev->copy(ctx->stream, ctx->outputs[1], ctx->actual_size, 8);
+    }
+    static int32_t backward(const graphed_pass_ctx*, void*) { return 0; }
+};
+
+TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp graphed(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session s = mlp_session(graphed, sample);
+    graphed::Replay r;
+    r.stream(dev->stream());
+    std::vector<graphed::Ref> outs;
+    std::vector<graphed::Grads> grads(kLayers);
+    // Every bucket, its edges, sizes between, and a size again after a
+    // larger one (its padding rows held that one's data).
+    for (uint64_t n : {5u, 8u, 13u, 16u, 32u, 1u, 9u, 13u}) {
+        SCOPED_TRACE(testing::Message() << n << " rows");
+        const size_t elems = size_t(n) * kWidth;
+        kit::Buffer x = floats(elems, 100 + uint32_t(n)), t = floats(elems, 200 + uint32_t(n));
+        kit::Mlp eager(*dev, kLayers, int(n), kWidth, 41);
+        kit::StepGrads want = eager.eager_step(x.get(), t.get(), 0.0f);
+
+        r.size(n);
+        const void* in = x.get();
+        for (int i = 0; i < kLayers; ++i) {
+            s.forward(r.callable(uint32_t(i)).data(in), outs);
+            ASSERT_EQ(outs[0].bytes(), elems * 4) << "the actual rows of layer " << i;
+            in = outs[0].ptr();
+        }
+        kit::Buffer gy(*dev, elems * 4);
+        dev->sub(dev->stream(), GRAPHED_DTYPE_F32, in, t.get(), gy.get(), elems);
+        const void* g = gy.get();
+        r.size(0);  // backward: the forward's bucket and size
+        for (int i = kLayers - 1; i >= 0; --i) {
+            s.backward(r.callable(uint32_t(i)).data(g), grads[i]);
+            if (i > 0) {
+                ASSERT_EQ(grads[i].inputs[0].bytes(), elems * 4);
+                g = grads[i].inputs[0].ptr();
+            }
+        }
+        dev->sync();
+        auto d = kit::fetch<float>(*dev, gy.get(), elems);
+        double loss = 0.0;
+        for (float v : d) loss += 0.5 * double(v) * double(v);
+        EXPECT_EQ(loss, eager.last_loss()) << "the outputs, through the loss";
+        for (int i = 0; i < kLayers; ++i) {
+            const graphed::Ref& gw = grads[i].params[0];
+            const graphed::Ref& gb = grads[i].params[1];
+            EXPECT_EQ(want.w[i], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << i;
+            EXPECT_EQ(want.b[i], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << i;
+        }
+        for (auto& gr : grads) gr = graphed::Grads{};
+    }
+}
+
+TEST_P(Buckets, BucketsShareTheLargestBucketsMemory) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp a(*dev, kLayers, kMax, kWidth, 41), b(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session bucketed = mlp_session(a, sample);
+    graphed::Session one(config());
+    b.register_layers(one, sample.get());
+    one.capture();
+    const graphed_session_stats sb = bucketed.stats(), so = one.stats();
+    SCOPED_TRACE(figures(sb) + " | one shape: " + figures(so));
+    // Every bucket in the largest one's buffers, plus one aligned block for
+    // the callables' actual sizes.
+    EXPECT_EQ(sb.static_bytes, so.static_bytes + 256);
+    EXPECT_EQ(sb.scratch_bytes, so.scratch_bytes) << "one scratch arena, sized for the largest bucket";
+    EXPECT_EQ(sb.instances, so.instances * kSizes.size());
+    EXPECT_EQ(sb.graph_count, so.graph_count * kSizes.size());
+}
+
+TEST_P(Buckets, CallbacksSeeTheirBucketAndTheDeviceHoldsTheActualSize) {
+    Probe probe;
+    probe.dev = dev.get();
+    graphed::Session s(config());
+    s.add_callable(probe.callable({4, 10, 24}));
+    s.capture();
+    const std::vector<std::pair<uint64_t, uint64_t>> seen = {{0, 4}, {1, 10}, {2, 24}};
+    EXPECT_EQ(probe.seen, seen);
+    graphed::Replay r;
+    r.stream(dev->stream());
+    std::vector<graphed::Ref> outs;
+    for (uint64_t n : {24u, 3u, 10u, 11u}) {
+        SCOPED_TRACE(testing::Message() << n << " rows");
+        std::vector<float> x(size_t(n) * 4);
+        for (size_t i = 0; i < x.size(); ++i) x[i] = float(i + 1);
+        kit::Buffer dx(*dev, x.size() * 4);
+        dev->upload(dx.get(), x.data(), dx.bytes());
+        s.forward(r.size(n).data({dx.get()}), outs);
+        dev->sync();
+        uint64_t actual = 0;
+        dev->download(&actual, outs[1].ptr(), 8);
+        EXPECT_EQ(actual, n);
+        const uint64_t bucket = n <= 4 ? 4 : n <= 10 ? 10 : 24;
+        auto whole = kit::fetch<float>(*dev, outs[0].ptr(), size_t(bucket) * 4);
+        std::vector<float> want = x;
+        want.resize(whole.size(), 0.0f);
+        EXPECT_EQ(whole, want) << "the actual rows, then zeros up to the bucket";
+        EXPECT_EQ(outs[0].bytes(), x.size() * 4);
+    }
+}
+
+TEST_P(Buckets, AHeldAliasOfOneBucketRefusesTheOthers) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp m(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session s = mlp_session(m, sample, true);
+    kit::Buffer x = floats(size_t(kMax) * kWidth, 5);
+    graphed::Replay r;
+    r.stream(dev->stream()).callable(0).data(x.get());
+    std::vector<graphed::Ref> held = s.forward(r.size(5));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_ALIAS_HELD, [&] { s.forward(r.size(20)); }, "output 0"))
+        << "bucket 32 writes the memory bucket 8's output lives in";
+    held.clear();
+    EXPECT_NO_THROW(s.forward(r.size(20)));
+}
+
+TEST_P(Buckets, ReplaysOutsideTheBucketsAreRefusedAndEnqueueNothing) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp m(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session s = mlp_session(m, sample);
+    kit::Buffer x = floats(size_t(kMax) * kWidth, 5);
+    graphed::Replay r;
+    r.stream(dev->stream()).callable(1).data(x.get());
+    EXPECT_TRUE(throws(GRAPHED_STATUS_WRONG_STATE, [&] { s.backward(r.size(0)); }, "no forward ran since capture"));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.forward(r.size(33)); },
+                       std::vector<std::string>{"args.size 33 is above the largest bucket", "(32;"}));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.forward(r.size(0)); }, "names its actual size"));
+    s.forward(r.size(12));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.backward(r.size(13)); }, "pass 0 or 12"));
+    EXPECT_NO_THROW(s.backward(r.size(12)));
+    EXPECT_NO_THROW(s.backward(r.size(0)));
+}
+
+TEST_P(Buckets, RegistrationRefusesBucketsThatCannotWork) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp m(*dev, 1, kMax, kWidth, 41);
+    auto refused = [&](std::vector<uint64_t> sizes, uint32_t in_flags, int64_t rows, const std::string& says) {
+        graphed::Session s(config());
+        kit::LinearLayer& L = m.layer(0);
+        L.buckets = sizes;
+        graphed::Callable c = L.callable(sample.get(), false);
+        c.inputs[0].flags = in_flags;
+        L.in_shape[0] = rows;
+        return throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.add_callable(c); }, says);
+    };
+    const uint32_t dyn = GRAPHED_TENSOR_FLAGS_DYNAMIC;
+    EXPECT_TRUE(refused({16, 8, 32}, dyn, kMax, "strictly ascending"));
+    EXPECT_TRUE(refused({8, 8, 32}, dyn, kMax, "strictly ascending"));
+    EXPECT_TRUE(refused({0, 32}, dyn, kMax, "bucket sizes are 1 to"));
+    EXPECT_TRUE(refused({8, 16}, dyn, kMax, "must be the largest bucket (16)"));
+    EXPECT_TRUE(refused({8, 32}, dyn | GRAPHED_TENSOR_FLAGS_REBIND, kMax, "cannot also be"));
+    {
+        // DYNAMIC without buckets; buckets without DYNAMIC.
+        graphed::Session s(config());
+        kit::LinearLayer& L = m.layer(0);
+        L.buckets = {};
+        graphed::Callable c = L.callable(sample.get(), false);
+        c.outputs[0].flags = dyn;
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.add_callable(c); }, "has no buckets"));
+        c.outputs[0].flags = 0;
+        c.buckets = {8, 32};
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.add_callable(c); }, "no DYNAMIC input or output"));
+        graphed_callable_desc d = c.desc();
+        d.num_buckets = 0;
+        uint32_t index = 0;
+        EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s.get(), &d, &index),
+                               "num_buckets is 0"));
+    }
+    {
+        // A step over a callable with buckets: refused at capture, the
+        // session left open.
+        graphed::Session s(config());
+        kit::LinearLayer& L = m.layer(0);
+        L.buckets = {8, 32};
+        L.in_shape[0] = kMax;
+        s.add_callable(L.callable(sample.get(), false));
+        s.add_step({0});
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.capture(); }, "steps hold callables of one shape"));
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Buckets, backends(), BackendName());
+
+}  // namespace
