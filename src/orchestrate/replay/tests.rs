@@ -313,3 +313,38 @@ fn a_step_that_cannot_follow_replays_pass_by_pass() {
 fn s_input(s: &Session) -> DevPtr {
     s.buffers(0, 0, Role::Input).unwrap()[0]
 }
+
+#[test]
+fn a_parameter_moved_in_one_bucket_is_read_there_by_every_bucket() {
+    let (mut f, mut old) = layer(true);
+    let c = &mut f.callables[0];
+    c.buckets = vec![2, N as u64];
+    c.inputs[0].dynamic = true;
+    c.outputs[0].dynamic = true;
+    let b = f.backend.clone();
+    let one = Moved::new(&b, 1.0, 0);
+    let ten = Moved::new(&b, 10.0, 0);
+    let mut s = session(f);
+    let run = |s: &mut Session, size: u64, params: Option<&[DevPtr]>| {
+        let data = [one.ptr()];
+        let a = ReplayArgs {
+            size,
+            ..args(0, Some(&data), params)
+        };
+        let r = s.forward(&a)?;
+        assert_eq!(r.first[0].bytes, 4 * size as usize, "the actual rows");
+        let out = r.first[0].ptr;
+        crate::error::Result::Ok(read_floats(b.as_ref(), out)[0])
+    };
+    assert_eq!(run(&mut s, N as u64, None).unwrap(), 1.0 + 2.0 + 3.0);
+    // Moved by a forward in the small bucket...
+    assert_eq!(run(&mut s, 2, Some(&[ten.ptr(), 0])).unwrap(), 14.0);
+    old.remove(0);
+    // ... and read at the new address by the large one.
+    assert_eq!(run(&mut s, N as u64, None).unwrap(), 14.0);
+    assert_eq!(s.stats().param_moves, 1);
+    assert!(matches!(
+        run(&mut s, N as u64 + 1, None),
+        Err(Error::InvalidArgument(_))
+    ));
+}
