@@ -3,15 +3,17 @@
 // reference in the same process. Writes a markdown report.
 //
 //   graphed_bench [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches]
-//                 [--out FILE]
+//                 [--buckets] [--out FILE]
 //
-// --capture-only, --param-guard and --microbatches run one table alone
-// (capture time; the cost of giving replays the parameters' addresses, and
-// of moving them; N microbatches in one step graph, microbatch_bench.cpp).
+// --capture-only, --param-guard, --microbatches and --buckets run one table
+// alone (capture time; the cost of giving replays the parameters'
+// addresses, and of moving them; N microbatches in one step graph,
+// microbatch_bench.cpp; shapes that change, bucket_bench.cpp).
 //
 // On CUDA, device times come from CUDA events (medians after warm-up); on
 // the host backend (the ctest, small sizes) from wall clocks. Every
 // measurement is preceded by a correctness check; a failed check exits 1.
+#include "bucket_bench.hpp"
 #include "layers.hpp"
 #include "microbatch_bench.hpp"
 #include "tools.hpp"
@@ -886,7 +888,7 @@ void param_guard_table(kit::Device& dev, bench::Tools& tools, const std::vector<
 
 int main(int argc, char** argv) {
     std::string backend = "cuda", out, torch_json;
-    bool quick = false, capture_only = false, param_guard = false, microbatches = false;
+    bool quick = false, capture_only = false, param_guard = false, microbatches = false, buckets = false;
     std::vector<uint32_t> counts = {1, 4, 16, 64};  // --microbatches: the N of the table
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
@@ -895,6 +897,7 @@ int main(int argc, char** argv) {
         else if (a == "--capture-only") capture_only = true;
         else if (a == "--param-guard") param_guard = true;
         else if (a == "--microbatches") microbatches = true;
+        else if (a == "--buckets") buckets = true;
         else if (a == "--out" && i + 1 < argc) out = argv[++i];
         else if (a == "--torch-json" && i + 1 < argc) torch_json = argv[++i];
         else if (a == "--counts" && i + 1 < argc) {
@@ -902,7 +905,7 @@ int main(int argc, char** argv) {
             std::stringstream list(argv[++i]);
             for (std::string n; std::getline(list, n, ',');) counts.push_back(uint32_t(std::stoul(n)));
         } else {
-            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches] "
+            std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches] [--buckets] "
                          "[--counts N,N,...] [--out FILE] "
                          "[--torch-json FILE]\n",
                          argv[0]);
@@ -929,7 +932,13 @@ int main(int argc, char** argv) {
     }
     try {
         report << "Measured on " << tools->describe() << " with graphed " << graphed_version() << ".\n";
-        if (microbatches) {
+        if (buckets) {
+            const std::vector<uint64_t> sizes = {32, 64, 96, 128, 160, 192, 224, 256};
+            if (blas && !quick)
+                failures += bench::bucket_table(*blas, *btools, report, 8, 1024, sizes, 200, 50);
+            else
+                failures += bench::bucket_table(*dev, *tools, report, 3, 32, {8, 16, 24, 32}, 13, 5);
+        } else if (microbatches) {
             if (blas && !quick)
                 failures += bench::microbatch_table(*blas, *btools, report, 24, 256, 64, counts, 50);
             else
@@ -962,6 +971,9 @@ int main(int argc, char** argv) {
             if (blas) capture_table(*blas, *btools, 24, 256, 64, 5);
             param_guard_table(*dev, *tools, {1, 8, 64, 256}, 50, 10000, 500);
             if (blas) failures += bench::microbatch_table(*blas, *btools, report, 24, 256, 64, {1, 4, 16, 64}, 50);
+            if (blas)
+                failures += bench::bucket_table(*blas, *btools, report, 8, 1024,
+                                                {32, 64, 96, 128, 160, 192, 224, 256}, 200, 50);
         } else {
             const std::vector<Size> sizes = {{64, 16u << 10}, {8, 256u << 10}};
             clone_table(*dev, *tools, sizes, 5);
@@ -974,6 +986,7 @@ int main(int argc, char** argv) {
             capture_table(*dev, *tools, 6, 32, 8, 3);
             param_guard_table(*dev, *tools, {1, 8}, 20, 400, 20);
             failures += bench::microbatch_table(*dev, *tools, report, 6, 32, 8, {1, 4}, 5);
+            failures += bench::bucket_table(*dev, *tools, report, 3, 32, {8, 16, 24, 32}, 13, 5);
         }
     } catch (const std::exception& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

@@ -255,6 +255,98 @@ TEST_P(Buckets, RegistrationRefusesBucketsThatCannotWork) {
     }
 }
 
+TEST_P(Buckets, ChosenOnTheDeviceMatchesEagerOfThatSizeBitForBit) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp graphed(*dev, kLayers, kMax, kWidth, 41);
+    graphed_session_config cfg = config();
+    cfg.bucket_choice_on_device = 1;
+    graphed::Session s(cfg);
+    kit::Wiring w;
+    w.buckets = kSizes;
+    // Movable where the host chooses; the device's choice reads them where
+    // capture did.
+    for (int i = 0; i < kLayers; ++i) graphed.layer(i).param_flags = GRAPHED_PARAM_FLAGS_REBIND;
+    graphed.register_layers(s, sample.get(), w);
+    s.capture();
+    EXPECT_EQ(s.stats().graph_count, 2 * kLayers * (kSizes.size() + 1)) << "one choosing graph per pass";
+    kit::Buffer size(*dev, 8);
+    graphed::Replay r;
+    r.stream(dev->stream());
+    std::vector<graphed::Ref> outs;
+    std::vector<graphed::Grads> grads(kLayers);
+    const size_t full = size_t(kMax) * kWidth;
+    for (uint64_t n : {5u, 16u, 32u, 13u, 1u}) {
+        SCOPED_TRACE(testing::Message() << n << " rows, chosen on the device");
+        const size_t elems = size_t(n) * kWidth;
+        // The caller's buffers hold the largest bucket's rows; past n they
+        // hold data that must not reach the result.
+        kit::Buffer x = floats(full, 300 + uint32_t(n)), t = floats(elems, 400 + uint32_t(n));
+        kit::Mlp eager(*dev, kLayers, int(n), kWidth, 41);
+        kit::StepGrads want = eager.eager_step(x.get(), t.get(), 0.0f);
+        dev->upload(size.get(), &n, 8);
+
+        r.size(0).device_size(static_cast<const uint64_t*>(size.get()));
+        const void* in = x.get();
+        for (int i = 0; i < kLayers; ++i) {
+            s.forward(r.callable(uint32_t(i)).data(in), outs);
+            ASSERT_EQ(outs[0].bytes(), full * 4) << "the host does not know the rows: the largest bucket's";
+            in = outs[0].ptr();
+        }
+        kit::Buffer gy = floats(full, 500 + uint32_t(n));
+        dev->sub(dev->stream(), GRAPHED_DTYPE_F32, in, t.get(), gy.get(), elems);
+        const void* g = gy.get();
+        r.device_size(nullptr);
+        for (int i = kLayers - 1; i >= 0; --i) {
+            s.backward(r.callable(uint32_t(i)).data(g), grads[i]);
+            if (i > 0) g = grads[i].inputs[0].ptr();
+        }
+        dev->sync();
+        auto d = kit::fetch<float>(*dev, gy.get(), elems);
+        double loss = 0.0;
+        for (float v : d) loss += 0.5 * double(v) * double(v);
+        EXPECT_EQ(loss, eager.last_loss()) << "the outputs, through the loss";
+        for (int i = 0; i < kLayers; ++i) {
+            const graphed::Ref& gw = grads[i].params[0];
+            const graphed::Ref& gb = grads[i].params[1];
+            EXPECT_EQ(want.w[i], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << i;
+            EXPECT_EQ(want.b[i], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << i;
+        }
+        for (auto& gr : grads) gr = graphed::Grads{};
+    }
+    EXPECT_EQ(s.stats().bucket_overflows, 0u);
+    // Above the largest bucket: no graph of the callable runs, the device
+    // counts it, and the session goes on.
+    const uint64_t above = kMax + 1;
+    dev->upload(size.get(), &above, 8);
+    kit::Buffer x = floats(full, 7);
+    std::vector<float> before = kit::fetch<float>(*dev, s.buffers(0, 0, GRAPHED_BUFFER_ROLE_OUTPUT)[0], full);
+    s.forward(r.callable(0).data(x.get()).device_size(static_cast<const uint64_t*>(size.get())), outs);
+    dev->sync();
+    EXPECT_EQ(s.stats().bucket_overflows, 1u);
+    EXPECT_EQ(kit::fetch<float>(*dev, outs[0].ptr(), full), before) << "nothing ran";
+    // Refusals: both sizes; a backward given a size; a moved parameter.
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.forward(r.size(3)); }, "both set"));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.backward(r.size(3).device_size(nullptr)); },
+                       "chose its bucket on the device"));
+    kit::Buffer other(*dev, size_t(kWidth) * kWidth * 4);
+    const void* moved[2] = {other.get(), nullptr};
+    EXPECT_TRUE(throws(GRAPHED_STATUS_PARAM_MOVED,
+                       [&] { s.forward(r.size(0).device_size(static_cast<const uint64_t*>(size.get())).params(moved, 2)); },
+                       "where capture did"));
+}
+
+TEST_P(Buckets, DeviceSizeNeedsASessionThatChoosesOnTheDevice) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp m(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session s = mlp_session(m, sample);
+    kit::Buffer size(*dev, 8);
+    graphed::Replay r;
+    r.stream(dev->stream()).callable(0).data(sample.get());
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT,
+                       [&] { s.forward(r.device_size(static_cast<const uint64_t*>(size.get()))); },
+                       "bucket_choice_on_device"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, Buckets, backends(), BackendName());
 
 }  // namespace

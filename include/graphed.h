@@ -753,6 +753,16 @@ typedef struct graphed_session_config {
    * GRAPHED_STATUS_INVALID_ARGUMENT at graphed_session_create.
    */
   graphed_stream capture_stream;
+  /**
+   * 1: callables with buckets can also choose their bucket on the
+   * device, from a size in device memory (graphed_replay_args
+   * .device_size), without a host synchronisation: capture adds, per
+   * pass, a graph whose conditional SWITCH node runs the chosen
+   * bucket's graph. Needs a CUDA 12.8 driver: graphed_session_create
+   * says GRAPHED_STATUS_UNSUPPORTED, with the reason, where the driver
+   * has no SWITCH nodes. 0 (default): buckets are chosen on the host.
+   */
+  uint32_t bucket_choice_on_device;
 } graphed_session_config;
 
 /**
@@ -1117,6 +1127,23 @@ typedef struct graphed_replay_args {
    * callables without buckets.
    */
   uint64_t size;
+  /**
+   * Callables with buckets, in a session created with
+   * bucket_choice_on_device, instead of `size` (which is then 0):
+   * device memory holding the actual size as a uint64_t, read when the
+   * forward runs (a router's token count): the bucket is chosen on the
+   * device, with no host synchronisation. The data of the DYNAMIC
+   * inputs must then hold the largest bucket's rows (all are copied; the
+   * device zeroes the rows past the size), and the DYNAMIC outputs come
+   * back with the largest bucket's bytes, their first `*device_size`
+   * rows the result. Its backward and weight-grad replays (size 0, no
+   * device_size) run the same bucket; their grad-outputs likewise hold
+   * the largest bucket's rows. A size above the largest bucket runs
+   * none of the callable's graphs and is counted in
+   * graphed_session_stats.bucket_overflows. Parameters are read where
+   * they were captured (no moves). NULL: the host chooses (`size`).
+   */
+  const uint64_t *device_size;
 } graphed_replay_args;
 
 /**
@@ -1451,6 +1478,14 @@ typedef struct graphed_session_stats {
    * per instance or step pointed at a new address).
    */
   uint64_t param_moves;
+  /**
+   * Replays that chose their bucket on the device
+   * (graphed_replay_args.device_size) with a size above the largest
+   * bucket: none of the callable's graphs ran for them. Read from the
+   * device: counts the replays that have run (synchronise their stream
+   * first).
+   */
+  uint64_t bucket_overflows;
 } graphed_session_stats;
 
 /**

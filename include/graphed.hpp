@@ -407,6 +407,13 @@ class Replay {
         raw_.size = n;
         return *this;
     }
+    /// Device memory holding the actual size (a uint64_t): the bucket is
+    /// chosen on the device (graphed_replay_args.device_size; sessions
+    /// created with bucket_choice_on_device).
+    Replay& device_size(const uint64_t* n) {
+        raw_.device_size = n;
+        return *this;
+    }
     Replay& microbatch(uint32_t m) {
         raw_.microbatch = m;
         return *this;

@@ -15,7 +15,13 @@ driver):
   i read from device memory when the kernel runs (16-byte vectors where
   every address and the size allow, else bytes);
 - the loop's step: increments the index and sets the loop's condition to
-  index < count.
+  index < count;
+- a bucket's choice for a conditional SWITCH node: the index of the first
+  bucket size (a table of u64) at least the u64 size in device memory (the
+  bucket count, which runs no body, when none is; a counter then counts
+  it), given to the node's handle;
+- the zeroed tail of a bucket: bytes from size * row to the end of a
+  buffer set to 0, the size read from device memory when the kernel runs.
 
 PTX ISA 7.0 for sm_52, so that every driver from CUDA 12.0 on JIT-compiles
 it (nvcc 13 would emit ISA 9.0, which 12.x drivers reject). bf16 is converted
@@ -323,6 +329,11 @@ LOOPS = """//
 //   dst + i * dst_stride, i the u32 at `index`.
 // graphed_loop_next(u64 state, u64 handle): state[0] += 1, then the
 //   conditional handle's value is state[0] < state[1].
+// graphed_bucket_select(u64 size, u64 table, u64 count, u64 overflows,
+//   u64 handle): the handle's value is the first i < count with
+//   *size <= table[i], else count (and *overflows += 1). One thread.
+// graphed_zero_tail(u64 dst, u64 row, u64 size, u64 bytes): zeroes the
+//   bytes of dst from min(*size * row, bytes) to bytes.
 //
 .version 7.0
 .target sm_52
@@ -400,6 +411,82 @@ DONE:
     st.param.b64 [call_handle], %rd2;
     st.param.b32 [call_value], %r3;
     call.uni cudaGraphSetConditional, (call_handle, call_value);
+    ret;
+}
+
+.visible .entry graphed_bucket_select(
+    .param .u64 p_size,
+    .param .u64 p_table,
+    .param .u64 p_count,
+    .param .u64 p_overflows,
+    .param .u64 p_handle
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<4>;
+    .reg .b64 %rd<12>;
+    .param .b64 call_handle;
+    .param .b32 call_value;
+    mov.u32 %r2, %tid.x;
+    mov.u32 %r3, %ctaid.x;
+    or.b32 %r2, %r2, %r3;
+    setp.ne.u32 %p3, %r2, 0;
+    @%p3 bra DONE;
+    ld.param.u64 %rd1, [p_size];
+    ld.param.u64 %rd2, [p_table];
+    ld.param.u64 %rd3, [p_count];
+    ld.param.u64 %rd4, [p_overflows];
+    ld.param.u64 %rd5, [p_handle];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    cvta.to.global.u64 %rd4, %rd4;
+    ld.global.u64 %rd6, [%rd1];
+    mov.u64 %rd7, 0;
+SEARCH:
+    setp.ge.u64 %p1, %rd7, %rd3;
+    @%p1 bra OVER;
+    shl.b64 %rd8, %rd7, 3;
+    add.u64 %rd9, %rd2, %rd8;
+    ld.global.u64 %rd10, [%rd9];
+    setp.le.u64 %p2, %rd6, %rd10;
+    @%p2 bra SET;
+    add.u64 %rd7, %rd7, 1;
+    bra.uni SEARCH;
+OVER:
+    atom.global.add.u64 %rd11, [%rd4], 1;
+SET:
+    cvt.u32.u64 %r1, %rd7;
+    st.param.b64 [call_handle], %rd5;
+    st.param.b32 [call_value], %r1;
+    call.uni cudaGraphSetConditional, (call_handle, call_value);
+DONE:
+    ret;
+}
+""" + grid_stride("graphed_zero_tail", ["p_dst", "p_row", "p_size", "p_bytes"],
+                  """    .reg .pred %p<4>;
+    .reg .b16 %h<2>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<16>;
+""", """    ld.param.u64 %rd1, [p_dst];
+    ld.param.u64 %rd2, [p_row];
+    ld.param.u64 %rd7, [p_size];
+    ld.param.u64 %rd3, [p_bytes];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd7, %rd7;
+    ld.global.u64 %rd8, [%rd7];
+    mul.lo.u64 %rd9, %rd8, %rd2;
+    min.u64 %rd9, %rd9, %rd3;
+    setp.ge.u64 %p1, %rd8, %rd3;
+    selp.u64 %rd9, %rd3, %rd9, %p1;""") + """    add.u64 %rd4, %rd4, %rd9;
+    mov.u16 %h1, 0;
+ZERO:
+    setp.ge.u64 %p2, %rd4, %rd3;
+    @%p2 bra DONE;
+    add.u64 %rd10, %rd1, %rd4;
+    st.global.u8 [%rd10], %h1;
+    add.u64 %rd4, %rd4, %rd6;
+    bra ZERO;
+DONE:
     ret;
 }
 """

@@ -69,6 +69,17 @@ pub struct IndexedCopy {
     pub index: DevPtr,
 }
 
+/// A choice on the device between bodies (see [`Backend::capture_switch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    /// A u64: the size to choose for.
+    pub size: DevPtr,
+    /// One u64 per body, ascending: the largest size each body takes.
+    pub table: DevPtr,
+    /// A u64 counting sizes no body takes.
+    pub overflows: DevPtr,
+}
+
 /// One tensor of an accumulate: `count` elements at `dst` += `src`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AccItem {
@@ -87,6 +98,9 @@ pub struct Made {
 /// An instantiated, uploaded graph. Dropping it destroys it.
 pub trait Graph: Send {
     fn launch(&self, stream: StreamRef) -> Result<()>;
+
+    /// The backend's own type (to take its template into another graph).
+    fn as_any(&self) -> &dyn std::any::Any;
 
     /// How long instantiating and uploading it took.
     fn made(&self) -> Made {
@@ -203,6 +217,32 @@ pub trait Backend: Send + Sync {
         state: DevPtr,
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()>;
+    /// Whether graphs can choose one of several bodies on the device
+    /// (conditional SWITCH nodes): None, or why not.
+    fn switches(&self) -> Option<String>;
+    /// Records, into the capture running on `stream`, a choice made on the
+    /// device when the graph runs: body i, a copy of `bodies[i]`'s work,
+    /// runs for the first i whose `choice.table[i]` (u64 device memory)
+    /// is at least the u64 at `choice.size`; when none is, no body runs and
+    /// the u64 at `choice.overflows` is incremented. The capture goes on
+    /// after the choice. The bodies are graphs of this backend whose
+    /// templates are kept.
+    fn capture_switch(
+        &self,
+        stream: StreamRef,
+        choice: Choice,
+        bodies: &[&dyn Graph],
+    ) -> Result<()>;
+    /// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at
+    /// `size` when the work runs.
+    fn zero_tail(
+        &self,
+        dst: DevPtr,
+        row: usize,
+        size: DevPtr,
+        bytes: usize,
+        stream: StreamRef,
     ) -> Result<()>;
     /// A copy whose addresses depend on an index read when it runs.
     fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()>;

@@ -119,6 +119,14 @@ pub struct graphed_session_config {
     /// streams (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are
     /// GRAPHED_STATUS_INVALID_ARGUMENT at graphed_session_create.
     pub capture_stream: graphed_stream,
+    /// 1: callables with buckets can also choose their bucket on the
+    /// device, from a size in device memory (graphed_replay_args
+    /// .device_size), without a host synchronisation: capture adds, per
+    /// pass, a graph whose conditional SWITCH node runs the chosen
+    /// bucket's graph. Needs a CUDA 12.8 driver: graphed_session_create
+    /// says GRAPHED_STATUS_UNSUPPORTED, with the reason, where the driver
+    /// has no SWITCH nodes. 0 (default): buckets are chosen on the host.
+    pub bucket_choice_on_device: u32,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -163,6 +171,7 @@ pub extern "C" fn graphed_session_config_default() -> graphed_session_config {
         num_layers_per_chunk: 0,
         clone_slots: 2,
         capture_stream: std::ptr::null_mut(),
+        bucket_choice_on_device: 0,
     }
 }
 
@@ -321,6 +330,10 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
             log_level: graphed_log_level::decode(cfg.log_level, "config.log_level")?,
             warmup_hook,
             capture_stream: capture_stream(cfg.capture_stream)?,
+            device_buckets: decode_bool(
+                cfg.bucket_choice_on_device,
+                "config.bucket_choice_on_device",
+            )?,
             clone_slots: match cfg.clone_slots {
                 n @ 0..=16 => n,
                 n => {
@@ -342,10 +355,8 @@ mod tests {
     fn the_first_released_layout_is_todays() {
         // MIN_SIZE is a literal that must never change: when a field is
         // appended, size_of grows and this test moves to `>`.
-        assert_eq!(
-            size_of::<graphed_session_config>(),
-            graphed_session_config::MIN_SIZE
-        );
+        assert_eq!(graphed_session_config::MIN_SIZE, 176);
+        assert!(size_of::<graphed_session_config>() > graphed_session_config::MIN_SIZE);
     }
 
     #[test]

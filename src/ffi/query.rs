@@ -98,6 +98,12 @@ pub struct graphed_session_stats {
     /// Parameter moves replays followed since capture (one per parameter
     /// per instance or step pointed at a new address).
     pub param_moves: u64,
+    /// Replays that chose their bucket on the device
+    /// (graphed_replay_args.device_size) with a size above the largest
+    /// bucket: none of the callable's graphs ran for them. Read from the
+    /// device: counts the replays that have run (synchronise their stream
+    /// first).
+    pub bucket_overflows: u64,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -151,6 +157,7 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         params_movable: 0,
         params_move_refused: 0,
         param_moves: 0,
+        bucket_overflows: 0,
     }
 }
 
@@ -202,6 +209,7 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             params_movable: st.params_movable,
             params_move_refused: st.params_move_refused,
             param_moves: st.param_moves,
+            bucket_overflows: st.bucket_overflows,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.

@@ -75,6 +75,21 @@ pub struct graphed_replay_args {
     /// callable's last forward (0 here, or that forward's size). 0 for
     /// callables without buckets.
     pub size: u64,
+    /// Callables with buckets, in a session created with
+    /// bucket_choice_on_device, instead of `size` (which is then 0):
+    /// device memory holding the actual size as a uint64_t, read when the
+    /// forward runs (a router's token count): the bucket is chosen on the
+    /// device, with no host synchronisation. The data of the DYNAMIC
+    /// inputs must then hold the largest bucket's rows (all are copied; the
+    /// device zeroes the rows past the size), and the DYNAMIC outputs come
+    /// back with the largest bucket's bytes, their first `*device_size`
+    /// rows the result. Its backward and weight-grad replays (size 0, no
+    /// device_size) run the same bucket; their grad-outputs likewise hold
+    /// the largest bucket's rows. A size above the largest bucket runs
+    /// none of the callable's graphs and is counted in
+    /// graphed_session_stats.bucket_overflows. Parameters are read where
+    /// they were captured (no moves). NULL: the host chooses (`size`).
+    pub device_size: *const u64,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -107,6 +122,7 @@ pub extern "C" fn graphed_replay_args_default() -> graphed_replay_args {
         params: std::ptr::null(),
         num_params: 0,
         size: 0,
+        device_size: std::ptr::null(),
     }
 }
 
@@ -159,6 +175,7 @@ fn replay_args(a: &graphed_replay_args) -> Result<ReplayArgs<'_>> {
         param_dsts: ptrs(a.param_dsts.cast(), a.num_param_dsts, "args.param_dsts")?,
         params: ptrs(a.params, a.num_params, "args.params")?,
         size: a.size,
+        device_size: a.device_size as DevPtr,
     })
 }
 

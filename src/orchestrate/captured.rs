@@ -5,6 +5,7 @@
 //! destroys the graphs, then frees the memory; a failure on the way is a
 //! teardown error, recorded, never dropped.
 
+use super::buckets::SizeBlock;
 use super::clock::CaptureTimes;
 use super::instance::{Instance, PassRef};
 use super::pool::Arena;
@@ -119,6 +120,20 @@ impl Resources {
     }
 }
 
+/// Per pass kind, a callable's graph that chooses its bucket on the device.
+pub(crate) type Switches = [Option<Box<dyn Graph>>; 3];
+
+/// The rows a replay of a bucketed callable runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// Not bucketed: the buffers whole.
+    All,
+    /// Chosen on the host: this many.
+    Host(u64),
+    /// Chosen on the device, from the size a replay put there.
+    Device,
+}
+
 /// Everything a capture made.
 pub(crate) struct Captured {
     pub backend: Arc<dyn Backend>,
@@ -140,8 +155,11 @@ pub(crate) struct Captured {
     /// size (a u64 at `sizes + 8 c`, in the static allocation; 0 without
     /// buckets), and per callable the instance and size of its last
     /// forward (what its backward runs).
-    pub sizes: DevPtr,
-    pub last_forward: Vec<Option<(usize, u64)>>,
+    pub sizes: Option<SizeBlock>,
+    pub last_forward: Vec<Option<(usize, Rows)>>,
+    /// Per callable with buckets, when they are chosen on the device: per
+    /// pass, the graph that chooses (dropped before the instances).
+    pub switches: Vec<Switches>,
     /// Last: fields drop in order, so these go after the graphs.
     pub resources: Resources,
 }
@@ -195,9 +213,24 @@ impl Captured {
         })
     }
 
+    /// Device-chosen replays whose size no bucket held (read from the
+    /// device; 0 when that fails: the stats are a report).
+    pub fn bucket_overflows(&self) -> u64 {
+        self.sizes
+            .as_ref()
+            .and_then(|b| b.overflow_count(self.backend.as_ref()).ok())
+            .unwrap_or(0)
+    }
+
     /// Graphs of single passes, of clone slots, of steps.
     pub fn graph_counts(&self) -> (usize, usize, usize) {
-        let passes = self.instances.iter().map(|i| i.graphs.count()).sum();
+        let switches = self.switches.iter().flatten().flatten().count();
+        let passes = self
+            .instances
+            .iter()
+            .map(|i| i.graphs.count())
+            .sum::<usize>()
+            + switches;
         let slots = self.instances.iter().map(|i| i.graphs.slots.len()).sum();
         let steps = self.steps.iter().map(|s| s.graph_count()).sum();
         (passes, slots, steps)

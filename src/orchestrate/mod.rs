@@ -14,8 +14,10 @@
 //! | `replay` | replay: checks, feed, launch, grads, staging; step replays |
 //! | `grads`, `returned` | parameter grads out of the static buffers; clone blocks and rings |
 //! | `scratch`, `pool`, `external` | the scratch allocator, shared pools, buffers callbacks provide |
+//! | `buckets` | the device's sizes of bucketed callables; the graphs that choose a bucket on the device |
 //! | `clock` | where capture time goes |
 
+mod buckets;
 pub mod capture;
 pub mod captured;
 pub mod cell;

@@ -48,6 +48,9 @@ pub struct Stats {
     /// Parameter moves replays followed (one per parameter per graph set
     /// pointed at a new address).
     pub param_moves: u64,
+    /// Device-chosen replays whose size no bucket held (read from the
+    /// device).
+    pub bucket_overflows: u64,
     /// Where the last capture's host time went.
     pub capture_times: CaptureTimes,
     /// Errors while releasing this session's resources (a reset, a failed
@@ -75,7 +78,10 @@ impl Session {
             let (passes, slots, steps) = c.graph_counts();
             st.static_bytes_without_reuse = c.plan.plan.disjoint_bytes as u64;
             st.peak_live_bytes = c.plan.plan.peak_live_bytes as u64;
-            st.microbatches = c.by_callable.first().map_or(0, |v| v.len() as u32);
+            st.microbatches = c.by_callable.first().map_or(0, |v| {
+                v.iter().filter(|&&n| c.instances[n].bucket == 0).count() as u32
+            });
+            st.bucket_overflows = c.bucket_overflows();
             st.graph_count = passes as u32;
             st.slot_graphs = slots as u32;
             st.step_graphs = steps as u32;

@@ -168,6 +168,13 @@ impl Session {
             }
             None => Pool::new(backend.clone()),
         };
+        if opts.device_buckets {
+            if let Some(why) = backend.switches() {
+                return Err(Error::Unsupported(format!(
+                    "bucket_choice_on_device: {why}"
+                )));
+            }
+        }
         if opts.capture_stream.is_some() && backend.kind() == BackendKind::Host {
             return Err(Error::invalid(
                 "capture_stream: the host backend captures on streams of its own; leave it NULL",

@@ -310,6 +310,9 @@ pub struct SessionOptions {
     /// also captured once per slot, writing its CLONE grads straight into
     /// that slot's block, so a replay hands a block out without copying.
     pub clone_slots: u32,
+    /// Callables with buckets can also choose them on the device (a
+    /// SWITCH graph per pass; replays given `device_size`).
+    pub device_buckets: bool,
 }
 
 impl SessionOptions {
@@ -340,6 +343,7 @@ impl Default for SessionOptions {
             reuse_buffers: false,
             clone_slots: 2,
             capture_stream: None,
+            device_buckets: false,
         }
     }
 }
@@ -365,6 +369,9 @@ pub struct ReplayArgs<'a> {
     /// Callables with buckets: the actual size of the dynamic dimension
     /// (forward: required; backward and weight-grad: 0 or the forward's).
     pub size: u64,
+    /// Callables with buckets, instead of `size`: device memory holding
+    /// the size as a u64, the bucket chosen on the device (forward only).
+    pub device_size: DevPtr,
 }
 
 /// Bytes the library holds, by kind; shared by a session with the buffers

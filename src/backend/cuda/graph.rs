@@ -26,7 +26,18 @@ pub(super) struct CudaGraph {
 // SAFETY: a CUgraphExec may be launched and destroyed from any thread.
 unsafe impl Send for CudaGraph {}
 
+impl CudaGraph {
+    /// Its captured template, while kept.
+    pub(super) fn template(&self) -> Option<sys::CUgraph> {
+        self.template.as_ref().map(|t| t.graph)
+    }
+}
+
 impl Graph for CudaGraph {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn launch(&self, stream: StreamRef) -> Result<()> {
         // SAFETY: exec is a live instantiated graph; the stream is the caller's.
         check("cuGraphLaunch", unsafe {

@@ -8,7 +8,7 @@
 //! with (cudarc's CUDA 12.0 set), so they are looked up here by name.
 
 use super::driver::{check, driver_version};
-use crate::backend::{CaptureMode, DevPtr, StreamRef};
+use crate::backend::{CaptureMode, Choice, DevPtr, StreamRef};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -55,6 +55,9 @@ const NODE_TYPE_CONDITIONAL: u32 = 13;
 const NODE_MEM_ALLOC: u32 = 10;
 const NODE_MEM_FREE: u32 = 11;
 const CONDITIONAL_WHILE: u32 = 1;
+const CONDITIONAL_SWITCH: u32 = 2;
+/// The first CUDA version with conditional SWITCH nodes.
+pub(super) const NEEDS_SWITCH: i32 = 12080;
 /// The handle's value is reset to its default at every launch.
 const ASSIGN_DEFAULT: u32 = 1;
 /// The first CUDA version with conditional WHILE nodes that kernels set.
@@ -65,6 +68,8 @@ pub(super) struct Loops {
     pub module: sys::CUmodule,
     copy_indexed: sys::CUfunction,
     next: sys::CUfunction,
+    select: sys::CUfunction,
+    zero_tail: sys::CUfunction,
     handle_create: HandleCreate,
     add_node: AddNode,
 }
@@ -107,15 +112,20 @@ pub(super) fn load_loops() -> Result<Loops> {
         })?;
         Ok(f)
     };
-    match (get(b"graphed_copy_indexed\0"), get(b"graphed_loop_next\0")) {
-        (Ok(copy_indexed), Ok(next)) => Ok(Loops {
+    let found = get(b"graphed_copy_indexed\0").and_then(|copy_indexed| {
+        Ok(Loops {
             module,
             copy_indexed,
-            next,
+            next: get(b"graphed_loop_next\0")?,
+            select: get(b"graphed_bucket_select\0")?,
+            zero_tail: get(b"graphed_zero_tail\0")?,
             handle_create,
             add_node,
-        }),
-        (Err(e), _) | (_, Err(e)) => {
+        })
+    });
+    match found {
+        Ok(l) => Ok(l),
+        Err(e) => {
             // SAFETY: loaded above, not used after this.
             unsafe { sys::cuModuleUnload(module) };
             Err(e)
@@ -184,6 +194,127 @@ impl Loops {
         // SAFETY: the kernel takes these six u64; the caller's regions hold
         // `bytes` at every index the loop reaches, and `index` a u32.
         unsafe { launch(self.copy_indexed, &mut args, blocks, stream) }
+    }
+
+    /// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at
+    /// `size` when the kernel runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn zero_tail(
+        &self,
+        sm_count: u32,
+        dst: DevPtr,
+        row: usize,
+        size: DevPtr,
+        bytes: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let blocks = bytes.div_ceil(256).clamp(1, sm_count as usize * 8) as u32;
+        let mut args = [dst, row as u64, size, bytes as u64];
+        // SAFETY: the kernel takes these four u64; `dst` holds `bytes` and
+        // `size` a u64.
+        unsafe { launch(self.zero_tail, &mut args, blocks, stream) }
+    }
+
+    /// Records, into the capture running on `stream`, the bucket choice
+    /// kernel and a SWITCH node after it whose body i is a copy of graph
+    /// `bodies[i]` (see `Backend::capture_switch`); the capture goes on
+    /// after the node. `ctx` is the device's context, bound.
+    pub fn capture_switch(
+        &self,
+        ctx: sys::CUcontext,
+        stream: StreamRef,
+        choice: Choice,
+        bodies: &[sys::CUgraph],
+    ) -> Result<()> {
+        let v = driver_version()?;
+        if v < NEEDS_SWITCH {
+            return Err(switch_unsupported(v));
+        }
+        let (graph, _, _) = capture_info(stream)?;
+        let n = bodies.len() as u32;
+        let mut handle = 0u64;
+        // SAFETY: the capture's graph, our bound context, a valid out
+        // pointer; the default (n) runs no body if the choice did not run.
+        check("cuGraphConditionalHandleCreate", unsafe {
+            (self.handle_create)(&mut handle, graph, ctx, n, ASSIGN_DEFAULT)
+        })?;
+        let mut args = [
+            choice.size,
+            choice.table,
+            n as u64,
+            choice.overflows,
+            handle,
+        ];
+        // SAFETY: the kernel takes these five u64; `size` and `overflows`
+        // are u64s and `table` holds n of them; one thread acts.
+        unsafe { launch(self.select, &mut args, 1, stream) }?;
+        let (graph, deps, ndeps) = capture_info(stream)?;
+        let mut p = NodeParams {
+            kind: NODE_TYPE_CONDITIONAL,
+            reserved0: [0; 3],
+            conditional: ConditionalParams {
+                handle,
+                kind: CONDITIONAL_SWITCH,
+                size: n,
+                graphs_out: null_mut(),
+                ctx,
+            },
+            rest_of_union: [0; 25],
+            reserved2: 0,
+        };
+        let mut node: sys::CUgraphNode = null_mut();
+        // SAFETY: the capture's graph and its current dependencies (the
+        // choice kernel, read just above); params laid out as the driver's
+        // CUgraphNodeParams.
+        check("cuGraphAddNode(switch)", unsafe {
+            (self.add_node)(&mut node, graph, deps, ndeps, &mut p)
+        })?;
+        if p.conditional.graphs_out.is_null() {
+            return Err(Error::Internal(
+                "the SWITCH node came without body graphs".into(),
+            ));
+        }
+        // SAFETY: a node of the capture's graph.
+        check("cuStreamUpdateCaptureDependencies", unsafe {
+            sys::cuStreamUpdateCaptureDependencies(
+                stream.0 as sys::CUstream,
+                &mut node,
+                1,
+                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
+                    as u32,
+            )
+        })?;
+        for (i, &body) in bodies.iter().enumerate() {
+            // SAFETY: the driver filled n body graphs, owned by the node.
+            let target = unsafe { *p.conditional.graphs_out.add(i) };
+            let mut child: sys::CUgraphNode = null_mut();
+            // SAFETY: a body graph of the node and a live template (cloned
+            // into the child node).
+            check("cuGraphAddChildGraphNode(switch body)", unsafe {
+                sys::cuGraphAddChildGraphNode(&mut child, target, std::ptr::null(), 0, body)
+            })
+            .map_err(|e| match e {
+                Error::Cuda {
+                    call,
+                    code,
+                    name,
+                    description,
+                } => Error::Cuda {
+                    call,
+                    code,
+                    name,
+                    description: format!(
+                        "{description}; the driver refused bucket {i}'s graph as a SWITCH node's body ({})",
+                        describe(body)
+                    ),
+                },
+                other => other,
+            })?;
+        }
+        Ok(())
     }
 
     /// Records, into the capture running on `stream`, a WHILE node whose
@@ -349,6 +480,35 @@ impl Loops {
         ended?;
         added
     }
+}
+
+/// Why a driver of CUDA version `v` cannot choose buckets on the device.
+pub(super) fn switch_unsupported(v: i32) -> Error {
+    Error::Unsupported(format!(
+        "choosing a bucket on the device needs conditional SWITCH nodes (CUDA 12.8 or newer); this \
+         driver is CUDA {}.{}",
+        v / 1000,
+        (v % 1000) / 10
+    ))
+}
+
+/// The graph a capture on `stream` records into and its current
+/// dependencies (valid until the next capture call on the stream).
+fn capture_info(stream: StreamRef) -> Result<(sys::CUgraph, *const sys::CUgraphNode, usize)> {
+    let s = stream.0 as sys::CUstream;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut graph, mut deps, mut ndeps) = (0u64, null_mut(), std::ptr::null(), 0usize);
+    // SAFETY: valid out pointers; `deps` points into driver memory valid
+    // until the next capture call on `s`.
+    check("cuStreamGetCaptureInfo_v2", unsafe {
+        sys::cuStreamGetCaptureInfo_v2(s, &mut status, &mut id, &mut graph, &mut deps, &mut ndeps)
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null() {
+        return Err(Error::state(
+            "a conditional node is recorded only into an active capture",
+        ));
+    }
+    Ok((graph, deps, ndeps))
 }
 
 /// `cuGraphGetEdges_v2` (CUDA 12.3), which also reports each edge's type.

@@ -16,14 +16,14 @@ mod loops;
 mod rebind;
 
 use super::{
-    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef,
-    IndexedCopy, StreamRef,
+    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
+    Graph, IndexedCopy, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::Result;
 use cudarc::driver::sys;
 use device::Inner;
-use driver::check;
+use driver::{check, driver_version};
 use graph::capture_status;
 use std::collections::HashMap;
 use std::ptr::null_mut;
@@ -162,6 +162,50 @@ impl Backend for CudaBackend {
         self.inner
             .loops()?
             .capture(self.inner.ctx, stream, state, mode, body)
+    }
+
+    fn switches(&self) -> Option<String> {
+        let v = match driver_version() {
+            Ok(v) => v,
+            Err(e) => return Some(e.to_string()),
+        };
+        if v < loops::NEEDS_SWITCH {
+            return Some(loops::switch_unsupported(v).to_string());
+        }
+        self.loops()
+    }
+
+    fn capture_switch(
+        &self,
+        stream: StreamRef,
+        choice: Choice,
+        bodies: &[&dyn Graph],
+    ) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        let templates = bodies
+            .iter()
+            .map(|g| {
+                let g = g.as_any().downcast_ref::<graph::CudaGraph>();
+                g.and_then(graph::CudaGraph::template).ok_or_else(|| {
+                    crate::error::Error::Internal("a SWITCH body without its CUDA template".into())
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.inner
+            .loops()?
+            .capture_switch(self.inner.ctx, stream, choice, &templates)
+    }
+
+    fn zero_tail(
+        &self,
+        dst: DevPtr,
+        row: usize,
+        size: DevPtr,
+        bytes: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
+        let l = self.inner.loops()?;
+        l.zero_tail(self.inner.sm_count(), dst, row, size, bytes, stream)
     }
 
     fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()> {

@@ -8,13 +8,18 @@ use crate::backend::{CaptureEnd, DevPtr, Graph, RebindPlan, StreamRef};
 use crate::error::Result;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-struct HostGraph {
+pub(super) struct HostGraph {
     tasks: TaskList,
 }
 
 impl HostGraph {
     fn tasks(&self) -> MutexGuard<'_, Vec<Task>> {
         lock(&self.tasks)
+    }
+
+    /// A copy of its tasks as they are now (a body of another graph).
+    pub(super) fn snapshot(&self) -> Arc<Vec<Task>> {
+        Arc::new(self.tasks().clone())
     }
 }
 
@@ -38,6 +43,10 @@ impl Graph for HostGraph {
             submit(stream, t)?;
         }
         Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan> {

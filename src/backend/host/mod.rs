@@ -26,8 +26,8 @@ pub use stream::{check_stream, enqueue, synchronize, HostStream};
 pub use task::HostTask;
 
 use super::{
-    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, ContextGuard, DevPtr, EventRef,
-    IndexedCopy, StreamRef,
+    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
+    Graph, IndexedCopy, StreamRef,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -141,6 +141,60 @@ impl Backend for HostBackend {
             Task::Loop {
                 body: Arc::new(tasks),
                 state,
+            },
+        )
+    }
+
+    fn switches(&self) -> Option<String> {
+        None
+    }
+
+    fn capture_switch(
+        &self,
+        stream: StreamRef,
+        choice: Choice,
+        bodies: &[&dyn Graph],
+    ) -> Result<()> {
+        if !stream::is_capturing(stream)? {
+            return Err(Error::state(
+                "a choice is recorded only into an active capture",
+            ));
+        }
+        let bodies = bodies
+            .iter()
+            .map(|g| {
+                g.as_any()
+                    .downcast_ref::<graph::HostGraph>()
+                    .map(graph::HostGraph::snapshot)
+                    .ok_or_else(|| Error::Internal("a body of another backend".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        submit(
+            stream,
+            Task::Switch {
+                bodies: Arc::new(bodies),
+                size: choice.size as usize,
+                table: choice.table as usize,
+                overflows: choice.overflows as usize,
+            },
+        )
+    }
+
+    fn zero_tail(
+        &self,
+        dst: DevPtr,
+        row: usize,
+        size: DevPtr,
+        bytes: usize,
+        stream: StreamRef,
+    ) -> Result<()> {
+        submit(
+            stream,
+            Task::ZeroTail {
+                dst: dst as usize,
+                row,
+                size: size as usize,
+                bytes,
             },
         )
     }

@@ -37,6 +37,12 @@ pub(super) fn plan(tasks: &TaskList, base: DevPtr, bytes: usize) -> Result<Rebin
                     "the graph loops over microbatches: its body is not looked into".into(),
                 ))
             }
+            Task::Switch { .. } | Task::ZeroTail { .. } => {
+                return Ok(RebindPlan::Refused(
+                    "the graph chooses a bucket on the device: its bodies are not looked into"
+                        .into(),
+                ))
+            }
             Task::Differ { a, b, .. } => {
                 for (field, p) in [(0, a), (1, b)] {
                     if inside(p) {
@@ -78,7 +84,14 @@ impl Rebinder for HostRebinder {
                 (Task::Copy { src, .. }, _) | (Task::Accumulate { src, .. }, _) => *src = a,
                 (Task::Differ { a: x, .. }, 0) => *x = a,
                 (Task::Differ { b: y, .. }, _) => *y = a,
-                (Task::User(_) | Task::Loop { .. } | Task::CopyIndexed { .. }, _) => {}
+                (
+                    Task::User(_)
+                    | Task::Loop { .. }
+                    | Task::CopyIndexed { .. }
+                    | Task::Switch { .. }
+                    | Task::ZeroTail { .. },
+                    _,
+                ) => {}
             }
         }
         Ok(())

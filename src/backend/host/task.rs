@@ -57,6 +57,21 @@ pub(super) enum Task {
         body: Arc<Vec<Task>>,
         state: usize,
     },
+    /// A choice: body i for the first i with `table[i] >= *size` (u64s),
+    /// else none and `*overflows += 1`.
+    Switch {
+        bodies: Arc<Vec<Arc<Vec<Task>>>>,
+        size: usize,
+        table: usize,
+        overflows: usize,
+    },
+    /// Zeroes `[dst + min(*size * row, bytes), dst + bytes)`.
+    ZeroTail {
+        dst: usize,
+        row: usize,
+        size: usize,
+        bytes: usize,
+    },
 }
 
 pub(super) fn run(task: &Task) -> Result<()> {
@@ -118,6 +133,39 @@ pub(super) fn run(task: &Task) -> Result<()> {
                     std::ptr::copy(s as *const u8, d as *mut u8, bytes)
                 }
             }
+        }
+        Task::Switch {
+            ref bodies,
+            size,
+            table,
+            overflows,
+        } => {
+            // SAFETY: `size` and `overflows` are u64s and `table` holds one
+            // u64 per body, in memory the graph's owner keeps.
+            let chosen = unsafe {
+                let n = *(size as *const u64);
+                (0..bodies.len()).find(|&i| *(table as *const u64).add(i) >= n)
+            };
+            match chosen {
+                Some(i) => {
+                    for t in bodies[i].iter() {
+                        run(t)?;
+                    }
+                }
+                // SAFETY: as above.
+                None => unsafe { *(overflows as *mut u64) += 1 },
+            }
+        }
+        Task::ZeroTail {
+            dst,
+            row,
+            size,
+            bytes,
+        } => {
+            // SAFETY: `size` is a u64; `dst` holds `bytes`.
+            let n = unsafe { *(size as *const u64) } as usize;
+            let start = n.saturating_mul(row).min(bytes);
+            unsafe { std::ptr::write_bytes((dst + start) as *mut u8, 0, bytes - start) }
         }
         Task::Loop { ref body, state } => loop {
             for t in body.iter() {

@@ -21,7 +21,8 @@ mod step_io;
 mod steps;
 mod unrolled;
 
-use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage};
+use super::buckets::{self, SizeBlock};
+use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage, Switches};
 use super::clock::{CaptureTimes, Span};
 use super::context::Inputs;
 use super::instance::{Instance, PassGraphs, PassRef, Placed};
@@ -30,7 +31,7 @@ use super::rebind;
 use super::scratch::Scratch;
 use super::spec::{HookPoint, LogLevel, MemCounters, Phase};
 use super::{leases, place};
-use crate::backend::{DevPtr, DeviceMemory, Event, Stream, StreamRef};
+use crate::backend::{DeviceMemory, Event, Stream, StreamRef};
 use crate::core::lease::Leases;
 use crate::core::policy::{resolve_why, Decided, GradPolicy};
 use crate::core::schedule::Schedule;
@@ -47,6 +48,7 @@ use std::time::Instant;
 struct Recorded {
     graphs: Vec<PassGraphs>,
     steps: Vec<CapturedStep>,
+    switches: Vec<Switches>,
     arena: Option<Arena>,
 }
 
@@ -127,25 +129,22 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
         None => Stream::new(backend)?,
     };
     let (ev_in, ev_out) = (Event::new(backend)?, Event::new(backend)?);
-    // Past the planned buffers: each callable's actual size (a u64), where
-    // callables with buckets.
-    let bucketed = s.callables.iter().any(|c| !c.buckets.is_empty());
-    let sizes_bytes = match bucketed {
-        true => size::aligned(8 * s.callables.len(), "the actual sizes")?,
-        false => 0,
-    };
+    // Past the planned buffers, where callables have buckets: the sizes
+    // the device reads (`buckets::SizeBlock`).
+    let sizes_bytes = SizeBlock::bytes(s.callables)?;
     let statics_bytes = size::add(planned.plan.total_bytes, sizes_bytes, "the static buffers")?;
     let statics = DeviceMemory::new(backend, statics_bytes)?;
-    let sizes = match bucketed {
-        true => statics.ptr() + planned.plan.total_bytes as u64,
-        false => 0,
-    };
+    let sizes = (sizes_bytes > 0)
+        .then(|| SizeBlock::at(statics.ptr() + planned.plan.total_bytes as u64, s.callables));
     let mut placed = place::place(s, &planned, statics.ptr(), &order)?;
     let mut leases = Leases::new(epoch);
     if s.opts.strict_leases {
         leases::assign(s, &planned, &mut placed, &mut leases)?;
     }
     fill_statics(s, &placed, &statics, side.raw())?;
+    if let Some(block) = &sizes {
+        block.write_tables(backend.as_ref(), s.callables, side.raw())?;
+    }
     times.add(Span::Plan, started.elapsed());
 
     // 2, 3. Warm up and record.
@@ -154,7 +153,7 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
         s,
         &mut placed,
         &scratch,
-        (side.raw(), sizes),
+        (side.raw(), sizes.as_ref()),
         &order,
         &mut times,
     );
@@ -217,6 +216,7 @@ fn assemble(
         by_callable,
         order,
         steps: recorded.steps,
+        switches: recorded.switches,
         plan: PlanRecord {
             plan: planned.plan,
             buffers: planned.layout.buffers,
@@ -225,7 +225,7 @@ fn assemble(
         times,
         stage: Stage::default(),
         param_moves: 0,
-        sizes: 0,
+        sizes: None,
         last_forward: vec![None; s.callables.len()],
         resources,
     }
@@ -266,7 +266,7 @@ fn record(
     s: &Inputs,
     placed: &mut [Placed],
     scratch: &Arc<Scratch>,
-    (stream, sizes): (StreamRef, DevPtr),
+    (stream, sizes): (StreamRef, Option<&SizeBlock>),
     order: &[PassRef],
     times: &mut CaptureTimes,
 ) -> Result<Recorded> {
@@ -304,6 +304,12 @@ fn record(
         }
     }
     let by_callable = by_callable(s, r.placed);
+    let switches = match (sizes, s.opts.device_buckets) {
+        (Some(block), true) => r.spent(Span::Capture, |r| {
+            switches(r.s, (r.stream, block), r.placed, &graphs, &by_callable)
+        })?,
+        _ => Vec::new(),
+    };
     let slot_blocks: Vec<Vec<_>> = graphs
         .iter()
         .map(|g| g.slots.iter().map(|s| s.block).collect())
@@ -318,8 +324,41 @@ fn record(
     Ok(Recorded {
         graphs,
         steps,
+        switches,
         arena,
     })
+}
+
+/// Per callable, the graphs that choose its bucket on the device, one per
+/// pass (none for callables without buckets).
+fn switches(
+    s: &Inputs,
+    (stream, block): (StreamRef, &SizeBlock),
+    placed: &[Placed],
+    graphs: &[PassGraphs],
+    by_callable: &[Vec<usize>],
+) -> Result<Vec<Switches>> {
+    let mut out = Vec::with_capacity(s.callables.len());
+    for (c, spec) in s.callables.iter().enumerate() {
+        let mut per: Switches = Default::default();
+        if !spec.buckets.is_empty() {
+            let buckets = &by_callable[c];
+            for kind in [PassKind::Forward, PassKind::Backward, PassKind::Wgrad] {
+                if placed[buckets[0]].position[kind.index()].is_some() {
+                    per[kind.index()] = Some(buckets::capture_switch(
+                        s.backend.as_ref(),
+                        (stream, s.opts.capture_mode),
+                        block,
+                        buckets,
+                        (placed, graphs),
+                        kind,
+                    )?);
+                }
+            }
+        }
+        out.push(per);
+    }
+    Ok(out)
 }
 
 fn by_callable(s: &Inputs, placed: &[Placed]) -> Vec<Vec<usize>> {
@@ -484,7 +523,7 @@ mod tests {
             scratch: &scratch,
             tapes: vec![Cell::new(0)].into(),
             stream: StreamRef(0),
-            sizes: 0,
+            sizes: None,
             times: &mut times,
         };
         let bwd = PassRef {

@@ -3,6 +3,7 @@
 //! around it, the callback itself (under capture, between the beginning and
 //! the end of a stream capture), and what a failure is reported as.
 
+use super::super::buckets::SizeBlock;
 use super::super::clock::{CaptureTimes, Span};
 use super::super::context::Inputs;
 use super::super::external::Provided;
@@ -99,9 +100,9 @@ pub(super) struct Runner<'a> {
     pub scratch: &'a Arc<Scratch>,
     pub tapes: Box<[Cell<usize>]>,
     pub stream: StreamRef,
-    /// Where the device holds each callable's actual size (callables with
-    /// buckets; 0: none has them).
-    pub sizes: DevPtr,
+    /// Where the device holds each callable's actual size (None: no
+    /// callable has buckets).
+    pub sizes: Option<&'a SizeBlock>,
     pub times: &'a mut CaptureTimes,
 }
 
@@ -179,7 +180,7 @@ impl Runner<'_> {
 
     /// Where the device holds callable `c`'s actual size.
     fn actual_size(&self, c: usize) -> DevPtr {
-        self.sizes + 8 * c as DevPtr
+        self.sizes.map_or(0, |b| b.actual(c))
     }
 
     /// Before a warmup pass of a callable with buckets: its actual size is

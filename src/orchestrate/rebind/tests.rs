@@ -63,6 +63,10 @@ mod copies {
     }
 
     impl Graph for CopyGraph {
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+
         fn launch(&self, stream: StreamRef) -> Result<()> {
             self.launches.fetch_add(1, Relaxed);
             let src = self.src.load(Relaxed);
@@ -223,6 +227,10 @@ mod params {
     }
 
     impl Graph for ReadsParam {
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+
         fn launch(&self, stream: StreamRef) -> Result<()> {
             let n = crate::orchestrate::testing::BYTES;
             self.backend

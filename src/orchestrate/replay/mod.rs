@@ -15,7 +15,7 @@ mod tests;
 
 pub(crate) use step::step;
 
-use super::captured::{Captured, LeaseBook, Stage};
+use super::captured::{Captured, LeaseBook, Rows, Stage};
 use super::grads::{copy_clones, enqueue_destinations};
 use super::instance::Placed;
 use super::pool::Pool;
@@ -143,38 +143,66 @@ fn take_block(p: &Parts, idx: usize, kind: PassKind, s: StreamRef) -> Result<Tak
     })))
 }
 
-/// The instance a replay of `kind` runs, and the actual size of a callable
-/// with buckets (0 without): a forward runs the smallest bucket holding
-/// `a.size`; backward and weight-grad passes the bucket of the callable's
-/// last forward.
-fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, u64)> {
+/// The instance a replay of `kind` runs and the rows it runs on: a
+/// callable without buckets its instance whole; a forward of one with
+/// buckets the smallest bucket holding `a.size` (or, given `device_size`,
+/// the largest bucket's instance, the device choosing); backward and
+/// weight-grad passes what the callable's last forward ran.
+fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
     let spec = p.callables.get(a.callable as usize);
     let Some(spec) = spec.filter(|c| !c.buckets.is_empty()) else {
-        if a.size != 0 {
+        if a.size != 0 || a.device_size != 0 {
             let name = spec.map_or("?", |c| c.name.as_str());
             return Err(Error::invalid(format!(
-                "args.size is {} but callable '{name}' has no buckets: pass 0",
-                a.size
+                "args.size or args.device_size is set, but callable '{name}' has no buckets: leave both 0"
             )));
         }
-        return Ok((p.cap.instance_index(a.callable, a.microbatch)?, 0));
+        return Ok((p.cap.instance_index(a.callable, a.microbatch)?, Rows::All));
     };
-    // Checks the callable and the microbatch.
-    p.cap.instance_index(a.callable, a.microbatch)?;
+    // Checks the callable and the microbatch; the largest bucket's.
+    let largest = p.cap.instance_index(a.callable, a.microbatch)?;
     let (name, buckets) = (&spec.name, &spec.buckets);
     if kind != PassKind::Forward {
-        return match p.cap.last_forward[a.callable as usize] {
+        let last = p.cap.last_forward[a.callable as usize];
+        return match last {
             None => Err(Error::WrongState(format!(
                 "the {kind} replay of callable '{name}': it has buckets, and no forward ran since capture; a \
                  {kind} runs the bucket of the callable's last forward"
             ))),
-            Some((_, size)) if a.size != 0 && a.size != size => Err(Error::invalid(format!(
-                "the {kind} replay of callable '{name}' was given args.size {}, but its last forward ran {size} \
-                 rows: pass 0 or {size}",
+            Some(_) if a.device_size != 0 => Err(Error::invalid(format!(
+                "the {kind} replay of callable '{name}' was given args.device_size: a {kind} runs the bucket \
+                 its forward ran; leave it NULL"
+            ))),
+            Some((_, Rows::Host(n))) if a.size != 0 && a.size != n => Err(Error::invalid(format!(
+                "the {kind} replay of callable '{name}' was given args.size {}, but its last forward ran {n} \
+                 rows: pass 0 or {n}",
                 a.size
             ))),
-            Some((idx, size)) => Ok((idx, size)),
+            Some((_, Rows::Device)) if a.size != 0 => Err(Error::invalid(format!(
+                "the {kind} replay of callable '{name}' was given args.size {}, but its last forward chose \
+                 its bucket on the device: pass 0",
+                a.size
+            ))),
+            Some(last) => Ok(last),
         };
+    }
+    if a.device_size != 0 {
+        if a.size != 0 {
+            return Err(Error::invalid(format!(
+                "callable '{name}': args.size ({}) and args.device_size are both set; give one",
+                a.size
+            )));
+        }
+        if p.cap
+            .switches
+            .get(a.callable as usize)
+            .map_or(true, |s| s[0].is_none())
+        {
+            return Err(Error::invalid(format!(
+                "callable '{name}': args.device_size needs a session created with bucket_choice_on_device"
+            )));
+        }
+        return Ok((largest, Rows::Device));
     }
     if a.size == 0 {
         return Err(Error::invalid(format!(
@@ -189,7 +217,33 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, u64)> {
             buckets.last().copied().unwrap_or(0)
         ))
     })?;
-    Ok((p.cap.by_callable[a.callable as usize][b], a.size))
+    Ok((
+        p.cap.by_callable[a.callable as usize][b],
+        Rows::Host(a.size),
+    ))
+}
+
+/// Refuses a replay choosing its bucket on the device where a parameter
+/// is, or is given, anywhere but where capture read it (the choosing
+/// graph holds copies of the buckets' graphs as captured).
+fn check_device_params(p: &Parts, a: &ReplayArgs, idx: usize) -> Result<()> {
+    let c = p.cap.instances[idx].callable;
+    let name = &p.callables[c].name;
+    for &n in &p.cap.by_callable[c] {
+        for (j, q) in p.cap.instances[n].params.iter().enumerate() {
+            let given = a.params.and_then(|g| g.get(j).copied()).unwrap_or(0);
+            if q.bound() != q.ptr || (given != 0 && given != q.ptr) {
+                return Err(Error::ParamMoved(format!(
+                    "param {j} of callable '{name}' is read at 0x{:x} by its graphs (registered at 0x{:x}), \
+                     and 0x{given:x} was given: a replay that chooses its bucket on the device reads the \
+                     parameters where capture did",
+                    q.bound(),
+                    q.ptr
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Feeds the data of a forward (inputs) or backward (grad-outputs):
@@ -197,10 +251,13 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, u64)> {
 /// caller's aligned data, else back at the static buffer); the others are
 /// copied into their static buffers (those without one take no data). A
 /// DYNAMIC tensor takes the actual size's rows, the rest of its bucket
-/// zeroed (so padding rows add nothing to the parameter grads).
+/// zeroed (so padding rows add nothing to the parameter grads); chosen on
+/// the device, it takes the whole buffer (the graph zeroes the rows past
+/// the size), and rebound tensors are copied (the choosing graph reads the
+/// static buffers).
 fn feed(
     p: &mut Parts,
-    (idx, size): (usize, u64),
+    (idx, rows): (usize, Rows),
     kind: PassKind,
     a: &ReplayArgs,
     s: StreamRef,
@@ -213,14 +270,23 @@ fn feed(
     for (i, t) in tensors.iter_mut().enumerate() {
         // check::data made the data as long as the tensors.
         let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
-        if t.row_bytes > 0 && t.ptr != 0 {
-            // Bounded by the bucket (resolve picked one holding `size`).
-            let rows = t.row_bytes * size as usize;
+        if let (Rows::Host(n), true) = (rows, t.row_bytes > 0 && t.ptr != 0) {
+            // Bounded by the bucket (resolve picked one holding n rows).
+            let actual = t.row_bytes * n as usize;
             if src != 0 && src != t.ptr {
-                backend.copy(t.ptr, src, rows, s)?;
+                backend.copy(t.ptr, src, actual, s)?;
             }
-            if rows < t.bytes {
-                backend.zero(t.ptr + rows as DevPtr, t.bytes - rows, s)?;
+            if actual < t.bytes {
+                backend.zero(t.ptr + actual as DevPtr, t.bytes - actual, s)?;
+            }
+            continue;
+        }
+        if rows == Rows::Device {
+            if let Feed::Rebound(r) = &mut t.feed {
+                r.bind(t.ptr)?;
+            }
+            if src != 0 && src != t.ptr && t.ptr != 0 && !matches!(t.feed, Feed::Chained) {
+                backend.copy(t.ptr, src, t.bytes, s)?;
             }
             continue;
         }
@@ -247,7 +313,7 @@ fn feed(
 /// block) and returns the parameter grads it wrote.
 fn launch(
     p: &mut Parts,
-    idx: usize,
+    (idx, rows): (usize, Rows),
     kind: PassKind,
     a: &ReplayArgs,
     block: &Taken,
@@ -256,14 +322,19 @@ fn launch(
     let inst = &p.cap.instances[idx];
     let params = returns_params(inst, kind);
     // A slot block has its own capture of this pass, which writes the
-    // CLONE grads into it: no copy.
-    let slot_graph = match (&block.0, params) {
-        (Some(b), true) => b.slot.and_then(|k| inst.slot_graph(k)),
+    // CLONE grads into it: no copy. The device's choice has none.
+    let slot_graph = match (&block.0, params, rows) {
+        (_, _, Rows::Device) => None,
+        (Some(b), true, _) => b.slot.and_then(|k| inst.slot_graph(k)),
         _ => None,
     };
-    match slot_graph {
-        Some(g) => g.launch(s)?,
-        None => inst.graph(kind)?.launch(s)?,
+    match (slot_graph, rows) {
+        (Some(g), _) => g.launch(s)?,
+        (None, Rows::Device) => p.cap.switches[inst.callable][kind.index()]
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("no {kind} graph choosing on the device")))?
+            .launch(s)?,
+        (None, _) => inst.graph(kind)?.launch(s)?,
     }
     if !params {
         return Ok(());
@@ -281,7 +352,7 @@ fn launch(
 /// where the last forward did.
 fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> Vec<usize> {
     let inst = &p.cap.instances[idx];
-    if kind != PassKind::Forward || a.params.is_none() || a.size == 0 {
+    if kind != PassKind::Forward || a.params.is_none() || a.size == 0 || a.device_size != 0 {
         return Vec::new();
     }
     p.cap.by_callable[inst.callable]
@@ -293,9 +364,12 @@ fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> Vec<
 
 /// Enqueues one pass and leaves its results in the stage.
 fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
-    let (idx, size) = resolve(p, a, kind)?;
+    let (idx, rows) = resolve(p, a, kind)?;
     // The context first: asking about a stream needs it current.
     let _ctx = p.backend.bind()?;
+    if rows == Rows::Device {
+        check_device_params(p, a, idx)?;
+    }
     check_pass(p, a, kind, idx)?;
     let siblings = buckets_beside(p, idx, kind, a);
     for &n in &siblings {
@@ -318,14 +392,18 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     for &n in &siblings {
         check::bind_params(a.params, &mut p.cap.instances[n].params)?;
     }
-    feed(p, (idx, size), kind, a, s)?;
-    if size > 0 && kind == PassKind::Forward {
-        // Sizes fit in 32 bits (resolve bounded it by a bucket); the high
-        // word stays zero.
-        let at = p.cap.sizes + 8 * a.callable as DevPtr;
-        p.backend.fill(at, size as u32, 4, 1, s)?;
+    feed(p, (idx, rows), kind, a, s)?;
+    if let (PassKind::Forward, Some(block)) = (kind, &p.cap.sizes) {
+        let at = block.actual(a.callable as usize);
+        match rows {
+            // Sizes fit in 32 bits (resolve bounded it by a bucket); the
+            // high word stays zero.
+            Rows::Host(n) => p.backend.fill(at, n as u32, 4, 1, s)?,
+            Rows::Device => p.backend.copy(at, a.device_size, 8, s)?,
+            Rows::All => {}
+        }
     }
-    launch(p, idx, kind, a, &block, s)?;
+    launch(p, (idx, rows), kind, a, &block, s)?;
     if let Some(side) = a.side_stream {
         p.backend
             .join(side, a.stream, p.cap.resources.ev_out.raw())?;
@@ -348,9 +426,20 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         stage.blocks.push(b);
     }
     let mut book = p.opts.strict_leases.then(|| p.leases.lock());
-    if kind == PassKind::Forward && size > 0 {
-        last_forward[inst.callable] = Some((idx, size));
+    if kind == PassKind::Forward && rows != Rows::All {
+        last_forward[inst.callable] = Some((idx, rows));
     }
+    // The rows the refs of DYNAMIC tensors hold: chosen on the device, the
+    // host does not know them (the largest bucket's instance: all).
+    let size = match rows {
+        Rows::Host(n) => n,
+        Rows::Device => p.callables[inst.callable]
+            .buckets
+            .last()
+            .copied()
+            .unwrap_or(0),
+        Rows::All => 0,
+    };
     match kind {
         PassKind::Forward => stage::aliases(&mut stage.a, &inst.outputs, size, book.as_deref_mut()),
         PassKind::Backward => {

@@ -329,6 +329,7 @@ fn by_pass<'a>(
                 .filter(|_| pp.kind == PassKind::Forward)
                 .map(|g| &g[first[k]..first[k] + np]),
             size: 0,
+            device_size: 0,
         };
         if let Err(e) = run_pass(&mut p, &a, pp.kind) {
             // Nothing of a failed step reaches the caller: the leases and

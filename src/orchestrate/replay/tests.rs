@@ -46,6 +46,7 @@ fn args<'a>(
         param_dsts: None,
         params,
         size: 0,
+        device_size: 0,
     }
 }
 

@@ -1,0 +1,150 @@
+//! Buckets on the device: the block after the static buffers where the
+//! device holds each callable's actual size (written by a replay, read by
+//! its kernels), the count of sizes no bucket held, and each bucketed
+//! callable's table of bucket sizes; and the graphs that choose a bucket
+//! on the device: per pass, the tails of the bucket zeroed past the size,
+//! then a SWITCH node whose body i is bucket i's graph of that pass.
+
+use super::instance::{PassGraphs, Placed};
+use super::spec::CallableSpec;
+use crate::backend::{Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, StreamRef};
+use crate::core::size;
+use crate::core::PassKind;
+use crate::error::{Error, Result};
+
+/// Where the device holds the sizes of a session's callables: u64 words,
+/// the actual sizes (one per callable), the overflow counts (one per
+/// callable), then each bucketed callable's bucket sizes.
+pub(crate) struct SizeBlock {
+    pub base: DevPtr,
+    callables: usize,
+    /// Per callable: its table (0 without buckets).
+    tables: Vec<DevPtr>,
+}
+
+impl SizeBlock {
+    /// Bytes the block of `callables` takes (0 when none has buckets).
+    pub fn bytes(callables: &[CallableSpec]) -> Result<usize> {
+        if callables.iter().all(|c| c.buckets.is_empty()) {
+            return Ok(0);
+        }
+        let words = 2 * callables.len() + callables.iter().map(|c| c.buckets.len()).sum::<usize>();
+        size::aligned(8 * words, "the bucket sizes")
+    }
+
+    /// The block of `callables` at `base` (0: none).
+    pub fn at(base: DevPtr, callables: &[CallableSpec]) -> SizeBlock {
+        let n = callables.len();
+        let mut next = base + 16 * n as DevPtr;
+        let tables = callables
+            .iter()
+            .map(|c| match c.buckets.len() {
+                0 => 0,
+                k => {
+                    let t = next;
+                    next += 8 * k as DevPtr;
+                    t
+                }
+            })
+            .collect();
+        SizeBlock {
+            base,
+            callables: n,
+            tables,
+        }
+    }
+
+    /// The u64 holding callable `c`'s actual size.
+    pub fn actual(&self, c: usize) -> DevPtr {
+        self.base + 8 * c as DevPtr
+    }
+
+    fn overflows(&self, c: usize) -> DevPtr {
+        self.base + 8 * (self.callables + c) as DevPtr
+    }
+
+    /// Writes every table on `stream` (after the block was zeroed there:
+    /// the sizes fit in 32 bits, the high words stay zero).
+    pub fn write_tables(
+        &self,
+        backend: &dyn Backend,
+        callables: &[CallableSpec],
+        stream: StreamRef,
+    ) -> Result<()> {
+        for (c, spec) in callables.iter().enumerate() {
+            for (i, &b) in spec.buckets.iter().enumerate() {
+                backend.fill(self.tables[c] + 8 * i as DevPtr, b as u32, 4, 1, stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sizes no bucket held, over every callable, as the device counted
+    /// them (0 without a block).
+    pub fn overflow_count(&self, backend: &dyn Backend) -> Result<u64> {
+        if self.base == 0 {
+            return Ok(0);
+        }
+        let mut words = vec![0u8; 8 * self.callables];
+        backend.download(&mut words, self.overflows(0))?;
+        Ok(words
+            .chunks(8)
+            .map(|w| u64::from_ne_bytes(w.try_into().unwrap_or([0; 8])))
+            .sum())
+    }
+
+    fn choice(&self, c: usize) -> Choice {
+        Choice {
+            size: self.actual(c),
+            table: self.tables[c],
+            overflows: self.overflows(c),
+        }
+    }
+}
+
+/// The graph of pass `kind` of a bucketed callable whose instances (one
+/// per bucket, ascending) are `buckets`: the tails of the fed DYNAMIC
+/// buffers (inputs of a forward, grad-outputs of a backward) zeroed past
+/// the actual size, then a SWITCH node over the buckets' graphs of the
+/// pass. Recorded on `stream`, which must not be capturing.
+pub(crate) fn capture_switch(
+    backend: &dyn Backend,
+    (stream, mode): (StreamRef, CaptureMode),
+    block: &SizeBlock,
+    buckets: &[usize],
+    (placed, graphs): (&[Placed], &[PassGraphs]),
+    kind: PassKind,
+) -> Result<Box<dyn Graph>> {
+    let largest = buckets
+        .last()
+        .map(|&n| &placed[n])
+        .ok_or_else(|| Error::Internal("a switch without buckets".into()))?;
+    let c = largest.callable;
+    let bodies = buckets
+        .iter()
+        .map(|&n| {
+            graphs[n].passes[kind.index()]
+                .as_deref()
+                .ok_or_else(|| Error::Internal(format!("bucket instance {n} has no {kind} graph")))
+        })
+        .collect::<Result<Vec<&dyn Graph>>>()?;
+    backend.begin_capture(stream, mode)?;
+    let recorded = (|| {
+        if let Some(role) = Placed::fed_role(kind) {
+            for t in largest.tensors(role) {
+                if t.row_bytes > 0 && t.ptr != 0 {
+                    backend.zero_tail(t.ptr, t.row_bytes, block.actual(c), t.bytes, stream)?;
+                }
+            }
+        }
+        backend.capture_switch(stream, block.choice(c), &bodies)
+    })();
+    let ended = backend.end_capture(stream);
+    recorded?;
+    match ended? {
+        CaptureEnd::Graph(g) => Ok(g),
+        CaptureEnd::Invalidated(why) => Err(Error::Internal(format!(
+            "the capture of a bucket choice was invalidated: {why}"
+        ))),
+    }
+}
