@@ -72,7 +72,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
         const size_t after = tools.driver_free();
         v.driver = before >= after ? before - after : 0;
         const graphed_session_stats st = v.s->stats();
-        v.library = st.static_bytes + st.scratch_bytes;
+        v.library = st.static_bytes + st.scratch_bytes + st.clone_bytes_cached;
         v.grads.resize(size_t(layers));
         return v;
     };
@@ -158,7 +158,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
     const std::string nb = std::to_string(sizes.size()) + " buckets";
     report << "). **" << nb << "**: one session, every layer registered with those bucket sizes; **largest alone**: "
               "one session of " << largest << " rows; **one session per size**: " << sizes.size()
-           << " sessions, one shape each (the sum). Library: static + scratch bytes "
+           << " sessions, one shape each (the sum). Library: static + scratch + clone slot bytes "
               "(graphed_session_stats); driver: the device memory capture took (cuMemGetInfo before and after).\n\n"
            << "| | library MiB | driver MiB |\n|---|---|---|\n"
            << "| " << nb << " | " << fmt("%.2f", bucketed.library / mib) << " | " << fmt("%.1f", bucketed.driver / mib)

@@ -141,6 +141,8 @@ TEST_P(Buckets, BucketsShareTheLargestBucketsMemory) {
     // the callables' actual sizes.
     EXPECT_EQ(sb.static_bytes, so.static_bytes + 256);
     EXPECT_EQ(sb.scratch_bytes, so.scratch_bytes) << "one scratch arena, sized for the largest bucket";
+    EXPECT_GT(so.clone_bytes_cached, 0u);
+    EXPECT_EQ(sb.clone_bytes_cached, so.clone_bytes_cached) << "one set of clone slot blocks per layer";
     EXPECT_EQ(sb.instances, so.instances * kSizes.size());
     EXPECT_EQ(sb.graph_count, so.graph_count * kSizes.size());
 }

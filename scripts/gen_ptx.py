@@ -6,7 +6,9 @@
   tensors in one launch (descriptors passed by value in the kernel
   parameters; blockIdx.y picks the tensor);
 - the comparison kernels capture's rebinding verification uses: whether
-  two buffers differ, by 4-byte words or by bytes, setting a flag word.
+  two buffers differ, by 4-byte words or by bytes, setting a flag word;
+- the zeroed tail of a bucket: bytes from size * row to the end of a
+  buffer set to 0, the size read from device memory when the kernel runs.
 And src/backend/cuda/loops.ptx, the kernels of steps that loop over
 microbatches in a conditional WHILE node (loaded only for those, since its
 call to the device runtime's cudaGraphSetConditional needs a CUDA 12.4
@@ -19,9 +21,7 @@ driver):
 - a bucket's choice for a conditional SWITCH node: the index of the first
   bucket size (a table of u64) at least the u64 size in device memory (the
   bucket count, which runs no body, when none is; a counter then counts
-  it), given to the node's handle;
-- the zeroed tail of a bucket: bytes from size * row to the end of a
-  buffer set to 0, the size read from device memory when the kernel runs.
+  it), given to the node's handle.
 
 PTX ISA 7.0 for sm_52, so that every driver from CUDA 12.0 on JIT-compiles
 it (nvcc 13 would emit ISA 9.0, which 12.x drivers reject). bf16 is converted
@@ -39,6 +39,8 @@ HEAD = """//
 // (scalar kernels) or in 16-byte vectors (x4/x8 kernels).
 // Comparison: (u64 a, u64 b, u64 n, u64 flag): the u32 at flag is set to 1
 // when a[i] != b[i] for some i < n (n in 4-byte words or in bytes).
+// graphed_zero_tail(u64 dst, u64 row, u64 size, u64 bytes): zeroes the
+// bytes of dst from min(*size * row, bytes) to bytes.
 //
 .version 7.0
 .target sm_52
@@ -318,6 +320,34 @@ out += batch_kernel("graphed_acc_batch_f16", f16x8, f16, 3, 1)
 out += batch_kernel("graphed_acc_batch_bf16", bf16x8, bf16, 3, 1)
 out += differ_kernel("graphed_differ_b32", 2, "u32")
 out += differ_kernel("graphed_differ_b8", 0, "u8")
+out += grid_stride("graphed_zero_tail", ["p_dst", "p_row", "p_size", "p_bytes"],
+                  """    .reg .pred %p<4>;
+    .reg .b16 %h<2>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<16>;
+""", """    ld.param.u64 %rd1, [p_dst];
+    ld.param.u64 %rd2, [p_row];
+    ld.param.u64 %rd7, [p_size];
+    ld.param.u64 %rd3, [p_bytes];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd7, %rd7;
+    ld.global.u64 %rd8, [%rd7];
+    mul.lo.u64 %rd9, %rd8, %rd2;
+    min.u64 %rd9, %rd9, %rd3;
+    setp.ge.u64 %p1, %rd8, %rd3;
+    selp.u64 %rd9, %rd3, %rd9, %p1;""") + """    add.u64 %rd4, %rd4, %rd9;
+    mov.u16 %h1, 0;
+ZERO:
+    setp.ge.u64 %p2, %rd4, %rd3;
+    @%p2 bra DONE;
+    add.u64 %rd10, %rd1, %rd4;
+    st.global.u8 [%rd10], %h1;
+    add.u64 %rd4, %rd4, %rd6;
+    bra ZERO;
+DONE:
+    ret;
+}
+"""
 path = pathlib.Path(__file__).resolve().parent.parent / "src/backend/cuda/kernels.ptx"
 path.write_text(out)
 print(f"wrote {path}")
@@ -332,8 +362,6 @@ LOOPS = """//
 // graphed_bucket_select(u64 size, u64 table, u64 count, u64 overflows,
 //   u64 handle): the handle's value is the first i < count with
 //   *size <= table[i], else count (and *overflows += 1). One thread.
-// graphed_zero_tail(u64 dst, u64 row, u64 size, u64 bytes): zeroes the
-//   bytes of dst from min(*size * row, bytes) to bytes.
 //
 .version 7.0
 .target sm_52
@@ -459,33 +487,6 @@ SET:
     st.param.b64 [call_handle], %rd5;
     st.param.b32 [call_value], %r1;
     call.uni cudaGraphSetConditional, (call_handle, call_value);
-DONE:
-    ret;
-}
-""" + grid_stride("graphed_zero_tail", ["p_dst", "p_row", "p_size", "p_bytes"],
-                  """    .reg .pred %p<4>;
-    .reg .b16 %h<2>;
-    .reg .b32 %r<8>;
-    .reg .b64 %rd<16>;
-""", """    ld.param.u64 %rd1, [p_dst];
-    ld.param.u64 %rd2, [p_row];
-    ld.param.u64 %rd7, [p_size];
-    ld.param.u64 %rd3, [p_bytes];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd7, %rd7;
-    ld.global.u64 %rd8, [%rd7];
-    mul.lo.u64 %rd9, %rd8, %rd2;
-    min.u64 %rd9, %rd9, %rd3;
-    setp.ge.u64 %p1, %rd8, %rd3;
-    selp.u64 %rd9, %rd3, %rd9, %p1;""") + """    add.u64 %rd4, %rd4, %rd9;
-    mov.u16 %h1, 0;
-ZERO:
-    setp.ge.u64 %p2, %rd4, %rd3;
-    @%p2 bra DONE;
-    add.u64 %rd10, %rd1, %rd4;
-    st.global.u8 [%rd10], %h1;
-    add.u64 %rd4, %rd4, %rd6;
-    bra ZERO;
 DONE:
     ret;
 }

@@ -1,9 +1,9 @@
 //! Buckets on the device: the block after the static buffers where the
 //! device holds each callable's actual size (written by a replay, read by
 //! its kernels), the count of sizes no bucket held, and each bucketed
-//! callable's table of bucket sizes; and the graphs that choose a bucket
-//! on the device: per pass, the tails of the bucket zeroed past the size,
-//! then a SWITCH node whose body i is bucket i's graph of that pass.
+//! callable's table of bucket sizes; what the host knows the device holds
+//! there; and the graphs that choose a bucket on the device: per pass, a
+//! SWITCH node whose body i is bucket i's graph of that pass.
 
 use super::instance::{PassGraphs, Placed};
 use super::spec::CallableSpec;
@@ -103,10 +103,9 @@ impl SizeBlock {
 }
 
 /// The graph of pass `kind` of a bucketed callable whose instances (one
-/// per bucket, ascending) are `buckets`: the tails of the fed DYNAMIC
-/// buffers (inputs of a forward, grad-outputs of a backward) zeroed past
-/// the actual size, then a SWITCH node over the buckets' graphs of the
-/// pass. Recorded on `stream`, which must not be capturing.
+/// per bucket, ascending) are `buckets`: a SWITCH node over the buckets'
+/// graphs of the pass (each zeroes its rows past the size itself).
+/// Recorded on `stream`, which must not be capturing.
 pub(crate) fn capture_switch(
     backend: &dyn Backend,
     (stream, mode): (StreamRef, CaptureMode),
@@ -129,16 +128,7 @@ pub(crate) fn capture_switch(
         })
         .collect::<Result<Vec<&dyn Graph>>>()?;
     backend.begin_capture(stream, mode)?;
-    let recorded = (|| {
-        if let Some(role) = Placed::fed_role(kind) {
-            for t in largest.tensors(role) {
-                if t.row_bytes > 0 && t.ptr != 0 {
-                    backend.zero_tail(t.ptr, t.row_bytes, block.actual(c), t.bytes, stream)?;
-                }
-            }
-        }
-        backend.capture_switch(stream, block.choice(c), &bodies)
-    })();
+    let recorded = backend.capture_switch(stream, block.choice(c), &bodies);
     let ended = backend.end_capture(stream);
     recorded?;
     match ended? {

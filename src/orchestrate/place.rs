@@ -113,10 +113,17 @@ pub(crate) fn place(
     base: DevPtr,
     order: &[PassRef],
 ) -> Result<Vec<Placed>> {
-    let mut placed = Vec::with_capacity(p.shapes.len());
+    let mut placed: Vec<Placed> = Vec::with_capacity(p.shapes.len());
     for n in 0..p.shapes.len() {
+        let first = placed.len();
         for b in 0..s.callables[p.owners[n].0].bucket_count() {
-            placed.push(place_one(s, p, n, b, base)?);
+            let mut inst = place_one(s, p, n, b, base)?;
+            // The buckets share the clone blocks too (their grads have one
+            // shape): one ring, one set of slot blocks.
+            if b > 0 {
+                inst.ring = placed[first].ring.clone();
+            }
+            placed.push(inst);
         }
     }
     for (pos, r) in order.iter().enumerate() {

@@ -170,6 +170,9 @@ pub struct CloneRing {
     counters: Arc<MemCounters>,
     bytes: usize,
     free: Mutex<Vec<Arc<CloneBlock>>>,
+    /// The slot blocks' addresses, slot by slot (instances sharing the
+    /// ring, a callable's buckets, share them).
+    slots: Mutex<Vec<DevPtr>>,
 }
 
 impl CloneRing {
@@ -183,6 +186,7 @@ impl CloneRing {
             counters: counters.clone(),
             bytes,
             free: Mutex::new(Vec::new()),
+            slots: Mutex::new(Vec::new()),
         })
     }
 
@@ -210,11 +214,12 @@ impl CloneRing {
         })
     }
 
-    /// Makes the `n` slot blocks (at capture, on `stream`) and returns their
-    /// addresses; they wait in the ring until a replay takes them.
+    /// The addresses of the `n` slot blocks, making those not made yet (at
+    /// capture, on `stream`); they wait in the ring until a replay takes
+    /// them.
     pub fn add_slots(self: &Arc<CloneRing>, n: usize, stream: StreamRef) -> Result<Vec<DevPtr>> {
-        let mut ptrs = Vec::with_capacity(n);
-        for k in 0..n {
+        let mut ptrs = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        for k in ptrs.len()..n {
             let ptr = self.backend.alloc_async(self.bytes, stream)?;
             let b = match self.block(ptr, stream, Some(k)) {
                 Ok(b) => b,
@@ -230,7 +235,7 @@ impl CloneRing {
             ptrs.push(ptr);
             self.lock().push(Arc::new(b));
         }
-        Ok(ptrs)
+        Ok(ptrs[..n].to_vec())
     }
 
     /// A block for a replay on `stream`: a free slot block if there is one,

@@ -1,8 +1,8 @@
 //! graphed's own kernels (scripts/gen_ptx.py, embedded as PTX and loaded
 //! once per device): the ACCUMULATE_INTO kernels (one tensor at a time,
 //! vectorised where aligned, or up to `BATCH` tensors per launch) and the
-//! comparison kernels rebinding verification uses; and how they are
-//! launched.
+//! comparison kernels rebinding verification uses, and the zeroing of a
+//! bucket's rows past its actual size; and how they are launched.
 
 use super::driver::check;
 use crate::backend::{AccItem, DevPtr, StreamRef};
@@ -47,6 +47,8 @@ pub(super) struct Kernels {
     /// Whether two buffers differ, by 4-byte words and by bytes.
     differ_b32: sys::CUfunction,
     differ_b8: sys::CUfunction,
+    /// Zeroes a bucket's rows past the size in device memory.
+    zero_tail: sys::CUfunction,
 }
 
 impl Kernels {
@@ -111,6 +113,7 @@ pub(super) fn load_kernels() -> Result<Kernels> {
             )?,
             differ_b32: get("graphed_differ_b32")?,
             differ_b8: get("graphed_differ_b8")?,
+            zero_tail: get("graphed_zero_tail")?,
         })
     })();
     if k.is_err() {
@@ -295,6 +298,29 @@ pub(super) fn differ(
             k.differ_b8,
             &mut [a + done, b + done, rest as u64, flag],
             rest,
+            stream,
+        )
+    }
+}
+
+/// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at `size`
+/// when the kernel runs.
+pub(super) fn zero_tail(
+    on: On,
+    dst: DevPtr,
+    row: usize,
+    size: DevPtr,
+    bytes: usize,
+    stream: StreamRef,
+) -> Result<()> {
+    // SAFETY: the kernel takes (dst, row, size, bytes); dst holds `bytes`
+    // bytes and size a u64 of device memory, per the caller's contract.
+    unsafe {
+        launch_grid(
+            on,
+            on.kernels.zero_tail,
+            &mut [dst, row as u64, size, bytes as u64],
+            bytes,
             stream,
         )
     }

@@ -1,6 +1,8 @@
 //! Loops inside a graph: a conditional WHILE node (CUDA 12.4 and later)
 //! whose body is captured once and runs while the microbatch index at
-//! `state[0]` is below the count at `state[1]`. The loop's kernels
+//! `state[0]` is below the count at `state[1]`; and buckets chosen inside
+//! a graph: a kernel picks the bucket for a conditional SWITCH node (CUDA
+//! 12.8 and later) whose bodies are copies of the buckets' graphs. The loop's kernels
 //! (scripts/gen_ptx.py, loops.ptx) are loaded on first use, apart from the
 //! others: the step kernel calls the device runtime's
 //! `cudaGraphSetConditional`, which a driver before 12.4 cannot link. The
@@ -69,7 +71,6 @@ pub(super) struct Loops {
     copy_indexed: sys::CUfunction,
     next: sys::CUfunction,
     select: sys::CUfunction,
-    zero_tail: sys::CUfunction,
     handle_create: HandleCreate,
     add_node: AddNode,
 }
@@ -118,7 +119,6 @@ pub(super) fn load_loops() -> Result<Loops> {
             copy_indexed,
             next: get(b"graphed_loop_next\0")?,
             select: get(b"graphed_bucket_select\0")?,
-            zero_tail: get(b"graphed_zero_tail\0")?,
             handle_create,
             add_node,
         })
@@ -194,28 +194,6 @@ impl Loops {
         // SAFETY: the kernel takes these six u64; the caller's regions hold
         // `bytes` at every index the loop reaches, and `index` a u32.
         unsafe { launch(self.copy_indexed, &mut args, blocks, stream) }
-    }
-
-    /// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at
-    /// `size` when the kernel runs.
-    #[allow(clippy::too_many_arguments)]
-    pub fn zero_tail(
-        &self,
-        sm_count: u32,
-        dst: DevPtr,
-        row: usize,
-        size: DevPtr,
-        bytes: usize,
-        stream: StreamRef,
-    ) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let blocks = bytes.div_ceil(256).clamp(1, sm_count as usize * 8) as u32;
-        let mut args = [dst, row as u64, size, bytes as u64];
-        // SAFETY: the kernel takes these four u64; `dst` holds `bytes` and
-        // `size` a u64.
-        unsafe { launch(self.zero_tail, &mut args, blocks, stream) }
     }
 
     /// Records, into the capture running on `stream`, the bucket choice

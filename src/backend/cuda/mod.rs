@@ -204,8 +204,7 @@ impl Backend for CudaBackend {
         bytes: usize,
         stream: StreamRef,
     ) -> Result<()> {
-        let l = self.inner.loops()?;
-        l.zero_tail(self.inner.sm_count(), dst, row, size, bytes, stream)
+        kernels::zero_tail(self.inner.on()?, dst, row, size, bytes, stream)
     }
 
     fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()> {

@@ -227,6 +227,7 @@ fn assemble(
         param_moves: 0,
         sizes: None,
         last_forward: vec![None; s.callables.len()],
+        size_held: vec![None; s.callables.len()],
         resources,
     }
 }
@@ -254,7 +255,9 @@ fn fill_statics(
         .callables
         .iter()
         .any(|c| c.inputs.iter().chain(&c.outputs).any(|t| t.rebind));
-    if accumulates || rebinds {
+    // Bucketed passes zero their padding with a kernel, under capture.
+    let bucketed = s.callables.iter().any(|c| !c.buckets.is_empty());
+    if accumulates || rebinds || bucketed {
         backend.prepare_kernels()?;
     }
     Ok(())

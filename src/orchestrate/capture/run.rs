@@ -199,6 +199,28 @@ impl Runner<'_> {
         }
     }
 
+    /// Before the callback of a pass of a bucketed callable (in its graph,
+    /// under capture): the rows of its fed DYNAMIC buffers (inputs of a
+    /// forward, grad-outputs of a backward) past the actual size and up to
+    /// its bucket are zeroed, reading the size when it runs, so that
+    /// padding stays finite and adds nothing to parameter grads whatever
+    /// the buffers held.
+    fn zero_tails(&self, p: PassRef) -> Result<()> {
+        let inst = &self.placed[p.instance];
+        let Some(role) = Placed::fed_role(p.kind) else {
+            return Ok(());
+        };
+        let size = self.actual_size(inst.callable);
+        for t in inst.tensors(role) {
+            if t.row_bytes > 0 && t.ptr != 0 && size != 0 {
+                self.s
+                    .backend
+                    .zero_tail(t.ptr, t.row_bytes, size, t.bytes, self.stream)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The text naming pass `p` in the messages of its callback.
     pub fn context(&self, p: PassRef, during: &str) -> String {
         let inst = &self.placed[p.instance];
@@ -242,10 +264,17 @@ impl Runner<'_> {
             if capture {
                 let backend = self.s.backend;
                 backend.begin_capture(self.stream, self.s.opts.capture_mode)?;
-                let ran = spec.callbacks.run(&view);
+                let ran = match self.zero_tails(p) {
+                    Ok(()) => spec.callbacks.run(&view),
+                    Err(e) => {
+                        drop(backend.end_capture(self.stream));
+                        return Err(e);
+                    }
+                };
                 let ended = backend.end_capture(self.stream);
                 Some(self.finish(p, ran, ended)?)
             } else {
+                self.zero_tails(p)?;
                 let ran = spec.callbacks.run(&view);
                 let refused = self.scratch.take_failure();
                 ran.map_err(|c| refused.unwrap_or_else(|| self.failed(p, call.phase, None, c)))?;

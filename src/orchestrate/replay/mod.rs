@@ -22,7 +22,7 @@ use super::pool::Pool;
 use super::returned::{CloneBlock, Returned};
 use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
 use super::tensor::{Feed, REBIND_ALIGN};
-use crate::backend::{Backend, DevPtr, StreamRef};
+use crate::backend::{Backend, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use stage::Taken;
@@ -250,11 +250,10 @@ fn check_device_params(p: &Parts, a: &ReplayArgs, idx: usize) -> Result<()> {
 /// rebound tensors are read where they are (the graphs are pointed at the
 /// caller's aligned data, else back at the static buffer); the others are
 /// copied into their static buffers (those without one take no data). A
-/// DYNAMIC tensor takes the actual size's rows, the rest of its bucket
-/// zeroed (so padding rows add nothing to the parameter grads); chosen on
-/// the device, it takes the whole buffer (the graph zeroes the rows past
-/// the size), and rebound tensors are copied (the choosing graph reads the
-/// static buffers).
+/// DYNAMIC tensor takes the actual size's rows (its pass's graph zeroes
+/// the rest of its bucket, so padding rows add nothing to the parameter
+/// grads); chosen on the device, it takes the whole buffer, and rebound
+/// tensors are copied (the choosing graph reads the static buffers).
 fn feed(
     p: &mut Parts,
     (idx, rows): (usize, Rows),
@@ -271,13 +270,10 @@ fn feed(
         // check::data made the data as long as the tensors.
         let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
         if let (Rows::Host(n), true) = (rows, t.row_bytes > 0 && t.ptr != 0) {
-            // Bounded by the bucket (resolve picked one holding n rows).
-            let actual = t.row_bytes * n as usize;
+            // Bounded by the bucket (resolve picked one holding n rows);
+            // the pass's graph zeroes the rest of its bucket.
             if src != 0 && src != t.ptr {
-                backend.copy(t.ptr, src, actual, s)?;
-            }
-            if actual < t.bytes {
-                backend.zero(t.ptr + actual as DevPtr, t.bytes - actual, s)?;
+                backend.copy(t.ptr, src, t.row_bytes * n as usize, s)?;
             }
             continue;
         }
@@ -394,13 +390,23 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     }
     feed(p, (idx, rows), kind, a, s)?;
     if let (PassKind::Forward, Some(block)) = (kind, &p.cap.sizes) {
-        let at = block.actual(a.callable as usize);
+        let c = a.callable as usize;
+        let (at, held) = (block.actual(c), p.cap.size_held[c]);
         match rows {
             // Sizes fit in 32 bits (resolve bounded it by a bucket); the
-            // high word stays zero.
-            Rows::Host(n) => p.backend.fill(at, n as u32, 4, 1, s)?,
-            Rows::Device => p.backend.copy(at, a.device_size, 8, s)?,
-            Rows::All => {}
+            // high word stays zero. Only the replays of the callable's own
+            // forward write there: a size the device holds already is not
+            // written again.
+            Rows::Host(n) if held != Some(n) => {
+                p.cap.size_held[c] = None;
+                p.backend.fill(at, n as u32, 4, 1, s)?;
+                p.cap.size_held[c] = Some(n);
+            }
+            Rows::Device => {
+                p.cap.size_held[c] = None;
+                p.backend.copy(at, a.device_size, 8, s)?;
+            }
+            Rows::Host(_) | Rows::All => {}
         }
     }
     launch(p, (idx, rows), kind, a, &block, s)?;
