@@ -37,7 +37,14 @@ pub(super) fn plan(tasks: &TaskList, base: DevPtr, bytes: usize) -> Result<Rebin
                     "the graph loops over microbatches: its body is not looked into".into(),
                 ))
             }
-            Task::Switch { .. } | Task::ZeroTail { .. } => {
+            Task::ZeroTail { dst, size, .. } => {
+                for (field, a) in [(0, dst), (1, size)] {
+                    if inside(a) {
+                        refs.push((i, field, a - lo));
+                    }
+                }
+            }
+            Task::Switch { .. } => {
                 return Ok(RebindPlan::Refused(
                     "the graph chooses a bucket on the device: its bodies are not looked into"
                         .into(),
@@ -82,14 +89,15 @@ impl Rebinder for HostRebinder {
                 | (Task::Zero { dst, .. }, _)
                 | (Task::Fill { dst, .. }, _) => *dst = a,
                 (Task::Copy { src, .. }, _) | (Task::Accumulate { src, .. }, _) => *src = a,
+                (Task::ZeroTail { dst, .. }, 0) => *dst = a,
+                (Task::ZeroTail { size, .. }, _) => *size = a,
                 (Task::Differ { a: x, .. }, 0) => *x = a,
                 (Task::Differ { b: y, .. }, _) => *y = a,
                 (
                     Task::User(_)
                     | Task::Loop { .. }
                     | Task::CopyIndexed { .. }
-                    | Task::Switch { .. }
-                    | Task::ZeroTail { .. },
+                    | Task::Switch { .. },
                     _,
                 ) => {}
             }
