@@ -8,7 +8,8 @@
 - the comparison kernels capture's rebinding verification uses: whether
   two buffers differ, by 4-byte words or by bytes, setting a flag word;
 - the zeroed tail of a bucket: bytes from size * row to the end of a
-  buffer set to 0, the size read from device memory when the kernel runs.
+  buffer set to 0, the size read from device memory when the kernel runs
+  (16-byte stores where the start, the end and the buffer allow).
 And src/backend/cuda/loops.ptx, the kernels of steps that loop over
 microbatches in a conditional WHILE node (loaded only for those, since its
 call to the device runtime's cudaGraphSetConditional needs a CUDA 12.4
@@ -335,7 +336,25 @@ out += grid_stride("graphed_zero_tail", ["p_dst", "p_row", "p_size", "p_bytes"],
     mul.lo.u64 %rd9, %rd8, %rd2;
     min.u64 %rd9, %rd9, %rd3;
     setp.ge.u64 %p1, %rd8, %rd3;
-    selp.u64 %rd9, %rd3, %rd9, %p1;""") + """    add.u64 %rd4, %rd4, %rd9;
+    selp.u64 %rd9, %rd3, %rd9, %p1;""") + """    or.b64 %rd11, %rd1, %rd9;
+    or.b64 %rd11, %rd11, %rd3;
+    and.b64 %rd11, %rd11, 15;
+    setp.ne.u64 %p3, %rd11, 0;
+    @%p3 bra BYTES;
+    shr.u64 %rd12, %rd9, 4;
+    shr.u64 %rd13, %rd3, 4;
+    add.u64 %rd4, %rd4, %rd12;
+    mov.u32 %r5, 0;
+VECTORS:
+    setp.ge.u64 %p2, %rd4, %rd13;
+    @%p2 bra DONE;
+    shl.b64 %rd14, %rd4, 4;
+    add.u64 %rd10, %rd1, %rd14;
+    st.global.v4.u32 [%rd10], {%r5, %r5, %r5, %r5};
+    add.u64 %rd4, %rd4, %rd6;
+    bra VECTORS;
+BYTES:
+    add.u64 %rd4, %rd4, %rd9;
     mov.u16 %h1, 0;
 ZERO:
     setp.ge.u64 %p2, %rd4, %rd3;

@@ -80,6 +80,21 @@ pub struct Choice {
     pub overflows: DevPtr,
 }
 
+/// The rows of a buffer past a size in device memory (see
+/// [`Backend::zero_tail`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tail {
+    pub dst: DevPtr,
+    /// Bytes of one row.
+    pub row: usize,
+    /// A u64: the rows to keep.
+    pub size: DevPtr,
+    /// The buffer's bytes.
+    pub bytes: usize,
+    /// The most bytes the tail can take.
+    pub most: usize,
+}
+
 /// One tensor of an accumulate: `count` elements at `dst` += `src`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AccItem {
@@ -235,15 +250,9 @@ pub trait Backend: Send + Sync {
         bodies: &[&dyn Graph],
     ) -> Result<()>;
     /// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at
-    /// `size` when the work runs.
-    fn zero_tail(
-        &self,
-        dst: DevPtr,
-        row: usize,
-        size: DevPtr,
-        bytes: usize,
-        stream: StreamRef,
-    ) -> Result<()>;
+    /// `size` when the work runs; at most `most` bytes are zeroed (it sizes
+    /// the work; a larger tail is zeroed whole, only slower).
+    fn zero_tail(&self, tail: Tail, stream: StreamRef) -> Result<()>;
     /// A copy whose addresses depend on an index read when it runs.
     fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()>;
     /// `dst += src` for every item, elements of `dtype` (f32, f16, bf16), in

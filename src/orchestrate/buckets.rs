@@ -5,11 +5,9 @@
 //! there; and the graphs that choose a bucket on the device: per pass, a
 //! SWITCH node whose body i is bucket i's graph of that pass.
 
-use super::instance::{PassGraphs, Placed};
 use super::spec::CallableSpec;
 use crate::backend::{Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, StreamRef};
 use crate::core::size;
-use crate::core::PassKind;
 use crate::error::{Error, Result};
 
 /// Where the device holds the sizes of a session's callables: u64 words,
@@ -102,31 +100,18 @@ impl SizeBlock {
     }
 }
 
-/// The graph of pass `kind` of a bucketed callable whose instances (one
-/// per bucket, ascending) are `buckets`: a SWITCH node over the buckets'
-/// graphs of the pass (each zeroes its rows past the size itself).
-/// Recorded on `stream`, which must not be capturing.
+/// The graph that chooses callable `c`'s bucket on the device and runs
+/// `bodies[i]`, a bucket's graph of one pass (or of one clone slot of it),
+/// for bucket i: a SWITCH node over copies of them. Recorded on `stream`,
+/// which must not be capturing. None in `bodies`: a bucket without that
+/// graph (an internal error).
 pub(crate) fn capture_switch(
-    backend: &dyn Backend,
-    (stream, mode): (StreamRef, CaptureMode),
-    block: &SizeBlock,
-    buckets: &[usize],
-    (placed, graphs): (&[Placed], &[PassGraphs]),
-    kind: PassKind,
+    (backend, (stream, mode), block): (&dyn Backend, (StreamRef, CaptureMode), &SizeBlock),
+    c: usize,
+    bodies: Option<Vec<&dyn Graph>>,
 ) -> Result<Box<dyn Graph>> {
-    let largest = buckets
-        .last()
-        .map(|&n| &placed[n])
-        .ok_or_else(|| Error::Internal("a switch without buckets".into()))?;
-    let c = largest.callable;
-    let bodies = buckets
-        .iter()
-        .map(|&n| {
-            graphs[n].passes[kind.index()]
-                .as_deref()
-                .ok_or_else(|| Error::Internal(format!("bucket instance {n} has no {kind} graph")))
-        })
-        .collect::<Result<Vec<&dyn Graph>>>()?;
+    let bodies =
+        bodies.ok_or_else(|| Error::Internal("a bucket without the graph to choose".into()))?;
     backend.begin_capture(stream, mode)?;
     let recorded = backend.capture_switch(stream, block.choice(c), &bodies);
     let ended = backend.end_capture(stream);

@@ -16,6 +16,7 @@ use crate::backend::{teardown, AccItem, Backend, DevPtr, DeviceMemory, Event, Gr
 use crate::core::layout::BufferDesc;
 use crate::core::lease::Leases;
 use crate::core::plan::{Lifetime, Plan};
+use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -120,8 +121,30 @@ impl Resources {
     }
 }
 
-/// Per pass kind, a callable's graph that chooses its bucket on the device.
-pub(crate) type Switches = [Option<Box<dyn Graph>>; 3];
+/// A callable's graphs that choose its bucket on the device: per pass kind,
+/// and per clone slot of the pass that writes the grads (choosing among
+/// the buckets' captures for that slot).
+#[derive(Default)]
+pub(crate) struct Switches {
+    pub passes: [Option<Box<dyn Graph>>; 3],
+    pub slots: Vec<Box<dyn Graph>>,
+}
+
+impl Switches {
+    pub fn pass(&self, kind: PassKind) -> Result<&dyn Graph> {
+        self.passes[kind.index()]
+            .as_deref()
+            .ok_or_else(|| Error::Internal(format!("no {kind} graph choosing on the device")))
+    }
+
+    pub fn slot(&self, k: usize) -> Option<&dyn Graph> {
+        self.slots.get(k).map(|g| g.as_ref())
+    }
+
+    fn count(&self) -> usize {
+        self.passes.iter().flatten().count() + self.slots.len()
+    }
+}
 
 /// The rows a replay of a bucketed callable runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -228,7 +251,7 @@ impl Captured {
 
     /// Graphs of single passes, of clone slots, of steps.
     pub fn graph_counts(&self) -> (usize, usize, usize) {
-        let switches = self.switches.iter().flatten().flatten().count();
+        let switches: usize = self.switches.iter().map(Switches::count).sum();
         let passes = self
             .instances
             .iter()

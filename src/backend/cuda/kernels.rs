@@ -5,7 +5,7 @@
 //! bucket's rows past its actual size; and how they are launched.
 
 use super::driver::check;
-use crate::backend::{AccItem, DevPtr, StreamRef};
+use crate::backend::{AccItem, DevPtr, StreamRef, Tail};
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -304,23 +304,17 @@ pub(super) fn differ(
 }
 
 /// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at `size`
-/// when the kernel runs.
-pub(super) fn zero_tail(
-    on: On,
-    dst: DevPtr,
-    row: usize,
-    size: DevPtr,
-    bytes: usize,
-    stream: StreamRef,
-) -> Result<()> {
+/// when the kernel runs: one thread per 16 bytes of the most it can take.
+pub(super) fn zero_tail(on: On, t: Tail, stream: StreamRef) -> Result<()> {
+    let threads = t.most.min(t.bytes).div_ceil(16).max(1);
     // SAFETY: the kernel takes (dst, row, size, bytes); dst holds `bytes`
     // bytes and size a u64 of device memory, per the caller's contract.
     unsafe {
         launch_grid(
             on,
             on.kernels.zero_tail,
-            &mut [dst, row as u64, size, bytes as u64],
-            bytes,
+            &mut [t.dst, t.row as u64, t.size, t.bytes as u64],
+            threads,
             stream,
         )
     }

@@ -17,7 +17,7 @@ mod rebind;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
-    Graph, IndexedCopy, StreamRef,
+    Graph, IndexedCopy, StreamRef, Tail,
 };
 use crate::core::dtype::DType;
 use crate::error::Result;
@@ -196,15 +196,8 @@ impl Backend for CudaBackend {
             .capture_switch(self.inner.ctx, stream, choice, &templates)
     }
 
-    fn zero_tail(
-        &self,
-        dst: DevPtr,
-        row: usize,
-        size: DevPtr,
-        bytes: usize,
-        stream: StreamRef,
-    ) -> Result<()> {
-        kernels::zero_tail(self.inner.on()?, dst, row, size, bytes, stream)
+    fn zero_tail(&self, t: Tail, stream: StreamRef) -> Result<()> {
+        kernels::zero_tail(self.inner.on()?, t, stream)
     }
 
     fn copy_indexed(&self, c: IndexedCopy, stream: StreamRef) -> Result<()> {

@@ -27,7 +27,7 @@ pub use task::HostTask;
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
-    Graph, IndexedCopy, StreamRef,
+    Graph, IndexedCopy, StreamRef, Tail,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -180,21 +180,14 @@ impl Backend for HostBackend {
         )
     }
 
-    fn zero_tail(
-        &self,
-        dst: DevPtr,
-        row: usize,
-        size: DevPtr,
-        bytes: usize,
-        stream: StreamRef,
-    ) -> Result<()> {
+    fn zero_tail(&self, t: Tail, stream: StreamRef) -> Result<()> {
         submit(
             stream,
             Task::ZeroTail {
-                dst: dst as usize,
-                row,
-                size: size as usize,
-                bytes,
+                dst: t.dst as usize,
+                row: t.row,
+                size: t.size as usize,
+                bytes: t.bytes,
             },
         )
     }

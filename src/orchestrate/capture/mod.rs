@@ -342,21 +342,27 @@ fn switches(
     by_callable: &[Vec<usize>],
 ) -> Result<Vec<Switches>> {
     let mut out = Vec::with_capacity(s.callables.len());
+    let to = (s.backend.as_ref(), (stream, s.opts.capture_mode), block);
     for (c, spec) in s.callables.iter().enumerate() {
-        let mut per: Switches = Default::default();
+        let mut per = Switches::default();
         if !spec.buckets.is_empty() {
             let buckets = &by_callable[c];
             for kind in [PassKind::Forward, PassKind::Backward, PassKind::Wgrad] {
                 if placed[buckets[0]].position[kind.index()].is_some() {
-                    per[kind.index()] = Some(buckets::capture_switch(
-                        s.backend.as_ref(),
-                        (stream, s.opts.capture_mode),
-                        block,
-                        buckets,
-                        (placed, graphs),
-                        kind,
-                    )?);
+                    let bodies = buckets
+                        .iter()
+                        .map(|&n| graphs[n].passes[kind.index()].as_deref())
+                        .collect::<Option<Vec<_>>>();
+                    per.passes[kind.index()] = Some(buckets::capture_switch(to, c, bodies)?);
                 }
+            }
+            // Every bucket has as many slots (one ring, one slot count).
+            for k in 0..graphs[buckets[0]].slots.len() {
+                let bodies = buckets
+                    .iter()
+                    .map(|&n| graphs[n].slots.get(k).map(|g| g.graph.as_ref()))
+                    .collect::<Option<Vec<_>>>();
+                per.slots.push(buckets::capture_switch(to, c, bodies)?);
             }
         }
         out.push(per);

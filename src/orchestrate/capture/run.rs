@@ -11,7 +11,7 @@ use super::super::instance::{PassRef, Placed};
 use super::super::scratch::Scratch;
 use super::super::spec::{HookPoint, PassView, Phase};
 use super::super::tensor::ptrs;
-use crate::backend::{CaptureEnd, DevPtr, Graph, StreamRef};
+use crate::backend::{CaptureEnd, DevPtr, Graph, StreamRef, Tail};
 use crate::core::policy::GradPolicy;
 use crate::error::{Error, Result};
 use std::cell::Cell;
@@ -211,11 +211,22 @@ impl Runner<'_> {
             return Ok(());
         };
         let size = self.actual_size(inst.callable);
+        // A size in this bucket is above the one below it.
+        let spec = &self.s.callables[inst.callable];
+        let below = match inst.bucket {
+            0 => 0,
+            b => spec.bucket_size(b as usize - 1) as usize,
+        };
         for t in inst.tensors(role) {
             if t.row_bytes > 0 && t.ptr != 0 && size != 0 {
-                self.s
-                    .backend
-                    .zero_tail(t.ptr, t.row_bytes, size, t.bytes, self.stream)?;
+                let tail = Tail {
+                    dst: t.ptr,
+                    row: t.row_bytes,
+                    size,
+                    bytes: t.bytes,
+                    most: t.bytes.saturating_sub(below * t.row_bytes),
+                };
+                self.s.backend.zero_tail(tail, self.stream)?;
             }
         }
         Ok(())

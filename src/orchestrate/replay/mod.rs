@@ -196,7 +196,7 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
         if p.cap
             .switches
             .get(a.callable as usize)
-            .map_or(true, |s| s[0].is_none())
+            .map_or(true, |s| s.passes[0].is_none())
         {
             return Err(Error::invalid(format!(
                 "callable '{name}': args.device_size needs a session created with bucket_choice_on_device"
@@ -317,19 +317,20 @@ fn launch(
 ) -> Result<()> {
     let inst = &p.cap.instances[idx];
     let params = returns_params(inst, kind);
-    // A slot block has its own capture of this pass, which writes the
-    // CLONE grads into it: no copy. The device's choice has none.
-    let slot_graph = match (&block.0, params, rows) {
-        (_, _, Rows::Device) => None,
-        (Some(b), true, _) => b.slot.and_then(|k| inst.slot_graph(k)),
+    // A slot block has its own capture of this pass (and, chosen on the
+    // device, its own choice among the buckets' slot captures), which
+    // writes the CLONE grads into it: no copy.
+    let slot = match (&block.0, params) {
+        (Some(b), true) => b.slot,
         _ => None,
+    };
+    let slot_graph = match rows {
+        Rows::Device => slot.and_then(|k| p.cap.switches[inst.callable].slot(k)),
+        _ => slot.and_then(|k| inst.slot_graph(k)),
     };
     match (slot_graph, rows) {
         (Some(g), _) => g.launch(s)?,
-        (None, Rows::Device) => p.cap.switches[inst.callable][kind.index()]
-            .as_ref()
-            .ok_or_else(|| Error::Internal(format!("no {kind} graph choosing on the device")))?
-            .launch(s)?,
+        (None, Rows::Device) => p.cap.switches[inst.callable].pass(kind)?.launch(s)?,
         (None, _) => inst.graph(kind)?.launch(s)?,
     }
     if !params {
