@@ -86,9 +86,10 @@ TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
     r.stream(dev->stream());
     std::vector<graphed::Ref> outs;
     std::vector<graphed::Grads> grads(kLayers);
-    // Every bucket, its edges, sizes between, and a size again after a
-    // larger one (its padding rows held that one's data).
-    for (uint64_t n : {5u, 8u, 13u, 16u, 32u, 1u, 9u, 13u}) {
+    // Every bucket, its edges, sizes between, a size again after a larger
+    // one (its padding rows held that one's data), and sizes that shrink
+    // and grow inside one bucket (the rows known zero change).
+    for (uint64_t n : {5u, 8u, 13u, 16u, 32u, 1u, 9u, 13u, 10u, 12u, 16u}) {
         SCOPED_TRACE(testing::Message() << n << " rows");
         const size_t elems = size_t(n) * kWidth;
         kit::Buffer x = floats(elems, 100 + uint32_t(n)), t = floats(elems, 200 + uint32_t(n));

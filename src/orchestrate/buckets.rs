@@ -1,13 +1,18 @@
 //! Buckets on the device: the block after the static buffers where the
 //! device holds each callable's actual size (written by a replay, read by
 //! its kernels), the count of sizes no bucket held, and each bucketed
-//! callable's table of bucket sizes; what the host knows the device holds
-//! there; and the graphs that choose a bucket on the device: per pass, a
-//! SWITCH node whose body i is bucket i's graph of that pass.
+//! callable's table of bucket sizes; which padding rows of bucketed buffers
+//! the host knows are zero; and the graphs that choose a bucket on the
+//! device: per pass, the padding zeroed past the size, then a SWITCH node
+//! whose body i is bucket i's graph of that pass.
 
+use super::instance::Placed;
 use super::spec::CallableSpec;
-use crate::backend::{Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, StreamRef};
+use super::tensor::Tensor;
+use crate::backend::{Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, StreamRef, Tail};
+use crate::core::layout::Role;
 use crate::core::size;
+use crate::core::PassKind;
 use crate::error::{Error, Result};
 
 /// Where the device holds the sizes of a session's callables: u64 words,
@@ -100,20 +105,113 @@ impl SizeBlock {
     }
 }
 
-/// The graph that chooses callable `c`'s bucket on the device and runs
-/// `bodies[i]`, a bucket's graph of one pass (or of one clone slot of it),
-/// for bucket i: a SWITCH node over copies of them. Recorded on `stream`,
-/// which must not be capturing. None in `bodies`: a bucket without that
-/// graph (an internal error).
+/// What the host knows of the padding rows of bucketed buffers the
+/// replays fill (inputs, grad-outputs), so that a replay zeroes only rows
+/// that may hold something: per buffer, rows `[from, to)` known zero.
+/// Only replays write these buffers (callbacks read their inputs and
+/// grad-outputs); anything the host did not see (a replay on what the
+/// static buffer holds, a fill of the whole buffer, capture) forgets.
+pub(crate) struct Zeroed {
+    /// Per callable: its inputs' buffers, then its grad-outputs'.
+    known: Vec<Vec<Option<(u64, u64)>>>,
+    inputs: Vec<usize>,
+}
+
+impl Zeroed {
+    pub fn new(callables: &[CallableSpec]) -> Zeroed {
+        Zeroed {
+            known: callables
+                .iter()
+                .map(|c| vec![None; c.inputs.len() + c.outputs.len()])
+                .collect(),
+            inputs: callables.iter().map(|c| c.inputs.len()).collect(),
+        }
+    }
+
+    fn slot(&mut self, (c, role, i): (usize, Role, usize)) -> Option<&mut Option<(u64, u64)>> {
+        let at = match role {
+            Role::GradOutput => self.inputs[c] + i,
+            _ => i,
+        };
+        self.known.get_mut(c)?.get_mut(at)
+    }
+
+    /// After `n` rows were put into `t` (`copied` from the caller, or left
+    /// as the caller wrote them): zeroes its rows from `n` to its bucket's
+    /// end unless they are known zero.
+    pub fn pad(
+        &mut self,
+        backend: &dyn Backend,
+        key: (usize, Role, usize),
+        t: &Tensor,
+        (n, copied): (u64, bool),
+        stream: StreamRef,
+    ) -> Result<()> {
+        let end = (t.bytes / t.row_bytes) as u64;
+        let Some(known) = self.slot(key) else {
+            return Err(Error::Internal(
+                "a bucketed buffer out of the padding table".into(),
+            ));
+        };
+        match *known {
+            Some((from, to)) if copied && from <= n && to >= end => {
+                *known = Some((n, to));
+            }
+            _ => {
+                *known = None;
+                let rows = t.row_bytes * n as usize;
+                if rows < t.bytes {
+                    backend.zero(t.ptr + rows as DevPtr, t.bytes - rows, stream)?;
+                }
+                *known = Some((n, end));
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets what is known of a buffer filled otherwise.
+    pub fn forget(&mut self, key: (usize, Role, usize)) {
+        if let Some(known) = self.slot(key) {
+            *known = None;
+        }
+    }
+}
+
+/// The graph that chooses the bucket of `largest`'s callable on the device
+/// for pass `kind` and runs `bodies[i]`, a bucket's graph of that pass (or
+/// of one clone slot of it), for bucket i: the rows of the fed DYNAMIC
+/// buffers past the size zeroed (a replay fills them whole), then a SWITCH
+/// node over copies of the bodies. Recorded on `stream`, which must not be
+/// capturing. None in `bodies`: a bucket without that graph (an internal
+/// error).
 pub(crate) fn capture_switch(
     (backend, (stream, mode), block): (&dyn Backend, (StreamRef, CaptureMode), &SizeBlock),
-    c: usize,
+    (largest, kind): (&Placed, PassKind),
     bodies: Option<Vec<&dyn Graph>>,
 ) -> Result<Box<dyn Graph>> {
     let bodies =
         bodies.ok_or_else(|| Error::Internal("a bucket without the graph to choose".into()))?;
+    let c = largest.callable;
     backend.begin_capture(stream, mode)?;
-    let recorded = backend.capture_switch(stream, block.choice(c), &bodies);
+    let recorded = (|| {
+        if let Some(role) = Placed::fed_role(kind) {
+            for t in largest
+                .tensors(role)
+                .iter()
+                .filter(|t| t.row_bytes > 0 && t.ptr != 0)
+            {
+                let tail = Tail {
+                    dst: t.ptr,
+                    row: t.row_bytes,
+                    size: block.actual(c),
+                    bytes: t.bytes,
+                    most: t.bytes,
+                };
+                backend.zero_tail(tail, stream)?;
+            }
+        }
+        backend.capture_switch(stream, block.choice(c), &bodies)
+    })();
     let ended = backend.end_capture(stream);
     recorded?;
     match ended? {

@@ -5,7 +5,7 @@
 //! destroys the graphs, then frees the memory; a failure on the way is a
 //! teardown error, recorded, never dropped.
 
-use super::buckets::SizeBlock;
+use super::buckets::{SizeBlock, Zeroed};
 use super::clock::CaptureTimes;
 use super::instance::{Instance, PassRef};
 use super::pool::Arena;
@@ -184,6 +184,8 @@ pub(crate) struct Captured {
     /// knows it (written by a host-chosen forward; unknown after capture
     /// and after a forward that chose on the device).
     pub size_held: Vec<Option<u64>>,
+    /// The padding rows of bucketed buffers known to be zero.
+    pub zeroed: Zeroed,
     /// Per callable with buckets, when they are chosen on the device: per
     /// pass, the graph that chooses (dropped before the instances).
     pub switches: Vec<Switches>,

@@ -21,7 +21,7 @@ mod step_io;
 mod steps;
 mod unrolled;
 
-use super::buckets::{self, SizeBlock};
+use super::buckets::{self, SizeBlock, Zeroed};
 use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage, Switches};
 use super::clock::{CaptureTimes, Span};
 use super::context::Inputs;
@@ -228,6 +228,7 @@ fn assemble(
         sizes: None,
         last_forward: vec![None; s.callables.len()],
         size_held: vec![None; s.callables.len()],
+        zeroed: Zeroed::new(s.callables),
         resources,
     }
 }
@@ -347,22 +348,26 @@ fn switches(
         let mut per = Switches::default();
         if !spec.buckets.is_empty() {
             let buckets = &by_callable[c];
+            let largest = &placed[buckets[buckets.len() - 1]];
             for kind in [PassKind::Forward, PassKind::Backward, PassKind::Wgrad] {
-                if placed[buckets[0]].position[kind.index()].is_some() {
+                if largest.position[kind.index()].is_some() {
                     let bodies = buckets
                         .iter()
                         .map(|&n| graphs[n].passes[kind.index()].as_deref())
                         .collect::<Option<Vec<_>>>();
-                    per.passes[kind.index()] = Some(buckets::capture_switch(to, c, bodies)?);
+                    let graph = buckets::capture_switch(to, (largest, kind), bodies)?;
+                    per.passes[kind.index()] = Some(graph);
                 }
             }
             // Every bucket has as many slots (one ring, one slot count).
+            let grad_pass = largest.grad_pass();
             for k in 0..graphs[buckets[0]].slots.len() {
                 let bodies = buckets
                     .iter()
                     .map(|&n| graphs[n].slots.get(k).map(|g| g.graph.as_ref()))
                     .collect::<Option<Vec<_>>>();
-                per.slots.push(buckets::capture_switch(to, c, bodies)?);
+                per.slots
+                    .push(buckets::capture_switch(to, (largest, grad_pass), bodies)?);
             }
         }
         out.push(per);

@@ -199,24 +199,16 @@ impl Runner<'_> {
         }
     }
 
-    /// Before the callback of a pass of a bucketed callable (in its graph,
-    /// under capture): the rows of its fed DYNAMIC buffers (inputs of a
-    /// forward, grad-outputs of a backward) past the actual size and up to
-    /// its bucket are zeroed, reading the size when it runs, so that
-    /// padding stays finite and adds nothing to parameter grads whatever
-    /// the buffers held.
+    /// Before a warmup callback of a pass of a bucketed callable: the rows
+    /// of its fed DYNAMIC buffers (inputs of a forward, grad-outputs of a
+    /// backward) past its bucket's size are zeroed, as replays zero them
+    /// (the buffers held the largest bucket's samples).
     fn zero_tails(&self, p: PassRef) -> Result<()> {
         let inst = &self.placed[p.instance];
         let Some(role) = Placed::fed_role(p.kind) else {
             return Ok(());
         };
         let size = self.actual_size(inst.callable);
-        // A size in this bucket is above the one below it.
-        let spec = &self.s.callables[inst.callable];
-        let below = match inst.bucket {
-            0 => 0,
-            b => spec.bucket_size(b as usize - 1) as usize,
-        };
         for t in inst.tensors(role) {
             if t.row_bytes > 0 && t.ptr != 0 && size != 0 {
                 let tail = Tail {
@@ -224,7 +216,7 @@ impl Runner<'_> {
                     row: t.row_bytes,
                     size,
                     bytes: t.bytes,
-                    most: t.bytes.saturating_sub(below * t.row_bytes),
+                    most: t.bytes,
                 };
                 self.s.backend.zero_tail(tail, self.stream)?;
             }
@@ -275,13 +267,7 @@ impl Runner<'_> {
             if capture {
                 let backend = self.s.backend;
                 backend.begin_capture(self.stream, self.s.opts.capture_mode)?;
-                let ran = match self.zero_tails(p) {
-                    Ok(()) => spec.callbacks.run(&view),
-                    Err(e) => {
-                        drop(backend.end_capture(self.stream));
-                        return Err(e);
-                    }
-                };
+                let ran = spec.callbacks.run(&view);
                 let ended = backend.end_capture(self.stream);
                 Some(self.finish(p, ran, ended)?)
             } else {

@@ -250,10 +250,12 @@ fn check_device_params(p: &Parts, a: &ReplayArgs, idx: usize) -> Result<()> {
 /// rebound tensors are read where they are (the graphs are pointed at the
 /// caller's aligned data, else back at the static buffer); the others are
 /// copied into their static buffers (those without one take no data). A
-/// DYNAMIC tensor takes the actual size's rows (its pass's graph zeroes
-/// the rest of its bucket, so padding rows add nothing to the parameter
-/// grads); chosen on the device, it takes the whole buffer, and rebound
-/// tensors are copied (the choosing graph reads the static buffers).
+/// DYNAMIC tensor takes the actual size's rows, the rest of its bucket
+/// zeroed where it may not be zero already (`buckets::Zeroed`), so that
+/// padding rows add nothing to the parameter grads; chosen on the device,
+/// it takes the whole buffer (the choosing graph zeroes past the size), and
+/// rebound tensors are copied (the choosing graph reads the static
+/// buffers).
 fn feed(
     p: &mut Parts,
     (idx, rows): (usize, Rows),
@@ -265,17 +267,28 @@ fn feed(
         return Ok(());
     };
     let backend = p.backend;
-    let tensors = p.cap.instances[idx].tensors_mut(role);
+    let Captured {
+        instances, zeroed, ..
+    } = &mut *p.cap;
+    let inst = &mut instances[idx];
+    let c = inst.callable;
+    let tensors = inst.tensors_mut(role);
     for (i, t) in tensors.iter_mut().enumerate() {
         // check::data made the data as long as the tensors.
         let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
-        if let (Rows::Host(n), true) = (rows, t.row_bytes > 0 && t.ptr != 0) {
-            // Bounded by the bucket (resolve picked one holding n rows);
-            // the pass's graph zeroes the rest of its bucket.
-            if src != 0 && src != t.ptr {
+        let dynamic = t.row_bytes > 0 && t.ptr != 0;
+        if let (Rows::Host(n), true) = (rows, dynamic) {
+            // Bounded by the bucket (resolve picked one holding n rows).
+            let copied = src != 0 && src != t.ptr;
+            if copied {
                 backend.copy(t.ptr, src, t.row_bytes * n as usize, s)?;
             }
+            zeroed.pad(backend.as_ref(), (c, role, i), t, (n, copied), s)?;
             continue;
+        }
+        if dynamic {
+            // Filled whole: nothing known zero.
+            zeroed.forget((c, role, i));
         }
         if rows == Rows::Device {
             if let Feed::Rebound(r) = &mut t.feed {
