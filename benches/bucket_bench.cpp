@@ -12,6 +12,7 @@
 
 #include "layers.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -99,7 +100,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
     };
     auto host_us = [&](const std::function<void()>& op) {
         std::vector<double> v;
-        for (int k = 0; k < samples; ++k) {
+        for (int k = 0; k < 4 * samples; ++k) {
             const auto a = std::chrono::steady_clock::now();
             op();
             v.push_back(us_since(a));
@@ -137,17 +138,29 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
         for (auto& g : v.grads) g = graphed::Grads{};
     };
     auto run_host = [&] { step(bucketed, actual, false); };
+    // Sizes that change every step inside the bucket: the size is written
+    // and the padding zeroed at every forward.
+    const auto at = std::find(sizes.begin(), sizes.end(), bucket);
+    const uint64_t below = at == sizes.begin() ? 0 : *(at - 1);
+    const uint64_t other = actual - (actual - below) / 2;
+    bool flip = false;
+    auto run_varying = [&] {
+        flip = !flip;
+        step(bucketed, flip ? other : actual, false);
+    };
     auto run_device = [&] { step(device, 0, true); };
     auto run_same = [&] { step(same, 0, false); };
-    std::vector<double> gh, gd, gs;
+    std::vector<double> gh, gv, gd, gs;
     const int per_round = std::max(1, samples / 5);
     const int launches = 4 * layers;
     for (int round = 0; round < 5; ++round) {
         gh.push_back(tools.median_ms(run_host, [&] { release(bucketed); }, 2, per_round, launches));
+        gv.push_back(tools.median_ms(run_varying, [&] { release(bucketed); }, 2, per_round, launches));
         gd.push_back(tools.median_ms(run_device, [&] { release(device); }, 2, per_round, launches));
         gs.push_back(tools.median_ms(run_same, [&] { release(same); }, 2, per_round, launches));
     }
     const double hh = host_us([&] { run_host(); release(bucketed); });
+    const double hv = host_us([&] { run_varying(); release(bucketed); });
     const double hd = host_us([&] { run_device(); release(device); });
     const double hs = host_us([&] { run_same(); release(same); });
     const double mib = 1024.0 * 1024.0;
@@ -169,7 +182,9 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
            << "| " << nb << " / largest alone | " << fmt("%.3fx", double(bucketed.library) / double(alone.library))
            << " | " << fmt("%.3fx", alone.driver ? double(bucketed.driver) / double(alone.driver) : 0.0) << " |\n\n"
            << "A training step of " << actual << " rows (bucket " << bucket << "): every forward, then every "
-           << "backward, each replay given its data. **host's choice**: `graphed_replay_args.size`; **device's "
+           << "backward, each replay given its data. **host's choice**: `graphed_replay_args.size` (the same size "
+              "every step, or two sizes of the bucket in turn: then every forward writes the size and zeroes "
+              "padding rows); **device's "
               "choice**: `device_size` (a SWITCH node picks the bucket from device memory; the data hold the "
               "largest bucket's rows); **one shape**: a session of " << bucket
            << " rows alone. GPU: CUDA-event medians of " << per_round
@@ -178,10 +193,14 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
               "device's choice gives the host's choice's grads bit for bit.\n\n"
            << "| | GPU ms | host us |\n|---|---|---|\n"
            << "| host's choice | " << fmt("%.4f", median(gh)) << " | " << fmt("%.1f", hh) << " |\n"
+           << "| host's choice, " << actual << " and " << other << " rows in turn | " << fmt("%.4f", median(gv))
+           << " | " << fmt("%.1f", hv) << " |\n"
            << "| device's choice | " << fmt("%.4f", median(gd)) << " | " << fmt("%.1f", hd) << " |\n"
            << "| one shape | " << fmt("%.4f", median(gs)) << " | " << fmt("%.1f", hs) << " |\n"
            << "| host's choice / one shape | " << fmt("%.3fx", median(gh) / median(gs)) << " | "
            << fmt("%.3fx", hh / hs) << " |\n"
+           << "| host's choice, sizes in turn / one shape | " << fmt("%.3fx", median(gv) / median(gs)) << " | "
+           << fmt("%.3fx", hv / hs) << " |\n"
            << "| device's choice / host's choice | " << fmt("%.3fx", median(gd) / median(gh)) << " | "
            << fmt("%.3fx", hd / hh) << " |\n";
     std::printf("buckets: library %.2f / %.2f / %.2f MiB (buckets / alone / sum), step gpu %.4f / %.4f / %.4f ms, "
