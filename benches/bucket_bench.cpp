@@ -188,8 +188,10 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
               "choice**: `device_size` (a SWITCH node picks the bucket from device memory; the data hold the "
               "largest bucket's rows); **one shape**: a session of " << bucket
            << " rows alone. GPU: CUDA-event medians of " << per_round
-           << " steps in each of 5 interleaved rounds, the median of the rounds; host: the median wall time of "
-              "the calls that enqueue one step, the device synchronized between samples. Checked first: the "
+           << " steps in each of 5 interleaved rounds, the median of the rounds; host: the median wall time, over "
+           << 4 * samples
+           << " samples, of the calls that enqueue one step, the device synchronized between samples. Checked "
+              "first: the "
               "device's choice gives the host's choice's grads bit for bit.\n\n"
            << "| | GPU ms | host us |\n|---|---|---|\n"
            << "| host's choice | " << fmt("%.4f", median(gh)) << " | " << fmt("%.1f", hh) << " |\n"
