@@ -129,19 +129,69 @@ TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
     }
 }
 
+// Two layers in different buckets between their forwards and backwards
+// (a mixture of experts' layers with their own token counts): what one
+// forward keeps in scratch for its backward must survive the other's
+// forward and backward in another bucket.
+TEST_P(Buckets, LayersInDifferentBucketsKeepTheirSavedScratch) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp m(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session s = mlp_session(m, sample);
+    const uint64_t rows[2] = {30, 5};  // buckets 32 and 8
+    std::vector<kit::Buffer> xs, gys;
+    for (int i = 0; i < 2; ++i) {
+        xs.push_back(floats(size_t(rows[i]) * kWidth, 600 + uint32_t(i)));
+        gys.push_back(floats(size_t(rows[i]) * kWidth, 700 + uint32_t(i)));
+    }
+    graphed::Replay r;
+    r.stream(dev->stream());
+    std::vector<graphed::Ref> outs;
+    std::vector<graphed::Grads> grads(2);
+    for (int i = 0; i < 2; ++i) s.forward(r.callable(uint32_t(i)).size(rows[i]).data(xs[i].get()), outs);
+    for (int i = 1; i >= 0; --i) s.backward(r.callable(uint32_t(i)).size(0).data(gys[i].get()), grads[size_t(i)]);
+    dev->sync();
+    for (int i = 0; i < 2; ++i) {
+        SCOPED_TRACE(testing::Message() << "layer " << i << ", " << rows[i] << " rows");
+        const kit::LinearLayer& L = m.layer(i);
+        const size_t act = size_t(rows[i]) * kWidth * 4;
+        kit::Buffer z(*dev, act), y(*dev, act), gz(*dev, act), gw(*dev, size_t(kWidth) * kWidth * 4),
+            gb(*dev, size_t(kWidth) * 4);
+        ASSERT_EQ(L.eager_forward(dev->stream(), xs[i].get(), z.get(), y.get(), 0, nullptr, int(rows[i])), 0);
+        ASSERT_EQ(L.eager_backward(dev->stream(), xs[i].get(), z.get(), gys[i].get(), gz.get(), nullptr, gw.get(),
+                                   gb.get(), 0, nullptr, int(rows[i])),
+                  0);
+        dev->sync();
+        EXPECT_EQ(kit::fetch<float>(*dev, gw.get(), size_t(kWidth) * kWidth),
+                  kit::fetch<float>(*dev, grads[size_t(i)].params[0].ptr(), size_t(kWidth) * kWidth));
+        EXPECT_EQ(kit::fetch<float>(*dev, gb.get(), size_t(kWidth)),
+                  kit::fetch<float>(*dev, grads[size_t(i)].params[1].ptr(), size_t(kWidth)));
+    }
+}
+
 TEST_P(Buckets, BucketsShareTheLargestBucketsMemory) {
     kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
-    kit::Mlp a(*dev, kLayers, kMax, kWidth, 41), b(*dev, kLayers, kMax, kWidth, 41);
+    kit::Mlp a(*dev, kLayers, kMax, kWidth, 41), b(*dev, kLayers, kMax, kWidth, 41), c(*dev, kLayers, kMax, kWidth, 41);
     graphed::Session bucketed = mlp_session(a, sample);
     graphed::Session one(config());
     b.register_layers(one, sample.get());
     one.capture();
-    const graphed_session_stats sb = bucketed.stats(), so = one.stats();
-    SCOPED_TRACE(figures(sb) + " | one shape: " + figures(so));
+    // The largest bucket alone, as a bucket.
+    graphed::Session largest(config());
+    kit::Wiring w;
+    w.buckets = {kMax};
+    c.register_layers(largest, sample.get(), w);
+    largest.capture();
+    const graphed_session_stats sb = bucketed.stats(), so = one.stats(), sl = largest.stats();
+    SCOPED_TRACE(figures(sb) + " | one shape: " + figures(so) + " | the largest bucket alone: " + figures(sl));
     // Every bucket in the largest one's buffers, plus one aligned block for
-    // the callables' actual sizes.
+    // the callables' sizes and bucket tables.
     EXPECT_EQ(sb.static_bytes, so.static_bytes + 256);
-    EXPECT_EQ(sb.scratch_bytes, so.scratch_bytes) << "one scratch arena, sized for the largest bucket";
+    EXPECT_EQ(sb.static_bytes, sl.static_bytes);
+    // Scratch: a region per callable, each its largest bucket's; more
+    // buckets take nothing more. (A region per callable keeps more than one
+    // shared arena of one shape, whose passes' temporaries share memory.)
+    EXPECT_EQ(sb.scratch_bytes, sl.scratch_bytes);
+    EXPECT_GE(sb.scratch_bytes, so.scratch_bytes);
     EXPECT_GT(so.clone_bytes_cached, 0u);
     EXPECT_EQ(sb.clone_bytes_cached, so.clone_bytes_cached) << "one set of clone slot blocks per layer";
     EXPECT_EQ(sb.instances, so.instances * kSizes.size());

@@ -32,6 +32,11 @@ impl Arena {
         }
     }
 
+    /// The bound (None: unbounded).
+    pub fn capacity(&self) -> Option<usize> {
+        self.capacity
+    }
+
     /// Offset of a new allocation of `bytes`, or None when a bounded arena
     /// has no room (or the size would overflow the address space).
     pub fn alloc(&mut self, bytes: usize) -> Option<usize> {

@@ -4,6 +4,12 @@
 //! high-water mark; from then on requests are served from one arena of that
 //! size, replaying the same sequence of offsets, and capture bakes those
 //! addresses into the graphs.
+//!
+//! A session with buckets gives each callable a region of its own in the
+//! arena, sized for its largest need over its buckets: a callable's buckets
+//! share its region, and what one callable keeps for its backward survives
+//! another's passes in any bucket (one shared arena would have laid out
+//! each bucket round from the start again).
 
 use crate::backend::{teardown, Backend, DevPtr};
 use crate::core::arena::Arena;
@@ -13,18 +19,29 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 enum Mode {
-    /// Real allocations, measured by the unbounded arena.
+    /// Real allocations (region, offset), measured by the unbounded arenas.
     Measuring {
-        real: HashMap<DevPtr, usize>,
+        real: HashMap<DevPtr, (usize, usize)>,
         deferred: Vec<DevPtr>,
     },
-    /// Offsets in [base, base + capacity).
-    Arena { base: DevPtr, capacity: usize },
+    /// Offsets in [base, base + capacity); region r at `starts[r]`.
+    Arena {
+        base: DevPtr,
+        capacity: usize,
+        starts: Vec<usize>,
+    },
 }
+
+/// The arenas' state, to capture a pass again from the same point.
+#[derive(Clone)]
+pub struct Snapshot(Vec<Arena>);
 
 struct State {
     mode: Mode,
-    arena: Arena,
+    /// One arena per region (one region without buckets).
+    arenas: Vec<Arena>,
+    /// The region of the running pass.
+    region: usize,
     /// Which pass is running, for messages.
     context: String,
     /// The first refused request of the running pass: when the callback
@@ -39,8 +56,9 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Starts in measuring mode (first warmup iteration).
-    pub fn measuring(backend: Arc<dyn Backend>) -> Arc<Scratch> {
+    /// Starts in measuring mode (first warmup iteration), with `regions`
+    /// regions (1: one arena shared by every pass).
+    pub fn measuring(backend: Arc<dyn Backend>, regions: usize) -> Arc<Scratch> {
         Arc::new(Scratch {
             backend,
             state: Mutex::new(State {
@@ -48,7 +66,8 @@ impl Scratch {
                     real: HashMap::new(),
                     deferred: Vec::new(),
                 },
-                arena: Arena::unbounded(),
+                arenas: vec![Arena::unbounded(); regions.max(1)],
+                region: 0,
                 context: String::new(),
                 failure: None,
             }),
@@ -59,11 +78,16 @@ impl Scratch {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Names the pass about to run, for error messages.
-    pub fn set_context(&self, context: String) {
+    /// Names the pass about to run, for error messages, and its callable,
+    /// whose region serves it when there are regions.
+    pub fn set_context(&self, context: String, callable: usize) {
         let mut st = self.lock();
         st.context = context;
         st.failure = None;
+        st.region = match st.arenas.len() {
+            1 => 0,
+            n => callable.min(n - 1),
+        };
     }
 
     /// The first refused request since `set_context`, if any.
@@ -79,15 +103,17 @@ impl Scratch {
         }
         let mut st = self.lock();
         let st = &mut *st;
+        let region = st.region;
+        let arena = &mut st.arenas[region];
         match &mut st.mode {
             Mode::Measuring { real, .. } => {
                 // The memory first: a request the device refuses must not
                 // reach the arena, whose high-water mark sizes the capture's
                 // arena even after the offset is freed.
                 let p = self.backend.alloc(bytes)?;
-                match st.arena.alloc(bytes) {
+                match arena.alloc(bytes) {
                     Some(offset) => {
-                        real.insert(p, offset);
+                        real.insert(p, (region, offset));
                         Ok(p)
                     }
                     None => {
@@ -99,16 +125,17 @@ impl Scratch {
                     }
                 }
             }
-            Mode::Arena { base, capacity } => match st.arena.alloc(bytes) {
-                Some(offset) => Ok(*base + offset as u64),
+            Mode::Arena { base, starts, .. } => match arena.alloc(bytes) {
+                Some(offset) => Ok(*base + (starts[region] + offset) as u64),
                 None => {
                     let msg = format!(
-                    "{} asked the scratch allocator for {bytes} more bytes, beyond the {capacity} bytes \
+                    "{} asked the scratch allocator for {bytes} more bytes, beyond the {} bytes \
                      the first warmup iteration used ({} bytes live in {} allocations); scratch requests \
                      must be the same in every iteration and at least one warmup iteration must run",
                     st.context,
-                    st.arena.live_bytes(),
-                    st.arena.live_count()
+                    arena.capacity().unwrap_or(0),
+                    arena.live_bytes(),
+                    arena.live_count()
                     );
                     st.failure.get_or_insert(msg.clone());
                     Err(Error::ScratchExhausted(msg))
@@ -120,15 +147,24 @@ impl Scratch {
     pub fn free(&self, ptr: DevPtr) -> Result<()> {
         let mut st = self.lock();
         let st = &mut *st;
-        let offset = match &mut st.mode {
+        let at = match &mut st.mode {
             Mode::Measuring { real, deferred } => real.remove(&ptr).inspect(|_| deferred.push(ptr)),
-            Mode::Arena { base, capacity } => ptr
+            Mode::Arena {
+                base,
+                capacity,
+                starts,
+            } => ptr
                 .checked_sub(*base)
                 .map(|o| o as usize)
-                .filter(|&o| o < *capacity || (*capacity == 0 && o == 0)),
+                .filter(|&o| o < *capacity || (*capacity == 0 && o == 0))
+                .map(|o| {
+                    // The last region starting at or before it.
+                    let r = starts.partition_point(|&s| s <= o).saturating_sub(1);
+                    (r, o - starts[r])
+                }),
         };
-        match offset {
-            Some(o) if st.arena.free(o) => Ok(()),
+        match at {
+            Some((r, o)) if st.arenas.get_mut(r).is_some_and(|a| a.free(o)) => Ok(()),
             _ => Err(Error::invalid(format!(
                 "{}: 0x{ptr:x} is not a live scratch allocation (freed twice, or not from this scratch allocator)",
                 st.context
@@ -136,14 +172,15 @@ impl Scratch {
         }
     }
 
-    /// The arena size capture needs.
+    /// The arena size capture needs: every region's high-water mark.
     pub fn high_water(&self) -> usize {
-        self.lock().arena.high_water()
+        self.lock().arenas.iter().map(Arena::high_water).sum()
     }
 
     /// Ends measuring: releases the real allocations (the caller has
     /// synchronized the stream that used them) and serves later requests
-    /// from `[base, base + capacity)`.
+    /// from `[base, base + capacity)`, the regions one after the other,
+    /// each as large as its high-water mark (the last takes the rest).
     pub fn use_arena(&self, base: DevPtr, capacity: usize) {
         let mut st = self.lock();
         if let Mode::Measuring { real, deferred } = &mut st.mode {
@@ -151,26 +188,43 @@ impl Scratch {
                 teardown::check("freeing a scratch allocation", self.backend.free(p));
             }
         }
-        st.mode = Mode::Arena { base, capacity };
-        st.arena = Arena::bounded(capacity);
+        let sizes: Vec<usize> = st.arenas.iter().map(Arena::high_water).collect();
+        let mut starts = Vec::with_capacity(sizes.len());
+        let mut at = 0usize;
+        for (r, &sz) in sizes.iter().enumerate() {
+            starts.push(at);
+            let cap = match r + 1 == sizes.len() {
+                true => capacity.saturating_sub(at),
+                false => sz,
+            };
+            st.arenas[r] = Arena::bounded(cap);
+            at = at.saturating_add(sz);
+        }
+        st.mode = Mode::Arena {
+            base,
+            capacity,
+            starts,
+        };
     }
 
-    /// The arena's state, to capture a pass again from the same point.
-    pub fn snapshot(&self) -> Arena {
-        self.lock().arena.clone()
+    /// The arenas' state, to capture a pass again from the same point.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot(self.lock().arenas.clone())
     }
 
-    /// Puts the arena back to a snapshot taken in arena mode.
-    pub fn restore(&self, arena: Arena) {
-        self.lock().arena = arena;
+    /// Puts the arenas back to a snapshot taken in arena mode.
+    pub fn restore(&self, snapshot: Snapshot) {
+        self.lock().arenas = snapshot.0;
     }
 
     /// Starts an iteration: in arena mode every offset is free again, so
     /// each iteration (and the capture) lays out the same sequence.
     pub fn restart(&self) {
         let mut st = self.lock();
-        if let Mode::Arena { capacity, .. } = st.mode {
-            st.arena = Arena::bounded(capacity);
+        if matches!(st.mode, Mode::Arena { .. }) {
+            for a in &mut st.arenas {
+                *a = Arena::bounded(a.capacity().unwrap_or(0));
+            }
         }
     }
 }

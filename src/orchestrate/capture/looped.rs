@@ -128,7 +128,7 @@ impl Runner<'_> {
             }
             let context = self.context(p, "the capture of a step's loop");
             let provided = Provided::in_step(seq.step, context.clone());
-            self.scratch.set_context(context);
+            self.scratch.set_context(context, inst.callable);
             let bufs = ViewBuffers::of(inst, None);
             let view = self.view(&bufs, p, &call, Some(self.scratch), Some(&provided));
             *ran = self.s.callables[inst.callable].callbacks.run(&view);

@@ -148,7 +148,12 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     times.add(Span::Plan, started.elapsed());
 
     // 2, 3. Warm up and record.
-    let scratch = Scratch::measuring(backend.clone());
+    // With buckets, a region of the scratch arena per callable.
+    let regions = match s.callables.iter().any(|c| !c.buckets.is_empty()) {
+        true => s.callables.len(),
+        false => 1,
+    };
+    let scratch = Scratch::measuring(backend.clone(), regions);
     let recorded = record(
         s,
         &mut placed,
@@ -529,7 +534,7 @@ mod tests {
             let p = place::plan(&s, &schedule).unwrap();
             place::place(&s, &p, 0x1000, &order).unwrap()
         };
-        let scratch = Scratch::measuring(f.backend.clone());
+        let scratch = Scratch::measuring(f.backend.clone(), 1);
         let mut times = CaptureTimes::default();
         let r = Runner {
             s: &s,

@@ -258,7 +258,8 @@ impl Runner<'_> {
             self.set_size(p)?;
         }
         self.hook(p, &call, HookPoint::Pre)?;
-        self.scratch.set_context(context);
+        self.scratch
+            .set_context(context, self.placed[p.instance].callable);
         let graph = {
             let inst = &self.placed[p.instance];
             let bufs = ViewBuffers::of(inst, call.param_grads.map(<[DevPtr]>::to_vec));

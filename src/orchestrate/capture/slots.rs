@@ -4,14 +4,14 @@
 //! slot free launches that graph and hands the block out with no copy.
 
 use super::super::instance::{PassRef, SlotGraph};
+use super::super::scratch::Snapshot;
 use super::super::spec::Phase;
 use super::run::{Call, Runner};
-use crate::core::arena::Arena;
 use crate::error::Result;
 
 /// Where a pass's capture started: the scratch arena and its tape.
 pub(super) struct Start {
-    arena: Arena,
+    arena: Snapshot,
     tape: usize,
 }
 

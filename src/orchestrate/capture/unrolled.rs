@@ -58,7 +58,8 @@ impl Runner<'_> {
                 // its external buffers are already provided (the view holds
                 // them), so it refuses any.
                 let provided = Provided::in_step(seq.step, context.clone());
-                self.scratch.set_context(context);
+                self.scratch
+                    .set_context(context, self.placed[p.instance].callable);
                 // The first microbatch writes CLONE grads straight into the
                 // block; later ones into the static buffers, added after.
                 let into = block(p.instance).filter(|_| mb == 0);
