@@ -62,7 +62,58 @@ pub fn op_add_callable() {
     let mut models: Vec<Vec<Tensor>> = vec![Vec::new(), Vec::new()];
     let mut conv_err: Option<graphed_status> = None;
     let mut check_err: Option<graphed_status> = None;
+    let mut bucket_err: Option<graphed_status> = None;
     let mut shapes: Vec<Vec<i64>> = Vec::new();
+    // Buckets (graphed_callable_desc.bucket_sizes): none, a valid set, or
+    // one refused where it is read (a pointer without a count, a count
+    // without a pointer) or by the session's check (0, above 2^32 - 1, not
+    // strictly ascending, over GRAPHED_MAX_BUCKETS).
+    let bucket_pick = if i.chance(60) { 1 + i.below(12) } else { 0 };
+    let bucket_store: Vec<u64> = match bucket_pick {
+        0 => Vec::new(),
+        1 | 2 => vec![4],
+        3 => vec![1, 2, 4],
+        4 => vec![2, 8],
+        5 => vec![1, 3, 16],
+        6 => vec![0, 4],
+        7 => vec![4, 2],
+        8 => vec![4, 4],
+        9 => vec![1, 1 << 32],
+        10 => (1..=257).collect(),
+        11 => vec![8],
+        _ => vec![1, 4],
+    };
+    let (bucket_ptr, num_buckets): (*const u64, usize) = match bucket_pick {
+        0 => (null(), 0),
+        // A pointer with no count, a count with no pointer.
+        11 => (bucket_store.as_ptr(), 0),
+        12 => (null(), 2),
+        _ => (bucket_store.as_ptr(), bucket_store.len()),
+    };
+    let bucket_read_err = match bucket_pick {
+        11 => Some(S::InvalidArgument),
+        12 => Some(S::NullPointer),
+        _ => None,
+    };
+    // What the session reads (when the read succeeds).
+    let buckets: Vec<u64> = if num_buckets == 0 || bucket_read_err.is_some() {
+        Vec::new()
+    } else {
+        bucket_store.clone()
+    };
+    let bucketed = !buckets.is_empty();
+    let largest = buckets.last().copied().unwrap_or(0);
+    let buckets_ok = bucketed
+        && buckets.len() <= 256
+        && buckets[0] != 0
+        && largest <= u32::MAX as u64
+        && buckets.windows(2).all(|p| p[0] < p[1]);
+    // Shapes given to DYNAMIC tensors of a bucketed callable (set where the
+    // tensor is made, so the shapes attached below leave them alone).
+    let mut dyn_shapes: Vec<Vec<i64>> = Vec::new();
+    // Per DYNAMIC tensor (flags exactly 8): its shape[0] is the largest
+    // bucket.
+    let mut dyn_first_ok: Vec<bool> = Vec::new();
     for (side, list) in tensors.iter_mut().enumerate() {
         for _ in 0..i.pick(&[1, 1, 2, 0, 3]) {
             let mut d = graphed_tensor_desc_default();
@@ -71,13 +122,23 @@ pub fn op_add_callable() {
             let (bytes, ok) = fuzz_bytes(ds);
             d.bytes = bytes;
             d.requires_grad = i.pick(&[1, 0, 1, 2]);
-            // 8: an unknown bit; 4: rebound (an input, or an output's
+            // 8: DYNAMIC (refused without buckets, which these callables
+            // never have; with 1 or 4 refused as a combination); 4: rebound
+            // (an input, or an output's
             // grad-output; the host backend refuses at capture and copies,
             // which the replay checks below see). Chained inputs (2) are
             // covered by tests/chain_and_steps.rs, not here.
             d.flags = i.pick(&[0, 0, 0, 1, 8, 4, 5]);
             if d.flags & 1 != 0 && bytes > 1 << 20 {
                 // External memory must hold the buffer: keep those small.
+                d.flags &= !1;
+            }
+            if bucketed && d.flags == 0 && i.chance(100) {
+                // Bucketed callables: DYNAMIC often.
+                d.flags = 8;
+            }
+            if bucketed && d.flags & 8 == 0 {
+                // EXTERNAL on a bucketed callable: not generated.
                 d.flags &= !1;
             }
             let mut shape_err = None;
@@ -95,9 +156,44 @@ pub fn op_add_callable() {
                 }
                 _ => {}
             }
+            if d.flags == 8 && bucketed && d.ndim == 0 && ds > 0 {
+                // A shape whose first dimension is the largest bucket when
+                // the elements divide (else [elements] or [1, elements]).
+                let elems = (bytes / ds) as u64;
+                let s: Vec<i64> = if elems % largest == 0 && elems > 0 && !i.chance(20) {
+                    vec![largest as i64, (elems / largest) as i64]
+                } else if i.chance(128) {
+                    vec![elems as i64]
+                } else {
+                    vec![1, elems as i64]
+                };
+                dyn_first_ok.push(s[0] as u64 == largest);
+                d.ndim = s.len() as u32;
+                d.shape = s.as_ptr();
+                let holds = s
+                    .iter()
+                    .try_fold(1u64, |a, &x| if x < 0 { None } else { a.checked_mul(x as u64) })
+                    .and_then(|p| p.checked_mul(ds as u64))
+                    == Some(bytes as u64);
+                if !holds && d.dtype <= 8 {
+                    check_err.get_or_insert(S::InvalidArgument);
+                }
+                dyn_shapes.push(s);
+            } else if d.flags == 8 && bucketed {
+                // No readable shape, or one given above: the first
+                // dimension is not known to be the largest bucket.
+                dyn_first_ok.push(false);
+            }
             // In the library's order: flags, shape, dtype, requires_grad.
-            if d.flags & !5 != 0 {
+            // Unknown bits, and DYNAMIC (8) with CHAINED, EXTERNAL or
+            // REBIND, are refused as the flags are read.
+            if d.flags & !15 != 0 || (d.flags & 8 != 0 && d.flags & 7 != 0) {
                 conv_err.get_or_insert(S::InvalidArgument);
+            }
+            if d.flags == 8 && !bucketed {
+                // DYNAMIC alone: refused after every tensor's own checks,
+                // since the callable has no buckets.
+                bucket_err = Some(S::InvalidArgument);
             }
             if let Some(e) = shape_err {
                 conv_err.get_or_insert(e);
@@ -116,8 +212,15 @@ pub fn op_add_callable() {
                 bytes,
                 grad: d.requires_grad == 1,
                 external: d.flags & 1 != 0,
+                dynamic: d.flags & 8 != 0,
             });
             list.push(d);
+        }
+    }
+    if bucketed {
+        // check_buckets: the set, a DYNAMIC tensor, their first dimension.
+        if !buckets_ok || dyn_first_ok.is_empty() || dyn_first_ok.iter().any(|&x| !x) {
+            bucket_err = Some(S::InvalidArgument);
         }
     }
     // Shapes: attach each fuzzed shape to a random tensor (its product is
@@ -245,6 +348,8 @@ pub fn op_add_callable() {
     d.outputs = tout.as_ptr().cast();
     d.num_params = params.len();
     d.params = tpar.as_ptr().cast();
+    d.bucket_sizes = bucket_ptr;
+    d.num_buckets = num_buckets;
     let mut array_err: Option<graphed_status> = None;
     match i.below(24) {
         0 => {
@@ -326,6 +431,7 @@ pub fn op_add_callable() {
     first(&mut want, struct_err);
     first(&mut want, (name_pick == 1).then_some(S::InvalidArgument));
     first(&mut want, array_err);
+    first(&mut want, bucket_read_err);
     first(&mut want, cb_err);
     first(&mut want, conv_err);
     first(&mut want, t.lock());
@@ -340,6 +446,7 @@ pub fn op_add_callable() {
         _ => {}
     }
     first(&mut want, check_err);
+    first(&mut want, bucket_err);
     first(&mut want, param_err);
     if wgrad && !pmodels.iter().any(|p| p.grad) {
         first(&mut want, Some(S::InvalidArgument));
@@ -355,7 +462,7 @@ pub fn op_add_callable() {
             if out_null { null_mut() } else { &mut index },
         )
     };
-    drop((tin, tout, tpar, desc_buf, shape_store));
+    drop((tin, tout, tpar, desc_buf, shape_store, dyn_shapes, bucket_store));
     expect(
         st,
         &[want.unwrap_or(S::Ok)],
@@ -368,11 +475,16 @@ pub fn op_add_callable() {
     }
     let Target::Live(k) = t else { unreachable!() };
     assert_eq!(index as usize, n_callables, "callable index");
+    assert!(
+        buckets.is_empty() || models.iter().flatten().any(|t| t.dynamic),
+        "buckets accepted without a DYNAMIC tensor"
+    );
     wd.sessions.borrow_mut()[k].callables.push(Callable {
         inputs: models[0].clone(),
         outputs: models[1].clone(),
         params: pmodels,
         wgrad,
+        buckets,
     });
 }
 

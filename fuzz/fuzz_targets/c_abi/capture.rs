@@ -59,6 +59,29 @@ pub fn decide(sess: usize, e: graphed_status) {
     }
 }
 
+/// What capture answers for a session with a bucketed callable, found
+/// where the order of passes is derived, before anything runs: the
+/// schedule's own refusal, then buckets with a pipeline schedule (any
+/// schedule given) or in a step. None: the capture would go ahead, which
+/// the model does not follow (bucket rounds), so it is not called.
+/// Some((status, also accepted)).
+fn bucket_refusal(s: &Sess) -> Option<(graphed_status, bool)> {
+    match schedule_fits(s) {
+        Some(false) => return Some((S::InvalidSchedule, false)),
+        // A fuzzed schedule: refused as a schedule or for the buckets.
+        None => return Some((S::InvalidArgument, true)),
+        Some(true) => {}
+    }
+    if matches!(s.sched, Some(Some(_))) {
+        return Some((S::InvalidArgument, false));
+    }
+    let in_step = s
+        .steps
+        .iter()
+        .any(|st| st.callables.iter().any(|&c| !s.callables[c].buckets.is_empty()));
+    in_step.then_some((S::InvalidArgument, false))
+}
+
 pub fn op_capture(t: Target) {
     let wd = w();
     let mut want = t.lock();
@@ -68,10 +91,27 @@ pub fn op_capture(t: Target) {
         let Target::Live(k) = t else { unreachable!() };
         let ss = wd.sessions.borrow();
         let s = &ss[k];
+        let bucketed = s.callables.iter().any(|c| !c.buckets.is_empty());
+        let refusal = if s.st == St::Open && bucketed {
+            match bucket_refusal(s) {
+                Some(r) => Some(r),
+                None => {
+                    trace!("capture {t:?}: skipped (a bucketed callable would be captured)");
+                    return;
+                }
+            }
+        } else {
+            None
+        };
         want = match s.st {
             St::Captured => Some(S::WrongState),
             St::Reset => Some(S::SessionReset),
             St::Open if s.callables.is_empty() => Some(S::WrongState),
+            St::Open if refusal.is_some() => {
+                let (e, lenient) = refusal.unwrap();
+                lenient_sched = lenient;
+                Some(e)
+            }
             St::Open => match schedule_fits(s) {
                 Some(false) => Some(S::InvalidSchedule),
                 None => {

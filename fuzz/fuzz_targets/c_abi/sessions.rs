@@ -139,6 +139,9 @@ pub fn op_create() {
     cfg.reuse_buffers = i.pick(&[0, 0, 1, 2]);
     cfg.log_level = i.pick(&[1, 0, 2, 3, 4]);
     cfg.clone_slots = i.pick(&[2, 2, 2, 0, 1, 16, 17, u32::MAX]);
+    // Buckets chosen on the device (the host backend supports it); above
+    // 1 refused as the config is read.
+    cfg.bucket_choice_on_device = i.pick(&[0, 0, 0, 1, 1, 2]);
     let ctx = Box::new(SessCtx {
         sess: idx,
         log_level: cfg.log_level,
@@ -313,6 +316,7 @@ pub fn op_create() {
         || cfg.capture_mode > 2
         || cfg.log_level > 3
         || cfg.clone_slots > 16
+        || cfg.bucket_choice_on_device > 1
         || shape == 7
         || shape == 8
     {

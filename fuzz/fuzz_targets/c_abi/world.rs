@@ -17,6 +17,8 @@ pub struct Tensor {
     pub bytes: usize,
     pub grad: bool,
     pub external: bool,
+    /// GRAPHED_TENSOR_FLAGS_DYNAMIC.
+    pub dynamic: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -52,6 +54,8 @@ pub struct Callable {
     pub outputs: Vec<Tensor>,
     pub params: Vec<Param>,
     pub wgrad: bool,
+    /// Its bucket sizes (empty: none).
+    pub buckets: Vec<u64>,
 }
 
 /// A schedule the model understands: all forwards, then all backwards

@@ -67,6 +67,21 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
     if mb_known != 0 {
         assert!(ctx.microbatch < mb_known, "microbatch {}", ctx.microbatch);
     }
+    // Buckets: which one this call records, of how many, its size, and
+    // the device's actual size (none without buckets).
+    if cl.buckets.is_empty() {
+        assert_eq!(
+            (ctx.bucket, ctx.num_buckets, ctx.bucket_size),
+            (0, 0, 0),
+            "bucket fields of a callable without buckets"
+        );
+        assert!(ctx.actual_size.is_null(), "actual_size without buckets");
+    } else {
+        assert_eq!(ctx.num_buckets as usize, cl.buckets.len(), "ctx.num_buckets");
+        assert!(ctx.bucket < ctx.num_buckets, "ctx.bucket {}", ctx.bucket);
+        assert_eq!(ctx.bucket_size, cl.buckets[ctx.bucket as usize], "ctx.bucket_size");
+        assert!(!ctx.actual_size.is_null(), "actual_size of a bucketed callable");
+    }
     assert_eq!(ctx.num_inputs, cl.inputs.len());
     assert_eq!(ctx.num_outputs, cl.outputs.len());
     assert_eq!(ctx.num_params, cl.params.len());

@@ -97,6 +97,8 @@ pub(super) struct Built {
     pub abuf: Vec<u64>,
     pub struct_err: Option<graphed_status>,
     pub args: *const graphed_replay_args,
+    /// args.size or args.device_size is set.
+    pub bucket_arg: bool,
 }
 
 /// Reads the arguments of a replay of `t` (see `replay_with`).
@@ -363,6 +365,24 @@ pub(super) fn build_args(
         p1 = unsafe { p1.add(4) };
         out_misaligned = true;
     }
+    // A bucket size, or device memory holding one: every callable the
+    // model captures has no buckets, so either is refused (INVALID_ARGUMENT
+    // as the replay resolves its instance). Not with the layout before the
+    // parameters' addresses, which ends before them.
+    let old_layout = pa.as_ref().is_some_and(|pa| pa.mode == PMode::OldLayout);
+    let mut bucket_arg = false;
+    if !old_layout && i.chance(24) {
+        match i.below(4) {
+            0 => a.size = 1,
+            1 => a.size = i.pick(&[2, 4, 16, u64::MAX]),
+            2 => a.device_size = mem(8, 0) as *const u64,
+            _ => {
+                a.size = 1;
+                a.device_size = mem(8, 0) as *const u64;
+            }
+        }
+        bucket_arg = true;
+    }
     // The struct.
     let mut abuf = vec![0u64; size_of::<graphed_replay_args>() / 8 + 2];
     let mut struct_err = None;
@@ -385,8 +405,9 @@ pub(super) fn build_args(
         a.params = pa.ptr;
         a.num_params = pa.count;
         if pa.mode == PMode::OldLayout {
-            // The layout before the parameters' addresses.
-            a.struct_size = size_of::<graphed_replay_args>() - 16;
+            // The layout before the parameters' addresses (and the
+            // bucket size after them).
+            a.struct_size = std::mem::offset_of!(graphed_replay_args, params);
         }
     }
     // SAFETY: abuf holds the struct.
@@ -436,5 +457,6 @@ pub(super) fn build_args(
         abuf,
         struct_err,
         args,
+        bucket_arg,
     }
 }

@@ -119,6 +119,16 @@ pub(super) fn expected(t: Target, kind: u32, built: &Built) -> Expected {
             St::Reset => first(&mut want, Some(S::SessionReset)),
             St::Captured => {}
         }
+        if built.bucket_arg {
+            // The instance is resolved first: size or device_size on a
+            // callable without buckets (the model captures none with).
+            let bucketed = cl.as_ref().is_some_and(|c| !c.buckets.is_empty());
+            assert!(
+                !(bucketed && *st == St::Captured),
+                "a captured bucketed callable in the model"
+            );
+            first(&mut want, Some(S::InvalidArgument));
+        }
         if fault == Fault::Microbatch || mb >= *mbs {
             first(&mut want, Some(S::InvalidArgument));
         }
