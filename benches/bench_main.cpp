@@ -30,6 +30,7 @@
 
 namespace {
 
+using bench::fmt;
 using kit::Buffer;
 
 int failures = 0;
@@ -48,12 +49,6 @@ std::string copied_because(const graphed::Session& s) {
     const std::string plan = s.plan_dump();
     const size_t at = plan.find("copied at replay: ");
     return at == std::string::npos ? "see the plan dump" : plan.substr(at + 18, plan.find('\n', at) - at - 18);
-}
-
-std::string fmt(const char* f, double v) {
-    char b[64];
-    std::snprintf(b, sizeof b, f, v);
-    return b;
 }
 
 std::string bytes_str(size_t b) {

@@ -23,16 +23,6 @@ namespace bench {
 
 namespace {
 
-std::string fmt(const char* f, double v) {
-    char b[64];
-    std::snprintf(b, sizeof b, f, v);
-    return b;
-}
-
-double us_since(std::chrono::steady_clock::time_point a) {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
-}
-
 // One session over `layers` Linear layers and what its training steps need.
 struct Model {
     std::unique_ptr<kit::Mlp> m;
@@ -103,7 +93,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
         for (int k = 0; k < 4 * samples; ++k) {
             const auto a = std::chrono::steady_clock::now();
             op();
-            v.push_back(us_since(a));
+            v.push_back(1000.0 * ms_since(a));
             dev.sync();
         }
         return median(v);

@@ -18,20 +18,6 @@
 
 namespace bench {
 
-namespace {
-
-std::string fmt(const char* f, double v) {
-    char b[64];
-    std::snprintf(b, sizeof b, f, v);
-    return b;
-}
-
-double ms_since(std::chrono::steady_clock::time_point a) {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count();
-}
-
-}  // namespace
-
 int microbatch_table(kit::Device& dev, Tools& tools, std::ostream& report, int layers, int width, int batch,
                      const std::vector<uint32_t>& counts, int samples) {
     int failures = 0;

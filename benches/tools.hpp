@@ -5,6 +5,7 @@
 
 #include "kit.hpp"
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -50,5 +51,11 @@ std::unique_ptr<Tools> make_cuda_tools(kit::Device& dev);  // nullptr without CU
 std::unique_ptr<kit::Device> make_blas_device(std::string* why_not);
 
 double median(std::vector<double> v);
+
+// A number formatted for the report ("%.3fx", ...).
+std::string fmt(const char* f, double v);
+
+// Milliseconds of wall time since `a`.
+double ms_since(std::chrono::steady_clock::time_point a);
 
 }  // namespace bench

@@ -2,12 +2,24 @@
 // of the reference operations.
 #include "tools.hpp"
 
+#include <cstdio>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 
 namespace bench {
+
+std::string fmt(const char* f, double v) {
+    char b[64];
+    std::snprintf(b, sizeof b, f, v);
+    return b;
+}
+
+double ms_since(std::chrono::steady_clock::time_point a) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count();
+}
 
 double median(std::vector<double> v) {
     if (v.empty()) return 0.0;

@@ -196,6 +196,71 @@ impl Loops {
         unsafe { launch(self.copy_indexed, &mut args, blocks, stream) }
     }
 
+    /// A conditional handle in the graph the capture on `stream` records
+    /// into, set to `default` at each launch of that graph.
+    fn handle(&self, ctx: sys::CUcontext, stream: StreamRef, default: u32) -> Result<u64> {
+        let (graph, _, _) = capture_info(stream)?;
+        let mut handle = 0u64;
+        // SAFETY: the capture's graph, our bound context, a valid out pointer.
+        check("cuGraphConditionalHandleCreate", unsafe {
+            (self.handle_create)(&mut handle, graph, ctx, default, ASSIGN_DEFAULT)
+        })?;
+        Ok(handle)
+    }
+
+    /// Adds a conditional node of `kind` with `size` bodies on `handle` to
+    /// the capture running on `stream`, after what it captured so far, and
+    /// makes the capture go on after the node; returns its body graphs
+    /// (owned by the node).
+    fn add_conditional(
+        &self,
+        ctx: sys::CUcontext,
+        stream: StreamRef,
+        handle: u64,
+        (kind, size): (u32, u32),
+    ) -> Result<Vec<sys::CUgraph>> {
+        let (graph, deps, ndeps) = capture_info(stream)?;
+        let mut p = NodeParams {
+            kind: NODE_TYPE_CONDITIONAL,
+            reserved0: [0; 3],
+            conditional: ConditionalParams {
+                handle,
+                kind,
+                size,
+                graphs_out: null_mut(),
+                ctx,
+            },
+            rest_of_union: [0; 25],
+            reserved2: 0,
+        };
+        let mut node: sys::CUgraphNode = null_mut();
+        // SAFETY: the capture's graph and its current dependencies (read
+        // just above, nothing captured since); params laid out as the
+        // driver's CUgraphNodeParams.
+        check("cuGraphAddNode(conditional)", unsafe {
+            (self.add_node)(&mut node, graph, deps, ndeps, &mut p)
+        })?;
+        if p.conditional.graphs_out.is_null() {
+            return Err(Error::Internal(
+                "a conditional node came without body graphs".into(),
+            ));
+        }
+        // SAFETY: the driver filled `size` body graphs.
+        let bodies = unsafe { std::slice::from_raw_parts(p.conditional.graphs_out, size as usize) };
+        let bodies = bodies.to_vec();
+        // SAFETY: a node of the capture's graph.
+        check("cuStreamUpdateCaptureDependencies", unsafe {
+            sys::cuStreamUpdateCaptureDependencies(
+                stream.0 as sys::CUstream,
+                &mut node,
+                1,
+                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
+                    as u32,
+            )
+        })?;
+        Ok(bodies)
+    }
+
     /// Records, into the capture running on `stream`, the bucket choice
     /// kernel and a SWITCH node after it whose body i is a copy of graph
     /// `bodies[i]` (see `Backend::capture_switch`); the capture goes on
@@ -211,14 +276,9 @@ impl Loops {
         if v < NEEDS_SWITCH {
             return Err(switch_unsupported(v));
         }
-        let (graph, _, _) = capture_info(stream)?;
         let n = bodies.len() as u32;
-        let mut handle = 0u64;
-        // SAFETY: the capture's graph, our bound context, a valid out
-        // pointer; the default (n) runs no body if the choice did not run.
-        check("cuGraphConditionalHandleCreate", unsafe {
-            (self.handle_create)(&mut handle, graph, ctx, n, ASSIGN_DEFAULT)
-        })?;
+        // The default (n) runs no body if the choice did not run.
+        let handle = self.handle(ctx, stream, n)?;
         let mut args = [
             choice.size,
             choice.table,
@@ -229,67 +289,20 @@ impl Loops {
         // SAFETY: the kernel takes these five u64; `size` and `overflows`
         // are u64s and `table` holds n of them; one thread acts.
         unsafe { launch(self.select, &mut args, 1, stream) }?;
-        let (graph, deps, ndeps) = capture_info(stream)?;
-        let mut p = NodeParams {
-            kind: NODE_TYPE_CONDITIONAL,
-            reserved0: [0; 3],
-            conditional: ConditionalParams {
-                handle,
-                kind: CONDITIONAL_SWITCH,
-                size: n,
-                graphs_out: null_mut(),
-                ctx,
-            },
-            rest_of_union: [0; 25],
-            reserved2: 0,
-        };
-        let mut node: sys::CUgraphNode = null_mut();
-        // SAFETY: the capture's graph and its current dependencies (the
-        // choice kernel, read just above); params laid out as the driver's
-        // CUgraphNodeParams.
-        check("cuGraphAddNode(switch)", unsafe {
-            (self.add_node)(&mut node, graph, deps, ndeps, &mut p)
-        })?;
-        if p.conditional.graphs_out.is_null() {
-            return Err(Error::Internal(
-                "the SWITCH node came without body graphs".into(),
-            ));
-        }
-        // SAFETY: a node of the capture's graph.
-        check("cuStreamUpdateCaptureDependencies", unsafe {
-            sys::cuStreamUpdateCaptureDependencies(
-                stream.0 as sys::CUstream,
-                &mut node,
-                1,
-                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
-                    as u32,
-            )
-        })?;
-        for (i, &body) in bodies.iter().enumerate() {
-            // SAFETY: the driver filled n body graphs, owned by the node.
-            let target = unsafe { *p.conditional.graphs_out.add(i) };
+        let targets = self.add_conditional(ctx, stream, handle, (CONDITIONAL_SWITCH, n))?;
+        for (i, (&body, &target)) in bodies.iter().zip(&targets).enumerate() {
             let mut child: sys::CUgraphNode = null_mut();
             // SAFETY: a body graph of the node and a live template (cloned
             // into the child node).
             check("cuGraphAddChildGraphNode(switch body)", unsafe {
                 sys::cuGraphAddChildGraphNode(&mut child, target, std::ptr::null(), 0, body)
             })
-            .map_err(|e| match e {
-                Error::Cuda {
-                    call,
-                    code,
-                    name,
-                    description,
-                } => Error::Cuda {
-                    call,
-                    code,
-                    name,
-                    description: format!(
-                        "{description}; the driver refused bucket {i}'s graph as a SWITCH node's body ({})",
-                        describe(body)
-                    ),
-                },
-                other => other,
+            .map_err(|e| {
+                refused(
+                    e,
+                    &format!("bucket {i}'s graph as a SWITCH node's body"),
+                    body,
+                )
             })?;
         }
         Ok(())
@@ -308,70 +321,9 @@ impl Loops {
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()> {
-        let s = stream.0 as sys::CUstream;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let (mut id, mut graph, mut deps, mut ndeps) = (0u64, null_mut(), std::ptr::null(), 0usize);
-        // SAFETY: a capturing stream and valid out pointers; `deps` points
-        // into driver memory valid until the next capture call on `s`.
-        check("cuStreamGetCaptureInfo_v2", unsafe {
-            sys::cuStreamGetCaptureInfo_v2(
-                s,
-                &mut status,
-                &mut id,
-                &mut graph,
-                &mut deps,
-                &mut ndeps,
-            )
-        })?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null()
-        {
-            return Err(Error::state(
-                "a loop is recorded only into an active capture",
-            ));
-        }
-        let mut handle = 0u64;
-        // SAFETY: the capture's graph, our bound context, a valid out pointer.
-        check("cuGraphConditionalHandleCreate", unsafe {
-            (self.handle_create)(&mut handle, graph, ctx, 1, ASSIGN_DEFAULT)
-        })?;
-        let mut p = NodeParams {
-            kind: NODE_TYPE_CONDITIONAL,
-            reserved0: [0; 3],
-            conditional: ConditionalParams {
-                handle,
-                kind: CONDITIONAL_WHILE,
-                size: 1,
-                graphs_out: null_mut(),
-                ctx,
-            },
-            rest_of_union: [0; 25],
-            reserved2: 0,
-        };
-        let mut node: sys::CUgraphNode = null_mut();
-        // SAFETY: the capture's graph and its current dependencies (read
-        // just above, nothing captured since); params laid out as the
-        // driver's CUgraphNodeParams.
-        check("cuGraphAddNode(while)", unsafe {
-            (self.add_node)(&mut node, graph, deps, ndeps, &mut p)
-        })?;
-        if p.conditional.graphs_out.is_null() {
-            return Err(Error::Internal(
-                "the WHILE node came without a body graph".into(),
-            ));
-        }
-        // SAFETY: the driver filled one body graph (size 1), owned by the node.
-        let body_graph = unsafe { *p.conditional.graphs_out };
-        // The capture goes on after the loop.
-        // SAFETY: a node of the capture's graph.
-        check("cuStreamUpdateCaptureDependencies", unsafe {
-            sys::cuStreamUpdateCaptureDependencies(
-                s,
-                &mut node,
-                1,
-                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
-                    as u32,
-            )
-        })?;
+        let handle = self.handle(ctx, stream, 1)?;
+        let bodies = self.add_conditional(ctx, stream, handle, (CONDITIONAL_WHILE, 1))?;
+        let body_graph = bodies[0];
         self.capture_body(body_graph, state, handle, mode, body)
     }
 
@@ -426,24 +378,7 @@ impl Loops {
                         captured,
                     )
                 })
-                .map_err(|e| match e {
-                    Error::Cuda {
-                        call,
-                        code,
-                        name,
-                        description,
-                    } => Error::Cuda {
-                        call,
-                        code,
-                        name,
-                        description: format!(
-                            "{description}; the driver refused the loop's body as a WHILE \
-                             node's body ({})",
-                            describe(captured)
-                        ),
-                    },
-                    other => other,
-                })
+                .map_err(|e| refused(e, "the loop's body as a WHILE node's body", captured))
             }
             _ => Ok(()),
         };
@@ -457,6 +392,28 @@ impl Loops {
         ran?;
         ended?;
         added
+    }
+}
+
+/// The error of a body graph the driver refused (`what`), saying what the
+/// graph holds.
+fn refused(e: Error, what: &str, graph: sys::CUgraph) -> Error {
+    match e {
+        Error::Cuda {
+            call,
+            code,
+            name,
+            description,
+        } => Error::Cuda {
+            call,
+            code,
+            name,
+            description: format!(
+                "{description}; the driver refused {what} ({})",
+                describe(graph)
+            ),
+        },
+        other => other,
     }
 }
 
