@@ -28,6 +28,24 @@ class Buckets : public BackendTest {
         return b;
     }
 
+    // After a graphed step whose loss grad is in `gy` (`elems` values) and
+    // whose grads are `grads`: the loss and every grad equal to `eager`'s
+    // step (`want`), bit for bit; the grads are released.
+    void expect_step(kit::Mlp& eager, const kit::StepGrads& want, const kit::Buffer& gy, size_t elems,
+                     std::vector<graphed::Grads>& grads) {
+        dev->sync();
+        double loss = 0.0;
+        for (float v : kit::fetch<float>(*dev, gy.get(), elems)) loss += 0.5 * double(v) * double(v);
+        EXPECT_EQ(loss, eager.last_loss()) << "the outputs, through the loss";
+        for (int i = 0; i < kLayers; ++i) {
+            const graphed::Ref& gw = grads[size_t(i)].params[0];
+            const graphed::Ref& gb = grads[size_t(i)].params[1];
+            EXPECT_EQ(want.w[size_t(i)], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << i;
+            EXPECT_EQ(want.b[size_t(i)], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << i;
+        }
+        for (auto& gr : grads) gr = graphed::Grads{};
+    }
+
     // A captured session of an MLP of kLayers layers whose batch takes the
     // sizes kSizes (with `strict` leases).
     graphed::Session mlp_session(kit::Mlp& m, const kit::Buffer& sample, bool strict = false) {
@@ -114,18 +132,7 @@ TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
                 g = grads[i].inputs[0].ptr();
             }
         }
-        dev->sync();
-        auto d = kit::fetch<float>(*dev, gy.get(), elems);
-        double loss = 0.0;
-        for (float v : d) loss += 0.5 * double(v) * double(v);
-        EXPECT_EQ(loss, eager.last_loss()) << "the outputs, through the loss";
-        for (int i = 0; i < kLayers; ++i) {
-            const graphed::Ref& gw = grads[i].params[0];
-            const graphed::Ref& gb = grads[i].params[1];
-            EXPECT_EQ(want.w[i], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << i;
-            EXPECT_EQ(want.b[i], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << i;
-        }
-        for (auto& gr : grads) gr = graphed::Grads{};
+        expect_step(eager, want, gy, elems, grads);
     }
 }
 
@@ -355,18 +362,7 @@ TEST_P(Buckets, ChosenOnTheDeviceMatchesEagerOfThatSizeBitForBit) {
             s.backward(r.callable(uint32_t(i)).data(g), grads[i]);
             if (i > 0) g = grads[i].inputs[0].ptr();
         }
-        dev->sync();
-        auto d = kit::fetch<float>(*dev, gy.get(), elems);
-        double loss = 0.0;
-        for (float v : d) loss += 0.5 * double(v) * double(v);
-        EXPECT_EQ(loss, eager.last_loss()) << "the outputs, through the loss";
-        for (int i = 0; i < kLayers; ++i) {
-            const graphed::Ref& gw = grads[i].params[0];
-            const graphed::Ref& gb = grads[i].params[1];
-            EXPECT_EQ(want.w[i], kit::fetch<float>(*dev, gw.ptr(), gw.bytes() / 4)) << "weight grad " << i;
-            EXPECT_EQ(want.b[i], kit::fetch<float>(*dev, gb.ptr(), gb.bytes() / 4)) << "bias grad " << i;
-        }
-        for (auto& gr : grads) gr = graphed::Grads{};
+        expect_step(eager, want, gy, elems, grads);
     }
     EXPECT_EQ(s.stats().bucket_overflows, 0u);
     // Above the largest bucket: no graph of the callable runs, the device
