@@ -136,6 +136,59 @@ TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
     }
 }
 
+// Layers chained in place (each reads the previous one's output buffer and
+// writes its grad-output), in buckets: nothing is copied between them, the
+// rows past the size in the chained buffers are the previous layer's (of
+// zero inputs: finite), and their grads are zero, so the results are
+// eager's on the actual rows, bit for bit.
+TEST_P(Buckets, ChainedLayersMatchEagerOfThatSizeBitForBit) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp graphed(*dev, kLayers, kMax, kWidth, 41);
+    graphed::Session s(config());
+    kit::Wiring w;
+    w.buckets = kSizes;
+    w.chain = true;
+    graphed.register_layers(s, sample.get(), w);
+    s.capture();
+    graphed::Replay r;
+    r.stream(dev->stream());
+    std::vector<graphed::Ref> outs;
+    std::vector<graphed::Grads> grads(kLayers);
+    for (uint64_t n : {5u, 32u, 13u, 16u, 1u}) {
+        SCOPED_TRACE(testing::Message() << n << " rows, chained");
+        const size_t elems = size_t(n) * kWidth;
+        kit::Buffer x = floats(elems, 800 + uint32_t(n)), t = floats(elems, 900 + uint32_t(n));
+        kit::Mlp eager(*dev, kLayers, int(n), kWidth, 41);
+        kit::StepGrads want = eager.eager_step(x.get(), t.get(), 0.0f);
+        r.size(n);
+        for (int i = 0; i < kLayers; ++i) {
+            // Layer 0 takes the data; the others read their producer in place.
+            if (i == 0)
+                r.data(x.get());
+            else
+                r.no_data();
+            s.forward(r.callable(uint32_t(i)), outs);
+            ASSERT_EQ(outs[0].bytes(), elems * 4);
+        }
+        kit::Buffer gy(*dev, elems * 4);
+        dev->sub(dev->stream(), GRAPHED_DTYPE_F32, outs[0].ptr(), t.get(), gy.get(), elems);
+        for (int i = kLayers - 1; i >= 0; --i) {
+            if (i == kLayers - 1)
+                r.data(gy.get());
+            else
+                r.no_data();
+            s.backward(r.callable(uint32_t(i)).size(0), grads[size_t(i)]);
+        }
+        expect_step(eager, want, gy, elems, grads);
+    }
+    // A chained layer runs the rows its producer ran.
+    kit::Buffer x = floats(size_t(kMax) * kWidth, 5);
+    s.forward(r.callable(0).size(12).data(x.get()), outs);
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.forward(r.callable(1).size(13).no_data()); },
+                       std::vector<std::string>{"chained to callable 'fc0'", "ran 12 rows"}));
+    EXPECT_NO_THROW(s.forward(r.callable(1).size(12).no_data()));
+}
+
 // Two layers in different buckets between their forwards and backwards
 // (a mixture of experts' layers with their own token counts): what one
 // forward keeps in scratch for its backward must survive the other's
@@ -301,6 +354,19 @@ TEST_P(Buckets, RegistrationRefusesBucketsThatCannotWork) {
         uint32_t index = 0;
         EXPECT_TRUE(fails_with(GRAPHED_STATUS_INVALID_ARGUMENT, graphed_session_add_callable(s.get(), &d, &index),
                                "num_buckets is 0"));
+    }
+    {
+        // Chained to a producer with other buckets.
+        graphed::Session s(config());
+        kit::Mlp two(*dev, 2, kMax, kWidth, 41);
+        two.layer(0).buckets = {8, 32};
+        s.add_callable(two.layer(0).callable(sample.get(), false));
+        two.layer(1).buckets = {16, 32};
+        graphed::Callable c = two.layer(1).callable(sample.get(), true);
+        c.inputs[0].flags = GRAPHED_TENSOR_FLAGS_CHAINED;
+        c.inputs[0].chain_callable = 0;
+        c.inputs[0].chain_output = 0;
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.add_callable(c); }, "has the same buckets"));
     }
     {
         // A step over a callable with buckets: refused at capture, the

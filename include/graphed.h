@@ -347,7 +347,8 @@ enum graphed_tensor_flags
    * (graphed_callable_desc.bucket_sizes): its `shape` is given, with the
    * largest bucket's size first, and `bytes` are the largest bucket's.
    * In a bucket of n rows the tensor is the first n rows of its buffer.
-   * Not with CHAINED, EXTERNAL or REBIND.
+   * Not with CHAINED, EXTERNAL or REBIND (an input chained to a DYNAMIC
+   * output is DYNAMIC by that).
    */
   GRAPHED_TENSOR_FLAGS_DYNAMIC = 8,
 };
@@ -1048,8 +1049,10 @@ typedef struct graphed_callable_desc {
    * static memory; its GRAPHED_TENSOR_FLAGS_DYNAMIC tensors have the
    * bucket's size as their first dimension. A forward replay names its
    * actual size (graphed_replay_args.size) and runs the smallest bucket
-   * that holds it. Not with a pipeline schedule, steps or chained
-   * inputs. Copied at registration.
+   * that holds it. A callable chained to one with buckets has the same
+   * buckets (its chained input takes the producer's rows, and its
+   * forward runs the size its producer's did). Not with a pipeline
+   * schedule or steps. Copied at registration.
    */
   const uint64_t *bucket_sizes;
   size_t num_buckets;

@@ -253,8 +253,8 @@ double Mlp::last_loss() {
 
 void Mlp::register_layers(graphed::Session& session, const void* sample_x, const Wiring& wiring) {
     for (int i = 0; i < layers(); ++i) {
-        if (!wiring.buckets.empty() && (wiring.chain || wiring.loss))
-            throw std::runtime_error("buckets are registered without chain or loss");
+        if (!wiring.buckets.empty() && wiring.loss)
+            throw std::runtime_error("buckets are registered without the loss layer");
         layer_[i].buckets = wiring.buckets;
         graphed::Callable c = layer_[i].callable(sample_x, i > 0);
         if (i > 0 && wiring.chain) {

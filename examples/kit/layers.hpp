@@ -95,7 +95,7 @@ struct Wiring {
     // replay passes.
     bool rebind_grad_output = false;
     // Every layer captured in these batch sizes (LinearLayer::buckets; the
-    // largest is the Mlp's batch; not with chain or loss).
+    // largest is the Mlp's batch; not with loss).
     std::vector<uint64_t> buckets;
 };
 

@@ -191,8 +191,10 @@ pub struct graphed_callable_desc {
     /// static memory; its GRAPHED_TENSOR_FLAGS_DYNAMIC tensors have the
     /// bucket's size as their first dimension. A forward replay names its
     /// actual size (graphed_replay_args.size) and runs the smallest bucket
-    /// that holds it. Not with a pipeline schedule, steps or chained
-    /// inputs. Copied at registration.
+    /// that holds it. A callable chained to one with buckets has the same
+    /// buckets (its chained input takes the producer's rows, and its
+    /// forward runs the size its producer's did). Not with a pipeline
+    /// schedule or steps. Copied at registration.
     pub bucket_sizes: *const u64,
     pub num_buckets: usize,
 }

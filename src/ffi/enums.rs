@@ -276,7 +276,8 @@ pub enum graphed_tensor_flags {
     /// (graphed_callable_desc.bucket_sizes): its `shape` is given, with the
     /// largest bucket's size first, and `bytes` are the largest bucket's.
     /// In a bucket of n rows the tensor is the first n rows of its buffer.
-    /// Not with CHAINED, EXTERNAL or REBIND.
+    /// Not with CHAINED, EXTERNAL or REBIND (an input chained to a DYNAMIC
+    /// output is DYNAMIC by that).
     Dynamic = 8,
 }
 

@@ -8,7 +8,7 @@
 
 use super::instance::Placed;
 use super::spec::CallableSpec;
-use super::tensor::Tensor;
+use super::tensor::{Feed, Tensor};
 use crate::backend::{Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, StreamRef, Tail};
 use crate::core::layout::Role;
 use crate::core::size;
@@ -195,11 +195,11 @@ pub(crate) fn capture_switch(
     backend.begin_capture(stream, mode)?;
     let recorded = (|| {
         if let Some(role) = Placed::fed_role(kind) {
-            for t in largest
-                .tensors(role)
-                .iter()
-                .filter(|t| t.row_bytes > 0 && t.ptr != 0)
-            {
+            // Chained buffers are their producer's (their rows past the
+            // size are the producer's, finite).
+            let fed =
+                |t: &&Tensor| t.row_bytes > 0 && t.ptr != 0 && !matches!(t.feed, Feed::Chained);
+            for t in largest.tensors(role).iter().filter(fed) {
                 let tail = Tail {
                     dst: t.ptr,
                     row: t.row_bytes,

@@ -137,11 +137,6 @@ fn check_buckets(spec: &CallableSpec, who: &str) -> Result<()> {
             )));
         }
     }
-    if let Some((_, i, _)) = tensors().find(|(_, _, t)| t.chained.is_some()) {
-        return Err(Error::invalid(format!(
-            "{who}: inputs[{i}] is CHAINED; callables with buckets take their inputs by copy"
-        )));
-    }
     Ok(())
 }
 
@@ -248,7 +243,7 @@ impl Session {
     }
 
     /// Registers a callable; returns its index.
-    pub fn add_callable(&mut self, spec: CallableSpec) -> Result<u32> {
+    pub fn add_callable(&mut self, mut spec: CallableSpec) -> Result<u32> {
         self.open("registering a callable")?;
         let n = self.callables.len();
         let who = format!("callable {n} ('{}')", spec.name);
@@ -258,12 +253,21 @@ impl Session {
         for (i, t) in spec.outputs.iter().enumerate() {
             check_tensor(t, &format!("{who}: outputs[{i}]"))?;
         }
-        check_buckets(&spec, &who)?;
-        for (i, t) in spec.inputs.iter().enumerate() {
-            if let Some(src) = t.chained {
+        for i in 0..spec.inputs.len() {
+            if let Some(src) = spec.inputs[i].chained {
                 self.check_chain(&spec, i, src, &who)?;
+                // A DYNAMIC output chains a DYNAMIC input (its rows).
+                let out = &self.callables[src.0 as usize].outputs[src.1 as usize];
+                if out.dynamic {
+                    let t = &mut spec.inputs[i];
+                    t.dynamic = true;
+                    if t.shape.is_empty() {
+                        t.shape = out.shape.clone();
+                    }
+                }
             }
         }
+        check_buckets(&spec, &who)?;
         for (i, p) in spec.params.iter().enumerate() {
             p.validate(&format!("{who}: params[{i}]"))?;
             if p.data == 0 {
@@ -301,10 +305,13 @@ impl Session {
                 self.callables.len()
             ))
         })?;
-        if !producer.buckets.is_empty() {
+        // A producer with buckets runs in one of them: its consumer runs in
+        // the same (a consumer with buckets may read a producer of one shape).
+        if !producer.buckets.is_empty() && producer.buckets != spec.buckets {
             return Err(Error::invalid(format!(
-                "{what}: callable '{}' has buckets; its outputs are not chained to other callables",
-                producer.name
+                "{what}: callable '{}' has buckets {:?}; a callable chained to it has the same buckets \
+                 (here {:?})",
+                producer.name, producer.buckets, spec.buckets
             )));
         }
         let out = producer.outputs.get(j as usize).ok_or_else(|| {

@@ -10,7 +10,7 @@ use super::super::external::Provided;
 use super::super::instance::{PassRef, Placed};
 use super::super::scratch::Scratch;
 use super::super::spec::{HookPoint, PassView, Phase};
-use super::super::tensor::ptrs;
+use super::super::tensor::{ptrs, Feed};
 use crate::backend::{CaptureEnd, DevPtr, Graph, StreamRef, Tail};
 use crate::core::policy::GradPolicy;
 use crate::error::{Error, Result};
@@ -210,7 +210,9 @@ impl Runner<'_> {
         };
         let size = self.actual_size(inst.callable);
         for t in inst.tensors(role) {
-            if t.row_bytes > 0 && t.ptr != 0 && size != 0 {
+            // Chained buffers are their producer's.
+            let chained = matches!(t.feed, Feed::Chained);
+            if t.row_bytes > 0 && t.ptr != 0 && size != 0 && !chained {
                 let tail = Tail {
                     dst: t.ptr,
                     row: t.row_bytes,

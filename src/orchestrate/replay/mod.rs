@@ -186,6 +186,7 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
             Some(last) => Ok(last),
         };
     }
+    chained_rows(p, spec, a)?;
     if a.device_size != 0 {
         if a.size != 0 {
             return Err(Error::invalid(format!(
@@ -221,6 +222,35 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
         p.cap.by_callable[a.callable as usize][b],
         Rows::Host(a.size),
     ))
+}
+
+/// Refuses a forward of a bucketed callable whose chained DYNAMIC inputs
+/// hold another number of rows than it names: each producer's last forward
+/// must have run the same size (or, given `device_size`, chosen on the
+/// device too, the caller's sizes then agreeing).
+fn chained_rows(p: &Parts, spec: &CallableSpec, a: &ReplayArgs) -> Result<()> {
+    for (i, t) in spec.inputs.iter().enumerate() {
+        let Some((pc, _)) = t.chained.filter(|_| t.dynamic) else {
+            continue;
+        };
+        let last = p.cap.last_forward.get(pc as usize).copied().flatten();
+        let ran = match last {
+            Some((_, Rows::Host(n))) if a.device_size == 0 && n == a.size => continue,
+            Some((_, Rows::Device)) if a.device_size != 0 => continue,
+            Some((_, Rows::Host(n))) => format!("ran {n} rows"),
+            Some((_, Rows::Device)) => "chose its bucket on the device".to_string(),
+            _ => "has not run since capture".to_string(),
+        };
+        let producer = &p.callables[pc as usize].name;
+        return Err(Error::invalid(format!(
+            "inputs[{i}] of callable '{}' is chained to callable '{producer}', whose last forward {ran}: \
+             the forward of a chained callable runs the rows its producer ran (args.size {}{})",
+            spec.name,
+            a.size,
+            if a.device_size != 0 { ", args.device_size set" } else { "" }
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses a replay choosing its bucket on the device where a parameter
@@ -276,7 +306,9 @@ fn feed(
     for (i, t) in tensors.iter_mut().enumerate() {
         // check::data made the data as long as the tensors.
         let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
-        let dynamic = t.row_bytes > 0 && t.ptr != 0;
+        // A chained buffer is its producer's: it takes no data and keeps
+        // the producer's rows past the size (finite; their grads are zero).
+        let dynamic = t.row_bytes > 0 && t.ptr != 0 && !matches!(t.feed, Feed::Chained);
         if let (Rows::Host(n), true) = (rows, dynamic) {
             // Bounded by the bucket (resolve picked one holding n rows).
             let copied = src != 0 && src != t.ptr;
