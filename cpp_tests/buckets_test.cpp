@@ -300,7 +300,12 @@ TEST_P(Buckets, AHeldAliasOfOneBucketRefusesTheOthers) {
     EXPECT_TRUE(throws(GRAPHED_STATUS_ALIAS_HELD, [&] { s.forward(r.size(20)); }, "output 0"))
         << "bucket 32 writes the memory bucket 8's output lives in";
     held.clear();
-    EXPECT_NO_THROW(s.forward(r.size(20)));
+    held = s.forward(r.size(20));
+    // And the other way: a bucket placed before the held one's.
+    EXPECT_TRUE(throws(GRAPHED_STATUS_ALIAS_HELD, [&] { s.forward(r.size(5)); }, "output 0"))
+        << "bucket 8 writes the memory bucket 32's output lives in";
+    held.clear();
+    EXPECT_NO_THROW(s.forward(r.size(5)));
 }
 
 TEST_P(Buckets, ReplaysOutsideTheBucketsAreRefusedAndEnqueueNothing) {

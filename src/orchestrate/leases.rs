@@ -42,7 +42,10 @@ impl Ids<'_> {
 }
 
 /// Gives every alias of `placed` a lease slot in `leases`, and every pass
-/// the slots its replay overwrites.
+/// the slots its replay overwrites. Two rounds: every instance's slots
+/// first, then what each pass overwrites, so that a pass also sees the
+/// slots of instances placed after it that share its memory (the buckets
+/// of a callable, buffers that reuse memory).
 pub(crate) fn assign(
     s: &Inputs,
     planned: &Planned,
@@ -53,22 +56,30 @@ pub(crate) fn assign(
         planned,
         next: planned.layout.buffers.len(),
     };
-    // Every bucket of an instance adds its own slots on the same buffers,
-    // so a lease held on one bucket's alias refuses the others' replays.
+    let mut written = Vec::with_capacity(placed.len());
     for inst in placed.iter_mut() {
         let ib = &planned.layout.instances[inst.site];
-        assign_one(s, &mut ids, inst, ib, leases)?;
+        written.push(add_slots(s, &mut ids, inst, ib, leases)?);
+    }
+    for (inst, [fwd, bwd, params]) in placed.iter_mut().zip(written) {
+        inst.overwritten = [
+            leases.slots_in(&ids.sharing(&fwd)),
+            leases.slots_in(&ids.sharing(&bwd)),
+            leases.slots_in(&ids.sharing(&params)),
+        ];
     }
     Ok(())
 }
 
-fn assign_one(
+/// Adds the lease slots of `inst`'s aliases; returns the buffers its
+/// forward, backward and weight-grad replays write.
+fn add_slots(
     s: &Inputs,
     ids: &mut Ids,
     inst: &mut Placed,
     ib: &InstanceBuffers,
     leases: &mut Leases,
-) -> Result<()> {
+) -> Result<[Vec<usize>; 3]> {
     let (name, mb) = (&s.callables[inst.callable].name, inst.microbatch);
     let who = |what: String| format!("{what} of callable '{name}' (microbatch {mb})");
     let out_ids: Vec<usize> = ib
@@ -127,10 +138,5 @@ fn assign_one(
     if !s.callables[inst.callable].callbacks.has_wgrad() {
         bwd.extend(&params);
     }
-    inst.overwritten = [
-        leases.slots_in(&ids.sharing(&fwd)),
-        leases.slots_in(&ids.sharing(&bwd)),
-        leases.slots_in(&ids.sharing(&params)),
-    ];
-    Ok(())
+    Ok([fwd, bwd, params])
 }
