@@ -62,9 +62,9 @@ pub fn decide(sess: usize, e: graphed_status) {
 /// What capture answers for a session with a bucketed callable, found
 /// where the order of passes is derived, before anything runs: the
 /// schedule's own refusal, then buckets with a pipeline schedule (any
-/// schedule given) or in a step. None: the capture would go ahead, which
-/// the model does not follow (bucket rounds), so it is not called.
-/// Some((status, also accepted)).
+/// schedule given) or in a step. None: the capture goes ahead, in bucket
+/// rounds (each callback checks its bucket fields and the frame keys its
+/// passes by bucket). Some((status, also accepted)).
 fn bucket_refusal(s: &Sess) -> Option<(graphed_status, bool)> {
     match schedule_fits(s) {
         Some(false) => return Some((S::InvalidSchedule, false)),
@@ -93,13 +93,7 @@ pub fn op_capture(t: Target) {
         let s = &ss[k];
         let bucketed = s.callables.iter().any(|c| !c.buckets.is_empty());
         let refusal = if s.st == St::Open && bucketed {
-            match bucket_refusal(s) {
-                Some(r) => Some(r),
-                None => {
-                    trace!("capture {t:?}: skipped (a bucketed callable would be captured)");
-                    return;
-                }
-            }
+            bucket_refusal(s)
         } else {
             None
         };
@@ -256,6 +250,8 @@ pub fn op_capture(t: Target) {
             let s = &mut ss[k];
             s.st = St::Captured;
             s.live_attempt = Some(attempt);
+            // No forward of a bucketed callable has run since capture.
+            s.last_fwd = vec![None; s.callables.len()];
         }
         after_capture(k);
     }
@@ -267,13 +263,14 @@ pub fn op_capture(t: Target) {
 /// Queries a captured session and checks it against the model.
 pub fn after_capture(k: usize) {
     let wd = w();
-    let (h, callables, clone, mb_model) = {
+    let (h, callables, clone, mb_model, bucket_device) = {
         let s = &wd.sessions.borrow()[k];
         (
             s.h as *mut graphed_session,
             s.callables.clone(),
             s.clone,
             s.mb,
+            s.bucket_device,
         )
     };
     let mut st = graphed_session_stats_default();
@@ -289,9 +286,26 @@ pub fn after_capture(k: usize) {
     wd.sessions.borrow_mut()[k].mb = mb;
     let n = callables.len() as u32;
     assert_eq!(st.callables, n);
-    assert_eq!(st.instances, n * mb);
-    let wg = callables.iter().filter(|c| c.wgrad).count() as u32;
-    assert_eq!(st.graph_count, (2 * n + wg) * mb, "graph count");
+    // Every bucket is an instance of its own (a callable without buckets
+    // is one); buckets need one microbatch.
+    let bucketed = callables.iter().any(|c| !c.buckets.is_empty());
+    if bucketed {
+        assert_eq!(mb, 1, "microbatches of a session with buckets");
+    }
+    let per = |c: &Callable| c.buckets.len().max(1) as u32;
+    let inst: u32 = callables.iter().map(per).sum();
+    assert_eq!(st.instances, inst * mb, "instances");
+    let graphs: u32 = callables
+        .iter()
+        .map(|c| (2 + c.wgrad as u32) * per(c))
+        .sum();
+    if bucketed && bucket_device {
+        // Chosen on the device: choosing graphs besides (a count the model
+        // does not follow).
+        assert!(st.graph_count > graphs * mb, "graph count {} with device choice", st.graph_count);
+    } else {
+        assert_eq!(st.graph_count, graphs * mb, "graph count");
+    }
     assert_eq!(st.step_graphs, step_graphs(k), "step graphs");
     for (c, cl) in callables.iter().enumerate() {
         let mut pol = vec![0xeeu32; cl.params.len()];

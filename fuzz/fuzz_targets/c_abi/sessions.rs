@@ -412,6 +412,8 @@ pub fn op_create() {
         clone_slots: cfg.clone_slots,
         live_attempt: None,
         steps: Vec::new(),
+        bucket_device: cfg.bucket_choice_on_device == 1,
+        last_fwd: Vec::new(),
     });
 }
 

@@ -87,6 +87,19 @@ pub struct Sess {
     pub live_attempt: Option<u64>,
     /// Steps declared (graphed_session_add_step), in order.
     pub steps: Vec<StepModel>,
+    /// bucket_choice_on_device (args.device_size accepted).
+    pub bucket_device: bool,
+    /// Per callable, the rows of its last successful forward replay since
+    /// capture (bucketed callables only).
+    pub last_fwd: Vec<Option<FRows>>,
+}
+
+/// The rows a replay of a bucketed callable runs: chosen on the host (its
+/// size) or on the device.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum FRows {
+    Host(u64),
+    Device,
 }
 
 /// A declared step: its callables, one destination per parameter of
@@ -158,6 +171,7 @@ pub struct Frame {
     /// The passes (callable, microbatch, pass) whose callbacks ran under
     /// capture, and the last: each pass is captured alone first (its clone
     /// slots right after), then the steps, which repeat passes.
+    /// (With buckets, the microbatch holds the bucket above bit 16.)
     pub captured: Vec<(usize, u32, u32)>,
     pub last: Option<(usize, u32, u32)>,
     /// The steps' captures have begun (a pass ran again after another).

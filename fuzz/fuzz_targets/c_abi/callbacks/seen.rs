@@ -209,7 +209,8 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
     let in_step = capture_phase && {
         let mut fs = wd.frames.borrow_mut();
         let f = fs.last_mut().expect("a callback outside capture");
-        let key = (cb.callable, mb, pass);
+        // Each bucket's pass is captured once (in rounds, bucket by bucket).
+        let key = (cb.callable, mb | (ctx.bucket << 16), pass);
         if f.captured.contains(&key) && f.last != Some(key) {
             f.in_steps = true;
         }

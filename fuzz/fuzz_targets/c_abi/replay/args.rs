@@ -97,8 +97,11 @@ pub(super) struct Built {
     pub abuf: Vec<u64>,
     pub struct_err: Option<graphed_status>,
     pub args: *const graphed_replay_args,
-    /// args.size or args.device_size is set.
+    /// args.size or args.device_size is set (as the library reads them).
     pub bucket_arg: bool,
+    /// A bucketed callable's replay: the rows it runs (a forward's as
+    /// given, a backward's its last forward's; None: no forward yet).
+    pub bucket_rows: Option<FRows>,
 }
 
 /// Reads the arguments of a replay of `t` (see `replay_with`).
@@ -365,13 +368,66 @@ pub(super) fn build_args(
         p1 = unsafe { p1.add(4) };
         out_misaligned = true;
     }
-    // A bucket size, or device memory holding one: every callable the
-    // model captures has no buckets, so either is refused (INVALID_ARGUMENT
-    // as the replay resolves its instance). Not with the layout before the
-    // parameters' addresses, which ends before them.
+    // A bucket size, or device memory holding one. Not with the layout
+    // before the parameters' addresses, which ends before them (the library
+    // reads both as 0 then). On a callable without buckets either is
+    // refused (INVALID_ARGUMENT as the replay resolves its instance).
     let old_layout = pa.as_ref().is_some_and(|pa| pa.mode == PMode::OldLayout);
     let mut bucket_arg = false;
-    if !old_layout && i.chance(24) {
+    let mut bucket_rows: Option<FRows> = None;
+    let buckets: Vec<u64> = cl.as_ref().map_or(Vec::new(), |c| c.buckets.clone());
+    if !buckets.is_empty() {
+        // A bucketed callable: mostly a size its replay takes (a forward's
+        // within the buckets, a backward's its last forward's or 0), else
+        // one refused, or the device's choice (never with the parameters'
+        // addresses given, never above the largest bucket: the model does
+        // not follow a replay that runs nothing).
+        let largest = *buckets.last().unwrap();
+        let (last, on_device) = {
+            let ss = wd.sessions.borrow();
+            let s = &ss[sess.unwrap()];
+            (
+                s.last_fwd.get(c as usize).copied().flatten(),
+                s.bucket_device,
+            )
+        };
+        let dev = |a: &mut graphed_replay_args| {
+            let m = mem(8, 0);
+            let v = i.below(largest as usize + 1) as u64;
+            // SAFETY: harness memory of 8 bytes.
+            unsafe { (m as *mut u64).write_unaligned(v) };
+            a.device_size = m as *const u64;
+        };
+        match (kind, i.below(12)) {
+            (0, 0..=6) => {
+                a.size = if i.chance(3) { largest } else { 1 + i.below(largest as usize) as u64 };
+            }
+            (0, 7..=9) if pa.is_none() && (on_device || i.chance(4)) => dev(&mut a),
+            (_, 0..=6) => {
+                a.size = match last {
+                    Some(FRows::Host(n)) if i.chance(2) => n,
+                    _ => 0,
+                };
+            }
+            (_, 7) => a.size = i.pick(&[0, 1, largest, largest + 1]),
+            (_, 8) => a.size = i.pick(&[0, largest + 1, u64::MAX, 1 << 32]),
+            (_, 9) => dev(&mut a),
+            _ => {
+                a.size = i.pick(&[1, largest]);
+                dev(&mut a);
+            }
+        }
+        if old_layout {
+            a.size = 0;
+            a.device_size = std::ptr::null();
+        }
+        bucket_arg = a.size != 0 || !a.device_size.is_null();
+        bucket_rows = match kind {
+            0 if !a.device_size.is_null() => Some(FRows::Device),
+            0 => Some(FRows::Host(a.size)),
+            _ => last,
+        };
+    } else if !old_layout && i.chance(24) {
         match i.below(4) {
             0 => a.size = 1,
             1 => a.size = i.pick(&[2, 4, 16, u64::MAX]),
@@ -458,5 +514,6 @@ pub(super) fn build_args(
         struct_err,
         args,
         bucket_arg,
+        bucket_rows,
     }
 }

@@ -119,14 +119,33 @@ pub(super) fn expected(t: Target, kind: u32, built: &Built) -> Expected {
             St::Reset => first(&mut want, Some(S::SessionReset)),
             St::Captured => {}
         }
-        if built.bucket_arg {
-            // The instance is resolved first: size or device_size on a
-            // callable without buckets (the model captures none with).
-            let bucketed = cl.as_ref().is_some_and(|c| !c.buckets.is_empty());
-            assert!(
-                !(bucketed && *st == St::Captured),
-                "a captured bucketed callable in the model"
-            );
+        let buckets = cl.as_ref().map_or(&[][..], |c| c.buckets.as_slice());
+        if *st == St::Captured && !buckets.is_empty() {
+            // resolve(), first of the replay's own checks: the callable and
+            // microbatch, then the size (see replay/mod.rs).
+            if fault == Fault::Microbatch || mb >= *mbs {
+                first(&mut want, Some(S::InvalidArgument));
+            }
+            let largest = *buckets.last().unwrap();
+            let (size, dev) = (a.size, !a.device_size.is_null());
+            let last = wd.sessions.borrow()[sess.unwrap()].last_fwd[c as usize];
+            let on_device = wd.sessions.borrow()[sess.unwrap()].bucket_device;
+            let e = if kind != 0 {
+                match last {
+                    None => Some(S::WrongState),
+                    Some(_) if dev => Some(S::InvalidArgument),
+                    Some(FRows::Host(n)) if size != 0 && size != n => Some(S::InvalidArgument),
+                    Some(FRows::Device) if size != 0 => Some(S::InvalidArgument),
+                    Some(_) => None,
+                }
+            } else if dev {
+                (size != 0 || !on_device).then_some(S::InvalidArgument)
+            } else {
+                (size == 0 || size > largest).then_some(S::InvalidArgument)
+            };
+            first(&mut want, e);
+        } else if built.bucket_arg {
+            // size or device_size on a callable without buckets (or none).
             first(&mut want, Some(S::InvalidArgument));
         }
         if fault == Fault::Microbatch || mb >= *mbs {

@@ -43,9 +43,21 @@ fn replay_with(t: Target, kind: u32, streams: Option<(usize, usize)>, params: bo
         "graphed_backward_wgrad",
     ][kind as usize];
     let (r, epoch) = execute(t, kind, func, &mut built, &e);
+    if let (S::Ok, 0, Some(k), Some(rows)) = (r, kind, built.sess, built.bucket_rows) {
+        // The bucket (and rows) a bucketed callable's backward runs next.
+        wd_last_forward(k, built.c as usize, rows);
+    }
     if r != S::Ok {
         check_untouched(&built, func);
         return;
     }
     check_results(kind, func, epoch, built);
+}
+
+/// Records the rows of a bucketed callable's successful forward replay.
+fn wd_last_forward(k: usize, c: usize, rows: FRows) {
+    let mut ss = w().sessions.borrow_mut();
+    if let Some(slot) = ss[k].last_fwd.get_mut(c) {
+        *slot = Some(rows);
+    }
 }
