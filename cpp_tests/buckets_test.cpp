@@ -256,6 +256,10 @@ TEST_P(Buckets, BucketsShareTheLargestBucketsMemory) {
     EXPECT_EQ(sb.clone_bytes_cached, so.clone_bytes_cached) << "one set of clone slot blocks per layer";
     EXPECT_EQ(sb.instances, so.instances * kSizes.size());
     EXPECT_EQ(sb.graph_count, so.graph_count * kSizes.size());
+    // The plan dump: one line per buffer, named by its layer.
+    const std::string dump = bucketed.plan_dump();
+    for (int i = 0; i < kLayers; ++i)
+        EXPECT_NE(dump.find("\nfc" + std::to_string(i) + " "), std::string::npos) << "layer " << i << "\n" << dump;
 }
 
 TEST_P(Buckets, CallbacksSeeTheirBucketAndTheDeviceHoldsTheActualSize) {

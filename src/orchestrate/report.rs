@@ -3,8 +3,9 @@
 //! plan, which tensors are rebound, its frozen grad policies.
 
 use super::clock::CaptureTimes;
+use super::instance::Placed;
 use super::session::{Session, State};
-use super::spec::MemCounters;
+use super::spec::{CallableSpec, MemCounters};
 use super::tensor::{Feed, ParamFeed};
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
@@ -159,7 +160,8 @@ impl Session {
         Ok(&inst.returns.policies)
     }
 
-    /// The static-buffer plan as text: one line per buffer with its
+    /// The static-buffer plan as text (a callable's buckets share its
+    /// buffers: one line each): one line per buffer with its
     /// instance, role, size, offset, memory slot and lifetime (in pass
     /// positions of the capture order), then what replays do with each
     /// tensor asked to be rebound.
@@ -182,7 +184,11 @@ impl Session {
             "callable  microbatch  role             index  bytes       offset      slot  lifetime"
         );
         for (i, b) in cap.plan.buffers.iter().enumerate() {
-            let inst = &cap.instances[b.instance];
+            // The planned instance's first placed one (its buckets share
+            // its buffers).
+            let Some(inst) = cap.instances.iter().find(|inst| inst.site == b.instance) else {
+                continue;
+            };
             let lt = cap
                 .plan
                 .lifetimes
@@ -213,9 +219,10 @@ impl Session {
                 };
                 let _ = writeln!(
                     out,
-                    "{} of {name} (microbatch {}): {what}",
+                    "{} of {name} (microbatch {}{}): {what}",
                     t.describe(),
-                    inst.microbatch
+                    inst.microbatch,
+                    bucket_of(inst, &self.callables[inst.callable])
                 );
             }
             let asked = inst
@@ -232,8 +239,10 @@ impl Session {
                 };
                 let _ = writeln!(
                     out,
-                    "param {} of {name} (microbatch {}): {what}",
-                    q.index, inst.microbatch
+                    "param {} of {name} (microbatch {}{}): {what}",
+                    q.index,
+                    inst.microbatch,
+                    bucket_of(inst, &self.callables[inst.callable])
                 );
             }
         }
@@ -244,5 +253,13 @@ impl Session {
     pub fn device_memory(&self) -> Result<(usize, usize)> {
         let _ctx = self.backend.bind()?;
         self.backend.mem_info()
+    }
+}
+
+/// ", bucket b (n rows)" for an instance of a callable with buckets.
+fn bucket_of(inst: &Placed, spec: &CallableSpec) -> String {
+    match spec.buckets.get(inst.bucket as usize) {
+        Some(n) => format!(", bucket {} ({n} rows)", inst.bucket),
+        None => String::new(),
     }
 }
