@@ -18,9 +18,10 @@ agree with eager's (to rounding: cuBLAS may pick other kernels in a graph).
     python3 benches/torch_buckets.py --out torch_buckets.md
 """
 import argparse
-import statistics
 
 import torch
+
+from torch_accumulate import gpu_ms, loss_of
 
 SIZES = [32, 64, 96, 128, 160, 192, 224, 256]
 
@@ -36,8 +37,7 @@ def mlp(layers, width):
 
 
 def step(model, x, t):
-    y = model(x)
-    (0.5 * ((y - t) ** 2).sum()).backward()
+    loss_of(model(x), t).backward()
 
 
 def grads(model):
@@ -47,22 +47,6 @@ def grads(model):
 def zero(model):
     for p in model.parameters():
         p.grad = None
-
-
-def event_ms(fn):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
-
-
-def gpu_ms(fn, iters=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    return statistics.median(event_ms(fn) for _ in range(iters))
 
 
 def taken(build):
@@ -124,7 +108,7 @@ def main():
             step(c_fn, x224, t224)
 
         c_diff = check(c_model, "torch.compile reduce-overhead")
-        c_ms = gpu_ms(lambda: (zero(c_model), step(c_fn, x224, t224)))
+        c_ms = gpu_ms(lambda: (zero(c_model), step(c_fn, x224, t224)), 50, 5)
         rows.append(("torch.compile(mode=\"reduce-overhead\"), 8 shapes", c_drv, c_res, c_ms, c_diff))
     except Exception as e:  # no Triton, no compiler: say so in the table
         print(f"torch.compile: not measured: {type(e).__name__}: {e}")
@@ -155,12 +139,12 @@ def main():
         step(g_per[224], x224, t224)
 
     g_diff = check(g_model, "make_graphed_callables per shape")
-    g_ms = gpu_ms(lambda: (zero(g_model), step(g_per[224], x224, t224)))
+    g_ms = gpu_ms(lambda: (zero(g_model), step(g_per[224], x224, t224)), 50, 5)
     rows.append(("torch make_graphed_callables, one per shape", g_drv, g_res, g_ms, g_diff))
 
-    e_ms = gpu_ms(lambda: (zero(eager), step(eager, *data[224])))
+    e_ms = gpu_ms(lambda: (zero(eager), step(eager, *data[224])), 50, 5)
     x200, t200 = x224[:200].contiguous(), t224[:200].contiguous()
-    e200_ms = gpu_ms(lambda: (zero(eager), step(eager, x200, t200)))
+    e200_ms = gpu_ms(lambda: (zero(eager), step(eager, x200, t200)), 50, 5)
 
     dev = torch.cuda.get_device_name()
     out = [
