@@ -977,9 +977,10 @@ typedef struct graphed_pass_ctx {
   /**
    * Callables with buckets: device memory holding the actual size of
    * the replay (a uint64_t, at most bucket_size; rows past it are
-   * padding: zeroed inputs and grad-outputs), for kernels that must
-   * mask or average over the actual rows. It holds bucket_size during
-   * warmup. NULL otherwise.
+   * padding: zeroed inputs and grad-outputs, except a chained input's,
+   * which hold what its producer computed there), for kernels that
+   * must mask or average over the actual rows. It holds bucket_size
+   * during warmup. NULL otherwise.
    */
   const uint64_t *actual_size;
 } graphed_pass_ctx;

@@ -187,7 +187,8 @@ pub(crate) struct Captured {
     /// The padding rows of bucketed buffers known to be zero.
     pub zeroed: Zeroed,
     /// Per callable with buckets, when they are chosen on the device: per
-    /// pass, the graph that chooses (dropped before the instances).
+    /// pass, the graph that chooses (its bodies are copies of the buckets'
+    /// graphs, made at capture: it needs no template of theirs).
     pub switches: Vec<Switches>,
     /// Last: fields drop in order, so these go after the graphs.
     pub resources: Resources,
