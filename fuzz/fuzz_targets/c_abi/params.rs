@@ -408,9 +408,12 @@ pub fn params_after_capture(h: *mut graphed_session, callables: &[Callable], mb:
                 "a parameter can move on the host backend: {on:?}"
             );
             assert_eq!(on[n], 0xee, "params_movable wrote past count");
+            // The dump has a line per bucket of a bucketed callable.
             for (j, p) in cl.params.iter().enumerate() {
                 if p.rebind {
-                    flagged.push((j, m));
+                    for _ in 0..cl.buckets.len().max(1) {
+                        flagged.push((j, m));
+                    }
                 }
             }
         }
@@ -440,9 +443,11 @@ pub fn params_after_capture(h: *mut graphed_session, callables: &[Callable], mb:
             .next()
             .and_then(|x| x.parse().ok())
             .unwrap_or_else(|| panic!("plan dump line: {line}"));
+        // "(microbatch m)", or "(microbatch m, bucket b (n rows))".
         let m: u32 = line[..at]
-            .rsplit("(microbatch ")
-            .next()
+            .split("(microbatch ")
+            .nth(1)
+            .and_then(|x| x.split([',', ')']).next())
             .and_then(|x| x.parse().ok())
             .unwrap_or_else(|| panic!("plan dump line: {line}"));
         said.push((j, m));

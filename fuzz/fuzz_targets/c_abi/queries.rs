@@ -76,11 +76,14 @@ pub fn check_stats(k: usize, got: &graphed_session_stats) {
     assert_eq!(got.teardown_errors, 0, "stats.teardown_errors");
     // The host backend's user tasks are opaque: no parameter can move, each
     // one registered with REBIND is refused at capture, and no replay ever
-    // follows a move.
+    // follows a move. Counted per instance: every bucket of a bucketed
+    // callable is one.
     let flagged = if s.st == St::Captured {
         s.callables
             .iter()
-            .map(|c| c.params.iter().filter(|p| p.rebind).count() as u32)
+            .map(|c| {
+                c.params.iter().filter(|p| p.rebind).count() as u32 * c.buckets.len().max(1) as u32
+            })
             .sum::<u32>()
             * s.mb
     } else {
