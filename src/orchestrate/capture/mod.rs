@@ -1,12 +1,14 @@
 //! Capture, as one transaction in the order of its steps:
 //! 1. place: plan the static buffers and place every instance (`place`,
 //!    `leases`), allocate them, copy the samples in;
-//! 2. warm up: every pass runs eagerly on the capture stream, in capture
-//!    order (the schedule's, or forwards in registration order, backwards
-//!    in reverse, each weight-grad after its backward), `warmup_iterations`
-//!    times; the first iteration measures the scratch arena;
-//! 3. record: each pass is captured alone into its graph (`run`), the grad
-//!    passes once more per clone slot (`slots`), then the steps (`steps`);
+//! 2. warm up (`warmup`): every pass runs eagerly on the capture stream, in
+//!    capture order (`order`: the schedule's, or forwards in registration
+//!    order, backwards in reverse, each weight-grad after its backward;
+//!    bucket round by bucket round), `warmup_iterations` times; the first
+//!    iteration measures the scratch arena;
+//! 3. record (`record`): each pass is captured alone into its graph
+//!    (`run`), the grad passes once more per clone slot (`slots`), the
+//!    graphs that choose a bucket on the device, then the steps (`steps`);
 //! 4. verify: the tensors asked to be rebound are planned and verified
 //!    (`rebind`);
 //! 5. build the `Captured` state whole from what the steps made.
@@ -15,104 +17,34 @@
 //! error anywhere releases all of it; the session stays open.
 
 mod looped;
+mod order;
+mod record;
 mod run;
 mod slots;
 mod step_io;
 mod steps;
 mod unrolled;
+mod warmup;
 
-use super::buckets::{self, SizeBlock, Zeroed};
-use super::captured::{Captured, CapturedStep, PlanRecord, Resources, Stage, Switches};
+use super::buckets::{SizeBlock, Zeroed};
+use super::captured::{Captured, PlanRecord, Resources, Stage};
 use super::clock::{CaptureTimes, Span};
 use super::context::Inputs;
-use super::instance::{Instance, PassGraphs, PassRef, Placed};
-use super::pool::Arena;
+use super::instance::{Instance, PassRef, Placed};
 use super::rebind;
 use super::scratch::Scratch;
-use super::spec::{HookPoint, LogLevel, MemCounters, Phase};
+use super::spec::{LogLevel, MemCounters};
 use super::{leases, place};
 use crate::backend::{DeviceMemory, Event, Stream, StreamRef};
 use crate::core::lease::Leases;
 use crate::core::policy::{resolve_why, Decided, GradPolicy};
-use crate::core::schedule::Schedule;
 use crate::core::size;
-use crate::core::PassKind;
-use crate::error::{Error, Result};
-use run::{Call, Runner};
-use std::cell::Cell;
-use std::sync::Arc;
+use crate::error::Result;
+use order::order_of;
+use record::{record, Recorded};
+#[cfg(test)]
+use run::Runner;
 use std::time::Instant;
-
-/// What recording made: the graphs of every instance and of every step,
-/// and the scratch arena they use.
-struct Recorded {
-    graphs: Vec<PassGraphs>,
-    steps: Vec<CapturedStep>,
-    switches: Vec<Switches>,
-    arena: Option<Arena>,
-}
-
-/// The order of the session's passes: the schedule's, or the default.
-fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
-    let has_wgrad: Vec<bool> = s
-        .callables
-        .iter()
-        .map(|c| c.callbacks.has_wgrad())
-        .collect();
-    let schedule = match &s.opts.schedule {
-        Some(spec) => Schedule::derive(&spec.steps, spec.layers_per_chunk.as_deref(), &has_wgrad)?,
-        None => Schedule::sequential(&has_wgrad),
-    };
-    let m = schedule.microbatches;
-    check_buckets(s, m)?;
-    // Bucket by bucket: each round runs the schedule's passes of every
-    // callable that has that many buckets, so that the scratch a round's
-    // forwards keep for its backwards is free again before the next round
-    // (buckets share one scratch arena, sized for the largest).
-    let first = place::first_instances(s, m);
-    let rounds = s.callables.iter().map(|c| c.bucket_count()).max();
-    let mut order = Vec::with_capacity(schedule.passes.len());
-    for b in 0..rounds.unwrap_or(1) {
-        for p in &schedule.passes {
-            let buckets = s.callables[p.callable].bucket_count();
-            if b < buckets {
-                order.push(PassRef {
-                    instance: first[p.callable] + p.microbatch * buckets + b,
-                    kind: p.kind,
-                });
-            }
-        }
-    }
-    Ok((schedule, order))
-}
-
-/// Refuses buckets where the session has what they do not work with yet:
-/// a pipeline schedule, or a step over a callable with buckets.
-fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
-    let Some(c) = s.callables.iter().find(|c| !c.buckets.is_empty()) else {
-        return Ok(());
-    };
-    if microbatches > 1 || s.opts.schedule.is_some() {
-        return Err(Error::invalid(format!(
-            "callable '{}' has buckets, and the session has a pipeline schedule: buckets need the \
-             default order (one microbatch)",
-            c.name
-        )));
-    }
-    for (i, step) in s.steps.iter().enumerate() {
-        if let Some(&k) = step
-            .callables
-            .iter()
-            .find(|&&k| !s.callables[k as usize].buckets.is_empty())
-        {
-            return Err(Error::invalid(format!(
-                "step {i} holds callable '{}', which has buckets: steps hold callables of one shape",
-                s.callables[k as usize].name
-            )));
-        }
-    }
-    Ok(())
-}
 
 /// Warmup and capture of every callable of `s`; see the module comment.
 /// Returns the captured state and its lease table (for capture `epoch`).
@@ -208,7 +140,6 @@ fn assemble(
 ) -> Captured {
     MemCounters::add(&s.counters.static_bytes, resources.statics_bytes());
     MemCounters::add(&s.counters.scratch_bytes, resources.arena_bytes());
-    let by_callable = by_callable(s, &placed);
     let instances = placed
         .into_iter()
         .zip(recorded.graphs)
@@ -218,7 +149,7 @@ fn assemble(
         backend: s.backend.clone(),
         counters: s.counters.clone(),
         instances,
-        by_callable,
+        by_callable: recorded.by_callable,
         order,
         steps: recorded.steps,
         switches: recorded.switches,
@@ -269,190 +200,6 @@ fn fill_statics(
     Ok(())
 }
 
-/// Warmup, then the capture of every pass (and its clone slots), then the
-/// steps.
-fn record(
-    s: &Inputs,
-    placed: &mut [Placed],
-    scratch: &Arc<Scratch>,
-    (stream, sizes): (StreamRef, Option<&SizeBlock>),
-    order: &[PassRef],
-    times: &mut CaptureTimes,
-) -> Result<Recorded> {
-    let tapes = (0..placed.len()).map(|_| Cell::new(0)).collect();
-    let mut r = Runner {
-        s,
-        placed,
-        scratch,
-        tapes,
-        stream,
-        sizes,
-        times,
-    };
-    let arena = r.spent(Span::Warmup, |r| warmup(r, order))?;
-    let iteration = s.opts.warmup_iterations;
-    let mut graphs: Vec<PassGraphs> = (0..r.placed.len()).map(|_| PassGraphs::default()).collect();
-    scratch.restart();
-    for &p in order {
-        let slots = r.slot_count(p);
-        let start = r.start(p);
-        let call = Call {
-            phase: Phase::Capture,
-            iteration,
-            hooks: true,
-            provide: true,
-            param_grads: None,
-            step_microbatch: (0, 1),
-            step_index: 0,
-        };
-        let graph = r.spent(Span::Capture, |r| r.call(p, call))?;
-        graphs[p.instance].passes[p.kind.index()] = graph;
-        if slots > 0 {
-            let made = r.spent(Span::Slots, |r| r.capture_slots(p, iteration, slots, start))?;
-            graphs[p.instance].slots = made;
-        }
-    }
-    let by_callable = by_callable(s, r.placed);
-    let switches = match (sizes, s.opts.device_buckets) {
-        (Some(block), true) => r.spent(Span::Capture, |r| {
-            switches(r.s, (r.stream, block), r.placed, &graphs, &by_callable)
-        })?,
-        _ => Vec::new(),
-    };
-    let slot_blocks: Vec<Vec<_>> = graphs
-        .iter()
-        .map(|g| g.slots.iter().map(|s| s.block).collect())
-        .collect();
-    let mut steps = Vec::with_capacity(s.steps.len());
-    for si in 0..s.steps.len() {
-        let step = r.spent(Span::Steps, |r| {
-            r.capture_step(si, order, &by_callable, &slot_blocks, iteration)
-        })?;
-        steps.push(step);
-    }
-    Ok(Recorded {
-        graphs,
-        steps,
-        switches,
-        arena,
-    })
-}
-
-/// Per callable, the graphs that choose its bucket on the device, one per
-/// pass (none for callables without buckets).
-fn switches(
-    s: &Inputs,
-    (stream, block): (StreamRef, &SizeBlock),
-    placed: &[Placed],
-    graphs: &[PassGraphs],
-    by_callable: &[Vec<usize>],
-) -> Result<Vec<Switches>> {
-    let mut out = Vec::with_capacity(s.callables.len());
-    let to = (s.backend.as_ref(), (stream, s.opts.capture_mode), block);
-    for (c, spec) in s.callables.iter().enumerate() {
-        let mut per = Switches::default();
-        if !spec.buckets.is_empty() {
-            let buckets = &by_callable[c];
-            let largest = &placed[buckets[buckets.len() - 1]];
-            for kind in [PassKind::Forward, PassKind::Backward, PassKind::Wgrad] {
-                if largest.position[kind.index()].is_some() {
-                    let bodies = buckets
-                        .iter()
-                        .map(|&n| graphs[n].passes[kind.index()].as_deref())
-                        .collect::<Option<Vec<_>>>();
-                    let graph = buckets::capture_switch(to, (largest, kind), bodies)?;
-                    per.passes[kind.index()] = Some(graph);
-                }
-            }
-            // Every bucket has as many slots (one ring, one slot count).
-            let grad_pass = largest.grad_pass();
-            for k in 0..graphs[buckets[0]].slots.len() {
-                let bodies = buckets
-                    .iter()
-                    .map(|&n| graphs[n].slots.get(k).map(|g| g.graph.as_ref()))
-                    .collect::<Option<Vec<_>>>();
-                per.slots
-                    .push(buckets::capture_switch(to, (largest, grad_pass), bodies)?);
-            }
-        }
-        out.push(per);
-    }
-    Ok(out)
-}
-
-fn by_callable(s: &Inputs, placed: &[Placed]) -> Vec<Vec<usize>> {
-    let mut v = vec![Vec::new(); s.callables.len()];
-    for (n, inst) in placed.iter().enumerate() {
-        v[inst.callable].push(n);
-    }
-    v
-}
-
-/// The warmup iterations, with the session's hooks around them; returns
-/// the scratch arena measured in the first.
-fn warmup(r: &mut Runner, order: &[PassRef]) -> Result<Option<Arena>> {
-    let s = r.s;
-    let hook = |point| -> Result<()> {
-        let Some(h) = &s.opts.warmup_hook else {
-            return Ok(());
-        };
-        h(point).map_err(|code| Error::CallbackFailed {
-            said: String::new(),
-            callable: "(session)".into(),
-            pass: PassKind::Forward,
-            microbatch: 0,
-            phase: match point {
-                HookPoint::Pre => "the pre-warmup hook",
-                HookPoint::Post => "the post-warmup hook",
-            },
-            code,
-        })
-    };
-    hook(HookPoint::Pre)?;
-    let iterations = s.opts.warmup_iterations;
-    let mut arena = None;
-    for it in 0..iterations {
-        if it > 0 {
-            r.scratch.restart();
-        }
-        for &p in order {
-            let call = Call {
-                phase: Phase::Warmup,
-                iteration: it,
-                hooks: true,
-                provide: false,
-                param_grads: None,
-                step_microbatch: (0, 1),
-                step_index: 0,
-            };
-            r.call(p, call)?;
-        }
-        if it == 0 {
-            arena = measured_arena(s, r.scratch, r.stream)?;
-        }
-    }
-    if iterations == 0 {
-        arena = measured_arena(s, r.scratch, r.stream)?;
-    }
-    hook(HookPoint::Post)?;
-    s.backend.synchronize(r.stream)?;
-    let bytes = arena.as_ref().map_or(0, |a| a.bytes);
-    s.log(LogLevel::Debug, || {
-        format!("warmup done: {iterations} iteration(s), scratch arena {bytes} bytes")
-    });
-    Ok(arena)
-}
-
-/// After the first warmup iteration: the real scratch allocations go, and
-/// an arena of the measured size from the pool takes over.
-fn measured_arena(s: &Inputs, scratch: &Scratch, stream: StreamRef) -> Result<Option<Arena>> {
-    s.backend.synchronize(stream)?;
-    let arena = s.pool.acquire(scratch.high_water())?;
-    let (base, size) = arena.as_ref().map_or((0, 0), |a| (a.base, a.bytes));
-    scratch.use_arena(base, size);
-    Ok(arena)
-}
-
 /// Warns when parameter grads return aliases because the session opted
 /// out of clones.
 fn warn_aliases(s: &Inputs) {
@@ -477,6 +224,8 @@ fn warn_aliases(s: &Inputs) {
 mod tests {
     use super::super::testing::{host_inputs, Fixture, BYTES};
     use super::*;
+    use crate::core::PassKind;
+    use std::cell::Cell;
 
     fn captured(f: &Fixture) -> Result<Captured> {
         capture(&f.inputs(), 1).map(|(c, _)| c)

@@ -1,0 +1,72 @@
+//! The order of capture: the schedule's passes (or the default order:
+//! forwards in registration order, backwards in reverse, each weight-grad
+//! after its backward), bucket round by bucket round, as placed instance
+//! indices; and what buckets do not work with yet.
+
+use super::super::context::Inputs;
+use super::super::instance::PassRef;
+use super::super::place;
+use crate::core::schedule::Schedule;
+use crate::error::{Error, Result};
+
+/// The order of the session's passes: the schedule's, or the default.
+pub(super) fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
+    let has_wgrad: Vec<bool> = s
+        .callables
+        .iter()
+        .map(|c| c.callbacks.has_wgrad())
+        .collect();
+    let schedule = match &s.opts.schedule {
+        Some(spec) => Schedule::derive(&spec.steps, spec.layers_per_chunk.as_deref(), &has_wgrad)?,
+        None => Schedule::sequential(&has_wgrad),
+    };
+    let m = schedule.microbatches;
+    check_buckets(s, m)?;
+    // Bucket by bucket: each round runs the schedule's passes of every
+    // callable that has that many buckets, so that the scratch a round's
+    // forwards keep for its backwards is free again before the next round
+    // (buckets share one scratch arena, sized for the largest).
+    let first = place::first_instances(s, m);
+    let rounds = s.callables.iter().map(|c| c.bucket_count()).max();
+    let mut order = Vec::with_capacity(schedule.passes.len());
+    for b in 0..rounds.unwrap_or(1) {
+        for p in &schedule.passes {
+            let buckets = s.callables[p.callable].bucket_count();
+            if b < buckets {
+                order.push(PassRef {
+                    instance: first[p.callable] + p.microbatch * buckets + b,
+                    kind: p.kind,
+                });
+            }
+        }
+    }
+    Ok((schedule, order))
+}
+
+/// Refuses buckets where the session has what they do not work with yet:
+/// a pipeline schedule, or a step over a callable with buckets.
+fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
+    let Some(c) = s.callables.iter().find(|c| !c.buckets.is_empty()) else {
+        return Ok(());
+    };
+    if microbatches > 1 || s.opts.schedule.is_some() {
+        return Err(Error::invalid(format!(
+            "callable '{}' has buckets, and the session has a pipeline schedule: buckets need the \
+             default order (one microbatch)",
+            c.name
+        )));
+    }
+    for (i, step) in s.steps.iter().enumerate() {
+        if let Some(&k) = step
+            .callables
+            .iter()
+            .find(|&&k| !s.callables[k as usize].buckets.is_empty())
+        {
+            return Err(Error::invalid(format!(
+                "step {i} holds callable '{}', which has buckets: steps hold callables of one shape",
+                s.callables[k as usize].name
+            )));
+        }
+    }
+    Ok(())
+}
