@@ -23,6 +23,10 @@ pub(crate) struct SizeBlock {
     callables: usize,
     /// Per callable: its table (0 without buckets).
     tables: Vec<DevPtr>,
+    /// Per callable, the size the device holds, where the host knows it
+    /// (written by a host-chosen forward; unknown after capture and after
+    /// a forward that chose on the device).
+    held: Vec<Option<u64>>,
 }
 
 impl SizeBlock {
@@ -54,12 +58,39 @@ impl SizeBlock {
             base,
             callables: n,
             tables,
+            held: vec![None; n],
         }
     }
 
     /// The u64 holding callable `c`'s actual size.
     pub fn actual(&self, c: usize) -> DevPtr {
         self.base + 8 * c as DevPtr
+    }
+
+    /// Before a forward of callable `c`: puts its size where the device
+    /// reads it (`n` rows chosen on the host, or a copy of the u64 at
+    /// `device_size`). Only its forwards write there: a size the device
+    /// holds already is not written again.
+    pub fn put(
+        &mut self,
+        backend: &dyn Backend,
+        c: usize,
+        (n, device_size): (u64, DevPtr),
+        stream: StreamRef,
+    ) -> Result<()> {
+        let at = self.actual(c);
+        if device_size != 0 {
+            self.held[c] = None;
+            return backend.copy(at, device_size, 8, stream);
+        }
+        if self.held[c] != Some(n) {
+            // Sizes fit in 32 bits (bounded by a bucket); the high word
+            // stays zero.
+            self.held[c] = None;
+            backend.fill(at, n as u32, 4, 1, stream)?;
+            self.held[c] = Some(n);
+        }
+        Ok(())
     }
 
     fn overflows(&self, c: usize) -> DevPtr {

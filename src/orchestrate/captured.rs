@@ -180,10 +180,6 @@ pub(crate) struct Captured {
     /// forward (what its backward runs).
     pub sizes: Option<SizeBlock>,
     pub last_forward: Vec<Option<(usize, Rows)>>,
-    /// Per callable, the size the device holds for it, where the host
-    /// knows it (written by a host-chosen forward; unknown after capture
-    /// and after a forward that chose on the device).
-    pub size_held: Vec<Option<u64>>,
     /// The padding rows of bucketed buffers known to be zero.
     pub zeroed: Zeroed,
     /// Per callable with buckets, when they are chosen on the device: per

@@ -163,7 +163,6 @@ fn assemble(
         param_moves: 0,
         sizes: None,
         last_forward: vec![None; s.callables.len()],
-        size_held: vec![None; s.callables.len()],
         zeroed: Zeroed::new(s.callables),
         resources,
     }

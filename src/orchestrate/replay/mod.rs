@@ -389,19 +389,15 @@ fn launch(
     enqueue_destinations(p.backend.as_ref(), inst, dst, &mut p.cap.stage.acc, s)
 }
 
-/// The other buckets of a forward's instance given parameter addresses:
-/// they follow the same moves, so that every bucket reads the parameters
-/// where the last forward did.
-fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> Vec<usize> {
-    let inst = &p.cap.instances[idx];
-    if kind != PassKind::Forward || a.params.is_none() || a.size == 0 || a.device_size != 0 {
-        return Vec::new();
+/// The other buckets of a forward's instance given parameter addresses
+/// (indices into the callable's instances): they follow the same moves, so
+/// that every bucket reads the parameters where the last forward did.
+fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> std::ops::Range<usize> {
+    let follows = kind == PassKind::Forward && a.params.is_some() && a.size != 0;
+    match follows {
+        true => 0..p.cap.by_callable[p.cap.instances[idx].callable].len(),
+        false => 0..0,
     }
-    p.cap.by_callable[inst.callable]
-        .iter()
-        .copied()
-        .filter(|&n| n != idx)
-        .collect()
 }
 
 /// Enqueues one pass and leaves its results in the stage.
@@ -413,8 +409,13 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         check_device_params(p, a, idx)?;
     }
     check_pass(p, a, kind, idx)?;
+    let c = p.cap.instances[idx].callable;
     let siblings = buckets_beside(p, idx, kind, a);
-    for &n in &siblings {
+    for k in siblings.clone() {
+        let n = p.cap.by_callable[c][k];
+        if n == idx {
+            continue;
+        }
         let inst = &p.cap.instances[n];
         let name = &p.callables[inst.callable].name;
         check::params(a.params, &inst.params, true, || {
@@ -431,29 +432,20 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     };
     let mut block = take_block(p, idx, kind, s)?;
     p.cap.param_moves += check::bind_params(a.params, &mut p.cap.instances[idx].params)?;
-    for &n in &siblings {
-        check::bind_params(a.params, &mut p.cap.instances[n].params)?;
+    for k in siblings {
+        let n = p.cap.by_callable[c][k];
+        if n != idx {
+            check::bind_params(a.params, &mut p.cap.instances[n].params)?;
+        }
     }
     feed(p, (idx, rows), kind, a, s)?;
-    if let (PassKind::Forward, Some(block)) = (kind, &p.cap.sizes) {
-        let c = a.callable as usize;
-        let (at, held) = (block.actual(c), p.cap.size_held[c]);
-        match rows {
-            // Sizes fit in 32 bits (resolve bounded it by a bucket); the
-            // high word stays zero. Only the replays of the callable's own
-            // forward write there: a size the device holds already is not
-            // written again.
-            Rows::Host(n) if held != Some(n) => {
-                p.cap.size_held[c] = None;
-                p.backend.fill(at, n as u32, 4, 1, s)?;
-                p.cap.size_held[c] = Some(n);
-            }
-            Rows::Device => {
-                p.cap.size_held[c] = None;
-                p.backend.copy(at, a.device_size, 8, s)?;
-            }
-            Rows::Host(_) | Rows::All => {}
-        }
+    if let (PassKind::Forward, Some(block), false) = (kind, &mut p.cap.sizes, rows == Rows::All) {
+        block.put(
+            p.backend.as_ref(),
+            a.callable as usize,
+            (a.size, a.device_size),
+            s,
+        )?;
     }
     launch(p, (idx, rows), kind, a, &block, s)?;
     if let Some(side) = a.side_stream {
