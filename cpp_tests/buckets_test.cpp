@@ -7,7 +7,7 @@
 // are row-independent, so outputs, input grads and parameter grads equal
 // an eager MLP of exactly that many rows, bit for bit. Also: memory (one
 // bucket's), the actual size on the device, strict leases across buckets,
-// and every refusal. On the host and on CUDA.
+// EXTERNAL buffers per bucket, and every refusal. On the host and on CUDA.
 #include "expect.hpp"
 #include "layers.hpp"
 #include "support.hpp"
@@ -459,6 +459,115 @@ TEST_P(Buckets, ChosenOnTheDeviceMatchesEagerOfThatSizeBitForBit) {
     EXPECT_TRUE(throws(GRAPHED_STATUS_PARAM_MOVED,
                        [&] { s.forward(r.size(0).device_size(static_cast<const uint64_t*>(size.get())).params(moved, 2)); },
                        "where capture did"));
+}
+
+// A layer whose output, input grad and parameter grads are its own memory
+// (EXTERNAL, as PyTorch's tensors are), one set per bucket: each bucket's
+// capture hands over that bucket's buffers.
+struct ExternalBuckets {
+    kit::LinearLayer* L = nullptr;
+    std::vector<uint64_t> sizes;
+    std::vector<kit::Buffer> y, gx, gw, gb;  // per bucket
+
+    ExternalBuckets(kit::Device& dev, kit::LinearLayer& layer, std::vector<uint64_t> s) : L(&layer), sizes(std::move(s)) {
+        for (uint64_t n : sizes) {
+            y.emplace_back(dev, L->act_bytes(L->out, int(n)));
+            gx.emplace_back(dev, L->act_bytes(L->in, int(n)));
+            gw.emplace_back(dev, size_t(L->out) * L->in * 4);
+            gb.emplace_back(dev, size_t(L->out) * 4);
+        }
+    }
+    graphed::Callable callable(const void* sample) {
+        graphed::Callable c = L->callable(sample, true);
+        const uint32_t ext = GRAPHED_TENSOR_FLAGS_EXTERNAL | GRAPHED_TENSOR_FLAGS_DYNAMIC;
+        c.inputs[0].flags = c.outputs[0].flags = ext;
+        c.params[0].flags = c.params[1].flags = GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD;
+        c.forward = &ExternalBuckets::forward;
+        c.backward = &ExternalBuckets::backward;
+        c.user_data = this;
+        return c;
+    }
+    static int32_t forward(const graphed_pass_ctx* c, void* self) {
+        return graphed::guard([&] {
+            auto* e = static_cast<ExternalBuckets*>(self);
+            if (c->outputs[0] != nullptr) return 900;  // nothing placed for an external output
+            const int rows = int(c->bucket_size);
+            void* z = graphed::scratch_alloc(*c, e->L->act_bytes(e->L->out, rows));
+            *c->tape = z;
+            void* y = e->y.at(c->bucket).get();
+            if (int r = e->L->eager_forward(c->stream, c->inputs[0], z, y, 0, nullptr, rows)) return r;
+            if (c->phase == GRAPHED_PHASE_CAPTURE) graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_OUTPUT, 0, y);
+            return 0;
+        });
+    }
+    static int32_t backward(const graphed_pass_ctx* c, void* self) {
+        return graphed::guard([&] {
+            auto* e = static_cast<ExternalBuckets*>(self);
+            const int rows = int(c->bucket_size);
+            const size_t b = c->bucket;
+            void* z = *c->tape;
+            void* gz = graphed::scratch_alloc(*c, e->L->act_bytes(e->L->out, rows));
+            if (int r = e->L->eager_backward(c->stream, c->inputs[0], z, c->grad_outputs[0], gz, e->gx.at(b).get(),
+                                             e->gw.at(b).get(), e->gb.at(b).get(), 0, nullptr, rows))
+                return r;
+            graphed::scratch_free(*c, gz);
+            graphed::scratch_free(*c, z);
+            if (c->phase != GRAPHED_PHASE_CAPTURE) return 0;
+            graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_GRAD_INPUT, 0, e->gx[b].get());
+            graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_PARAM_GRADS, 0, e->gw[b].get());
+            graphed::set_buffer(*c, GRAPHED_BUFFER_ROLE_PARAM_GRADS, 1, e->gb[b].get());
+            return 0;
+        });
+    }
+};
+
+// EXTERNAL and DYNAMIC together: a replay returns the actual rows of the
+// buffers its bucket's capture provided, with the results of the same
+// layer whose buffers the library placed, bit for bit; the device cannot
+// choose among such buckets (refused at capture).
+TEST_P(Buckets, ExternalBuffersAreEachBucketsOwn) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp placed(*dev, 1, kMax, kWidth, 41), own(*dev, 1, kMax, kWidth, 41);
+    placed.layer(0).buckets = own.layer(0).buckets = kSizes;
+    graphed::Session plain(config());
+    plain.add_callable(placed.layer(0).callable(sample.get(), true));
+    plain.capture();
+    ExternalBuckets e(*dev, own.layer(0), kSizes);
+    graphed::Session s(config());
+    s.add_callable(e.callable(sample.get()));
+    s.capture();
+    graphed::Replay r;
+    r.stream(dev->stream()).callable(0);
+    for (uint64_t n : {5u, 8u, 13u, 32u, 3u}) {
+        SCOPED_TRACE(testing::Message() << n << " rows");
+        const size_t b = n <= 8 ? 0 : n <= 16 ? 1 : 2;
+        kit::Buffer x = floats(size_t(n) * kWidth, 500 + uint32_t(n)), gy = floats(size_t(n) * kWidth, 600 + uint32_t(n));
+        std::vector<graphed::Ref> want = plain.forward(r.size(n).data(x.get()));
+        std::vector<graphed::Ref> got = s.forward(r.size(n).data(x.get()));
+        ASSERT_EQ(got[0].ptr(), e.y[b].get()) << "the output its bucket's capture provided";
+        ASSERT_EQ(got[0].bytes(), size_t(n) * kWidth * 4) << "its actual rows";
+        dev->sync();
+        EXPECT_EQ(kit::fetch<float>(*dev, want[0].ptr(), size_t(n) * kWidth),
+                  kit::fetch<float>(*dev, got[0].ptr(), size_t(n) * kWidth));
+        graphed::Grads gw = plain.backward(r.size(0).data(gy.get()));
+        graphed::Grads gg = s.backward(r.size(0).data(gy.get()));
+        ASSERT_EQ(gg.inputs[0].ptr(), e.gx[b].get());
+        ASSERT_EQ(gg.inputs[0].bytes(), size_t(n) * kWidth * 4);
+        ASSERT_EQ(GRAPHED_REF_KIND_CLONE, gg.params[0].kind()) << "CLONE grads copied out of the bucket's buffer";
+        dev->sync();
+        EXPECT_EQ(kit::fetch<float>(*dev, gw.inputs[0].ptr(), size_t(n) * kWidth),
+                  kit::fetch<float>(*dev, gg.inputs[0].ptr(), size_t(n) * kWidth));
+        for (size_t j = 0; j < 2; ++j)
+            EXPECT_EQ(kit::fetch<float>(*dev, gw.params[j].ptr(), gw.params[j].bytes() / 4),
+                      kit::fetch<float>(*dev, gg.params[j].ptr(), gg.params[j].bytes() / 4))
+                << "param grad " << j;
+    }
+    graphed_session_config cfg = config();
+    cfg.bucket_choice_on_device = 1;
+    graphed::Session chosen(cfg);
+    chosen.add_callable(e.callable(sample.get()));
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { chosen.capture(); },
+                       std::vector<std::string>{"an external buffer (output 0)", "bucket_choice_on_device needs"}));
 }
 
 TEST_P(Buckets, DeviceSizeNeedsASessionThatChoosesOnTheDevice) {

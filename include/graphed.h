@@ -347,8 +347,10 @@ enum graphed_tensor_flags
    * (graphed_callable_desc.bucket_sizes): its `shape` is given, with the
    * largest bucket's size first, and `bytes` are the largest bucket's.
    * In a bucket of n rows the tensor is the first n rows of its buffer.
-   * Not with CHAINED, EXTERNAL or REBIND (an input chained to a DYNAMIC
-   * output is DYNAMIC by that).
+   * With EXTERNAL, the buffer is the one each bucket's capture provided
+   * (its callback writes the bucket's rows; a replay returns the actual
+   * rows of the bucket it ran). Not with CHAINED or REBIND (an input
+   * chained to a DYNAMIC output is DYNAMIC by that).
    */
   GRAPHED_TENSOR_FLAGS_DYNAMIC = 8,
 };

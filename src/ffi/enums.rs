@@ -276,8 +276,10 @@ pub enum graphed_tensor_flags {
     /// (graphed_callable_desc.bucket_sizes): its `shape` is given, with the
     /// largest bucket's size first, and `bytes` are the largest bucket's.
     /// In a bucket of n rows the tensor is the first n rows of its buffer.
-    /// Not with CHAINED, EXTERNAL or REBIND (an input chained to a DYNAMIC
-    /// output is DYNAMIC by that).
+    /// With EXTERNAL, the buffer is the one each bucket's capture provided
+    /// (its callback writes the bucket's rows; a replay returns the actual
+    /// rows of the bucket it ran). Not with CHAINED or REBIND (an input
+    /// chained to a DYNAMIC output is DYNAMIC by that).
     Dynamic = 8,
 }
 
@@ -310,10 +312,10 @@ impl graphed_tensor_flags {
                 "{what}: a chained input is read in place; it cannot also be rebound"
             )));
         }
-        if bits & dynamic != 0 && bits & (chained | external | rebind) != 0 {
+        if bits & dynamic != 0 && bits & (chained | rebind) != 0 {
             return Err(Error::invalid(format!(
                 "{what}: a DYNAMIC tensor is copied in and out of its bucket's rows; it cannot also be \
-                 CHAINED, EXTERNAL or REBIND"
+                 CHAINED or REBIND"
             )));
         }
         Ok(TensorFlags {
@@ -409,12 +411,14 @@ mod tests {
         assert!(graphed_param_flags::decode(4, "f").unwrap().rebind);
         assert!(graphed_tensor_flags::decode(16, "f").is_err());
         assert!(graphed_tensor_flags::decode(8, "f").unwrap().dynamic);
-        for other in [1, 2, 4] {
+        for other in [2, 4] {
             assert!(
                 graphed_tensor_flags::decode(8 | other, "f").is_err(),
                 "dynamic with {other}"
             );
         }
+        let f = graphed_tensor_flags::decode(8 | 1, "f").unwrap();
+        assert!(f.dynamic && f.external, "dynamic and external");
         assert!(
             graphed_tensor_flags::decode(6, "f").is_err(),
             "chained and rebound"

@@ -44,7 +44,8 @@ pub(super) fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
 }
 
 /// Refuses buckets where the session has what they do not work with yet:
-/// a pipeline schedule, or a step over a callable with buckets.
+/// a pipeline schedule, a step over a callable with buckets, or the
+/// device's choice over buffers each bucket's capture provided.
 fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
     let Some(c) = s.callables.iter().find(|c| !c.buckets.is_empty()) else {
         return Ok(());
@@ -65,6 +66,25 @@ fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
             return Err(Error::invalid(format!(
                 "step {i} holds callable '{}', which has buckets: steps hold callables of one shape",
                 s.callables[k as usize].name
+            )));
+        }
+    }
+    if s.opts.device_buckets {
+        for c in s.callables.iter().filter(|c| !c.buckets.is_empty()) {
+            let outputs = c.outputs.iter().position(|t| t.external);
+            let grads = c.inputs.iter().position(|t| t.external && t.requires_grad);
+            let params = c.params.iter().position(|p| p.external_grad());
+            let what = match (outputs, grads, params) {
+                (Some(o), _, _) => format!("output {o}"),
+                (_, Some(i), _) => format!("the grad of input {i}"),
+                (_, _, Some(j)) => format!("the grad of param {j}"),
+                _ => continue,
+            };
+            return Err(Error::invalid(format!(
+                "callable '{}' has buckets and an external buffer ({what}): each bucket's capture provides \
+                 its own, so a replay whose bucket the device chooses could not say where its results are; \
+                 bucket_choice_on_device needs buffers the library places",
+                c.name
             )));
         }
     }
