@@ -120,6 +120,8 @@ graphed_torch::CallableSpec spec_of(const py::dict& d) {
     s.params = tensors_of(d["params"], "parameter");
     s.param_names = get<std::vector<std::string>>(d, "param_names", {});
     s.param_flags = get<std::vector<uint32_t>>(d, "param_flags", {});
+    s.bucket_sizes = get<std::vector<int64_t>>(d, "bucket_sizes", {});
+    s.dynamic_inputs = get<std::vector<bool>>(d, "dynamic_inputs", {});
     if (d.contains("param_slots") && !d["param_slots"].is_none())
         s.param_source = param_source_of(d["param_slots"], s.name, s.param_names);
     if (d.contains("hook") && !d["hook"].is_none()) {
@@ -393,6 +395,7 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def("reset", &graphed_torch::GraphedCallable::reset, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("is_reset", &graphed_torch::GraphedCallable::is_reset)
         .def_property_readonly("microbatches", &graphed_torch::GraphedCallable::microbatches)
+        .def_property_readonly("bucket_sizes", &graphed_torch::GraphedCallable::bucket_sizes)
         .def("session_stats", &stats_of)
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
         .def("params_movable", &graphed_torch::GraphedCallable::params_movable);

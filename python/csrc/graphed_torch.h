@@ -81,6 +81,18 @@ struct CallableSpec {
     // Optional hook around every pass of this callable (Transformer
     // Engine's capture_time_hooks).
     Hook hook;
+    // Buckets (optional): the sizes of the first dimension of the inputs
+    // marked in `dynamic_inputs`, strictly ascending, the last one the
+    // samples' (graphed_callable_desc.bucket_sizes). Each bucket is
+    // captured; a call whose dynamic inputs have n rows (the same n for
+    // all) replays the smallest bucket holding n, on the actual rows with
+    // the rest zeroed, and returns n rows of each dynamic output (an
+    // output whose first dimension follows the bucket: capture learns
+    // which by running the forward at a smaller size too). Inputs are
+    // copied (rebind_inputs does not apply); outputs and grads are each
+    // bucket's own PyTorch tensors.
+    std::vector<int64_t> bucket_sizes;
+    std::vector<bool> dynamic_inputs;  // per sample input; empty: none
 };
 
 struct Options {
@@ -192,7 +204,9 @@ class GraphedCallable {
     GraphedCallable(std::shared_ptr<Shared> shared, size_t index, uint32_t microbatch = 0)
         : shared_(std::move(shared)), index_(index), microbatch_(microbatch) {}
     // Checks `inputs` against the samples (count, shape, dtype, device,
-    // requires_grad: std::invalid_argument naming the input and both values)
+    // requires_grad: std::invalid_argument naming the input and both values;
+    // with buckets, the first dimension of the dynamic inputs is the call's
+    // size, 1 to the largest bucket, the same for all of them)
     // and the parameters against what the graphs read (ParamMoved; a moved
     // one is followed where capture verified it can be), replays the
     // forward graph and returns the outputs (aliases of static buffers),
@@ -216,6 +230,8 @@ class GraphedCallable {
     std::vector<bool> params_movable() const;
     // The name of input i in messages.
     std::string input_name(size_t i) const;
+    // Its bucket sizes (empty: one shape).
+    const std::vector<int64_t>& bucket_sizes() const;
     // The same callable's graphs for another microbatch of the schedule.
     GraphedCallable for_microbatch(uint32_t microbatch) const;
     uint32_t microbatches() const;

@@ -134,6 +134,9 @@ struct GraphedBackward : public torch::autograd::Node {
     std::shared_ptr<Shared> shared;
     size_t index = 0;
     uint32_t microbatch = 0;
+    // With buckets: the forward's rows and bucket (0, 0 without).
+    int64_t rows = 0;
+    size_t bucket = 0;
     std::optional<c10::cuda::CUDAStream> side;
 
     // Inputs the graphs read in place (rebound), kept until the backward,
@@ -169,6 +172,7 @@ struct GraphedBackward : public torch::autograd::Node {
         std::vector<at::Tensor> contiguous;
         std::vector<const void*> data;
         contiguous.reserve(c->out.size());
+        const std::vector<Meta> outs = Callable::sized(c->out, c->out_dyn, rows);
         size_t k = 0;
         for (size_t i = 0; i < c->out.size(); ++i) {
             if (!c->out[i].requires_grad) {
@@ -177,25 +181,28 @@ struct GraphedBackward : public torch::autograd::Node {
             }
             const at::Tensor& g = grads[k++];
             // In the output's layout: the graph reads its grad that way.
-            const Meta& m = c->out[i];
+            const Meta& m = outs[i];
             contiguous.push_back(in_layout(g.defined() ? g : at::zeros(m.sizes, options_of(m.dtype, s.device)), m));
             data.push_back(contiguous.back().data_ptr());
         }
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
-        s.rng.prologue(pass_key(s.instance(index, microbatch), Pass::Backward), cur);
+        s.rng.prologue(pass_key(s.instance(index, microbatch, bucket), Pass::Backward), cur);
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
+        // graphed refuses it when the callable's last forward ran other rows.
+        if (rows) r.size(uint64_t(rows));
         const std::vector<void*> dst_ptrs = pointers_of(dsts);
         if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
         graphed::Grads g;
         s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
         torch::autograd::variable_list result;
         result.reserve(g.inputs.size() + g.params.size());
+        const std::vector<Meta> ins = Callable::sized(c->in, c->in_dyn, rows);
         for (size_t i = 0; i < g.inputs.size(); ++i)
             result.push_back(g.inputs[i].kind() == GRAPHED_REF_KIND_NONE
                                  ? at::Tensor()
                                  : s.wrap_alias(
-                                       g.inputs[i], c->in[i],
+                                       g.inputs[i], ins[i],
                                        [&] { return c->who(microbatch) + "the grad of " + c->input_name(i); }, shared));
         for (size_t j = 0; j < g.params.size(); ++j) {
             switch (g.params[j].kind()) {
@@ -212,6 +219,31 @@ struct GraphedBackward : public torch::autograd::Node {
         return result;
     }
 };
+
+// The rows of a call of bucketed `c`: the first dimension of its dynamic
+// inputs, the same for all, 1 to the largest bucket (else
+// std::invalid_argument saying which and why).
+int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
+    int64_t rows = -1;
+    size_t first = 0;
+    for (size_t i = 0; i < inputs.size() && i < c.in_dyn.size(); ++i) {
+        if (!c.in_dyn[i] || !inputs[i].defined()) continue;
+        const int64_t n = inputs[i].dim() > 0 ? inputs[i].size(0) : -1;
+        if (rows < 0) {
+            rows = n;
+            first = i;
+        } else if (n != rows) {
+            throw std::invalid_argument("graphed callable '" + c.name + "': " + c.input_name(i) + " has " +
+                                        std::to_string(n) + " rows and " + c.input_name(first) + " " +
+                                        std::to_string(rows) + "; its dynamic inputs give the call's size together");
+        }
+    }
+    if (rows < 1 || rows > c.buckets.back())
+        throw std::invalid_argument("graphed callable '" + c.name + "': a call of " + std::to_string(rows) +
+                                    " rows; its buckets hold 1 to " + std::to_string(c.buckets.back()) +
+                                    " (nothing was replayed)");
+    return rows;
+}
 
 }  // namespace
 
@@ -254,12 +286,18 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     c10::SmallVector<at::Tensor, 8> read;
     std::vector<const void*> data(inputs.size());
     bool needs_grad = false;
+    // With buckets: the call's rows (the first dimension of its dynamic
+    // inputs), and the bucket graphed runs for them.
+    const int64_t rows = c->buckets.empty() ? 0 : call_rows(*c, inputs);
+    const size_t bucket = rows ? c->bucket_of(rows) : 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
         const at::Tensor& x = inputs[i];
         const Meta& m = c->in[i];
         if (!x.defined()) throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is None");
         const bool rg = x.requires_grad();
-        if (x.sizes() != at::IntArrayRef(m.sizes) || x.scalar_type() != m.dtype || !x.is_cuda() ||
+        const bool dyn = rows && c->in_dyn[i];
+        if ((dyn ? x.sizes().slice(1) != at::IntArrayRef(m.sizes).slice(1) : x.sizes() != at::IntArrayRef(m.sizes)) ||
+            x.scalar_type() != m.dtype || !x.is_cuda() ||
             x.device().index() != s.device || (grad_mode && rg && !m.requires_grad))
             throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is " + describe(x) +
                                         "; it was captured with " +
@@ -286,10 +324,11 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     } else if (other) {
         side = on.stream->stream();
     }
-    const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Forward);
+    const size_t key = pass_key(s.instance(index_, microbatch_, bucket), Pass::Forward);
     s.rng.prologue(key, launch);
     graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
     if (moved) r.params(moved_to);
+    if (rows) r.size(uint64_t(rows));
     std::vector<graphed::Ref> refs;
     try {
         s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
@@ -307,9 +346,10 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
+    const std::vector<Meta> outs = Callable::sized(c->out, c->out_dyn, rows);
     for (size_t i = 0; i < refs.size(); ++i)
         result.push_back(s.wrap_alias(
-            refs[i], c->out[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));
+            refs[i], outs[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));
 
     // Autograd: the outputs' grad_fn is a GraphedBackward node whose next
     // edges are the inputs and the parameters, as a custom Function's would.
@@ -323,6 +363,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         node->shared = shared_;
         node->index = index_;
         node->microbatch = microbatch_;
+        node->rows = rows;
+        node->bucket = bucket;
         if (other) node->side = on.stream;
         // Rebound inputs are read by the backward where they are: kept
         // alive until then, with their versions (as autograd's saved
@@ -401,6 +443,8 @@ std::vector<bool> GraphedCallable::params_movable() const {
 }
 
 std::string GraphedCallable::input_name(size_t i) const { return shared_->callables[index_]->input_name(i); }
+
+const std::vector<int64_t>& GraphedCallable::bucket_sizes() const { return shared_->callables[index_]->buckets; }
 
 GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
     if (microbatch >= shared_->microbatches)

@@ -14,9 +14,12 @@ namespace graphed_torch {
 
 // ---- forward and backward bodies, shared by discovery and the callbacks -----------------
 
-std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins) {
+std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins, int64_t rows) {
     at::AutoGradMode mode(shared->opts.training);
     std::vector<at::Tensor> outs = forward(ins);
+    // The outputs this bucket must give (the first warmup iteration's, with
+    // the bucket's rows where they follow it).
+    const std::vector<Meta> want = outputs_known ? sized(out, out_dyn, rows) : std::vector<Meta>();
     if (outputs_known && outs.size() != out.size())
         throw std::runtime_error("callable '" + name + "' returned " + std::to_string(outs.size()) + " outputs; it returned " +
                                  std::to_string(out.size()) + " in the first warmup iteration");
@@ -25,14 +28,14 @@ std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins
         if (!outs[i].is_cuda() || outs[i].device().index() != shared->device)
             throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is on " +
                                      outs[i].device().str() + ", not cuda:" + std::to_string(shared->device));
-        if (outputs_known && (outs[i].sizes() != at::IntArrayRef(out[i].sizes) || outs[i].scalar_type() != out[i].dtype ||
-                              outs[i].requires_grad() != out[i].requires_grad))
+        if (outputs_known && (outs[i].sizes() != at::IntArrayRef(want[i].sizes) ||
+                              outs[i].scalar_type() != want[i].dtype || outs[i].requires_grad() != want[i].requires_grad))
             throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is " + describe(outs[i]) +
-                                     "; in the first warmup iteration it was " +
-                                     describe(out[i].sizes, out[i].dtype, outs[i].device().str(), out[i].requires_grad));
+                                     (rows ? "; in bucket " + std::to_string(rows) + " it must be " : "; in the first warmup iteration it was ") +
+                                     describe(want[i].sizes, want[i].dtype, outs[i].device().str(), want[i].requires_grad));
         // The first warmup iteration's layout (dense), later ones in it.
         if (outputs_known)
-            outs[i] = in_layout(outs[i], out[i]);
+            outs[i] = in_layout(outs[i], want[i]);
         else if (!outs[i].is_non_overlapping_and_dense())
             outs[i] = outs[i].contiguous();
     }
@@ -109,6 +112,9 @@ HookEvent hook_event(const graphed_pass_ctx* ctx, bool before) {
     return e;
 }
 
+// The rows of the pass's bucket (0 without buckets).
+int64_t rows_of(const graphed_pass_ctx* ctx) { return ctx->num_buckets ? int64_t(ctx->bucket_size) : 0; }
+
 void set_buffer(const graphed_pass_ctx* ctx, graphed_buffer_role role, size_t index, const at::Tensor& t) {
     graphed::set_buffer(*ctx, role, index, t.data_ptr());
 }
@@ -128,6 +134,9 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
                     c->ext_gin[mb].push_back(c->pass_grads[i]);
                 }
         if (params) {
+            // An earlier bucket's grads stay where its graphs write them.
+            for (at::Tensor& g : c->ext_pgrad[mb])
+                if (g.defined()) c->bucket_keep.push_back(g);
             c->ext_pgrad[mb].assign(c->params.size(), at::Tensor());
             for (size_t j = 0; j < c->params.size(); ++j)
                 if (c->param_grad[j]) {
@@ -154,11 +163,12 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
         const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
         if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs
         HookEvent e = hook_event(ctx, true);
+        const int64_t rows = rows_of(ctx);
         if (pass == Pass::Forward) {
-            c->pass_inputs = wrap_static(ctx->inputs, c->in, s.device, s.opts.training);
+            c->pass_inputs = wrap_static(ctx->inputs, Callable::sized(c->in, c->in_dyn, rows), s.device, s.opts.training);
             e.inputs = &c->pass_inputs;
         } else {
-            c->pass_gouts = wrap_static(ctx->grad_outputs, c->out, s.device, false);
+            c->pass_gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->out, c->out_dyn, rows), s.device, false);
             e.grad_outputs = &c->pass_gouts;
         }
         if (c->hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
@@ -181,7 +191,7 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
         if (!s.opts.training && pass != Pass::Forward) return;
         if (capture) {
             s.end_routing();
-            s.rng.end(pass_key(s.instance(c->index, ctx->microbatch), pass));
+            s.rng.end(pass_key(s.instance(c->index, ctx->microbatch, ctx->bucket), pass));
             if (s.opts.reuse_buffers && s.capture_position < s.releases.size())
                 for (const Release& r : s.releases[s.capture_position]) s.release(r);
             ++s.capture_position;
@@ -209,7 +219,7 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
         const uint32_t mb = ctx->microbatch;
         if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
         s.on_work_stream(ctx->stream, [&] {
-            std::vector<at::Tensor> outs = c->run_forward(c->pass_inputs);
+            std::vector<at::Tensor> outs = c->run_forward(c->pass_inputs, rows_of(ctx));
             if (ctx->phase == GRAPHED_PHASE_CAPTURE) {
                 for (size_t i = 0; i < outs.size(); ++i) {
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_OUTPUT, i, outs[i]);

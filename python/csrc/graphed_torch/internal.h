@@ -226,6 +226,14 @@ struct Callable {
     // weight-grad pass: the destinations its last forward found.
     std::vector<std::vector<at::Tensor>> wgrad_dsts;
     std::vector<uint32_t> flags;
+    // Buckets: the sizes (ascending; empty: one shape), and which inputs
+    // and outputs have the bucket size as their first dimension (their
+    // Meta holds the largest bucket's).
+    std::vector<int64_t> buckets;
+    std::vector<bool> in_dyn, out_dyn;
+    // What earlier buckets' captures handed over as parameter grads (the
+    // graphs write there), kept while the graphs exist.
+    std::vector<at::Tensor> bucket_keep;
     std::vector<bool> in_grad;     // the input is registered as taking a grad
     std::vector<bool> param_grad;  // the parameter is registered as taking a grad
     bool wgrad = false;            // has a delayed weight-gradient pass
@@ -250,9 +258,24 @@ struct Callable {
     std::string param_name(size_t j) const {
         return j < param_names.size() ? param_names[j] : "parameter " + std::to_string(j);
     }
+    // `metas` (in or out) with `rows` as the first dimension of the
+    // dynamic ones (`dyn`); themselves when `rows` is 0 (no buckets).
+    static std::vector<Meta> sized(const std::vector<Meta>& metas, const std::vector<bool>& dyn, int64_t rows) {
+        std::vector<Meta> v = metas;
+        if (rows > 0)
+            for (size_t i = 0; i < v.size() && i < dyn.size(); ++i)
+                if (dyn[i]) v[i].sizes[0] = rows;
+        return v;
+    }
+    // The bucket of a call of `rows` rows: the smallest holding it.
+    size_t bucket_of(int64_t rows) const {
+        size_t b = 0;
+        while (b + 1 < buckets.size() && buckets[b] < rows) ++b;
+        return b;
+    }
     // The forward and backward bodies (callbacks.cpp), shared by discovery
-    // and graphed's callbacks.
-    std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& ins);
+    // and graphed's callbacks; `rows`: the bucket's size (0: no buckets).
+    std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& ins, int64_t rows = 0);
     std::vector<at::Tensor> run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs, bool params,
                                          bool retain, bool discover);
     void call_hook(const HookEvent& e) {
@@ -321,7 +344,13 @@ struct Shared {
     std::mutex lease_mu;
     std::unordered_map<uint64_t, std::string> held;
 
-    size_t instance(size_t callable, uint32_t mb) const { return callable * microbatches + mb; }
+    // Buckets of the callable with the most (1 without buckets): the
+    // stride of instance().
+    size_t max_buckets = 1;
+    // A captured (callable, microbatch, bucket): keys its passes' draws.
+    size_t instance(size_t callable, uint32_t mb, size_t bucket = 0) const {
+        return (callable * microbatches + mb) * max_buckets + bucket;
+    }
 
     // The private pool and the work stream (streams.cpp).
     void begin_routing();

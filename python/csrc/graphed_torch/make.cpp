@@ -5,6 +5,7 @@
 // capture, and reset (the session and everything it used let go).
 #include "internal.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -15,6 +16,40 @@
 namespace graphed_torch {
 
 namespace {
+
+// Buckets: ascending sizes from 1, a flag per input, at least one dynamic
+// input, each with the largest bucket as its first dimension.
+void validate_buckets(const CallableSpec& s) {
+    const std::string who = "callable '" + s.name + "': ";
+    if (s.bucket_sizes.empty()) {
+        if (std::find(s.dynamic_inputs.begin(), s.dynamic_inputs.end(), true) != s.dynamic_inputs.end())
+            throw std::invalid_argument(who + "dynamic_inputs are marked, but it has no bucket_sizes");
+        return;
+    }
+    const std::vector<int64_t>& b = s.bucket_sizes;
+    if (b.size() > GRAPHED_MAX_BUCKETS)
+        throw std::invalid_argument(who + std::to_string(b.size()) + " buckets; at most " +
+                                    std::to_string(GRAPHED_MAX_BUCKETS));
+    for (size_t k = 0; k < b.size(); ++k)
+        if (b[k] < 1 || (k > 0 && b[k] <= b[k - 1]))
+            throw std::invalid_argument(who + "bucket sizes must be 1 or more and strictly ascending");
+    if (b.size() == 1 && b[0] == 1)
+        throw std::invalid_argument(who + "one bucket of size 1 is one shape: give no buckets");
+    if (s.dynamic_inputs.size() != s.sample_inputs.size())
+        throw std::invalid_argument(who + "dynamic_inputs has " + std::to_string(s.dynamic_inputs.size()) +
+                                    " entries for " + std::to_string(s.sample_inputs.size()) + " inputs");
+    bool any = false;
+    for (size_t i = 0; i < s.sample_inputs.size(); ++i) {
+        if (!s.dynamic_inputs[i]) continue;
+        any = true;
+        const at::Tensor& x = s.sample_inputs[i];
+        if (x.dim() == 0 || x.size(0) != b.back())
+            throw std::invalid_argument(who + (i < s.input_names.size() ? s.input_names[i] : "input " + std::to_string(i)) +
+                                        " is dynamic: its first dimension must be the largest bucket (" +
+                                        std::to_string(b.back()) + "); it is " + describe(x));
+    }
+    if (!any) throw std::invalid_argument(who + "it has buckets but no dynamic input");
+}
 
 void validate_specs(const std::vector<CallableSpec>& specs, c10::DeviceIndex device) {
     for (const CallableSpec& s : specs) {
@@ -31,6 +66,7 @@ void validate_specs(const std::vector<CallableSpec>& specs, c10::DeviceIndex dev
             if (!p.is_cuda() || p.device().index() != device)
                 throw std::invalid_argument("callable '" + s.name + "': a parameter is on " + p.device().str() +
                                             ", not cuda:" + std::to_string(device));
+        validate_buckets(s);
     }
 }
 
@@ -99,6 +135,45 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
     }
 }
 
+// Buckets: which outputs follow the bucket size, learnt by running the
+// forward once more (no grad) on the samples' first rows at a smaller size
+// (the smallest bucket, or with one bucket one row less): an output whose
+// first dimension changes with it must be that size.
+void learn_dynamic_outputs(Shared& s, Callable& c) {
+    c.out_dyn.assign(c.out.size(), false);
+    if (c.buckets.empty()) return;
+    const int64_t largest = c.buckets.back(), probe = c.buckets.size() > 1 ? c.buckets.front() : largest - 1;
+    std::vector<at::Tensor> ins;
+    for (size_t i = 0; i < c.samples.size(); ++i)
+        ins.push_back(c.in_dyn[i] ? c.samples[i].narrow(0, 0, probe).clone() : c.samples[i].clone());
+    std::vector<at::Tensor> outs;
+    {
+        c10::cuda::CUDAStreamGuard guard(s.work);
+        at::AutoGradMode no_grad(false);
+        outs = c.forward(ins);
+    }
+    if (outs.size() != c.out.size())
+        throw std::runtime_error("callable '" + c.name + "' returned " + std::to_string(outs.size()) + " outputs at " +
+                                 std::to_string(probe) + " rows and " + std::to_string(c.out.size()) + " at " +
+                                 std::to_string(largest));
+    for (size_t i = 0; i < outs.size(); ++i) {
+        Meta& m = c.out[i];
+        const at::IntArrayRef got = outs[i].sizes();
+        if (got == at::IntArrayRef(m.sizes)) continue;
+        std::vector<int64_t> want = m.sizes;
+        if (!want.empty()) want[0] = probe;
+        if (m.sizes.empty() || m.sizes[0] != largest || got != at::IntArrayRef(want))
+            throw std::runtime_error("callable '" + c.name + "': output " + std::to_string(i) + " has shape " +
+                                     describe(m.sizes, m.dtype, "cuda", m.requires_grad) + " at " +
+                                     std::to_string(largest) + " rows and " + describe(outs[i]) + " at " +
+                                     std::to_string(probe) +
+                                     ": with buckets, an output's first dimension is the bucket size or does not "
+                                     "change");
+        c.out_dyn[i] = true;
+        m.strides.clear();  // its rows contiguous, whatever eager's layout
+    }
+}
+
 void register_callable(Shared& s, Callable& c) {
     const uint32_t m = s.microbatches;
     c.tapes.assign(m, Tape());
@@ -109,12 +184,15 @@ void register_callable(Shared& s, Callable& c) {
     // The shapes the descriptors point to, until registration copies them.
     std::vector<std::vector<int64_t>> shapes;
     shapes.reserve(c.in.size() + c.out.size());
-    auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external) {
+    auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external, bool dyn) {
         bool exact = true;
         uint32_t code = dtype_code(meta.dtype, &exact);
         shapes.push_back(exact ? meta.sizes : std::vector<int64_t>{});
-        graphed_tensor_desc t = graphed::tensor_desc(meta.bytes(), code, requires_grad, sample,
-                                                     external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE);
+        // A dynamic tensor graphed knows as bytes: [rows, bytes per row].
+        if (dyn && !exact) shapes.back() = {meta.sizes[0], int64_t(meta.bytes()) / meta.sizes[0]};
+        graphed_tensor_desc t = graphed::tensor_desc(
+            meta.bytes(), code, requires_grad, sample,
+            (external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE) | (dyn ? GRAPHED_TENSOR_FLAGS_DYNAMIC : 0u));
         t.ndim = uint32_t(shapes.back().size());
         t.shape = shapes.back().data();
         return t;
@@ -122,17 +200,21 @@ void register_callable(Shared& s, Callable& c) {
     // Rebinding: inputs and incoming grads are read where they are, where
     // graphed verifies it (it copies the others, saying why). Not with a
     // delayed weight-grad pass, which reads them after the backward, when
-    // autograd no longer keeps them.
-    const uint32_t rebind = s.opts.rebind_inputs && !c.wgrad ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
+    // autograd no longer keeps them. Nor with buckets, whose rows are
+    // copied into each bucket's.
+    const uint32_t rebind =
+        s.opts.rebind_inputs && !c.wgrad && c.buckets.empty() ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
     for (size_t i = 0; i < c.in.size(); ++i) {
-        d.inputs.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i]));
+        d.inputs.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i], c.in_dyn[i]));
         d.inputs.back().flags |= rebind;
     }
     // Outputs that take a grad get one at backward.
-    for (const Meta& meta : c.out) {
-        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true));
+    for (size_t o = 0; o < c.out.size(); ++o) {
+        const Meta& meta = c.out[o];
+        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true, c.out_dyn[o]));
         if (meta.requires_grad) d.outputs.back().flags |= rebind;
     }
+    d.buckets.assign(c.buckets.begin(), c.buckets.end());
     // Moving parameters: capture verifies, per parameter, that the graphs
     // can be pointed elsewhere; a call then follows a parameter it finds
     // at another address.
@@ -281,6 +363,10 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
             c->in.push_back(m);
         }
         c->wgrad = plan.has_wgrad[i] != 0;
+        c->buckets = std::move(sp.bucket_sizes);
+        c->in_dyn = sp.dynamic_inputs;
+        c->in_dyn.resize(c->in.size(), false);
+        s.max_buckets = std::max(s.max_buckets, c->buckets.size());
         s.callables.push_back(std::move(c));
     }
 
@@ -309,6 +395,7 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
             if (o.pre_warmup_hook) o.pre_warmup_hook();
         }
         discover(s, plan.order);
+        for (auto& c : s.callables) learn_dynamic_outputs(s, *c);
         for (auto& c : s.callables) register_callable(s, *c);
         if (declare) declare(s);
     } catch (const std::exception& e) {
@@ -367,6 +454,7 @@ void Shared::reset() {
         c->ext_out.clear();
         c->ext_gin.clear();
         c->ext_pgrad.clear();
+        c->bucket_keep.clear();
         c->end_pass();
         c->samples.clear();
         c->wgrad_keep.clear();

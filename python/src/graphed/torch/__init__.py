@@ -20,6 +20,7 @@ from ._errors import AliasHeldError, ParamMovedError
 # Imported on first use, so that the pure-Python parts (the schedule, hook
 # and option checks) import without torch.
 _LAZY = {
+    "Buckets": "_buckets",
     "make_graphed_callables": "_make",
     "graph_pool_handle": "_make",
     "make_graphed_step": "_step",
@@ -37,6 +38,7 @@ def __getattr__(name):
 
 __all__ = [
     "AliasHeldError",
+    "Buckets",
     "GraphedStep",
     "ParamMovedError",
     "graph_pool_handle",

@@ -3,7 +3,8 @@ callables, and one per sample_args entry with `_order`), and modules whose
 forward is one. A call checks the module's training flag (a different one
 runs the module eagerly, as in torch and Transformer Engine), takes
 Transformer Engine's per-call keywords, matches the arguments against the
-capture sample and replays; the extension checks each tensor."""
+capture sample (with buckets, its size against the largest bucket) and
+replays; the extension checks each tensor."""
 
 
 class Session:
@@ -71,10 +72,11 @@ def _already_reset():
 
 class GraphedCallable:
     __slots__ = (
-        "_impl", "_binding", "_outputs", "_module", "_training", "_eager", "_session", "_released", "__weakref__"
+        "_impl", "_binding", "_outputs", "_module", "_training", "_eager", "_session", "_released", "_rows",
+        "__weakref__",
     )
 
-    def __init__(self, impl, binding, outputs, module, training, eager, session):
+    def __init__(self, impl, binding, outputs, module, training, eager, session, rows=None):
         self._impl = impl
         self._binding = binding
         self._outputs = outputs
@@ -83,6 +85,7 @@ class GraphedCallable:
         self._eager = eager
         self._session = session
         self._released = False
+        self._rows = rows  # with buckets: _buckets.Rows
         session.adopt()
 
     def __call__(self, *args, **kwargs):
@@ -94,7 +97,14 @@ class GraphedCallable:
         module = self._module
         if self._released or self._session.is_reset or (module is not None and module.training != self._training):
             return self._eager(*args, **kwargs)
-        flat = args if self._binding.simple and not kwargs else self._binding.match(args, kwargs)
+        rows = self._rows
+        if rows is None:
+            flat = args if self._binding.simple and not kwargs else self._binding.match(args, kwargs)
+        else:
+            # match() consumes the keywords; a call above the buckets needs them.
+            flat = args if self._binding.simple and not kwargs else self._binding.match(args, dict(kwargs))
+            if rows.above(flat):
+                return self._eager(*args, **kwargs)
         if stream is not None:
             stream = (stream.cuda_stream, stream.device_index)
             event = None if event is None else event.cuda_event
@@ -139,6 +149,11 @@ class GraphedCallable:
         raises ParamMovedError (rebind_params=False, or capture could not
         verify it: session_plan() says why). Empty for plain callables."""
         return list(self._impl.params_movable())
+
+    @property
+    def bucket_sizes(self):
+        """The sizes it was captured at (empty: one shape)."""
+        return list(self._impl.bucket_sizes)
 
     @property
     def training(self):

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from . import _hooks, _options, _rng
+from . import _buckets, _hooks, _options, _rng
 from ._binding import Binding, Outputs
 from ._callable import GraphedCallable, Session
 from ._schedule import check_order, from_order
@@ -182,6 +182,7 @@ def make_graphed_callables(
     clones_from_torch_allocator=True,
     generators=None,
     accumulate_param_grads_into=None,
+    bucket_overflow="eager",
 ):
     """Graphs `modules` (a module or callable, or a tuple of them), each
     with its sample positional args and keyword args; returns what it was
@@ -214,6 +215,14 @@ def make_graphed_callables(
     dtype, `grad` created as zeros where it is None; autograd then gets no
     grad for it, so nothing copies or adds it again, and DDP finds it in
     `param.grad`, its bucket view with gradient_as_bucket_view=True).
+
+    Buckets: a callable's sample_args entry (and sample_kwargs entry) may be
+    `graphed.torch.Buckets(sample, sample, ...)`, samples that differ in the
+    first dimension of some tensors: every size is captured, sharing one
+    memory plan, and a call runs the smallest bucket holding its size
+    (docs/pytorch.md). `bucket_overflow`: what a call above the largest
+    bucket does, "eager" (runs the callable eagerly, warning once) or
+    "raise" (ValueError).
     """
     # torch's positional order has `pool` fifth, where Transformer Engine
     # has sample_kwargs: a pool handle there is taken as the pool.
@@ -246,6 +255,8 @@ def make_graphed_callables(
             "accumulate_param_grads_into must be None or the name of a parameter attribute ('grad', 'main_grad'), "
             f"not {accumulate_param_grads_into!r}"
         )
+    if bucket_overflow not in _buckets.OVERFLOW:
+        raise ValueError(f"bucket_overflow must be one of {_buckets.OVERFLOW}, not {bucket_overflow!r}")
     if int(num_warmup_iters) < 0:
         raise ValueError(f"num_warmup_iters must be >= 0, got {num_warmup_iters}")
 
@@ -290,6 +301,23 @@ def make_graphed_callables(
                         "(its forward is replaced by its graphs); give it once, or use _order for several microbatches"
                     )
                 seen.add(id(fn))
+    # Buckets: each callable's largest sample, its sizes and dynamic inputs.
+    buckets = [(None, None)] * len(sample_args)
+    if any(isinstance(x, _buckets.Buckets) for x in sample_args + sample_kwargs):
+        if _order is not None:
+            raise ValueError("Buckets need the default order: they cannot be given with _order (a pipeline schedule)")
+        if bucket_overflow == "eager" and accumulate_param_grads_into not in (None, "grad"):
+            raise ValueError(
+                f"bucket_overflow='eager' runs a call above the largest bucket eagerly, whose grads autograd puts in "
+                f".grad, not in .{accumulate_param_grads_into}: pass bucket_overflow='raise'"
+            )
+        sample_args, sample_kwargs = list(sample_args), list(sample_kwargs)
+        for k in range(len(sample_args)):
+            sample_args[k], sample_kwargs[k], sizes, dynamic = _buckets.plan(
+                sample_args[k], sample_kwargs[k], f"sample_args[{k}]"
+            )
+            buckets[k] = (sizes, dynamic)
+        sample_args, sample_kwargs = tuple(sample_args), tuple(sample_kwargs)
     hooks = _hooks.canonicalize(len(callables), capture_time_hooks)
     if _order is None:
         schedule = None
@@ -314,8 +342,13 @@ def make_graphed_callables(
 
     ext = extension()
     names, outputs, specs = [], [], []
+    rows = [None] * len(callables)
     for k, fn in enumerate(callables):
         name, out, spec = callable_spec(ext, k, fn, bindings[k], hooks[k])
+        sizes, dynamic = buckets[k]
+        if sizes is not None:
+            spec.update(bucket_sizes=sizes, dynamic_inputs=dynamic)
+            rows[k] = _buckets.Rows(dynamic.index(True), sizes[-1], bucket_overflow, name)
         names.append(name)
         outputs.append(out)
         specs.append(spec)
@@ -364,7 +397,7 @@ def make_graphed_callables(
         fn = callables[k]
         module = fn if isinstance(fn, torch.nn.Module) else None
         eager = fn.forward if module is not None else fn
-        return GraphedCallable(graphs[k][m], bindings[k], outputs[k], module, training, eager, session)
+        return GraphedCallable(graphs[k][m], bindings[k], outputs[k], module, training, eager, session, rows[k])
 
     if schedule is not None:
         return tuple(wrap(k, m) for k, m in entries)
