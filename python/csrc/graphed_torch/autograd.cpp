@@ -172,7 +172,8 @@ struct GraphedBackward : public torch::autograd::Node {
         std::vector<at::Tensor> contiguous;
         std::vector<const void*> data;
         contiguous.reserve(c->out.size());
-        const std::vector<Meta> outs = Callable::sized(c->out, c->out_dyn, rows);
+        std::vector<Meta> buf;
+        const std::vector<Meta>& outs = Callable::sized(c->out, c->out_dyn, rows, buf);
         size_t k = 0;
         for (size_t i = 0; i < c->out.size(); ++i) {
             if (!c->out[i].requires_grad) {
@@ -197,7 +198,8 @@ struct GraphedBackward : public torch::autograd::Node {
         s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
         torch::autograd::variable_list result;
         result.reserve(g.inputs.size() + g.params.size());
-        const std::vector<Meta> ins = Callable::sized(c->in, c->in_dyn, rows);
+        std::vector<Meta> in_buf;
+        const std::vector<Meta>& ins = Callable::sized(c->in, c->in_dyn, rows, in_buf);
         for (size_t i = 0; i < g.inputs.size(); ++i)
             result.push_back(g.inputs[i].kind() == GRAPHED_REF_KIND_NONE
                                  ? at::Tensor()
@@ -346,7 +348,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
-    const std::vector<Meta> outs = Callable::sized(c->out, c->out_dyn, rows);
+    std::vector<Meta> buf;
+    const std::vector<Meta>& outs = Callable::sized(c->out, c->out_dyn, rows, buf);
     for (size_t i = 0; i < refs.size(); ++i)
         result.push_back(s.wrap_alias(
             refs[i], outs[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));

@@ -19,7 +19,8 @@ std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins
     std::vector<at::Tensor> outs = forward(ins);
     // The outputs this bucket must give (the first warmup iteration's, with
     // the bucket's rows where they follow it).
-    const std::vector<Meta> want = outputs_known ? sized(out, out_dyn, rows) : std::vector<Meta>();
+    std::vector<Meta> buf;
+    const std::vector<Meta>& want = sized(out, out_dyn, rows, buf);
     if (outputs_known && outs.size() != out.size())
         throw std::runtime_error("callable '" + name + "' returned " + std::to_string(outs.size()) + " outputs; it returned " +
                                  std::to_string(out.size()) + " in the first warmup iteration");
@@ -164,11 +165,12 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
         if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs
         HookEvent e = hook_event(ctx, true);
         const int64_t rows = rows_of(ctx);
+        std::vector<Meta> buf;
         if (pass == Pass::Forward) {
-            c->pass_inputs = wrap_static(ctx->inputs, Callable::sized(c->in, c->in_dyn, rows), s.device, s.opts.training);
+            c->pass_inputs = wrap_static(ctx->inputs, Callable::sized(c->in, c->in_dyn, rows, buf), s.device, s.opts.training);
             e.inputs = &c->pass_inputs;
         } else {
-            c->pass_gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->out, c->out_dyn, rows), s.device, false);
+            c->pass_gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->out, c->out_dyn, rows, buf), s.device, false);
             e.grad_outputs = &c->pass_gouts;
         }
         if (c->hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });

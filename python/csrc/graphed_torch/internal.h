@@ -259,13 +259,15 @@ struct Callable {
         return j < param_names.size() ? param_names[j] : "parameter " + std::to_string(j);
     }
     // `metas` (in or out) with `rows` as the first dimension of the
-    // dynamic ones (`dyn`); themselves when `rows` is 0 (no buckets).
-    static std::vector<Meta> sized(const std::vector<Meta>& metas, const std::vector<bool>& dyn, int64_t rows) {
-        std::vector<Meta> v = metas;
-        if (rows > 0)
-            for (size_t i = 0; i < v.size() && i < dyn.size(); ++i)
-                if (dyn[i]) v[i].sizes[0] = rows;
-        return v;
+    // dynamic ones (`dyn`), built in `buf`; `metas` itself, not copied,
+    // when `rows` is 0 (no buckets: the replays' usual path).
+    static const std::vector<Meta>& sized(const std::vector<Meta>& metas, const std::vector<bool>& dyn, int64_t rows,
+                                          std::vector<Meta>& buf) {
+        if (rows <= 0) return metas;
+        buf = metas;
+        for (size_t i = 0; i < buf.size() && i < dyn.size(); ++i)
+            if (dyn[i]) buf[i].sizes[0] = rows;
+        return buf;
     }
     // The bucket of a call of `rows` rows: the smallest holding it.
     size_t bucket_of(int64_t rows) const {
