@@ -18,36 +18,28 @@ driver's (torch.cuda.mem_get_info around each capture).
     python3 benches/torch_varlen.py --out torch_varlen.md
 """
 import argparse
+import os
 import random
 import statistics
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import graphed.torch as gt
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python", "tests"))
+from _models import CausalBlock  # noqa: E402
+from torch_accumulate import event_ms  # noqa: E402
+from torch_buckets import taken  # noqa: E402
 
-
-class Block(nn.Module):
-    def __init__(self, hidden, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        t, b, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(t, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.permute(2, 0, 1, 3).reshape(t, b, h))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+import graphed.torch as gt  # noqa: E402
 
 
 class Model:
     def __init__(self, a, seed=0):
         torch.manual_seed(seed)
-        self.blocks = [Block(a.hidden, a.heads).cuda() for _ in range(a.layers)]
+        self.blocks = [CausalBlock(a.hidden, a.heads).cuda() for _ in range(a.layers)]
         self.emb = nn.Embedding(a.vocab, a.hidden).cuda()
         self.calls = list(self.blocks)
         params = [p for b in self.blocks for p in b.parameters()] + list(self.emb.parameters())
@@ -68,25 +60,6 @@ class Model:
         loss.backward()
         self.opt.step()
         return loss
-
-
-def event_ms(fn):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
-
-
-def driver_mib(build):
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free0, _ = torch.cuda.mem_get_info()
-    out = build()
-    torch.cuda.synchronize()
-    free1, _ = torch.cuda.mem_get_info()
-    return out, (free0 - free1) / 2**20
 
 
 def main():
@@ -117,12 +90,12 @@ def main():
             return gt.make_graphed_callables(tuple(graphed.blocks), tuple(sample for _ in graphed.blocks))
 
     # One shape (the largest) first, for the memory comparison, then released.
-    one, one_mib = driver_mib(lambda: capture([largest]))
+    one, one_mib, _ = taken(lambda: capture([largest]))
     one_stats = one[0].session_stats()
     for m in one:
         m.reset()
     del one
-    calls, buckets_mib = driver_mib(lambda: capture(sizes))
+    calls, buckets_mib, _ = taken(lambda: capture(sizes))
     graphed.calls = list(calls)
     stats = calls[0].session_stats()
 

@@ -111,3 +111,23 @@ def assert_all_equal(got, want):
 
 def deep(x):
     return copy.deepcopy(x)
+
+
+class CausalBlock(nn.Module):
+    """A causal pre-LayerNorm transformer block over (seq, batch, hidden):
+    padding appended to the sequence is never attended by real tokens
+    (the bucket tests, and benches/torch_varlen.py)."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        t, b, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(t, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.permute(2, 0, 1, 3).reshape(t, b, h))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))

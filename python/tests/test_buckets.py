@@ -23,6 +23,7 @@ if torch is not None:
     import torch.nn.functional as F
 
     import graphed.torch as gt
+    from _models import CausalBlock
     from graphed.torch import _buckets
 
 pytestmark = needs_torch
@@ -37,24 +38,6 @@ def mlp(seed=0, dtype=None):
     return nn.Sequential(
         nn.Linear(WIDTH, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, WIDTH)
     ).cuda().to(dtype or torch.float32)
-
-
-class Block(nn.Module):
-    """A causal pre-LayerNorm transformer block over (seq, batch, hidden)."""
-
-    def __init__(self, hidden=WIDTH, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        t, b, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(t, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.permute(2, 0, 1, 3).reshape(t, b, h))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 def pad(x, rows):
@@ -131,7 +114,7 @@ def test_owned_grads_of_one_bucket_survive_the_next():
 
 def block_stack(seed, n_blocks=2):
     torch.manual_seed(seed)
-    return [Block().cuda() for _ in range(n_blocks)]
+    return [CausalBlock(WIDTH, 4).cuda() for _ in range(n_blocks)]
 
 
 @needs_gpu
