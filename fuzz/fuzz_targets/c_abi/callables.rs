@@ -111,8 +111,8 @@ pub fn op_add_callable() {
     // Shapes given to DYNAMIC tensors of a bucketed callable (set where the
     // tensor is made, so the shapes attached below leave them alone).
     let mut dyn_shapes: Vec<Vec<i64>> = Vec::new();
-    // Per DYNAMIC tensor (flags exactly 8): its shape[0] is the largest
-    // bucket.
+    // Per DYNAMIC tensor (flags 8, or 9 with EXTERNAL): its shape[0] is the
+    // largest bucket.
     let mut dyn_first_ok: Vec<bool> = Vec::new();
     for (side, list) in tensors.iter_mut().enumerate() {
         for _ in 0..i.pick(&[1, 1, 2, 0, 3]) {
@@ -122,9 +122,9 @@ pub fn op_add_callable() {
             let (bytes, ok) = fuzz_bytes(ds);
             d.bytes = bytes;
             d.requires_grad = i.pick(&[1, 0, 1, 2]);
-            // 8: DYNAMIC (refused without buckets, which these callables
-            // never have; with 1 or 4 refused as a combination); 4: rebound
-            // (an input, or an output's
+            // 8: DYNAMIC (refused without buckets; with EXTERNAL, 9, the
+            // buffer each bucket's capture provides; with REBIND refused as
+            // a combination); 4: rebound (an input, or an output's
             // grad-output; the host backend refuses at capture and copies,
             // which the replay checks below see). Chained inputs (2) are
             // covered by tests/chain_and_steps.rs, not here.
@@ -137,10 +137,15 @@ pub fn op_add_callable() {
                 // Bucketed callables: DYNAMIC often.
                 d.flags = 8;
             }
-            if bucketed && d.flags & 8 == 0 {
-                // EXTERNAL on a bucketed callable: not generated.
-                d.flags &= !1;
+            if d.flags & 9 == 1 && i.chance(if bucketed && d.flags == 1 { 200 } else { 24 }) {
+                // EXTERNAL and DYNAMIC together (9): on a bucketed callable
+                // mostly, each bucket's capture providing its own buffer;
+                // without buckets refused as DYNAMIC alone is; with REBIND
+                // too (13) refused as the flags are read.
+                d.flags |= 8;
             }
+            // DYNAMIC as the flags are read: alone or with EXTERNAL.
+            let dynamic_ok = d.flags == 8 || d.flags == 9;
             let mut shape_err = None;
             match i.below(8) {
                 0 => {
@@ -156,7 +161,7 @@ pub fn op_add_callable() {
                 }
                 _ => {}
             }
-            if d.flags == 8 && bucketed && d.ndim == 0 && ds > 0 {
+            if dynamic_ok && bucketed && d.ndim == 0 && ds > 0 {
                 // A shape whose first dimension is the largest bucket when
                 // the elements divide (else [elements] or [1, elements]).
                 let elems = (bytes / ds) as u64;
@@ -172,27 +177,30 @@ pub fn op_add_callable() {
                 d.shape = s.as_ptr();
                 let holds = s
                     .iter()
-                    .try_fold(1u64, |a, &x| if x < 0 { None } else { a.checked_mul(x as u64) })
+                    .try_fold(
+                        1u64,
+                        |a, &x| if x < 0 { None } else { a.checked_mul(x as u64) },
+                    )
                     .and_then(|p| p.checked_mul(ds as u64))
                     == Some(bytes as u64);
                 if !holds && d.dtype <= 8 {
                     check_err.get_or_insert(S::InvalidArgument);
                 }
                 dyn_shapes.push(s);
-            } else if d.flags == 8 && bucketed {
+            } else if dynamic_ok && bucketed {
                 // No readable shape, or one given above: the first
                 // dimension is not known to be the largest bucket.
                 dyn_first_ok.push(false);
             }
             // In the library's order: flags, shape, dtype, requires_grad.
-            // Unknown bits, and DYNAMIC (8) with CHAINED, EXTERNAL or
-            // REBIND, are refused as the flags are read.
-            if d.flags & !15 != 0 || (d.flags & 8 != 0 && d.flags & 7 != 0) {
+            // Unknown bits, and DYNAMIC (8) with CHAINED or REBIND, are
+            // refused as the flags are read (with EXTERNAL it is not).
+            if d.flags & !15 != 0 || (d.flags & 8 != 0 && d.flags & 6 != 0) {
                 conv_err.get_or_insert(S::InvalidArgument);
             }
-            if d.flags == 8 && !bucketed {
-                // DYNAMIC alone: refused after every tensor's own checks,
-                // since the callable has no buckets.
+            if dynamic_ok && !bucketed {
+                // DYNAMIC (alone or with EXTERNAL): refused after every
+                // tensor's own checks, since the callable has no buckets.
                 bucket_err = Some(S::InvalidArgument);
             }
             if let Some(e) = shape_err {
@@ -462,7 +470,15 @@ pub fn op_add_callable() {
             if out_null { null_mut() } else { &mut index },
         )
     };
-    drop((tin, tout, tpar, desc_buf, shape_store, dyn_shapes, bucket_store));
+    drop((
+        tin,
+        tout,
+        tpar,
+        desc_buf,
+        shape_store,
+        dyn_shapes,
+        bucket_store,
+    ));
     expect(
         st,
         &[want.unwrap_or(S::Ok)],

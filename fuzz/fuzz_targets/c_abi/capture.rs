@@ -62,24 +62,50 @@ pub fn decide(sess: usize, e: graphed_status) {
 /// What capture answers for a session with a bucketed callable, found
 /// where the order of passes is derived, before anything runs: the
 /// schedule's own refusal, then buckets with a pipeline schedule (any
-/// schedule given) or in a step. None: the capture goes ahead, in bucket
-/// rounds (each callback checks its bucket fields and the frame keys its
-/// passes by bucket). Some((status, also accepted)).
-fn bucket_refusal(s: &Sess) -> Option<(graphed_status, bool)> {
+/// schedule given) or in a step, then the device's choice
+/// (bucket_choice_on_device) over a bucketed callable with an external
+/// buffer (see `device_over_external`). None: the capture goes ahead, in
+/// bucket rounds (each callback checks its bucket fields and the frame
+/// keys its passes by bucket). Some((status, also accepted, words the
+/// message must hold)).
+fn bucket_refusal(s: &Sess) -> Option<(graphed_status, bool, Option<&'static str>)> {
     match schedule_fits(s) {
-        Some(false) => return Some((S::InvalidSchedule, false)),
+        Some(false) => return Some((S::InvalidSchedule, false, None)),
         // A fuzzed schedule: refused as a schedule or for the buckets.
-        None => return Some((S::InvalidArgument, true)),
+        None => return Some((S::InvalidArgument, true, None)),
         Some(true) => {}
     }
     if matches!(s.sched, Some(Some(_))) {
-        return Some((S::InvalidArgument, false));
+        return Some((S::InvalidArgument, false, None));
     }
-    let in_step = s
-        .steps
-        .iter()
-        .any(|st| st.callables.iter().any(|&c| !s.callables[c].buckets.is_empty()));
-    in_step.then_some((S::InvalidArgument, false))
+    let in_step = s.steps.iter().any(|st| {
+        st.callables
+            .iter()
+            .any(|&c| !s.callables[c].buckets.is_empty())
+    });
+    if in_step {
+        return Some((S::InvalidArgument, false, None));
+    }
+    device_over_external(s).then_some((
+        S::InvalidArgument,
+        false,
+        Some("bucket_choice_on_device needs buffers the library places"),
+    ))
+}
+
+/// Whether the device would choose the bucket of a callable whose capture
+/// provides buffers of its own, each bucket its own (the host could not say
+/// where a replay's results are): an external output, the grad of an
+/// external input that requires grad, or a parameter flagged EXTERNAL_GRAD
+/// (the flag alone, grad or not, as the library checks it).
+fn device_over_external(s: &Sess) -> bool {
+    s.bucket_device
+        && s.callables.iter().any(|c| {
+            !c.buckets.is_empty()
+                && (c.outputs.iter().any(|t| t.external)
+                    || c.inputs.iter().any(|t| t.external && t.grad)
+                    || c.params.iter().any(|p| p.external))
+        })
 }
 
 pub fn op_capture(t: Target) {
@@ -87,6 +113,8 @@ pub fn op_capture(t: Target) {
     let mut want = t.lock();
     let mut pre_only = false;
     let mut lenient_sched = false;
+    // What a bucket refusal's message must say.
+    let mut refusal_says = None;
     if want.is_none() {
         let Target::Live(k) = t else { unreachable!() };
         let ss = wd.sessions.borrow();
@@ -102,8 +130,9 @@ pub fn op_capture(t: Target) {
             St::Reset => Some(S::SessionReset),
             St::Open if s.callables.is_empty() => Some(S::WrongState),
             St::Open if refusal.is_some() => {
-                let (e, lenient) = refusal.unwrap();
+                let (e, lenient, says) = refusal.unwrap();
                 lenient_sched = lenient;
+                refusal_says = says;
                 Some(e)
             }
             St::Open => match schedule_fits(s) {
@@ -177,6 +206,13 @@ pub fn op_capture(t: Target) {
                 )
             } else {
                 expect(st, &[e], "graphed_session_capture", "capture before warmup")
+            }
+            if let Some(t) = refusal_says {
+                let m = msg();
+                assert!(
+                    m.contains(t),
+                    "capture refused buckets: {m:?} does not say {t:?}"
+                );
             }
         }
         (Some(f), None) => {
@@ -302,7 +338,11 @@ pub fn after_capture(k: usize) {
     if bucketed && bucket_device {
         // Chosen on the device: choosing graphs besides (a count the model
         // does not follow).
-        assert!(st.graph_count > graphs * mb, "graph count {} with device choice", st.graph_count);
+        assert!(
+            st.graph_count > graphs * mb,
+            "graph count {} with device choice",
+            st.graph_count
+        );
     } else {
         assert_eq!(st.graph_count, graphs * mb, "graph count");
     }
@@ -348,13 +388,17 @@ pub fn after_capture(k: usize) {
                         _ => false,
                     };
                     if ext {
+                        // With buckets, microbatch 0 is the largest
+                        // bucket's instance: the buffers its capture
+                        // provided.
+                        let bucket = cl.buckets.len().saturating_sub(1) as u32;
                         let e = wd
                             .ext
                             .borrow()
                             .get(&(
                                 k,
                                 c,
-                                m,
+                                ext_key(m, bucket),
                                 [0, ROLE_OUT, 0, ROLE_GIN, ROLE_PARAM][role as usize],
                                 j,
                             ))

@@ -102,6 +102,16 @@ pub enum FRows {
     Device,
 }
 
+/// The bucket a replay of `cl` running `rows` runs: the smallest that holds
+/// the rows the host chose (0 without buckets, and when the device chooses,
+/// which it never does over external buffers).
+pub fn bucket_run(cl: &Callable, rows: Option<FRows>) -> u32 {
+    match rows {
+        Some(FRows::Host(n)) => cl.buckets.iter().position(|&b| b >= n).unwrap_or(0) as u32,
+        _ => 0,
+    }
+}
+
 /// A declared step: its callables, one destination per parameter of
 /// theirs, in order (0: none), its microbatch count, its copies in and
 /// out (graphed_step_io, into memory of `mem`), and whether it loops on
@@ -198,6 +208,10 @@ pub struct Lease {
     pub token: u64,
     /// (callable, microbatch, what: 0 output, 1 grad input, 2 param, index)
     pub slot: (usize, u32, u8, usize),
+    /// On an external buffer, the bucket whose capture provided it (only
+    /// that bucket's replays overwrite it); None on a buffer the library
+    /// placed, which every bucket of the callable shares.
+    pub bucket: Option<u32>,
 }
 
 /// A handle a callback kept past its call.
@@ -345,6 +359,14 @@ pub fn mem(bytes: usize, off: usize) -> usize {
     p
 }
 
+/// Where external memory is kept for an instance: its microbatch, and with
+/// buckets the bucket above bit 16 (each bucket's capture provides buffers
+/// of its own, and a replay returns those of the bucket it ran).
+pub fn ext_key(mb: u32, bucket: u32) -> u32 {
+    mb | bucket << 16
+}
+
+/// The external memory of (session, callable, `ext_key`, role, index).
 pub fn ext_mem(s: usize, c: usize, mb: u32, role: u32, i: usize, bytes: usize) -> usize {
     if let Some(&p) = w().ext.borrow().get(&(s, c, mb, role, i)) {
         return p;

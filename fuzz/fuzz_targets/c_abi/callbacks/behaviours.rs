@@ -21,7 +21,9 @@ pub(super) struct Behaviour {
 pub(super) fn fuzzed_behaviours(ctx: &graphed_pass_ctx, cb: &Cb, seen: &Seen) -> Behaviour {
     let wd = w();
     let i = &wd.input;
-    let (cl, mb, pass) = (&seen.cl, seen.mb, seen.pass);
+    let (cl, pass) = (&seen.cl, seen.pass);
+    // The external memory of this call's instance (and bucket).
+    let ek = ext_key(seen.mb, seen.bucket);
     let (capture_phase, measuring) = (seen.capture_phase, seen.measuring);
     let shallow = wd.depth.get() < 3;
     let mut code = 0;
@@ -192,7 +194,7 @@ pub(super) fn fuzzed_behaviours(ctx: &graphed_pass_ctx, cb: &Cb, seen: &Seen) ->
                 let p = if null_ptr {
                     0
                 } else {
-                    ext_mem(cb.sess, cb.callable, mb, 100 + role, index.min(8), 64)
+                    ext_mem(cb.sess, cb.callable, ek, 100 + role, index.min(8), 64)
                 };
                 let want = if ctx.capture.is_null() {
                     S::WrongState
@@ -217,7 +219,7 @@ pub(super) fn fuzzed_behaviours(ctx: &graphed_pass_ctx, cb: &Cb, seen: &Seen) ->
                         .iter()
                         .find(|&&(r, j, _)| r == role && j == index)
                         .unwrap();
-                    let q = ext_mem(cb.sess, cb.callable, mb, role, index, bytes);
+                    let q = ext_mem(cb.sess, cb.callable, ek, role, index, bytes);
                     let r = graphed_pass_set_buffer(ctx.capture, role, index, q as *mut c_void);
                     expect(r, &[S::Ok], "graphed_pass_set_buffer", "declared");
                     provided.push((role, index));

@@ -11,6 +11,9 @@ pub(super) struct Seen {
     pub sess_h: usize,
     pub capture_phase: bool,
     pub mb: u32,
+    /// The bucket it records (0 without buckets): its external buffers
+    /// are that bucket's own.
+    pub bucket: u32,
     pub pass: u32,
     pub outputs: Vec<usize>,
     pub gins: Vec<usize>,
@@ -77,10 +80,20 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         );
         assert!(ctx.actual_size.is_null(), "actual_size without buckets");
     } else {
-        assert_eq!(ctx.num_buckets as usize, cl.buckets.len(), "ctx.num_buckets");
+        assert_eq!(
+            ctx.num_buckets as usize,
+            cl.buckets.len(),
+            "ctx.num_buckets"
+        );
         assert!(ctx.bucket < ctx.num_buckets, "ctx.bucket {}", ctx.bucket);
-        assert_eq!(ctx.bucket_size, cl.buckets[ctx.bucket as usize], "ctx.bucket_size");
-        assert!(!ctx.actual_size.is_null(), "actual_size of a bucketed callable");
+        assert_eq!(
+            ctx.bucket_size, cl.buckets[ctx.bucket as usize],
+            "ctx.bucket_size"
+        );
+        assert!(
+            !ctx.actual_size.is_null(),
+            "actual_size of a bucketed callable"
+        );
     }
     assert_eq!(ctx.num_inputs, cl.inputs.len());
     assert_eq!(ctx.num_outputs, cl.outputs.len());
@@ -113,14 +126,17 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
     let gins = arr(ctx.grad_inputs, ctx.num_inputs);
     let pgrads = arr(ctx.param_grads, ctx.num_params);
     // An external buffer reads 0 until the pass that writes it was captured
-    // and handed it over; then the address it handed over.
+    // and handed it over; then the address it handed over (with buckets,
+    // the capture of this bucket's pass).
     let ext_ok = |p: usize, role: u32, j: usize| {
         p == 0
-            || w()
-                .ext
-                .borrow()
-                .get(&(cb.sess, cb.callable, ctx.microbatch, role, j))
-                == Some(&p)
+            || w().ext.borrow().get(&(
+                cb.sess,
+                cb.callable,
+                ext_key(ctx.microbatch, ctx.bucket),
+                role,
+                j,
+            )) == Some(&p)
     };
     for (j, t) in cl.inputs.iter().enumerate() {
         assert_ne!(inputs[j], 0);
@@ -246,6 +262,7 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         sess_h,
         capture_phase,
         mb,
+        bucket: ctx.bucket,
         pass,
         outputs,
         gins,

@@ -91,6 +91,8 @@ pub(super) fn pass_work(
     let mut grads = usize::MAX;
     let s = cb.sess;
     let c = cb.callable;
+    // Its external memory: this bucket's own (see `ext_key`).
+    let ek = ext_key(mb, seen.bucket);
     if !cb.hook && code == 0 {
         // SAFETY: the tape slot is valid during the call.
         let tape = unsafe { &mut *ctx.tape };
@@ -138,7 +140,7 @@ pub(super) fn pass_work(
             0 => {
                 for (j, t) in cl.outputs.iter().enumerate() {
                     let p = if t.external {
-                        ext_mem(s, c, mb, ROLE_OUT, j, t.bytes)
+                        ext_mem(s, c, ek, ROLE_OUT, j, t.bytes)
                     } else {
                         outputs[j]
                     };
@@ -150,7 +152,7 @@ pub(super) fn pass_work(
                     for (j, t) in cl.inputs.iter().enumerate() {
                         if t.grad {
                             let p = if t.external {
-                                ext_mem(s, c, mb, ROLE_GIN, j, t.bytes)
+                                ext_mem(s, c, ek, ROLE_GIN, j, t.bytes)
                             } else {
                                 gins[j]
                             };
@@ -163,7 +165,7 @@ pub(super) fn pass_work(
                     for (j, p) in cl.params.iter().enumerate() {
                         if p.grad {
                             let q = if p.external {
-                                ext_mem(s, c, mb, ROLE_PARAM, j, p.bytes)
+                                ext_mem(s, c, ek, ROLE_PARAM, j, p.bytes)
                             } else {
                                 pgrads[j]
                             };
@@ -175,7 +177,7 @@ pub(super) fn pass_work(
         }
         if capture_phase && !skip_provide {
             for (role, j, bytes) in externals(cl, pass) {
-                let q = ext_mem(s, c, mb, role, j, bytes);
+                let q = ext_mem(s, c, ek, role, j, bytes);
                 let r = graphed_pass_set_buffer(ctx.capture, role, j, q as *mut c_void);
                 let again = provided.contains(&(role, j));
                 let want = if seen.in_step {
@@ -189,7 +191,8 @@ pub(super) fn pass_work(
                 if seen.in_step {
                     let m = msg();
                     assert!(
-                        m.contains("in the capture of step") && m.contains("write the results there"),
+                        m.contains("in the capture of step")
+                            && m.contains("write the results there"),
                         "graphed_pass_set_buffer in a step's capture: {m:?}"
                     );
                 }

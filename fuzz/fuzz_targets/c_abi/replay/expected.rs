@@ -187,11 +187,15 @@ pub(super) fn expected(t: Target, kind: u32, built: &Built) -> Expected {
         first(&mut after_params, st0);
         first(&mut after_params, st1);
         if *strict && !*reuse {
-            // Without reuse, a replay overwrites its own instance's aliases.
+            // Without reuse, a replay overwrites its own instance's aliases:
+            // with buckets, those every bucket shares, and the external
+            // buffers of the bucket it runs (each bucket's own).
+            let bucket = cl.map(|cl| bucket_run(cl, built.bucket_rows));
             let held = wd.leases.borrow().iter().any(|l| {
                 l.sess == sess.unwrap()
                     && l.slot.0 == c as usize
                     && l.slot.1 == mb
+                    && (l.bucket.is_none() || l.bucket == bucket)
                     && match kind {
                         0 => l.slot.2 == 0,
                         1 => l.slot.2 == 1 || (l.slot.2 == 2 && !cl.is_some_and(|c| c.wgrad)),

@@ -106,6 +106,14 @@ pub(super) fn check_results(kind: u32, func: &str, epoch: u8, built: Built) {
     };
     let k = sess.unwrap();
     let cl = cl.unwrap();
+    // The external buffers it returns: those its bucket's capture provided.
+    let bucket = bucket_run(&cl, bucket_rows);
+    let ext_of = |role: u32, j: usize| {
+        wd.ext
+            .borrow()
+            .get(&(k, c as usize, ext_key(mb, bucket), role, j))
+            .copied()
+    };
     let strict = model.as_ref().unwrap().3;
     // ---- results ----
     let refs1: Vec<RefView> = (0..n1).map(|j| read_ref(&buf1, j * stride)).collect();
@@ -135,10 +143,17 @@ pub(super) fn check_results(kind: u32, func: &str, epoch: u8, built: Built) {
             "{func}: {what}/{j} does not hold what the graph wrote"
         );
         if r.lease != 0 {
+            // An external buffer is its bucket's own.
+            let external = match what {
+                0 => cl.outputs[j].external,
+                1 => cl.inputs[j].external,
+                _ => cl.params[j].external,
+            };
             new_leases.push(Lease {
                 sess: k,
                 token: r.lease,
                 slot: (c as usize, mb, what, j),
+                bucket: external.then_some(bucket),
             });
         }
     };
@@ -155,10 +170,8 @@ pub(super) fn check_results(kind: u32, func: &str, epoch: u8, built: Built) {
                 if t.external {
                     assert_eq!(
                         Some(refs1[j].ptr),
-                        wd.ext
-                            .borrow()
-                            .get(&(k, c as usize, mb, ROLE_OUT, j))
-                            .copied()
+                        ext_of(ROLE_OUT, j),
+                        "{func}: external output {j} (bucket {bucket}) is not the buffer provided"
                     );
                 }
             }
@@ -173,6 +186,13 @@ pub(super) fn check_results(kind: u32, func: &str, epoch: u8, built: Built) {
                         1,
                         j,
                     );
+                    if t.external {
+                        assert_eq!(
+                            Some(refs1[j].ptr),
+                            ext_of(ROLE_GIN, j),
+                            "{func}: external grad of input {j} (bucket {bucket}) is not the buffer provided"
+                        );
+                    }
                 } else {
                     let r = &refs1[j];
                     assert_eq!(
@@ -255,7 +275,7 @@ pub(super) fn check_results(kind: u32, func: &str, epoch: u8, built: Built) {
             .leases
             .borrow()
             .iter()
-            .any(|h| h.sess == k && h.slot == l.slot);
+            .any(|h| h.sess == k && h.slot == l.slot && h.bucket == l.bucket);
         assert!(
             !held,
             "{func} handed out a second lease on {:?} while the first is held",

@@ -111,6 +111,8 @@ pub(super) fn check_step_refs(
                         sess: k,
                         token: r.lease,
                         slot: (*c, 0, 2, *j),
+                        // Steps hold no callable with buckets.
+                        bucket: None,
                     });
                 }
             }
