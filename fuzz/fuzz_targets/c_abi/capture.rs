@@ -96,15 +96,15 @@ fn bucket_refusal(s: &Sess) -> Option<(graphed_status, bool, Option<&'static str
 /// Whether the device would choose the bucket of a callable whose capture
 /// provides buffers of its own, each bucket its own (the host could not say
 /// where a replay's results are): an external output, the grad of an
-/// external input that requires grad, or a parameter flagged EXTERNAL_GRAD
-/// (the flag alone, grad or not, as the library checks it).
+/// external input that requires grad, or the grad of a parameter flagged
+/// EXTERNAL_GRAD that requires grad.
 fn device_over_external(s: &Sess) -> bool {
     s.bucket_device
         && s.callables.iter().any(|c| {
             !c.buckets.is_empty()
                 && (c.outputs.iter().any(|t| t.external)
                     || c.inputs.iter().any(|t| t.external && t.grad)
-                    || c.params.iter().any(|p| p.external))
+                    || c.params.iter().any(|p| p.external && p.grad))
         })
 }
 

@@ -73,7 +73,10 @@ fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
         for c in s.callables.iter().filter(|c| !c.buckets.is_empty()) {
             let outputs = c.outputs.iter().position(|t| t.external);
             let grads = c.inputs.iter().position(|t| t.external && t.requires_grad);
-            let params = c.params.iter().position(|p| p.external_grad());
+            let params = c
+                .params
+                .iter()
+                .position(|p| p.external_grad() && p.requires_grad);
             let what = match (outputs, grads, params) {
                 (Some(o), _, _) => format!("output {o}"),
                 (_, Some(i), _) => format!("the grad of input {i}"),
