@@ -9,7 +9,7 @@ and bound. Models: an MLP with LayerNorm and GELU, and causal
 transformer blocks in sequence-first layout (padding at the end of the
 sequence is never attended by real tokens), trained with AdamW, gradient
 accumulation and bf16 autocast; also the call above the largest bucket,
-owned grads across buckets, and every refusal (the pure-Python ones run
+owned grads and strict leases across buckets, and every refusal (the pure-Python ones run
 without a GPU)."""
 import math
 import warnings
@@ -109,6 +109,24 @@ def test_owned_grads_of_one_bucket_survive_the_next():
             p.grad = None
     torch.cuda.synchronize()
     assert_equal(kept, copies, "a grad kept from the first call")
+    graphed.reset()
+
+
+@needs_gpu
+def test_strict_leases_hold_each_buckets_own_outputs():
+    """A bucket's outputs are its own PyTorch tensors: an output held from
+    one bucket refuses that bucket's next replay (strict_leases), not
+    another bucket's."""
+    graphed = gt.make_graphed_callables(
+        mlp(), gt.Buckets(*[(torch.randn(s, WIDTH, device="cuda"),) for s in SIZES]), strict_leases=True
+    )
+    with torch.no_grad():
+        y = graphed(torch.randn(10, WIDTH, device="cuda"))
+        graphed(torch.randn(40, WIDTH, device="cuda"))
+        with pytest.raises(gt.AliasHeldError):
+            graphed(torch.randn(12, WIDTH, device="cuda"))
+        del y
+        assert graphed(torch.randn(12, WIDTH, device="cuda")).shape == (12, WIDTH)
     graphed.reset()
 
 
