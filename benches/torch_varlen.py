@@ -62,6 +62,11 @@ class Model:
         return loss
 
 
+def ratio(a, b):
+    """a / b as "1.234x", or "-" where b is 0 (PyTorch's memory, not graphed's)."""
+    return f"{a / b:.3f}x" if b else "-"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=6)
@@ -135,8 +140,8 @@ def main():
         "|---|---|---|---|",
         f"| one shape ({largest}) | {one_stats['static_bytes']} | {one_stats['scratch_bytes']} | {one_mib:.1f} |",
         f"| {len(sizes)} buckets | {stats['static_bytes']} | {stats['scratch_bytes']} | {buckets_mib:.1f} |",
-        f"| ratio | {stats['static_bytes'] / one_stats['static_bytes']:.3f}x | "
-        f"{stats['scratch_bytes'] / max(one_stats['scratch_bytes'], 1):.3f}x | {buckets_mib / one_mib:.2f}x |",
+        f"| ratio | {ratio(stats['static_bytes'], one_stats['static_bytes'])} | "
+        f"{ratio(stats['scratch_bytes'], one_stats['scratch_bytes'])} | {ratio(buckets_mib, one_mib)} |",
     ]
     text = "\n".join(out) + "\n"
     print(text)

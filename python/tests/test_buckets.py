@@ -41,8 +41,9 @@ def mlp(seed=0, dtype=None):
 
 
 def pad(x, rows):
-    """`x` with zero rows appended up to `rows` (its first dimension)."""
-    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))]) if rows > x.shape[0] else x
+    """A new tensor: `x` with zero rows appended up to `rows` (its first
+    dimension)."""
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
 
 
 def bucket_of(n, sizes=SIZES):
@@ -267,7 +268,7 @@ def test_dynamic_and_fixed_inputs_and_outputs():
     g = gt.make_graphed_callables(
         Pair(), gt.Buckets(*[(torch.randn(s, 4, device="cuda"), torch.randn(s, 4, device="cuda")) for s in SIZES])
     )
-    with pytest.raises(ValueError, match="rows; its dynamic inputs give the call's size together"):
+    with pytest.raises(ValueError, match="argument 1 has 6 rows and argument 0 5; its dynamic inputs give the call's size together"):
         g(torch.randn(5, 4, device="cuda"), torch.randn(6, 4, device="cuda"))
     a, b = torch.randn(5, 4, device="cuda"), torch.randn(5, 4, device="cuda")
     assert torch.equal(g(a, b), a + b)
