@@ -342,3 +342,5 @@ def test_options_that_do_not_go_with_buckets_are_refused():
         gt.make_graphed_callables(lin, b, accumulate_param_grads_into="main_grad")
     with pytest.raises(ValueError, match="cannot be given with _order"):
         gt.make_graphed_callables((lin,), (b, b), _order=[1, 1, -1, -1])
+    with pytest.raises(ValueError, match="a step graph holds one shape"):
+        gt.make_graphed_step([lin], nn.MSELoss(), b, torch.zeros(8, 3))

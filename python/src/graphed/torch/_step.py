@@ -188,6 +188,13 @@ def make_graphed_step(
             "accumulate_param_grads_into must name a parameter attribute ('grad', 'main_grad'), "
             f"not {accumulate_param_grads_into!r}"
         )
+    from ._buckets import Buckets
+
+    if isinstance(sample_input, Buckets) or isinstance(sample_target, Buckets):
+        raise ValueError(
+            "make_graphed_step: a step graph holds one shape; Buckets go to make_graphed_callables (each layer "
+            "graphed with its buckets, called as usual)"
+        )
     callables = layers + (loss_fn,)
     for fn in callables:
         _module_checks(fn)
