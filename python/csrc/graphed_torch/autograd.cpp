@@ -229,8 +229,13 @@ int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
     int64_t rows = -1;
     size_t first = 0;
     for (size_t i = 0; i < inputs.size() && i < c.in_dyn.size(); ++i) {
-        if (!c.in_dyn[i] || !inputs[i].defined()) continue;
-        const int64_t n = inputs[i].dim() > 0 ? inputs[i].size(0) : -1;
+        if (!c.in_dyn[i]) continue;
+        if (!inputs[i].defined() || inputs[i].dim() == 0)
+            throw std::invalid_argument("graphed callable '" + c.name + "': " + c.input_name(i) + " is " +
+                                        (inputs[i].defined() ? describe(inputs[i]) : std::string("None")) +
+                                        "; its first dimension is the call's size (buckets up to " +
+                                        std::to_string(c.buckets.back()) + ")");
+        const int64_t n = inputs[i].size(0);
         if (rows < 0) {
             rows = n;
             first = i;
