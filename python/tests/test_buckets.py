@@ -131,6 +131,43 @@ def test_strict_leases_hold_each_buckets_own_outputs():
     graphed.reset()
 
 
+@needs_gpu
+@pytest.mark.parametrize("mode", ["accumulate", "aliases", "eval"])
+def test_grad_policies_and_inference_in_every_bucket(mode):
+    """accumulate_param_grads_into="grad" (two calls of different buckets
+    add into .grad in the graphs), aliased grads (clone_param_grads_on_return
+    =False), and inference (eval mode, forward only): each equal to eager
+    padded to the bucket, bit for bit."""
+    model, ref = mlp(), mlp()
+    if mode == "eval":
+        model.eval()
+        ref.eval()
+    opts = {"accumulate": dict(accumulate_param_grads_into="grad"),
+            "aliases": dict(clone_param_grads_on_return=False), "eval": {}}[mode]
+    graphed = gt.make_graphed_callables(
+        model, gt.Buckets(*[(torch.randn(s, WIDTH, device="cuda"),) for s in SIZES]), **opts
+    )
+    sizes = (7, 50)
+    xs = [torch.randn(n, WIDTH, device="cuda") for n in sizes]
+    gys = [torch.randn(n, WIDTH, device="cuda") for n in sizes]
+    for x, gy in zip(xs, gys):
+        if mode == "aliases":
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+        b = bucket_of(x.shape[0])
+        if mode == "eval":
+            with torch.no_grad():
+                assert torch.equal(graphed(x), ref(pad(x, b))[: x.shape[0]])
+            continue
+        graphed(x).backward(gy)
+        ref(pad(x, b)).backward(pad(gy, b))
+        if mode == "aliases":
+            assert_equal(grads_of(model), grads_of(ref), f"{x.shape[0]} rows: aliased param grad")
+    if mode == "accumulate":
+        assert_equal(grads_of(model), grads_of(ref), "grads of two buckets added into .grad")
+    graphed.reset()
+
+
 def block_stack(seed, n_blocks=2):
     torch.manual_seed(seed)
     return [CausalBlock(WIDTH, 4).cuda() for _ in range(n_blocks)]
