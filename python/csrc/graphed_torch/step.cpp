@@ -136,7 +136,8 @@ void declare_step(Shared& s) {
             st.dsts.push_back(std::move(d));
         }
     }
-    st.rng_key = 3 * s.callables.size() * s.microbatches;
+    // The key after every instance's passes (buckets included).
+    st.rng_key = pass_key(s.instance(s.callables.size(), 0), Pass::Forward);
     // Before any capture: the graph reads it, the capture may not allocate.
     if (st.opts.loop)
         st.loop_inc = at::zeros({int64_t(std::max<size_t>(s.rng.entries.size(), 1))}, options_of(at::kLong, s.device));
