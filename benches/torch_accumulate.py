@@ -39,6 +39,14 @@ def accumulate(model, xs, ts, loss=loss_of):
         loss(model(x), t).backward()
 
 
+def report(text, path):
+    """Prints a bench's report and writes it to `path` (when given)."""
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def event_ms(fn):
     """GPU time of one call of fn (CUDA events around it), in ms."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -182,10 +190,7 @@ def main():
     )
     for r in rows:
         text += "| {} | {:.4f} | {:.4f} | {:.4f} | {:.0f} | {:.0f} | {:.1f} | {:.1f} | {} |\n".format(*r)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import argparse
 
 import torch
 
-from torch_accumulate import gpu_ms, loss_of
+from torch_accumulate import gpu_ms, loss_of, report
 
 SIZES = [32, 64, 96, 128, 160, 192, 224, 256]
 
@@ -157,10 +157,7 @@ def main():
         out.append(f"| {name} | {drv:.1f} | {res:.1f} | {ms:.4f} | {diff:.3g} |")
     out.append(f"| eager | - | - | {e_ms:.4f} (200 rows: {e200_ms:.4f}) | 0 |")
     text = "\n".join(out) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    report(text, a.out)
 
 
 if __name__ == "__main__":

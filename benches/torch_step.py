@@ -56,7 +56,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "torch_extension"))
 from nanogpt import GPT, step_parts  # noqa: E402
 from torch_accumulate import (  # noqa: E402
-    accumulate, event_ms, grads, host_us, loss_of, mlp, none_grads, per_layer_graphs, whole_step_graph,
+    accumulate, event_ms, grads, host_us, loss_of, mlp, none_grads, per_layer_graphs, report, whole_step_graph,
 )
 
 import graphed.torch as gt  # noqa: E402
@@ -305,10 +305,7 @@ def main():
         rows.append(measure(work, n, args))
         torch.cuda.empty_cache()
     text = tables(rows, work, args)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python", "tests"))
 from _models import CausalBlock  # noqa: E402
-from torch_accumulate import event_ms  # noqa: E402
+from torch_accumulate import event_ms, report  # noqa: E402
 from torch_buckets import taken  # noqa: E402
 
 import graphed.torch as gt  # noqa: E402
@@ -144,10 +144,7 @@ def main():
         f"{ratio(stats['scratch_bytes'], one_stats['scratch_bytes'])} | {ratio(buckets_mib, one_mib)} |",
     ]
     text = "\n".join(out) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    report(text, a.out)
 
 
 if __name__ == "__main__":

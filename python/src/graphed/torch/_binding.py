@@ -117,12 +117,21 @@ class Binding:
                             f"with {self.kw_keys}")
         return flat
 
+    def check_structure(self, other, where: str, than: str):
+        """`other` (another Binding) has this one's structure and fixed
+        keyword values, else ValueError naming `where` and `than`."""
+        if other.arg_specs != self.arg_specs or other.kw_keys != self.kw_keys or other.kw_specs != self.kw_specs:
+            raise ValueError(f"{where} has another structure than {than}")
+        for key, va, vb in zip(self.kw_keys, self.kw_values, other.kw_values):
+            for x, y in zip(va, vb):
+                if (x is _TENSOR) != (y is _TENSOR) or (x is not _TENSOR and not _same(x, y)):
+                    raise ValueError(f"{where}: keyword argument '{key}' differs from {than}")
+
     def check_same(self, sample_args, sample_kwargs, where: str):
         """Another sample of the same callable (another microbatch) must
         have the same signature: graphed captures one per callable."""
         other = Binding(sample_args, sample_kwargs)
-        if other.arg_specs != self.arg_specs or other.kw_keys != self.kw_keys or other.kw_specs != self.kw_specs:
-            raise ValueError(f"{where} has another structure than the layer's first microbatch")
+        self.check_structure(other, where, "the layer's first microbatch")
         for name, a, b in zip(self.names, self.samples, other.samples):
             if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.requires_grad != b.requires_grad:
                 raise ValueError(
@@ -130,10 +139,6 @@ class Binding:
                     f"{b.requires_grad}; the layer's first microbatch has shape {list(a.shape)}, {a.dtype}, "
                     f"{a.device}, requires_grad={a.requires_grad} (graphed captures one signature per layer)"
                 )
-        for key, va, vb in zip(self.kw_keys, self.kw_values, other.kw_values):
-            for x, y in zip(va, vb):
-                if (x is _TENSOR) != (y is _TENSOR) or (x is not _TENSOR and not _same(x, y)):
-                    raise ValueError(f"{where}: keyword argument '{key}' differs from the layer's first microbatch")
 
 
 class Outputs:

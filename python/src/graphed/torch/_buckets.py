@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from ._binding import _TENSOR, Binding, _same
+from ._binding import Binding
 
 OVERFLOW = ("eager", "raise")
 
@@ -64,11 +64,7 @@ def plan(args, kwargs, where):
     bindings = [Binding(a, k) for a, k in pairs]
     first = bindings[0]
     for b, other in enumerate(bindings[1:], 1):
-        if other.arg_specs != first.arg_specs or other.kw_keys != first.kw_keys or other.kw_specs != first.kw_specs:
-            raise ValueError(f"{where}: bucket sample {b} has another structure than bucket sample 0")
-        for key, va, vb in zip(first.kw_keys, first.kw_values, other.kw_values):
-            if any((x is _TENSOR) != (y is _TENSOR) or (x is not _TENSOR and not _same(x, y)) for x, y in zip(va, vb)):
-                raise ValueError(f"{where}: bucket sample {b}'s keyword argument '{key}' differs from bucket sample 0's")
+        first.check_structure(other, f"{where}: bucket sample {b}", "bucket sample 0")
     dynamic = []
     for i, name in enumerate(first.names):
         ts = [bd.samples[i] for bd in bindings]
