@@ -39,10 +39,10 @@ def torch_graph(mods, args):
     return torch.cuda.make_graphed_callables(mods, args)
 
 
-def ours(clones, accumulate=None):
+def ours(clones, accumulate=None, lazy=True):
     def graph(mods, args):
         return gt.make_graphed_callables(mods, args, clone_param_grads_on_return=clones,
-                                         accumulate_param_grads_into=accumulate)
+                                         accumulate_param_grads_into=accumulate, lazy_clones=lazy)
 
     return graph
 
@@ -52,6 +52,7 @@ VARIANTS = [
     ("graphed (default: owned clones)", ours(True)),
     ("graphed (opt-out: aliases)", ours(False)),
     ("graphed (accumulate into .grad)", ours(True, "grad")),
+    ("graphed (owned, copied at every backward)", ours(True, lazy=False)),
 ]
 
 
@@ -211,8 +212,8 @@ def step_times(runs=9, steps=50):
         f"over {steps} steps after 10 warm-up steps, median of {runs} runs interleaved across the variants, all in "
         "this process.\n"
     )
-    say("| config | eager (ms) | torch graphed (ms) | graphed CLONE (ms) | graphed ALIAS (ms) | graphed ACCUMULATE_INTO .grad (ms) | CLONE / torch graphed | CLONE / eager | ACCUMULATE_INTO / eager |")
-    say("|---|---|---|---|---|---|---|---|---|")
+    say("| config | eager (ms) | torch graphed (ms) | graphed CLONE (ms) | graphed ALIAS (ms) | graphed ACCUMULATE_INTO .grad (ms) | graphed CLONE copied every backward (ms) | CLONE / torch graphed | CLONE / eager | ACCUMULATE_INTO / eager | copied every backward / eager |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|")
     for h, b, dtype in ((512, 32, torch.float32), (4096, 4096, torch.bfloat16)):
         base = make_mlp(h, 4, dtype, 3)
         x = torch.randn(b, h, device=DEV, dtype=dtype)
@@ -227,10 +228,11 @@ def step_times(runs=9, steps=50):
             keep.append(mods)
             fns[name] = lambda mods=mods, o=o: step(mods, o, x, t)
         res = interleaved(fns, steps, runs)
-        tg, oc, oa, ai = (res[VARIANTS[k][0]] for k in range(4))
+        tg, oc, oa, ai, cc = (res[VARIANTS[k][0]] for k in range(5))
         cfg = f"H={h} B={b} {'fp32' if dtype == torch.float32 else 'bf16'}"
         e = res["eager"]
-        say(f"| {cfg} | {e:.3f} | {tg:.3f} | {oc:.3f} | {oa:.3f} | {ai:.3f} | {oc / tg:.2f}x | {oc / e:.2f}x | {ai / e:.2f}x |")
+        say(f"| {cfg} | {e:.3f} | {tg:.3f} | {oc:.3f} | {oa:.3f} | {ai:.3f} | {cc:.3f} | {oc / tg:.3f}x | {oc / e:.3f}x "
+            f"| {ai / e:.3f}x | {cc / e:.3f}x |")
         print(f"step times {cfg}: {res}", flush=True)
         for mods in keep:
             reset(mods)

@@ -158,6 +158,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.retain_graph_in_backward = get<bool>(d, "retain_graph_in_backward", false);
     o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", true);
     o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
+    o.lazy_clones = get<bool>(d, "lazy_clones", true);
     o.strict_leases = get<bool>(d, "strict_leases", false);
     o.rebind_inputs = get<bool>(d, "rebind_inputs", true);
     o.rebind_params = get<bool>(d, "rebind_params", true);
@@ -321,6 +322,12 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["rebind_nodes"] = st.rebind_nodes;
     d["slot_graphs"] = st.slot_graphs;
     d["step_graphs"] = st.step_graphs;
+    // The adapter's lent grads (Options::lazy_clones): whether in force, and
+    // the grads (and bytes) copied out because they were still held.
+    const auto [copies, bytes] = g.lazy_copies();
+    d["lazy_clones"] = g.lazy_clones();
+    d["lazy_grads_copied"] = copies;
+    d["lazy_bytes_copied"] = bytes;
     d["capture_ns"] = st.capture_ns;
     d["capture_plan_ns"] = st.capture_plan_ns;
     d["capture_warmup_ns"] = st.capture_warmup_ns;

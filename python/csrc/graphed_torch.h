@@ -24,6 +24,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace graphed_torch {
@@ -112,6 +113,16 @@ struct Options {
     // Clones from PyTorch's caching allocator (counted by
     // torch.cuda.memory_allocated) instead of graphed's own pool.
     bool clones_from_torch_allocator = true;
+    // With clone_param_grads_on_return: each parameter grad is handed out
+    // where the backward graph wrote it and copied out only if it is still
+    // held when a replay that may overwrite it is about to run (the next
+    // microbatch's forward when grads accumulate); a grad dropped before
+    // then (zero_grad(set_to_none=True)) is never copied. False: graphed
+    // copies every grad at every backward. In force for make_graphed_callables
+    // in training without a schedule, buffer reuse or a caller's pool, with
+    // clones from PyTorch's allocator; elsewhere grads are copied at every
+    // backward.
+    bool lazy_clones = true;
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.
     bool strict_leases = false;
@@ -239,6 +250,10 @@ class GraphedCallable {
     graphed_session_stats stats() const;
     // graphed's plan of the session's static buffers and inputs, as text.
     std::string plan() const;
+    // Whether the session hands out lazily owned grads (Options::lazy_clones
+    // in force), and how many grads, and bytes, it has copied out so far.
+    bool lazy_clones() const;
+    std::pair<uint64_t, uint64_t> lazy_copies() const;
 
   private:
     std::shared_ptr<Shared> shared_;

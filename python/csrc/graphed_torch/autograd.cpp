@@ -188,7 +188,9 @@ struct GraphedBackward : public torch::autograd::Node {
         }
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
-        s.rng.prologue(pass_key(s.instance(index, microbatch, bucket), Pass::Backward), cur);
+        const size_t key = pass_key(s.instance(index, microbatch, bucket), Pass::Backward);
+        s.rng.prologue(key, cur);
+        s.reclaim(key, cur);
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
         // graphed refuses it when the callable's last forward ran other rows.
         if (rows) r.size(uint64_t(rows));
@@ -213,9 +215,11 @@ struct GraphedBackward : public torch::autograd::Node {
                 // DDP, its hook finds it in param.grad, the bucket view).
                 case GRAPHED_REF_KIND_ACCUMULATE_INTO:
                 case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
-                default:
-                    result.push_back(s.wrap_alias(g.params[j], c->param_meta[j],
-                                                  [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; }, shared));
+                default: {
+                    auto what = [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; };
+                    result.push_back(s.lazy ? s.lend(key, g.params[j], c->param_meta[j], what, shared)
+                                            : s.wrap_alias(g.params[j], c->param_meta[j], what, shared));
+                }
             }
         }
         return result;
@@ -337,6 +341,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     if (moved) r.params(moved_to);
     if (rows) r.size(uint64_t(rows));
     std::vector<graphed::Ref> refs;
+    s.reclaim(key, launch);
     try {
         s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
     } catch (const graphed::Error& e) {
@@ -406,7 +411,9 @@ void GraphedCallable::backward_dw() const {
     if (!c->wgrad) return;
     if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
-    s.rng.prologue(pass_key(s.instance(index_, microbatch_), Pass::Wgrad), cur);
+    const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Wgrad);
+    s.rng.prologue(key, cur);
+    s.reclaim(key, cur);
     graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
     const std::vector<void*> dst_ptrs = pointers_of(c->wgrad_dsts[microbatch_]);
     if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
@@ -420,10 +427,10 @@ void GraphedCallable::backward_dw() const {
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
         if (gp[j].kind() == GRAPHED_REF_KIND_NONE || gp[j].kind() == GRAPHED_REF_KIND_ACCUMULATE_INTO) continue;
-        at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE
-                           ? wrap_clone(gp[j], c->param_meta[j], s.device)
-                           : s.wrap_alias(gp[j], c->param_meta[j],
-                                          [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; }, shared_);
+        auto what = [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; };
+        at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE ? wrap_clone(gp[j], c->param_meta[j], s.device)
+                       : s.lazy ? s.lend(key, gp[j], c->param_meta[j], what, shared_)
+                                : s.wrap_alias(gp[j], c->param_meta[j], what, shared_);
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())
             grad.add_(g);
@@ -467,6 +474,13 @@ uint32_t GraphedCallable::microbatches() const { return shared_->microbatches; }
 graphed_session_stats GraphedCallable::stats() const {
     if (shared_->is_reset) return graphed_session_stats_default();
     return shared_->session->stats();
+}
+
+bool GraphedCallable::lazy_clones() const { return shared_->lazy; }
+
+std::pair<uint64_t, uint64_t> GraphedCallable::lazy_copies() const {
+    std::lock_guard<std::mutex> lock(shared_->lent_mu);
+    return {shared_->lent_copies, shared_->lent_bytes};
 }
 
 std::string GraphedCallable::plan() const { return shared_->is_reset ? std::string() : shared_->session->plan_dump(); }

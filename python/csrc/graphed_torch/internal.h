@@ -6,7 +6,7 @@
 // The adapter's files, one concept each:
 //   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
 //   streams.cpp    the work stream, the private pool routing, clones from PyTorch's allocator
-//   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, leases
+//   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, lent grads, leases
 //   schedule.cpp   the pass order, shape and releases of buffer reuse (from graphed)
 //   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
 //   make.cpp       session setup, discovery, registration, capture, reset
@@ -345,6 +345,39 @@ struct Shared {
     // Strict leases: what each lease still held is, for messages.
     std::mutex lease_mu;
     std::unordered_map<uint64_t, std::string> held;
+
+    // Lazily owned parameter grads (Options::lazy_clones; tensors.cpp).
+    // Each grad handed out over the buffer its backward graph writes is a
+    // lent grad, with the capture position of that pass: PyTorch's private
+    // pool may have given the buffer memory an earlier capture freed, so
+    // the graphs captured at or before that position may write it. Before
+    // one of them replays, every lent grad still alive is copied into
+    // memory of its own, which its storage then points at (reclaim).
+    bool lazy = false;
+    struct Lent {
+        size_t position;
+        c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    };
+    std::mutex lent_mu;
+    std::vector<Lent> lent;
+    size_t lent_last = 0;                // the highest position in `lent`
+    std::vector<size_t> positions;       // by pass_key: its capture position
+    uint64_t lent_copies = 0, lent_bytes = 0;
+    // Records the capture position of the pass with key `key` (post_hook).
+    void captured_at(size_t key);
+    // A lent grad over the ALIAS `r` of pass `key` (the lease, under strict
+    // leases, held until it dies or is reclaimed).
+    template <class Describe>
+    at::Tensor lend(size_t key, graphed::Ref& r, const Meta& m, Describe&& what, const std::shared_ptr<Shared>& self) {
+        at::Tensor t = wrap_alias(r, m, std::forward<Describe>(what), self);
+        remember(key, t);
+        return t;
+    }
+    void remember(size_t key, const at::Tensor& t);
+    // Before a replay of pass `key` on `stream`: copies out each lent grad
+    // still alive whose pass was captured at or after it (every one for
+    // key SIZE_MAX: at reset).
+    void reclaim(size_t key, cudaStream_t stream);
 
     // Buckets of the callable with the most (1 without buckets): the
     // stride of instance().

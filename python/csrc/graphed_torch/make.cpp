@@ -281,7 +281,8 @@ graphed_session_config config_of(Shared& s, const Options& o) {
     graphed_session_config cfg = graphed::session_config(GRAPHED_BACKEND_CUDA);
     cfg.device = s.device;
     cfg.warmup_iterations = uint32_t(std::max(o.num_warmup_iters - 1, 0));
-    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return ? 1u : 0u;
+    // Lent grads are graphed's aliases, copied out by the adapter when held.
+    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return && !s.lazy ? 1u : 0u;
     cfg.strict_leases = o.strict_leases ? 1u : 0u;
     // Warmup and capture on the work stream itself, so that the joins around
     // each callback are no-ops (the legacy default stream cannot capture:
@@ -336,6 +337,12 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
     s.pool = o.pool ? *o.pool : at::cuda::graph_pool_handle();
     s.rng.add(at::cuda::detail::getDefaultCUDAGenerator(s.device), s.device);
     for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
+    // Lent grads need every graph that may write their buffers to be this
+    // session's and to replay through it: not with a caller's pool (other
+    // sessions' graphs), a step, buffer reuse (buffers let go during
+    // capture) or a schedule.
+    s.lazy = o.lazy_clones && o.clone_param_grads_on_return && o.clones_from_torch_allocator && o.training &&
+             !o.pool && !declare && !o.reuse_buffers && o.schedule.empty();
     s.session.emplace(config_of(s, o));
 
     const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
@@ -436,6 +443,9 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
 
 void Shared::reset() {
     if (is_reset) return;
+    // Lent grads still held keep their data: the pool goes with the graphs.
+    // (Throws before anything is reset; none is alive in the destructor.)
+    reclaim(SIZE_MAX, c10::cuda::getCurrentCUDAStream(device).stream());
     is_reset = true;
     end_routing();
     rng.abandon();

@@ -2,11 +2,16 @@
 // requires_grad, layout) and graphed's dtype codes; PyTorch tensors over the
 // static buffers graphed's callbacks receive and over the outputs and grads
 // its replays return (a CLONE grad holds its clone block, a leased ALIAS its
-// lease); and the message that names the aliases still alive when a replay
+// lease); lent grads, copied out only when still held at a replay that may
+// overwrite them; and the message that names the aliases still alive when a replay
 // would overwrite them (strict leases).
 #include "internal.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
 #include <algorithm>
+#include <cstdint>
 
 namespace graphed_torch {
 
@@ -116,6 +121,61 @@ std::string layout_text(const Meta& m, const std::string& device) {
     std::string o = "shape " + shape_text(m.sizes) + ", " + c10::toString(m.dtype) + ", " + device;
     if (m.strides.empty()) return o + ", contiguous";
     return o + ", strides " + shape_text(m.strides);
+}
+
+// ---- lent grads (Options::lazy_clones) --------------------------------------------------------
+
+void Shared::captured_at(size_t key) {
+    if (positions.size() <= key) positions.resize(key + 1, 0);
+    positions[key] = capture_position;
+}
+
+void Shared::remember(size_t key, const at::Tensor& t) {
+    const size_t position = key < positions.size() ? positions[key] : 0;
+    std::lock_guard<std::mutex> lock(lent_mu);
+    lent.push_back({position, t.storage().getWeakStorageImpl()});
+    lent_last = std::max(lent_last, position);
+}
+
+void Shared::reclaim(size_t key, cudaStream_t stream) {
+    if (!lazy) return;
+    // Captured at or after `from`: graphs captured before a lent grad's pass
+    // may write its buffer (the pool gave it memory they had freed), and so
+    // does that pass itself; later captures found it taken.
+    const size_t from = key == SIZE_MAX ? 0 : (key < positions.size() ? positions[key] : 0);
+    std::lock_guard<std::mutex> lock(lent_mu);
+    if (lent.empty() || from > lent_last) return;
+    // The copies are allocated on the session's device, for its current stream.
+    c10::cuda::CUDAGuard guard(device);
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
+    size_t kept = 0, last = 0;
+    for (size_t i = 0; i < lent.size(); ++i) {
+        c10::intrusive_ptr<c10::StorageImpl> st = lent[i].storage.lock();
+        if (!st) continue;  // dropped: nothing to copy
+        if (lent[i].position < from) {
+            last = std::max(last, lent[i].position);
+            if (kept != i) lent[kept] = std::move(lent[i]);
+            ++kept;
+            continue;
+        }
+        // Still held: its data moves to memory of its own, on the stream the
+        // replay runs on (so before the replay writes the buffer); every
+        // tensor over this storage (views too) reads the copy from now on.
+        const size_t bytes = st->nbytes();
+        at::DataPtr own = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
+        if (bytes)
+            cuda_check(cudaMemcpyAsync(own.get(), st->data_ptr().get(), bytes, cudaMemcpyDeviceToDevice, stream),
+                       "cudaMemcpyAsync (a held grad copied out)");
+        if (stream != current.stream())
+            c10::cuda::CUDACachingAllocator::recordStream(own, c10::cuda::getStreamFromExternal(stream, device));
+        // The old data pointer's deleter lets go of the buffer (and of its
+        // lease under strict leases).
+        st->set_data_ptr_noswap(std::move(own));
+        ++lent_copies;
+        lent_bytes += bytes;
+    }
+    lent.erase(lent.begin() + ptrdiff_t(kept), lent.end());
+    lent_last = last;
 }
 
 // ---- leases ----------------------------------------------------------------------------------

@@ -180,6 +180,7 @@ def make_graphed_callables(
     rebind_inputs=True,
     rebind_params=True,
     clones_from_torch_allocator=True,
+    lazy_clones=True,
     generators=None,
     accumulate_param_grads_into=None,
     bucket_overflow="eager",
@@ -198,7 +199,12 @@ def make_graphed_callables(
     naming the argument. graphed's own options: `strict_leases` (a replay
     that would overwrite an alias still held raises AliasHeldError),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
-    the default, or graphed's pool), `rebind_inputs` (on by default: inputs
+    the default, or graphed's pool), `lazy_clones` (on by default: an owned
+    grad is handed out where the backward graph wrote it and copied out
+    only if it is still held when a replay that may overwrite it runs, so a
+    loop that drops its grads, zero_grad(set_to_none=True), copies none;
+    False: every grad is copied at every backward; in force in training
+    without `_order`, `pool` or buffer reuse), `rebind_inputs` (on by default: inputs
     and incoming grads are read where they are instead of copied, where
     capture verifies it; a rebound input must not be modified in place
     before its backward; False copies them, as torch does),
@@ -362,6 +368,7 @@ def make_graphed_callables(
         retain_graph_in_backward=bool(retain_graph_in_backward),
         clone_param_grads_on_return=bool(clone_param_grads_on_return),
         clones_from_torch_allocator=bool(clones_from_torch_allocator),
+        lazy_clones=bool(lazy_clones),
         strict_leases=bool(strict_leases),
         rebind_inputs=bool(rebind_inputs),
         rebind_params=bool(rebind_params),
