@@ -36,10 +36,10 @@ def graphed_stack(model, **opts):
 
 def batches(n, seed=7):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [
-        (torch.randn(SEQ, BATCH, WIDTH, device="cuda", generator=g), torch.randn(SEQ, BATCH, WIDTH, device="cuda", generator=g))
-        for _ in range(n)
-    ]
+    def one():
+        return torch.randn(SEQ, BATCH, WIDTH, device="cuda", generator=g)
+
+    return [(one(), one()) for _ in range(n)]
 
 
 def backward(model, x, y, scale=1.0):
