@@ -126,12 +126,14 @@ std::string layout_text(const Meta& m, const std::string& device) {
 // ---- lent grads (Options::lazy_clones) --------------------------------------------------------
 
 void Shared::captured_at(size_t key) {
-    if (positions.size() <= key) positions.resize(key + 1, 0);
+    if (positions.size() <= key) positions.resize(key + 1, SIZE_MAX);
     positions[key] = capture_position;
 }
 
 void Shared::remember(size_t key, const at::Tensor& t) {
-    const size_t position = key < positions.size() ? positions[key] : 0;
+    // A pass of unknown position (none is expected) counts as captured last:
+    // every replay copies its grads out.
+    const size_t position = key < positions.size() ? positions[key] : SIZE_MAX;
     std::lock_guard<std::mutex> lock(lent_mu);
     lent.push_back({position, t.storage().getWeakStorageImpl()});
     lent_last = std::max(lent_last, position);
@@ -142,7 +144,8 @@ void Shared::reclaim(size_t key, cudaStream_t stream) {
     // Captured at or after `from`: graphs captured before a lent grad's pass
     // may write its buffer (the pool gave it memory they had freed), and so
     // does that pass itself; later captures found it taken.
-    const size_t from = key == SIZE_MAX ? 0 : (key < positions.size() ? positions[key] : 0);
+    // (A replay of unknown position, and a reset, copy out every one.)
+    const size_t from = key < positions.size() && positions[key] != SIZE_MAX ? positions[key] : 0;
     std::lock_guard<std::mutex> lock(lent_mu);
     if (lent.empty() || from > lent_last) return;
     // The copies are allocated on the session's device, for its current stream.
