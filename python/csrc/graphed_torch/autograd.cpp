@@ -217,7 +217,7 @@ struct GraphedBackward : public torch::autograd::Node {
                 case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
                 default: {
                     auto what = [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; };
-                    result.push_back(s.lazy ? s.lend(key, g.params[j], c->param_meta[j], what, shared)
+                    result.push_back(s.lends(*c, j) ? s.lend(key, g.params[j], c->param_meta[j], what, shared)
                                             : s.wrap_alias(g.params[j], c->param_meta[j], what, shared));
                 }
             }
@@ -429,7 +429,7 @@ void GraphedCallable::backward_dw() const {
         if (gp[j].kind() == GRAPHED_REF_KIND_NONE || gp[j].kind() == GRAPHED_REF_KIND_ACCUMULATE_INTO) continue;
         auto what = [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; };
         at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE ? wrap_clone(gp[j], c->param_meta[j], s.device)
-                       : s.lazy ? s.lend(key, gp[j], c->param_meta[j], what, shared_)
+                       : s.lends(*c, j) ? s.lend(key, gp[j], c->param_meta[j], what, shared_)
                                 : s.wrap_alias(gp[j], c->param_meta[j], what, shared_);
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())

@@ -374,6 +374,10 @@ struct Shared {
         return t;
     }
     void remember(size_t key, const at::Tensor& t);
+    // Whether callable `c`'s parameter j gets lent grads: not one whose grad
+    // graphed aliases by its own policy (Transformer Engine's delayed
+    // weight-grad parameters keep aliasing).
+    bool lends(const Callable& c, size_t j) const;
     // Before a replay of pass `key` on `stream`: copies out each lent grad
     // still alive whose pass was captured at or after it (every one for
     // key SIZE_MAX: at reset).

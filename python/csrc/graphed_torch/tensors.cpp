@@ -130,6 +130,10 @@ void Shared::captured_at(size_t key) {
     positions[key] = capture_position;
 }
 
+bool Shared::lends(const Callable& c, size_t j) const {
+    return lazy && !(j < c.flags.size() && (c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD));
+}
+
 void Shared::remember(size_t key, const at::Tensor& t) {
     // A pass of unknown position (none is expected) counts as captured last:
     // every replay copies its grads out.
