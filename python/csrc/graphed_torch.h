@@ -117,12 +117,13 @@ struct Options {
     // where the backward graph wrote it and copied out only if it is still
     // held when a replay that may overwrite it is about to run (the next
     // microbatch's forward when grads accumulate); a grad dropped before
-    // then (zero_grad(set_to_none=True)) is never copied. False: graphed
-    // copies every grad at every backward. In force for make_graphed_callables
-    // in training without a schedule, buffer reuse or a caller's pool, with
+    // then (zero_grad(set_to_none=True)) is never copied. False (the
+    // default until the whole GPU suite has run with it on): graphed copies
+    // every grad at every backward. In force for make_graphed_callables in
+    // training without a schedule, buffer reuse or a caller's pool, with
     // clones from PyTorch's allocator; elsewhere grads are copied at every
     // backward.
-    bool lazy_clones = true;
+    bool lazy_clones = false;
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.
     bool strict_leases = false;

@@ -1,4 +1,4 @@
-"""Owned parameter grads without a copy (`lazy_clones`, the default): each
+"""Owned parameter grads without a copy (`lazy_clones=True`): each
 grad is handed out where its backward graph wrote it and copied out only
 when it is still held at a replay that may overwrite it. A training loop
 that drops its grads (zero_grad(set_to_none=True)) copies none; a grad
@@ -29,7 +29,9 @@ def stack(seed):
 
 
 def graphed_stack(model, **opts):
-    """Each block graphed on its own, as layers are graphed in practice."""
+    """Each block graphed on its own, as layers are graphed in practice,
+    with lent grads unless `opts` say otherwise."""
+    opts.setdefault("lazy_clones", True)
     samples = tuple((torch.randn(SEQ, BATCH, WIDTH, device="cuda", requires_grad=True),) for _ in model)
     return gt.make_graphed_callables(tuple(model), samples, **opts)
 
@@ -164,9 +166,10 @@ def test_a_reset_leaves_held_grads_intact():
 
 
 def test_lazy_clones_is_in_force_only_where_every_writer_is_known():
-    """Off with lazy_clones=False, with aliases, with a caller's pool (its
-    other graphs may write the buffers) and with clones from graphed's pool:
-    there grads are copied at every backward (or aliased)."""
+    """Off by default and with lazy_clones=False; off with aliases, with a
+    caller's pool (its other graphs may write the buffers) and with clones
+    from graphed's pool: there grads are copied at every backward (or
+    aliased)."""
     def lazy(**opts):
         model = torch.nn.Linear(8, 8).cuda()
         g = gt.make_graphed_callables(model, (torch.randn(4, 8, device="cuda", requires_grad=True),), **opts)
@@ -174,11 +177,12 @@ def test_lazy_clones_is_in_force_only_where_every_writer_is_known():
         g.reset()
         return on
 
-    assert lazy()
+    assert lazy(lazy_clones=True)
+    assert not lazy()
     assert not lazy(lazy_clones=False)
-    assert not lazy(clone_param_grads_on_return=False)
-    assert not lazy(pool=torch.cuda.graph_pool_handle())
-    assert not lazy(clones_from_torch_allocator=False)
+    assert not lazy(lazy_clones=True, clone_param_grads_on_return=False)
+    assert not lazy(lazy_clones=True, pool=torch.cuda.graph_pool_handle())
+    assert not lazy(lazy_clones=True, clones_from_torch_allocator=False)
 
 
 class _nothing:
