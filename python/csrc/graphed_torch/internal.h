@@ -374,13 +374,15 @@ struct Shared {
         return t;
     }
     void remember(size_t key, const at::Tensor& t);
-    // Whether callable `c`'s parameter j gets lent grads: not one whose grad
-    // graphed aliases by its own policy (Transformer Engine's delayed
-    // weight-grad parameters keep aliasing).
-    bool lends(const Callable& c, size_t j) const;
+    // Whether the ref `r` a replay returned for callable `c`'s parameter j
+    // becomes a lent grad: an ALIAS (not a COPY_INTO's), and not of a
+    // parameter graphed aliases by its own policy (Transformer Engine's
+    // delayed weight-grad parameters keep aliasing).
+    bool lends(const Callable& c, size_t j, const graphed::Ref& r) const;
     // Before a replay of pass `key` on `stream`: copies out each lent grad
     // still alive whose pass was captured at or after it (every one for
-    // key SIZE_MAX: at reset).
+    // key SIZE_MAX: at reset). Nothing on a stream under capture (graphed
+    // refuses that replay; a copy there would only be recorded).
     void reclaim(size_t key, cudaStream_t stream);
 
     // Buckets of the callable with the most (1 without buckets): the

@@ -130,8 +130,9 @@ void Shared::captured_at(size_t key) {
     positions[key] = capture_position;
 }
 
-bool Shared::lends(const Callable& c, size_t j) const {
-    return lazy && !(j < c.flags.size() && (c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD));
+bool Shared::lends(const Callable& c, size_t j, const graphed::Ref& r) const {
+    return lazy && r.kind() == GRAPHED_REF_KIND_ALIAS &&
+           !(j < c.flags.size() && (c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD));
 }
 
 void Shared::remember(size_t key, const at::Tensor& t) {
@@ -152,6 +153,11 @@ void Shared::reclaim(size_t key, cudaStream_t stream) {
     const size_t from = key < positions.size() && positions[key] != SIZE_MAX ? positions[key] : 0;
     std::lock_guard<std::mutex> lock(lent_mu);
     if (lent.empty() || from > lent_last) return;
+    // Under capture a copy would only be recorded, never run, and graphed
+    // refuses the replay: the lent grads stay as they are.
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone) return;
     // The copies are allocated on the session's device, for its current stream.
     c10::cuda::CUDAGuard guard(device);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
