@@ -189,9 +189,7 @@ struct GraphedBackward : public torch::autograd::Node {
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
         const size_t key = pass_key(s.instance(index, microbatch, bucket), Pass::Backward);
-        // Held grads first: a failure there leaves the generators unmoved.
-        s.reclaim(key, cur);
-        s.rng.prologue(key, cur);
+        s.before_replay(key, cur);
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
         // graphed refuses it when the callable's last forward ran other rows.
         if (rows) r.size(uint64_t(rows));
@@ -209,20 +207,8 @@ struct GraphedBackward : public torch::autograd::Node {
                                  : s.wrap_alias(
                                        g.inputs[i], ins[i],
                                        [&] { return c->who(microbatch) + "the grad of " + c->input_name(i); }, shared));
-        for (size_t j = 0; j < g.params.size(); ++j) {
-            switch (g.params[j].kind()) {
-                case GRAPHED_REF_KIND_CLONE: result.push_back(wrap_clone(g.params[j], c->param_meta[j], s.device)); break;
-                // Added into its destination: autograd gets none (and, with
-                // DDP, its hook finds it in param.grad, the bucket view).
-                case GRAPHED_REF_KIND_ACCUMULATE_INTO:
-                case GRAPHED_REF_KIND_NONE: result.push_back(at::Tensor()); break;
-                default: {
-                    auto what = [&] { return c->who(microbatch) + c->param_name(j) + ".grad"; };
-                    result.push_back(s.lends(*c, j, g.params[j]) ? s.lend(key, g.params[j], c->param_meta[j], what, shared)
-                                            : s.wrap_alias(g.params[j], c->param_meta[j], what, shared));
-                }
-            }
-        }
+        for (size_t j = 0; j < g.params.size(); ++j)
+            result.push_back(s.param_grad(key, *c, j, microbatch, g.params[j], shared));
         return result;
     }
 };
@@ -337,9 +323,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         side = on.stream->stream();
     }
     const size_t key = pass_key(s.instance(index_, microbatch_, bucket), Pass::Forward);
-    // Held grads first: a failure there leaves the generators unmoved.
-    s.reclaim(key, launch);
-    s.rng.prologue(key, launch);
+    s.before_replay(key, launch);
     graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
     if (moved) r.params(moved_to);
     if (rows) r.size(uint64_t(rows));
@@ -414,8 +398,7 @@ void GraphedCallable::backward_dw() const {
     if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Wgrad);
-    s.reclaim(key, cur);
-    s.rng.prologue(key, cur);
+    s.before_replay(key, cur);
     graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
     const std::vector<void*> dst_ptrs = pointers_of(c->wgrad_dsts[microbatch_]);
     if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
@@ -428,11 +411,8 @@ void GraphedCallable::backward_dw() const {
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
-        if (gp[j].kind() == GRAPHED_REF_KIND_NONE || gp[j].kind() == GRAPHED_REF_KIND_ACCUMULATE_INTO) continue;
-        auto what = [&] { return c->who(microbatch_) + c->param_name(j) + ".grad"; };
-        at::Tensor g = gp[j].kind() == GRAPHED_REF_KIND_CLONE ? wrap_clone(gp[j], c->param_meta[j], s.device)
-                       : s.lends(*c, j, gp[j]) ? s.lend(key, gp[j], c->param_meta[j], what, shared_)
-                                : s.wrap_alias(gp[j], c->param_meta[j], what, shared_);
+        at::Tensor g = s.param_grad(key, *c, j, microbatch_, gp[j], shared_);
+        if (!g.defined()) continue;
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())
             grad.add_(g);

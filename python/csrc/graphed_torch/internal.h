@@ -365,25 +365,25 @@ struct Shared {
     uint64_t lent_copies = 0, lent_bytes = 0;
     // Records the capture position of the pass with key `key` (post_hook).
     void captured_at(size_t key);
-    // A lent grad over the ALIAS `r` of pass `key` (the lease, under strict
-    // leases, held until it dies or is reclaimed).
-    template <class Describe>
-    at::Tensor lend(size_t key, graphed::Ref& r, const Meta& m, Describe&& what, const std::shared_ptr<Shared>& self) {
-        at::Tensor t = wrap_alias(r, m, std::forward<Describe>(what), self);
-        remember(key, t);
-        return t;
-    }
-    void remember(size_t key, const at::Tensor& t);
-    // Whether the ref `r` a replay returned for callable `c`'s parameter j
-    // becomes a lent grad: an ALIAS (not a COPY_INTO's), and not of a
-    // parameter graphed aliases by its own policy (Transformer Engine's
-    // delayed weight-grad parameters keep aliasing).
-    bool lends(const Callable& c, size_t j, const graphed::Ref& r) const;
     // Before a replay of pass `key` on `stream`: copies out each lent grad
     // still alive whose pass was captured at or after it (every one for
     // key SIZE_MAX: at reset). Nothing on a stream under capture (graphed
     // refuses that replay; a copy there would only be recorded).
     void reclaim(size_t key, cudaStream_t stream);
+    // Before every replay of pass `key` on `stream`: the lent grads it may
+    // overwrite copied out, then the generators advanced (in that order: a
+    // failure of the first leaves them unmoved).
+    void before_replay(size_t key, cudaStream_t stream) {
+        reclaim(key, stream);
+        rng.prologue(key, stream);
+    }
+    // What autograd gets for the grad `r` of callable `c`'s parameter j that
+    // a replay of pass `key` (microbatch `mb`) returned: none (no grad, or
+    // added into its destination), the clone, a lent grad (an ALIAS under
+    // lazy clones, but not of a parameter graphed aliases by its own
+    // policy: Transformer Engine's delayed weight-grad ones), or the alias.
+    at::Tensor param_grad(size_t key, const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
+                          const std::shared_ptr<Shared>& self);
 
     // Buckets of the callable with the most (1 without buckets): the
     // stride of instance().

@@ -130,18 +130,27 @@ void Shared::captured_at(size_t key) {
     positions[key] = capture_position;
 }
 
-bool Shared::lends(const Callable& c, size_t j, const graphed::Ref& r) const {
-    return lazy && r.kind() == GRAPHED_REF_KIND_ALIAS &&
-           !(j < c.flags.size() && (c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD));
-}
-
-void Shared::remember(size_t key, const at::Tensor& t) {
+at::Tensor Shared::param_grad(size_t key, const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
+                              const std::shared_ptr<Shared>& self) {
+    switch (r.kind()) {
+        // Added into its destination: autograd gets none (and, with DDP,
+        // its hook finds it in param.grad, the bucket view).
+        case GRAPHED_REF_KIND_ACCUMULATE_INTO:
+        case GRAPHED_REF_KIND_NONE: return at::Tensor();
+        case GRAPHED_REF_KIND_CLONE: return wrap_clone(r, c.param_meta[j], device);
+        default: break;
+    }
+    const bool lent_grad = lazy && r.kind() == GRAPHED_REF_KIND_ALIAS &&
+                           !(j < c.flags.size() && (c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD));
+    at::Tensor t = wrap_alias(r, c.param_meta[j], [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
+    if (!lent_grad) return t;
     // A pass of unknown position (none is expected) counts as captured last:
     // every replay copies its grads out.
     const size_t position = key < positions.size() ? positions[key] : SIZE_MAX;
     std::lock_guard<std::mutex> lock(lent_mu);
     lent.push_back({position, t.storage().getWeakStorageImpl()});
     lent_last = std::max(lent_last, position);
+    return t;
 }
 
 void Shared::reclaim(size_t key, cudaStream_t stream) {
