@@ -228,11 +228,11 @@ def step_times(runs=9, steps=50):
             keep.append(mods)
             fns[name] = lambda mods=mods, o=o: step(mods, o, x, t)
         res = interleaved(fns, steps, runs)
-        tg, oc, oa, ai, cc = (res[VARIANTS[k][0]] for k in range(5))
+        tg, oc, oa, ai, ol = (res[VARIANTS[k][0]] for k in range(5))
         cfg = f"H={h} B={b} {'fp32' if dtype == torch.float32 else 'bf16'}"
         e = res["eager"]
-        say(f"| {cfg} | {e:.3f} | {tg:.3f} | {oc:.3f} | {oa:.3f} | {ai:.3f} | {cc:.3f} | {oc / tg:.3f}x | {oc / e:.3f}x "
-            f"| {ai / e:.3f}x | {cc / e:.3f}x |")
+        say(f"| {cfg} | {e:.3f} | {tg:.3f} | {oc:.3f} | {oa:.3f} | {ai:.3f} | {ol:.3f} | {oc / tg:.3f}x | {oc / e:.3f}x "
+            f"| {ai / e:.3f}x | {ol / e:.3f}x |")
         print(f"step times {cfg}: {res}", flush=True)
         for mods in keep:
             reset(mods)

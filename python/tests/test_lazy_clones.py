@@ -156,8 +156,12 @@ def test_a_reset_leaves_held_grads_intact():
     backward(model, x, y)
     kept = grads(model)
     snapshot = [g.clone() for g in kept]
+    lent_at = [g.data_ptr() for g in kept]
     for g in graphed:
         g.reset()
+    # Copied out by the reset (each now over memory of its own), not left
+    # over the freed pool.
+    assert all(g.data_ptr() != p for g, p in zip(kept, lent_at)), "a held grad was not copied out at the reset"
     torch.cuda.empty_cache()
     junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(16)]
     torch.cuda.synchronize()

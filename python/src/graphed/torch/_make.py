@@ -205,10 +205,11 @@ def make_graphed_callables(
     drops its grads, zero_grad(set_to_none=True), copies none; a grad read
     on another stream must be joined to the replaying one before the next
     replay; in force in training without `_order`, `pool` or buffer reuse;
-    False, the default for now: every grad is copied at every backward), `rebind_inputs` (on by default: inputs
-    and incoming grads are read where they are instead of copied, where
-    capture verifies it; a rebound input must not be modified in place
-    before its backward; False copies them, as torch does),
+    False, the default for now: every grad is copied at every backward),
+    `rebind_inputs` (on by default: inputs and incoming grads are read
+    where they are instead of copied, where capture verifies it; a rebound
+    input must not be modified in place before its backward; False copies
+    them, as torch does),
     `rebind_params` (on by default: every call compares each parameter of a
     module, looked up in its module so that a replaced Parameter counts,
     with what the graphs read, and points the graphs at one that moved,

@@ -16,6 +16,7 @@ import torch
 
 from . import _rng
 from ._binding import Binding
+from ._buckets import Buckets
 from ._errors import AliasHeldError
 from ._make import _device_of, _module_checks, _param_slot, _pool_id, callable_spec, extension
 
@@ -188,8 +189,6 @@ def make_graphed_step(
             "accumulate_param_grads_into must name a parameter attribute ('grad', 'main_grad'), "
             f"not {accumulate_param_grads_into!r}"
         )
-    from ._buckets import Buckets
-
     if isinstance(sample_input, Buckets) or isinstance(sample_target, Buckets):
         raise ValueError(
             "make_graphed_step: a step graph holds one shape; Buckets go to make_graphed_callables (each layer "
