@@ -82,6 +82,10 @@ def test_a_loop_that_drops_its_grads_copies_none_and_matches_eager():
     assert_equal(list(lazy.parameters()), list(eager.parameters()), "weights after training")
     assert stats(g_lazy)["lazy_grads_copied"] == 0
     assert stats(g_lazy)["lazy_bytes_copied"] == 0
+    # The last step's grads, held in .grad: graphed's buffers when lent,
+    # clone blocks when copied (so nothing above passed by copying).
+    assert stats(g_lazy)["clone_blocks_outstanding"] == 0
+    assert stats(g_copy)["clone_blocks_outstanding"] > 0
     for g in g_lazy + g_copy:
         g.reset()
 
