@@ -39,7 +39,7 @@ def torch_graph(mods, args):
     return torch.cuda.make_graphed_callables(mods, args)
 
 
-def ours(clones, accumulate=None, lazy=False):
+def ours(clones, accumulate=None, lazy=True):
     def graph(mods, args):
         return gt.make_graphed_callables(mods, args, clone_param_grads_on_return=clones,
                                          accumulate_param_grads_into=accumulate, lazy_clones=lazy)
@@ -49,10 +49,10 @@ def ours(clones, accumulate=None, lazy=False):
 
 VARIANTS = [
     ("torch.cuda.make_graphed_callables", torch_graph),
-    ("graphed (default: owned clones)", ours(True)),
+    ("graphed (default: owned, lent)", ours(True)),
     ("graphed (opt-out: aliases)", ours(False)),
     ("graphed (accumulate into .grad)", ours(True, "grad")),
-    ("graphed (owned, lent: lazy_clones=True)", ours(True, lazy=True)),
+    ("graphed (owned, copied: lazy_clones=False)", ours(True, lazy=False)),
 ]
 
 
@@ -212,7 +212,7 @@ def step_times(runs=9, steps=50):
         f"over {steps} steps after 10 warm-up steps, median of {runs} runs interleaved across the variants, all in "
         "this process.\n"
     )
-    say("| config | eager (ms) | torch graphed (ms) | graphed CLONE (ms) | graphed ALIAS (ms) | graphed ACCUMULATE_INTO .grad (ms) | graphed lent (lazy_clones) (ms) | CLONE / torch graphed | CLONE / eager | ACCUMULATE_INTO / eager | lent / eager |")
+    say("| config | eager (ms) | torch graphed (ms) | graphed owned, lent (default) (ms) | graphed ALIAS (ms) | graphed ACCUMULATE_INTO .grad (ms) | graphed owned, copied (lazy_clones=False) (ms) | owned / torch graphed | owned / eager | ACCUMULATE_INTO / eager | copied / eager |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
     for h, b, dtype in ((512, 32, torch.float32), (4096, 4096, torch.bfloat16)):
         base = make_mlp(h, 4, dtype, 3)

@@ -158,7 +158,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.retain_graph_in_backward = get<bool>(d, "retain_graph_in_backward", false);
     o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", true);
     o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
-    o.lazy_clones = get<bool>(d, "lazy_clones", false);
+    o.lazy_clones = get<bool>(d, "lazy_clones", true);
     o.strict_leases = get<bool>(d, "strict_leases", false);
     o.rebind_inputs = get<bool>(d, "rebind_inputs", true);
     o.rebind_params = get<bool>(d, "rebind_params", true);

@@ -123,7 +123,7 @@ struct Options {
     // training without a schedule, buffer reuse or a caller's pool, with
     // clones from PyTorch's allocator; elsewhere grads are copied at every
     // backward.
-    bool lazy_clones = false;
+    bool lazy_clones = true;
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.
     bool strict_leases = false;

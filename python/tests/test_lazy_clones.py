@@ -174,7 +174,7 @@ def test_a_reset_leaves_held_grads_intact():
 
 
 def test_lazy_clones_is_in_force_only_where_every_writer_is_known():
-    """Off by default and with lazy_clones=False; off with aliases, with a
+    """On by default; off with lazy_clones=False; off with aliases, with a
     caller's pool (its other graphs may write the buffers) and with clones
     from graphed's pool: there grads are copied at every backward (or
     aliased)."""
@@ -186,7 +186,7 @@ def test_lazy_clones_is_in_force_only_where_every_writer_is_known():
         return on
 
     assert lazy(lazy_clones=True)
-    assert not lazy()
+    assert lazy()
     assert not lazy(lazy_clones=False)
     assert not lazy(lazy_clones=True, clone_param_grads_on_return=False)
     assert not lazy(lazy_clones=True, pool=torch.cuda.graph_pool_handle())

@@ -180,7 +180,7 @@ def make_graphed_callables(
     rebind_inputs=True,
     rebind_params=True,
     clones_from_torch_allocator=True,
-    lazy_clones=False,
+    lazy_clones=True,
     generators=None,
     accumulate_param_grads_into=None,
     bucket_overflow="eager",
@@ -199,13 +199,13 @@ def make_graphed_callables(
     naming the argument. graphed's own options: `strict_leases` (a replay
     that would overwrite an alias still held raises AliasHeldError),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
-    the default, or graphed's pool), `lazy_clones` (True: an owned grad is
-    handed out where the backward graph wrote it and copied out only if it
+    the default, or graphed's pool), `lazy_clones` (True, the default: an
+    owned grad is handed out where the backward graph wrote it and copied out only if it
     is still held when a replay that may overwrite it runs, so a loop that
     drops its grads, zero_grad(set_to_none=True), copies none; a grad read
     on another stream must be joined to the replaying one before the next
     replay; in force in training without `_order`, `pool` or buffer reuse;
-    False, the default for now: every grad is copied at every backward),
+    False: every grad is copied at every backward),
     `rebind_inputs` (on by default: inputs and incoming grads are read
     where they are instead of copied, where capture verifies it; a rebound
     input must not be modified in place before its backward; False copies
