@@ -59,7 +59,7 @@ def main():
     fns["eager"] = lambda: compare.step(eager, opt, x, t)
     variants = list(compare.VARIANTS)
     if a.copy:
-        variants.append(("graphed CLONE, inputs copied", lambda m, s: gt.make_graphed_callables(m, s, rebind_inputs=False)))
+        variants.append(("graphed owned (default), inputs copied", lambda m, s: gt.make_graphed_callables(m, s, rebind_inputs=False)))
     for name, graph in variants:
         mods = list(graph(tuple(copy.deepcopy(base)), compare.sample_args(a.h, a.b, 4, dtype)))
         if hasattr(mods[0], "session_stats"):

@@ -117,9 +117,8 @@ struct Options {
     // where the backward graph wrote it and copied out only if it is still
     // held when a replay that may overwrite it is about to run (the next
     // microbatch's forward when grads accumulate); a grad dropped before
-    // then (zero_grad(set_to_none=True)) is never copied. False (the
-    // default until the whole GPU suite has run with it on): graphed copies
-    // every grad at every backward. In force for make_graphed_callables in
+    // then (zero_grad(set_to_none=True)) is never copied. On by default;
+    // False: graphed copies every grad at every backward. In force for make_graphed_callables in
     // training without a schedule, buffer reuse or a caller's pool, with
     // clones from PyTorch's allocator; elsewhere grads are copied at every
     // backward.
