@@ -118,10 +118,10 @@ struct Options {
     // held when a replay that may overwrite it is about to run (the next
     // microbatch's forward when grads accumulate); a grad dropped before
     // then (zero_grad(set_to_none=True)) is never copied. On by default;
-    // False: graphed copies every grad at every backward. In force for make_graphed_callables in
-    // training without a schedule, buffer reuse or a caller's pool, with
-    // clones from PyTorch's allocator; elsewhere grads are copied at every
-    // backward.
+    // False: graphed copies every grad at every backward. In force for
+    // make_graphed_callables in training without a schedule, buffer reuse
+    // or a caller's pool, with clones from PyTorch's allocator; elsewhere
+    // grads are copied at every backward.
     bool lazy_clones = true;
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.

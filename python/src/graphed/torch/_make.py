@@ -200,12 +200,12 @@ def make_graphed_callables(
     that would overwrite an alias still held raises AliasHeldError),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
     the default, or graphed's pool), `lazy_clones` (True, the default: an
-    owned grad is handed out where the backward graph wrote it and copied out only if it
-    is still held when a replay that may overwrite it runs, so a loop that
-    drops its grads, zero_grad(set_to_none=True), copies none; a grad read
-    on another stream must be joined to the replaying one before the next
-    replay; in force in training without `_order`, `pool` or buffer reuse;
-    False: every grad is copied at every backward),
+    owned grad is handed out where the backward graph wrote it and copied
+    out only if it is still held when a replay that may overwrite it runs,
+    so a loop that drops its grads, zero_grad(set_to_none=True), copies
+    none; a grad read on another stream must be joined to the replaying
+    one before the next replay; in force in training without `_order`,
+    `pool` or buffer reuse; False: every grad is copied at every backward),
     `rebind_inputs` (on by default: inputs and incoming grads are read
     where they are instead of copied, where capture verifies it; a rebound
     input must not be modified in place before its backward; False copies
