@@ -162,6 +162,27 @@ void Shared::reclaim(size_t key, cudaStream_t stream) {
     const size_t from = key < positions.size() && positions[key] != SIZE_MAX ? positions[key] : 0;
     std::lock_guard<std::mutex> lock(lent_mu);
     if (lent.empty() || from > lent_last) return;
+    // Keeps the entries `keep` says to, in order, and lent_last with them.
+    auto retain = [this](auto&& keep) {
+        size_t kept = 0, last = 0;
+        for (size_t i = 0; i < lent.size(); ++i) {
+            if (!keep(lent[i])) continue;
+            last = std::max(last, lent[i].position);
+            if (kept != i) lent[kept] = std::move(lent[i]);
+            ++kept;
+        }
+        lent.erase(lent.begin() + ptrdiff_t(kept), lent.end());
+        lent_last = last;
+    };
+    // The dropped ones go first, without a CUDA call: a loop that drops its
+    // grads before the next forward ends here.
+    bool due = false;
+    retain([&](const Lent& l) {
+        if (l.storage.expired()) return false;
+        due = due || l.position >= from;
+        return true;
+    });
+    if (!due) return;
     // Under capture a copy would only be recorded, never run, and graphed
     // refuses the replay: the lent grads stay as they are.
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -170,16 +191,10 @@ void Shared::reclaim(size_t key, cudaStream_t stream) {
     // The copies are allocated on the session's device, for its current stream.
     c10::cuda::CUDAGuard guard(device);
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
-    size_t kept = 0, last = 0;
-    for (size_t i = 0; i < lent.size(); ++i) {
-        c10::intrusive_ptr<c10::StorageImpl> st = lent[i].storage.lock();
-        if (!st) continue;  // dropped: nothing to copy
-        if (lent[i].position < from) {
-            last = std::max(last, lent[i].position);
-            if (kept != i) lent[kept] = std::move(lent[i]);
-            ++kept;
-            continue;
-        }
+    retain([&](const Lent& l) {
+        c10::intrusive_ptr<c10::StorageImpl> st = l.storage.lock();
+        if (!st) return false;  // dropped since: nothing to copy
+        if (l.position < from) return true;  // this replay cannot write it
         // Still held: its data moves to memory of its own, on the stream the
         // replay runs on (so before the replay writes the buffer); every
         // tensor over this storage (views too) reads the copy from now on.
@@ -195,9 +210,8 @@ void Shared::reclaim(size_t key, cudaStream_t stream) {
         st->set_data_ptr_noswap(std::move(own));
         ++lent_copies;
         lent_bytes += bytes;
-    }
-    lent.erase(lent.begin() + ptrdiff_t(kept), lent.end());
-    lent_last = last;
+        return false;
+    });
 }
 
 // ---- leases ----------------------------------------------------------------------------------
