@@ -1,4 +1,4 @@
-"""Owned parameter grads without a copy (`lazy_clones=True`): each
+"""Owned parameter grads without a copy (`lazy_clones`, the default): each
 grad is handed out where its backward graph wrote it and copied out only
 when it is still held at a replay that may overwrite it. A training loop
 that drops its grads (zero_grad(set_to_none=True)) copies none; a grad
@@ -29,9 +29,7 @@ def stack(seed):
 
 
 def graphed_stack(model, **opts):
-    """Each block graphed on its own, as layers are graphed in practice,
-    with lent grads unless `opts` say otherwise."""
-    opts.setdefault("lazy_clones", True)
+    """Each block graphed on its own, as layers are graphed in practice."""
     samples = tuple((torch.randn(SEQ, BATCH, WIDTH, device="cuda", requires_grad=True),) for _ in model)
     return gt.make_graphed_callables(tuple(model), samples, **opts)
 
@@ -185,12 +183,11 @@ def test_lazy_clones_is_in_force_only_where_every_writer_is_known():
         g.reset()
         return on
 
-    assert lazy(lazy_clones=True)
     assert lazy()
     assert not lazy(lazy_clones=False)
-    assert not lazy(lazy_clones=True, clone_param_grads_on_return=False)
-    assert not lazy(lazy_clones=True, pool=torch.cuda.graph_pool_handle())
-    assert not lazy(lazy_clones=True, clones_from_torch_allocator=False)
+    assert not lazy(clone_param_grads_on_return=False)
+    assert not lazy(pool=torch.cuda.graph_pool_handle())
+    assert not lazy(clones_from_torch_allocator=False)
 
 
 class _nothing:

@@ -5,6 +5,7 @@ the next replay, accumulation is exact; delayed-wgrad parameters
 frozen at capture."""
 import copy
 
+import pytest
 from _support import needs_gpu, torch
 
 pytestmark = needs_gpu
@@ -45,19 +46,26 @@ def rand():
     return torch.randn(2, 4, device="cuda")
 
 
-def test_returned_grads_are_owned():
+# Owned grads both ways: lent (the default) and copied at every backward.
+OWNED = pytest.mark.parametrize("lazy", [True, False], ids=["lent", "copied"])
+
+
+@OWNED
+def test_returned_grads_are_owned(lazy):
     model, sample = linear(501)
-    gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True, lazy_clones=lazy)
+    assert model.session_stats()["lazy_clones"] == lazy
     first, snapshot, second = two_steps(model)
     assert second.data_ptr() != first.data_ptr()
     assert torch.equal(first, snapshot)
     model.reset()
 
 
-def test_accumulation_is_exact():
+@OWNED
+def test_accumulation_is_exact(lazy):
     model, sample = linear(502)
     eager = copy.deepcopy(model)
-    gt.make_graphed_callables(model, (sample,), allow_unused_input=True)
+    gt.make_graphed_callables(model, (sample,), allow_unused_input=True, lazy_clones=lazy)
     for _ in range(2):
         x, dy = rand(), rand()
         step(model, x, dy)
