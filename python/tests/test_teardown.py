@@ -1,14 +1,18 @@
 """reset() releases one callable, the others keep replaying; the last
 reset frees the graphs and their buffers: PyTorch's allocated memory and
-the driver's free memory come back to where they were."""
+the driver's free memory come back to where they were. Graphs dropped
+without a reset (the callables, modules and steps let go of, as garbage)
+are freed the same way, on every path that makes them."""
 import gc
 
+import pytest
 from _support import needs_gpu, torch
 
 pytestmark = needs_gpu
 
 if torch is not None:
     import graphed.torch as gt
+    from _models import CausalBlock
 
 
 def cycle(reuse):
@@ -81,3 +85,126 @@ def test_reset_of_one_callable_leaves_the_other_replaying():
     freed = settle()
     # the last reset frees the graphs and their buffers
     assert freed[0] < still[0] or freed[1] > still[1], f"nothing freed: {still} -> {freed}"
+
+
+# ---- graphs freed with the last reference --------------------------------------------------
+
+HIDDEN, HEADS, SEQ, BATCH = 256, 4, 64, 8
+
+
+def blocks(n=2):
+    return [CausalBlock(HIDDEN, HEADS).cuda() for _ in range(n)]
+
+
+def tokens(requires_grad=False):
+    return torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=requires_grad)
+
+
+def autocast():
+    return torch.autocast("cuda", torch.bfloat16, cache_enabled=False)
+
+
+def train(calls, models, steps=2):
+    """A few AdamW steps through `calls` in turn (graphed), with bf16 autocast."""
+    opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-3)
+    for _ in range(steps):
+        y = tokens()
+        with autocast():
+            for f in calls:
+                y = f(y)
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def drop_modules():
+    models = blocks()
+    with autocast():
+        gt.make_graphed_callables(tuple(models), ((tokens(),), (tokens(True),)))
+    train(models, models)
+
+
+def drop_callables():
+    models = blocks()
+
+    def first(x):  # a plain function over a module
+        return models[0](x)
+
+    with autocast():
+        g = gt.make_graphed_callables((first, models[1]), ((tokens(),), (tokens(True),)))
+    train(g, models)
+
+
+def drop_with_hooks():
+    models, seen = blocks(1), []
+    hooks = [{"forward_hooks": {1: lambda module, args, out: seen.append(module)}}]
+    gt.make_graphed_callables(
+        models[0], (tokens(),), capture_time_hooks=hooks, pre_warmup_hook=lambda: seen.append(models)
+    )
+    train(models, models)
+    assert seen
+
+
+def drop_buckets():
+    models = blocks(1)
+    samples = [(torch.randn(n, BATCH, HIDDEN, device="cuda"),) for n in (16, 32, SEQ)]
+    gt.make_graphed_callables(models[0], gt.Buckets(*samples))
+    for n in (16, 40, SEQ):
+        models[0](torch.randn(n, BATCH, HIDDEN, device="cuda")).square().mean().backward()
+
+
+def drop_schedule():
+    models = blocks()
+    order = [1, 2, 1, 2, -2, -1, -2, -1]
+    samples = tuple((tokens(i >= 2),) for i in range(4))
+    g = gt.make_graphed_callables(tuple(models), samples, _order=order)
+    y0 = g[2](g[0](tokens()))
+    y1 = g[3](g[1](tokens()))
+    y0.square().mean().backward()
+    y1.square().mean().backward()
+
+
+def drop_step():
+    models = blocks()
+    step = gt.make_graphed_step(models, torch.nn.MSELoss(), (tokens(),), (tokens(),), microbatches=2)
+    opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=1e-3)
+    for _ in range(2):
+        step((torch.stack([tokens(), tokens()]),), (torch.stack([tokens(), tokens()]),))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+DROPPED = {
+    "modules": drop_modules,
+    "callables": drop_callables,
+    "hooks": drop_with_hooks,
+    "buckets": drop_buckets,
+    "schedule": drop_schedule,
+    "step": drop_step,
+}
+
+
+def footprint():
+    """PyTorch's allocated and reserved bytes and the driver's used bytes,
+    after the garbage is collected and PyTorch's cache emptied."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), total - free
+
+
+@pytest.mark.parametrize("path", sorted(DROPPED))
+def test_dropped_graphs_are_freed(path):
+    """Made, trained and dropped without reset(), three times: every byte
+    comes back each time (the first cycle loads kernels and workspaces)."""
+    cycle = DROPPED[path]
+    cycle()
+    base = footprint()
+    for k in range(3):
+        cycle()
+        now = footprint()
+        assert now == base, (
+            f"{path}, cycle {k + 2}: allocated, reserved and driver-used bytes went from {base} to {now} "
+            f"(+{(now[2] - base[2]) / 2**20:.1f} MiB on the device)"
+        )

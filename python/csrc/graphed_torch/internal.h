@@ -430,6 +430,13 @@ struct Shared {
     void release(const Release& r);
     // Destroys the session and lets go of everything it used (make.cpp).
     void reset();
+    // Lets go of the caller's functions: each callable's forward and hook,
+    // the warmup hooks, the step's destination. Replays never call them,
+    // and what they hold (a module, whose forward attribute holds the
+    // graphed callable; a parameter whose grad holds the session) would
+    // otherwise be held from here, a cycle no garbage collector sees.
+    // Called once capture is over, and by reset (make.cpp).
+    void drop_callbacks();
     ~Shared();
 };
 

@@ -431,6 +431,7 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
             fail(e.what());  // the caller's message says whose
         }
     }
+    s.drop_callbacks();
     return shared;
 }
 
@@ -439,6 +440,16 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     std::vector<GraphedCallable> out;
     for (size_t i = 0; i < shared->callables.size(); ++i) out.emplace_back(shared, i);
     return out;
+}
+
+void Shared::drop_callbacks() {
+    for (auto& c : callables) {
+        c->forward = nullptr;
+        c->hook = nullptr;
+    }
+    opts.pre_warmup_hook = nullptr;
+    opts.post_warmup_hook = nullptr;
+    if (step) step->opts.destination = nullptr;
 }
 
 void Shared::reset() {
@@ -473,6 +484,7 @@ void Shared::reset() {
         // dicts) goes now, not with the last graphed callable.
         c->param_source = nullptr;
     }
+    drop_callbacks();
     rng.passes.clear();
     if (step) {
         step->data.clear();
