@@ -157,57 +157,63 @@ impl Pool {
     }
 
     /// Checks that session `key` may replay its pass at capture-order
-    /// position `pos` now, and records it. With one member nothing is
-    /// checked (a session alone may replay its graphs as it likes). With
-    /// several, a session may take over from another only when that one
-    /// finished its iteration, and must start with its first pass.
-    pub fn replaying(&self, key: u64, pos: usize) -> Result<()> {
-        let mut o = lock(&self.order);
-        if o.members.len() > 1 && o.current != Some(key) {
-            let Some(me) = o.members.iter().find(|m| m.key == key) else {
-                return Err(Error::Internal(
-                    "a session replays from a pool it did not join".into(),
-                ));
-            };
-            let (name, this, first) = (
-                me.name.clone(),
-                me.pass(pos).to_string(),
-                me.pass(0).to_string(),
-            );
-            if let Some(other) = o.members.iter().find(|m| m.key != key && m.mid_iteration()) {
-                let last = other.last.unwrap_or(0);
-                return Err(Error::state(format!(
-                    "session '{name}' cannot replay {this} now: it shares its scratch pool with session '{}', \
-                     which is in the middle of its iteration (its last replay was {}, pass {} of {} in \
-                     capture order; next is {}). Sessions sharing a pool must be replayed one whole \
-                     iteration at a time, in capture order; nothing was replayed",
-                    other.name,
-                    other.pass(last),
-                    last + 1,
-                    other.passes.len(),
-                    other.pass(last + 1),
-                )));
-            }
-            if pos != 0 && o.current.is_some() {
-                let other = o
-                    .current
-                    .and_then(|k| o.members.iter().find(|m| m.key == k))
-                    .map_or("another session".to_string(), |m| {
-                        format!("session '{}'", m.name)
-                    });
-                return Err(Error::state(format!(
-                    "session '{name}' cannot replay {this} now: {other}, which shares its scratch pool, \
-                     replayed last, so '{name}' must start its iteration with its first pass in capture \
-                     order ({first}). Sessions sharing a pool must be replayed one whole iteration at a \
-                     time, in capture order; nothing was replayed",
-                )));
-            }
+    /// position `pos` now; changes nothing (a replay refused for another
+    /// reason after this check leaves the order as it was). With one member
+    /// nothing is checked (a session alone may replay its graphs as it
+    /// likes). With several, a session may take over from another only
+    /// when that one finished its iteration, and must start with its first
+    /// pass.
+    pub fn may_replay(&self, key: u64, pos: usize) -> Result<()> {
+        let o = lock(&self.order);
+        if o.members.len() < 2 || o.current == Some(key) {
+            return Ok(());
         }
+        let Some(me) = o.members.iter().find(|m| m.key == key) else {
+            return Err(Error::Internal(
+                "a session replays from a pool it did not join".into(),
+            ));
+        };
+        let (name, this, first) = (&me.name, me.pass(pos), me.pass(0));
+        if let Some(other) = o.members.iter().find(|m| m.key != key && m.mid_iteration()) {
+            let last = other.last.unwrap_or(0);
+            return Err(Error::state(format!(
+                "session '{name}' cannot replay {this} now: it shares its scratch pool with session '{}', \
+                 which is in the middle of its iteration (its last replay was {}, pass {} of {} in \
+                 capture order; next is {}). Sessions sharing a pool must be replayed one whole \
+                 iteration at a time, in capture order; nothing was replayed",
+                other.name,
+                other.pass(last),
+                last + 1,
+                other.passes.len(),
+                other.pass(last + 1),
+            )));
+        }
+        if pos != 0 && o.current.is_some() {
+            let other = o
+                .current
+                .and_then(|k| o.members.iter().find(|m| m.key == k))
+                .map_or("another session".to_string(), |m| {
+                    format!("session '{}'", m.name)
+                });
+            return Err(Error::state(format!(
+                "session '{name}' cannot replay {this} now: {other}, which shares its scratch pool, \
+                 replayed last, so '{name}' must start its iteration with its first pass in capture \
+                 order ({first}). Sessions sharing a pool must be replayed one whole iteration at a \
+                 time, in capture order; nothing was replayed",
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records that session `key` replayed its pass at capture-order
+    /// position `pos` (after `may_replay` allowed it and the pass was
+    /// launched).
+    pub fn replayed(&self, key: u64, pos: usize) {
+        let mut o = lock(&self.order);
         o.current = Some(key);
         if let Some(m) = o.members.iter_mut().find(|m| m.key == key) {
             m.last = Some(pos);
         }
-        Ok(())
     }
 }
 
@@ -215,6 +221,13 @@ impl Pool {
 mod tests {
     use super::*;
     use crate::backend::host::HostBackend;
+
+    /// A replay as the replay path makes it: checked, then recorded.
+    fn replay(p: &Pool, key: u64, pos: usize) -> Result<()> {
+        p.may_replay(key, pos)?;
+        p.replayed(key, pos);
+        Ok(())
+    }
 
     fn names(key: u64, n: usize) -> Vec<String> {
         (0..n).map(|pos| format!("s{key}p{pos}")).collect()
@@ -225,7 +238,7 @@ mod tests {
         let p = Pool::new(HostBackend::new());
         p.join(1, "a", names(1, 4));
         for pos in [2, 0, 0, 3, 1] {
-            p.replaying(1, pos).unwrap();
+            replay(&p, 1, pos).unwrap();
         }
     }
 
@@ -234,27 +247,50 @@ mod tests {
         let p = Pool::new(HostBackend::new());
         p.join(1, "a", names(1, 3));
         p.join(2, "b", names(2, 2));
-        p.replaying(1, 0).unwrap();
-        p.replaying(1, 1).unwrap();
-        let e = p.replaying(2, 0).unwrap_err();
+        replay(&p, 1, 0).unwrap();
+        replay(&p, 1, 1).unwrap();
+        let e = replay(&p, 2, 0).unwrap_err();
         let m = e.to_string();
         assert!(
             m.contains("session 'b'") && m.contains("session 'a'"),
             "{m}"
         );
         assert!(m.contains("s1p1") && m.contains("next is s1p2"), "{m}");
-        p.replaying(1, 2).unwrap();
-        let e = p.replaying(2, 1).unwrap_err();
+        replay(&p, 1, 2).unwrap();
+        let e = replay(&p, 2, 1).unwrap_err();
         assert!(
             e.to_string().contains("first pass in capture order (s2p0)"),
             "{e}"
         );
-        p.replaying(2, 0).unwrap();
-        p.replaying(2, 1).unwrap();
-        p.replaying(1, 0).unwrap();
+        replay(&p, 2, 0).unwrap();
+        replay(&p, 2, 1).unwrap();
+        replay(&p, 1, 0).unwrap();
         // A member that leaves no longer blocks anyone.
         p.leave(1);
-        p.replaying(2, 1).unwrap();
+        replay(&p, 2, 1).unwrap();
+    }
+
+    #[test]
+    fn a_check_alone_changes_no_order() {
+        let p = Pool::new(HostBackend::new());
+        p.join(1, "a", names(1, 2));
+        p.join(2, "b", names(2, 2));
+        replay(&p, 1, 0).unwrap();
+        replay(&p, 1, 1).unwrap();
+        // `b` may start, but only checked (its replay was then refused for
+        // something else): `a` may start its next iteration.
+        p.may_replay(2, 0).unwrap();
+        replay(&p, 1, 0).unwrap();
+        // Had `b` replayed its first pass, `a` would wait for its iteration.
+        let e = replay(&p, 2, 0).unwrap_err();
+        assert!(e.to_string().contains("session 'a'"), "{e}");
+        replay(&p, 1, 1).unwrap();
+        replay(&p, 2, 0).unwrap();
+        let e = replay(&p, 1, 0).unwrap_err();
+        assert!(
+            e.to_string().contains("in the middle of its iteration"),
+            "{e}"
+        );
     }
 
     #[test]

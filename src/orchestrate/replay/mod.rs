@@ -77,7 +77,9 @@ fn returns_params(inst: &Placed, kind: PassKind) -> bool {
     kind != PassKind::Forward && kind == inst.grad_pass()
 }
 
-/// Everything a replay of `kind` of instance `idx` can be refused for.
+/// Everything a replay of `kind` of instance `idx` can be refused for (the
+/// other buckets' parameters aside: `run_pass` checks them next). Changes
+/// nothing: the pool's order is checked here and recorded at the launch.
 fn check_pass(p: &Parts, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<()> {
     let inst = &p.cap.instances[idx];
     let name = &p.callables[inst.callable].name;
@@ -120,9 +122,13 @@ fn check_pass(p: &Parts, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<(
             .lock()
             .check_free(&inst.overwritten[kind.index()], who)?;
     }
-    let pos = inst.position[kind.index()]
-        .ok_or_else(|| Error::Internal(format!("{} was not captured", who())))?;
-    p.pool.replaying(p.key, pos)
+    p.pool.may_replay(p.key, position(inst, kind, who)?)
+}
+
+/// The capture-order position of pass `kind` of `inst`.
+fn position(inst: &Placed, kind: PassKind, who: impl Fn() -> String) -> Result<usize> {
+    inst.position[kind.index()]
+        .ok_or_else(|| Error::Internal(format!("{} was not captured", who())))
 }
 
 /// The clone block a replay of `kind` returns its CLONE grads in, if any.
@@ -378,6 +384,9 @@ fn launch(
         (None, Rows::Device) => p.cap.switches[inst.callable].pass(kind)?.launch(s)?,
         (None, _) => inst.graph(kind)?.launch(s)?,
     }
+    // Launched: the pool's order takes it (check_pass allowed it).
+    p.pool
+        .replayed(p.key, position(inst, kind, || format!("the {kind} pass"))?);
     if !params {
         return Ok(());
     }
@@ -400,7 +409,11 @@ fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> std:
     }
 }
 
-/// Enqueues one pass and leaves its results in the stage.
+/// Enqueues one pass and leaves its results in the stage. Every refusal
+/// (`resolve`, the device's choice, `check_pass`, the other buckets'
+/// parameters) comes before anything changes: no parameter is pointed
+/// elsewhere, no move counted, no block taken, nothing enqueued, and the
+/// pool's order is recorded only once the pass is launched.
 fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     let (idx, rows) = resolve(p, a, kind)?;
     // The context first: asking about a stream needs it current.

@@ -19,7 +19,12 @@ use std::sync::Arc;
 
 /// Replays step `step` on `stream`, its callables' parameters at
 /// `params` (None: where the graphs read them now); returns their grads,
-/// in order, in `second`.
+/// in order, in `second`. Every refusal comes first (the step and the
+/// count, the stream, strict leases, the parameters, the pool's order,
+/// then, without a free clone slot, a step that cannot replay pass by
+/// pass): a refused replay points no graph elsewhere, counts no move,
+/// keeps no block and leaves the addresses a later replay given none
+/// reads where the last successful replay had them.
 pub(crate) fn step<'a>(
     p: Parts<'a>,
     step: u32,
@@ -38,28 +43,18 @@ pub(crate) fn step<'a>(
     if p.opts.strict_leases {
         p.leases.lock().check_free(&st.overwritten, who)?;
     }
-    if !follow(&p, step as usize, params)? {
-        if st.looped {
-            return Err(unfollowed(&p, step as usize, params));
-        }
+    let follows = follow(&p, step as usize, params)?;
+    if !follows && st.looped {
+        return Err(unfollowed(&p, step as usize, params));
+    }
+    if let Some(first) = st.passes.first() {
+        let pos = p.cap.instances[first.instance].position[first.kind.index()].unwrap_or(0);
+        p.pool.may_replay(p.key, pos)?;
+    }
+    if !follows {
         // Only the callables' own graphs can read the parameters there.
-        let st = &mut p.cap.steps[step as usize];
-        for (k, at) in st.at.iter_mut().enumerate() {
-            *at = given(params, k, *at);
-        }
-        let at = st.at.clone();
-        return by_pass(p, step as usize, stream, Some(&at));
+        return by_pass(p, step as usize, stream, params);
     }
-    let st = &mut p.cap.steps[step as usize];
-    for (k, q) in st.params.iter_mut().enumerate() {
-        let to = given(params, k, st.at[k]);
-        if to != q.bound() {
-            q.bind(to)?;
-            p.cap.param_moves += 1;
-        }
-        st.at[k] = to;
-    }
-    let st = &p.cap.steps[step as usize];
     // The slot blocks taken, in a vector the replays reuse (empty between
     // replays, so that the steady state allocates nothing).
     let mut taken = std::mem::take(&mut p.cap.stage.taken);
@@ -73,14 +68,13 @@ pub(crate) fn step<'a>(
                 return Err(Error::AliasHeld(format!(
                     "step {step} runs its microbatches in one graph and sums their CLONE grads in a \
                      clone slot; all {} are held (grads of earlier replays not yet released): release \
-                     them first",
+                     them first; nothing was replayed",
                     st.slots.len()
                 )));
             }
             Ok(None) => {
                 p.cap.stage.taken = taken;
-                let at = st.at.clone();
-                return by_pass(p, step as usize, stream, Some(&at));
+                return by_pass(p, step as usize, stream, params);
             }
             Err(e) => {
                 p.cap.stage.taken = taken;
@@ -88,12 +82,40 @@ pub(crate) fn step<'a>(
             }
         }
     };
+    // Nothing refuses from here on: the step's graphs follow the moves.
+    if let Err(e) = bind(
+        &mut p.cap.steps[step as usize],
+        params,
+        &mut p.cap.param_moves,
+    ) {
+        put_back(&p, step as usize, &mut taken);
+        p.cap.stage.taken = taken;
+        return Err(e);
+    }
     if let Err(e) = launch(&p, step as usize, chosen, stream, count) {
         put_back(&p, step as usize, &mut taken);
         p.cap.stage.taken = taken;
         return Err(e);
     }
     stage_grads(p, step as usize, taken)
+}
+
+/// Points the step's graphs at the parameters' addresses for this replay
+/// (`given`), counting each move in `moves`; then records them as where
+/// the last replay had them. A failure part way records nothing (the next
+/// replay points the graphs again).
+fn bind(st: &mut CapturedStep, params: Option<&[DevPtr]>, moves: &mut u64) -> Result<()> {
+    for (k, q) in st.params.iter_mut().enumerate() {
+        let to = given(params, k, st.at[k]);
+        if to != q.bound() {
+            q.bind(to)?;
+            *moves += 1;
+        }
+    }
+    for (k, at) in st.at.iter_mut().enumerate() {
+        *at = given(params, k, *at);
+    }
+    Ok(())
 }
 
 /// Parameter `k`'s address for this replay: given (not NULL), else where
@@ -245,14 +267,16 @@ fn launch(
         (None, Some(k)) => &st.slots[k],
         (None, None) => return Err(Error::Internal("a step without a graph".into())),
     };
-    for pp in &st.passes {
-        let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
-        p.pool.replaying(p.key, pos)?;
-    }
     if let Some(state) = &st.loop_state {
         p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
     }
-    graph.launch(stream)
+    graph.launch(stream)?;
+    // Launched: the pool's order takes every pass (step() checked it).
+    for pp in &st.passes {
+        let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
+        p.pool.replayed(p.key, pos);
+    }
+    Ok(())
 }
 
 /// Stages every parameter grad of the step's callables, in order; the
@@ -289,17 +313,24 @@ fn stage_grads(p: Parts<'_>, step: usize, mut taken: Vec<Arc<CloneBlock>>) -> Re
 
 /// A step replayed pass by pass (its graphs need a clone slot that is not
 /// free, or cannot follow moved parameters): the same passes, each its own
-/// replay (forwards given the parameters' addresses), the grads gathered.
+/// replay (forwards given the parameters' addresses: `params`' entries,
+/// else where the last step replay had them), the grads gathered. Those
+/// addresses become where the last step replay had them once every pass
+/// ran.
 fn by_pass<'a>(
     mut p: Parts<'a>,
     step: usize,
     stream: StreamRef,
     params: Option<&[DevPtr]>,
 ) -> Result<Replayed<'a>> {
-    let (passes, dsts, instances) = {
+    let (passes, dsts, instances, at) = {
         let st = &p.cap.steps[step];
-        (st.passes.clone(), st.dsts.clone(), st.instances.clone())
+        let at: Vec<DevPtr> = (0..st.at.len())
+            .map(|k| given(params, k, st.at[k]))
+            .collect();
+        (st.passes.clone(), st.dsts.clone(), st.instances.clone(), at)
     };
+    let params = Some(at.as_slice());
     let first: Vec<usize> = instances
         .iter()
         .scan(0, |at, &i| {
@@ -354,6 +385,7 @@ fn by_pass<'a>(
             blocks.append(&mut stage.blocks);
         }
     }
+    p.cap.steps[step].at.copy_from_slice(&at);
     let stage = &mut p.cap.stage;
     stage.a.clear();
     stage.b.clear();
