@@ -48,6 +48,10 @@ pub struct ParamFlags {
     /// The parameter may move: capture verifies that its graphs can be
     /// pointed at another address, and replays given one point them there.
     pub rebind: bool,
+    /// With COPY_INTO: capture verifies that the pass writing the grad can
+    /// write it straight into another buffer, and replays point that pass
+    /// at the destination they are given instead of copying into it.
+    pub rebind_grad: bool,
 }
 
 /// A parameter as registered, copied out of the caller's descriptor.
@@ -89,6 +93,13 @@ impl ParamSpec {
             return Err(Error::invalid(format!(
                 "{what}: ACCUMULATE_INTO supports f32, f16 and bf16 parameters, not {}",
                 self.dtype.name()
+            )));
+        }
+        if self.flags.rebind_grad && self.policy != GradPolicy::CopyInto {
+            return Err(Error::invalid(format!(
+                "{what}.flags has REBIND_GRAD, which writes the grad straight into the COPY_INTO destination; its \
+                 policy is {}: set GRAPHED_GRAD_POLICY_COPY_INTO",
+                self.policy.name()
             )));
         }
         if !self.requires_grad && self.policy != GradPolicy::Default {
@@ -164,8 +175,26 @@ mod tests {
                 delayed_wgrad: flags & 1 != 0,
                 external_grad: flags & 2 != 0,
                 rebind: flags & 4 != 0,
+                rebind_grad: flags & 8 != 0,
             },
             policy,
+        }
+    }
+
+    #[test]
+    fn rebind_grad_needs_copy_into() {
+        assert!(param(8, GradPolicy::CopyInto).validate("p").is_ok());
+        for policy in [
+            GradPolicy::Default,
+            GradPolicy::Clone,
+            GradPolicy::Alias,
+            GradPolicy::AccumulateInto,
+        ] {
+            let e = param(8, policy).validate("p").unwrap_err().to_string();
+            assert!(
+                e.contains("REBIND_GRAD") && e.contains(policy.name()),
+                "{e}"
+            );
         }
     }
 

@@ -346,17 +346,34 @@ pub enum graphed_param_flags {
     /// new address (graphed_replay_args.params) points them there instead
     /// of reading the old memory.
     Rebind = 4,
+    /// With GRAPHED_GRAD_POLICY_COPY_INTO: the grad is written straight
+    /// into the destination a replay gives (graphed_replay_args.param_dsts)
+    /// instead of into the grad's buffer and then copied. Capture plans and
+    /// verifies pointing the pass that writes the grad (backward, or
+    /// weight-grad where there is one) at another buffer, as for REBIND:
+    /// a replay with a destination then points that pass's graph at it
+    /// (node updates only when the destination changes). Where capture
+    /// refused it (graphed_session_plan_dump says why), where the
+    /// destination is less aligned than the grad's buffer (up to 256
+    /// bytes), and on replays that run another graph of the pass (a clone
+    /// slot's, a device-chosen bucket's, a step's), the grad is copied as
+    /// COPY_INTO does. Either way the destination holds the grad once the
+    /// replay has run, and its previous contents are not read; nothing else
+    /// may use it until then. Another policy with this flag is
+    /// GRAPHED_STATUS_INVALID_ARGUMENT at registration.
+    RebindGrad = 8,
 }
 
 impl graphed_param_flags {
     /// The flags of a bit set; unknown bits are refused.
     pub(crate) fn decode(bits: u32, what: &str) -> Result<ParamFlags> {
-        let (delayed, external, rebind) = (
+        let (delayed, external, rebind, rebind_grad) = (
             graphed_param_flags::DelayedWgrad as u32,
             graphed_param_flags::ExternalGrad as u32,
             graphed_param_flags::Rebind as u32,
+            graphed_param_flags::RebindGrad as u32,
         );
-        let known = delayed | external | rebind;
+        let known = delayed | external | rebind | rebind_grad;
         if bits & !known != 0 {
             return Err(Error::invalid(format!(
                 "{what} has unknown bits 0x{:x}",
@@ -367,6 +384,7 @@ impl graphed_param_flags {
             delayed_wgrad: bits & delayed != 0,
             external_grad: bits & external != 0,
             rebind: bits & rebind != 0,
+            rebind_grad: bits & rebind_grad != 0,
         })
     }
 }
@@ -406,7 +424,8 @@ mod tests {
 
     #[test]
     fn flags_and_bools_refuse_unknown_bits() {
-        assert!(graphed_param_flags::decode(8, "f").is_err());
+        assert!(graphed_param_flags::decode(16, "f").is_err());
+        assert!(graphed_param_flags::decode(8, "f").unwrap().rebind_grad);
         assert!(graphed_param_flags::decode(3, "f").unwrap().external_grad);
         assert!(graphed_param_flags::decode(4, "f").unwrap().rebind);
         assert!(graphed_tensor_flags::decode(16, "f").is_err());

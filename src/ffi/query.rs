@@ -104,6 +104,13 @@ pub struct graphed_session_stats {
     /// device: counts the replays that have run (synchronise their stream
     /// first).
     pub bucket_overflows: u64,
+    /// COPY_INTO parameter grads (over all instances) whose pass writes
+    /// them straight into the destination a replay gives
+    /// (GRAPHED_PARAM_FLAGS_REBIND_GRAD, verified at capture), and those
+    /// registered with that flag that capture refused: copied into the
+    /// destination (the plan dump says why).
+    pub grads_in_place: u32,
+    pub grads_in_place_refused: u32,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -158,6 +165,8 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         params_move_refused: 0,
         param_moves: 0,
         bucket_overflows: 0,
+        grads_in_place: 0,
+        grads_in_place_refused: 0,
     }
 }
 
@@ -210,6 +219,8 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             params_move_refused: st.params_move_refused,
             param_moves: st.param_moves,
             bucket_overflows: st.bucket_overflows,
+            grads_in_place: st.grads_in_place,
+            grads_in_place_refused: st.grads_in_place_refused,
             ..graphed_session_stats_default()
         };
         // SAFETY: per this function's contract.

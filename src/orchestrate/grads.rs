@@ -32,15 +32,21 @@ pub(crate) fn copy_clones(
 }
 
 /// Enqueues the COPY_INTO copies and the ACCUMULATE_INTO launches (one per
-/// dtype) of an instance's parameter grads, into `dst(i)` for parameter i.
+/// dtype) of an instance's parameter grads, into `dst(i)` for parameter i;
+/// not the copies of COPY_INTO grads the pass wrote there itself
+/// (`written(i)`: rebound at capture, pointed at the destination).
 pub(crate) fn enqueue_destinations(
     backend: &dyn Backend,
     inst: &Placed,
     dst: impl Fn(usize) -> DevPtr,
+    written: impl Fn(usize) -> bool,
     acc: &mut Vec<AccItem>,
     s: StreamRef,
 ) -> Result<()> {
     for &i in &inst.returns.copy_into {
+        if written(i) {
+            continue;
+        }
         let g = &inst.param_grads[i];
         backend.copy(dst(i), g.ptr, g.bytes, s)?;
     }

@@ -52,6 +52,11 @@ pub struct Stats {
     /// Device-chosen replays whose size no bucket held (read from the
     /// device).
     pub bucket_overflows: u64,
+    /// COPY_INTO grads (over all instances) their pass writes straight
+    /// into the destination, and those registered with REBIND_GRAD that
+    /// capture refused (copied; the plan dump says why).
+    pub grads_in_place: u32,
+    pub grads_in_place_refused: u32,
     /// Where the last capture's host time went.
     pub capture_times: CaptureTimes,
     /// Errors while releasing this session's resources (a reset, a failed
@@ -103,6 +108,13 @@ impl Session {
                 }
             }
             for inst in &c.instances {
+                for g in &inst.param_grads {
+                    match &g.feed {
+                        Feed::Rebound(_) => st.grads_in_place += 1,
+                        Feed::Refused(_) => st.grads_in_place_refused += 1,
+                        _ => {}
+                    }
+                }
                 let specs = &self.callables[inst.callable].params;
                 for (q, spec) in inst.params.iter().zip(specs) {
                     match (&q.feed, spec.flags.rebind) {
@@ -241,6 +253,23 @@ impl Session {
                     out,
                     "param {} of {name} (microbatch {}{}): {what}",
                     q.index,
+                    inst.microbatch,
+                    bucket_of(inst, &self.callables[inst.callable])
+                );
+            }
+            for g in &inst.param_grads {
+                let what = match &g.feed {
+                    Feed::Rebound(r) => format!(
+                        "written straight into its destination ({} node updates per new destination)",
+                        r.nodes()
+                    ),
+                    Feed::Refused(why) => format!("copied into its destination: {why}"),
+                    _ => continue,
+                };
+                let _ = writeln!(
+                    out,
+                    "{} of {name} (microbatch {}{}): {what}",
+                    g.describe(),
                     inst.microbatch,
                     bucket_of(inst, &self.callables[inst.callable])
                 );

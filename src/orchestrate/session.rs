@@ -425,6 +425,9 @@ impl Session {
                 "param {param} does not exist (callable {callable} has {np} parameters)"
             ))
         })?;
+        let mut changed = p.clone();
+        changed.flags = flags;
+        changed.validate(&format!("callable {callable}: params[{param}]"))?;
         p.flags = flags;
         Ok(())
     }

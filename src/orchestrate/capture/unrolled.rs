@@ -77,9 +77,14 @@ impl Runner<'_> {
                 if enqueued.is_ok() && p.kind == inst.grad_pass() {
                     let dst = seq.dsts_of(p.instance);
                     enqueued = match mb {
-                        0 => {
-                            enqueue_destinations(backend.as_ref(), inst, dst, &mut acc, self.stream)
-                        }
+                        0 => enqueue_destinations(
+                            backend.as_ref(),
+                            inst,
+                            dst,
+                            |_| false,
+                            &mut acc,
+                            self.stream,
+                        ),
                         _ => {
                             let b = block(p.instance);
                             enqueue_sums(backend.as_ref(), inst, dst, b, &mut acc, self.stream)

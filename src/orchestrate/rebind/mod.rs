@@ -1,10 +1,19 @@
 //! Rebinding, the verification step of a capture: inputs and grad-outputs
 //! asked to be rebound (`GRAPHED_TENSOR_FLAGS_REBIND`) are read by replays
 //! where the caller's data is, instead of copied into the static buffer,
-//! and parameters asked to (`GRAPHED_PARAM_FLAGS_REBIND`) may move, where
-//! capture can verify that this gives the same results. A parameter's
-//! verification writes a pattern into the caller's memory for one replay
-//! and puts its bytes back. Steps are verified the same way (`steps`).
+//! parameters asked to (`GRAPHED_PARAM_FLAGS_REBIND`) may move, and
+//! COPY_INTO parameter grads asked to (`GRAPHED_PARAM_FLAGS_REBIND_GRAD`)
+//! are written straight into their destination, where capture can verify
+//! that this gives the same results. A parameter's verification writes a
+//! pattern into the caller's memory for one replay and puts its bytes
+//! back. Steps are verified the same way (`steps`).
+//!
+//! A grad is planned in the graph of the pass that writes it only: other
+//! passes (an earlier capture's temporaries in the same memory, which a
+//! framework's pool may hand out again) keep their references. Its
+//! verification moves it to memory filled with a pattern, with a guard of
+//! pattern after it: the rebound run must write the grad the copying run
+//! wrote there, whole, and nothing past its end.
 //!
 //! Per instance: the backend plans where its graphs take each buffer's
 //! address (`Graph::rebinder`); then one verification replays the
@@ -26,13 +35,15 @@ use super::clock::{CaptureTimes, Span};
 use super::context::Inputs;
 use super::instance::{PassGraphs, Placed};
 use super::spec::LogLevel;
-use super::tensor::{Feed, ParamFeed, Rebinding};
+use super::tensor::{Feed, ParamFeed, Rebinding, Return};
 use crate::backend::{DevPtr, Graph, RebindPlan, StreamRef};
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
 use crate::error::{Error, Result};
 use verify::{Subject, Verifier, Workspace, VERIFIED};
 
+#[cfg(test)]
+mod grads_tests;
 mod steps;
 #[cfg(test)]
 mod tests;
@@ -41,11 +52,13 @@ mod verify;
 pub(crate) use steps::resolve_steps;
 
 /// What is asked to be rebound: a tensor of the instance (an input or a
-/// grad-output), or one of its parameters.
+/// grad-output), one of its parameters, or a parameter's grad (written by
+/// its pass straight into the destination).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum What {
     Tensor(Role, usize),
     Param(usize),
+    Grad(usize),
 }
 
 impl What {
@@ -54,7 +67,20 @@ impl What {
         match self {
             What::Tensor(role, i) => inst.tensors(role)[i].describe(),
             What::Param(j) => format!("param {j}"),
+            What::Grad(j) => inst.param_grads[j].describe(),
         }
+    }
+
+    /// Whether the graphs write it (a grad) rather than read it.
+    fn written(self) -> bool {
+        matches!(self, What::Grad(_))
+    }
+
+    /// Whether its memory is the caller's or the instance's own, where
+    /// another candidate's could overlap it (a tensor's static buffer
+    /// cannot).
+    fn may_overlap(self) -> bool {
+        !matches!(self, What::Tensor(..))
     }
 }
 
@@ -65,6 +91,17 @@ struct Candidate {
     bytes: usize,
     dtype: DType,
     rebinding: Rebinding,
+}
+
+impl Candidate {
+    /// The workspace bytes its verification copies take (a grad's moved
+    /// copy has its guard after it).
+    fn room(&self) -> usize {
+        match self.what.written() {
+            true => self.bytes + verify::CHUNK,
+            false => self.bytes,
+        }
+    }
 }
 
 /// What planning decided for one tensor or parameter asked to be rebound.
@@ -78,13 +115,14 @@ enum Planned {
 /// What verification decided: the plans kept, or why not.
 type Decision = std::result::Result<Rebinding, String>;
 
-/// The tensors and parameters of `inst` whose registration asks for
-/// rebinding.
+/// The tensors, parameters and grads of `inst` whose registration asks for
+/// rebinding (a grad only where its frozen return is COPY_INTO).
 fn asked(s: &Inputs, inst: &Placed) -> Vec<What> {
     let spec = &s.callables[inst.callable];
     let inputs = spec.inputs.iter().enumerate();
     let outputs = spec.outputs.iter().enumerate();
     let params = spec.params.iter().enumerate();
+    let grads = spec.params.iter().zip(&inst.param_grads).enumerate();
     inputs
         .filter(|(_, t)| t.rebind)
         .map(|(i, _)| What::Tensor(Role::Input, i))
@@ -97,6 +135,11 @@ fn asked(s: &Inputs, inst: &Placed) -> Vec<What> {
             params
                 .filter(|(_, p)| p.flags.rebind)
                 .map(|(j, _)| What::Param(j)),
+        )
+        .chain(
+            grads
+                .filter(|(_, (p, g))| p.flags.rebind_grad && g.ret == Return::CopyInto)
+                .map(|(j, _)| What::Grad(j)),
         )
         .collect()
 }
@@ -122,6 +165,14 @@ fn plan(inst: &Placed, graphs: &PassGraphs, what: What) -> Result<Planned> {
             let p = &inst.params[j];
             (p.ptr, p.bytes, p.dtype)
         }
+        What::Grad(j) => {
+            let g = &inst.param_grads[j];
+            if g.ptr == 0 {
+                return Ok(Planned::Refused(what, "it has no buffer".into()));
+            }
+            let pass = graphs.passes[inst.grad_pass().index()].as_deref();
+            return plan_in(pass.into_iter(), what, g.ptr, g.bytes, g.dtype);
+        }
     };
     plan_in(graphs.all(), what, ptr, bytes, dtype)
 }
@@ -139,6 +190,7 @@ fn plan_in<'g>(
         let kept = match what {
             What::Tensor(..) => "tensors are copied",
             What::Param(_) => "parameters stay where they were registered",
+            What::Grad(_) => "grads are copied into their destination",
         };
         return refused(&format!(
             "rebinding is verified with floating-point data; {} {kept}",
@@ -156,9 +208,13 @@ fn plan_in<'g>(
         }
     }
     // A parameter that no graph takes the address of may still be read
-    // through memory: verification tells. A tensor is copied instead.
-    if plans.is_empty() && matches!(what, What::Tensor(..)) {
-        return refused("no graph of the callable takes the buffer's address");
+    // through memory: verification tells. A tensor is copied instead, and
+    // a grad its pass writes through memory no plan can point elsewhere.
+    if plans.is_empty() && !matches!(what, What::Param(_)) {
+        return refused(match what {
+            What::Grad(_) => "the pass that writes it does not take its address",
+            _ => "no graph of the callable takes the buffer's address",
+        });
     }
     Ok(Planned::Candidate(Candidate {
         what,
@@ -169,8 +225,8 @@ fn plan_in<'g>(
     }))
 }
 
-/// Refuses parameters whose memory overlaps another candidate's: moved
-/// apart, one plan would point the other's references away.
+/// Refuses parameters and grads whose memory overlaps another candidate's:
+/// moved apart, one plan would point the other's references away.
 fn apart(
     cands: Vec<Candidate>,
     out: &mut Vec<(What, Decision)>,
@@ -182,13 +238,13 @@ fn apart(
     let shared: Vec<Option<What>> = cands
         .iter()
         .enumerate()
-        .map(|(i, c)| match c.what {
-            What::Param(_) => cands
+        .map(|(i, c)| match c.what.may_overlap() {
+            true => cands
                 .iter()
                 .enumerate()
                 .find(|&(k, o)| k != i && overlaps(c, o))
                 .map(|(_, o)| o.what),
-            What::Tensor(..) => None,
+            false => None,
         })
         .collect();
     let mut kept = Vec::with_capacity(cands.len());
@@ -238,6 +294,12 @@ pub(crate) fn resolve(
                             Err(why) => ParamFeed::Fixed(why),
                         }
                     }
+                    What::Grad(j) => {
+                        inst.param_grads[j].feed = match decision {
+                            Ok(r) => Feed::Rebound(r),
+                            Err(why) => Feed::Refused(why),
+                        }
+                    }
                 }
             }
         }
@@ -252,6 +314,12 @@ pub(crate) fn resolve(
 const MOVED: &str = "a rebound replay at capture gave other results than a copying one, or wrote \
                      the data it was fed: some kernel reads the buffer through memory, writes it in \
                      place, or is not deterministic";
+
+const WRITTEN: &str =
+    "a replay at capture that wrote it elsewhere gave other results than one that \
+                       wrote its buffer, left part of it unwritten, or wrote past its end: some \
+                       kernel reaches it through memory, reads what it held, shares its memory \
+                       with a temporary, or is not deterministic";
 
 /// What verification decided for each of `wanted` (tensors read in place
 /// keep their feed, with a message).
@@ -319,7 +387,7 @@ fn verified(
     ws: &mut Option<Workspace>,
 ) -> Result<Vec<(What, Decision)>> {
     let kept = times.time(Span::RebindVerify, |_| -> Result<Result<Vec<bool>, String>> {
-        let need = subject.room(cands.iter().map(|c| c.bytes))?;
+        let need = subject.room(cands.iter().map(Candidate::room))?;
         if !ws.as_ref().is_some_and(|w| w.room_bytes() >= need) {
             *ws = None;
             match Workspace::new(s.backend, need) {
@@ -348,6 +416,7 @@ fn verified(
         .map(|(i, c)| {
             let decision = match &kept {
                 Ok(k) if k[i] => Ok(c.rebinding),
+                Ok(_) if c.what.written() => Err(WRITTEN.into()),
                 Ok(_) => Err(MOVED.into()),
                 Err(why) => Err(why.clone()),
             };
@@ -404,6 +473,10 @@ fn log(s: &Inputs, inst: &Placed, what: What, decision: &Decision) {
         What::Param(_) => (
             "can move: replays point its graphs at its new address",
             "cannot move: a replay at another address is refused",
+        ),
+        What::Grad(_) => (
+            "is written straight into its destination at replay",
+            "is copied into its destination at replay",
         ),
     };
     let what = what.describe(inst);

@@ -50,7 +50,7 @@ pub(crate) fn resolve_steps(
                         s.callables[placed[i].callable].name
                     )
                 }
-                What::Tensor(..) => String::new(),
+                What::Tensor(..) | What::Grad(_) => String::new(),
             };
             let decided = decide(
                 s, st, placed, graphs, &wanted, stream, times, &mut ws, &name,

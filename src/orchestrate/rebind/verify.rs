@@ -2,8 +2,10 @@
 //! a flag, room for snapshots and copies), what one verification replays
 //! and compares (`Subject`: an instance's graphs, or a step's), and the
 //! experiment itself (`Verifier::same`): a copying run, then a run with
-//! every candidate moved to a copy of its data while its old memory holds
-//! another pattern, compared on the device; one flag comes back.
+//! every candidate moved (one that is read to a copy of its data, one that
+//! is written, a grad, to memory holding a pattern with a guard of pattern
+//! after it) while its old memory holds another pattern, compared on the
+//! device; one flag comes back.
 
 use super::Candidate;
 use crate::backend::{Backend, DevPtr, DeviceMemory, Graph, StreamRef};
@@ -217,10 +219,12 @@ impl Verifier<'_> {
 
     /// Whether the subject's graphs give the same results with every
     /// candidate moved to a copy of its data as when copying, and leave
-    /// that copy as they found it. Every experiment starts from the data
-    /// the static buffers hold when it is called, and puts it back (and
-    /// the kept memory), with the graphs pointing at the static buffers
-    /// again, whatever happens.
+    /// that copy as they found it; a written candidate (a grad) moved to
+    /// memory holding a pattern, where the moved run must write what the
+    /// copying run wrote into its buffer, and nothing into the guard after
+    /// it. Every experiment starts from the data the static buffers hold
+    /// when it is called, and puts it back (and the kept memory), with the
+    /// graphs pointing at the static buffers again, whatever happens.
     pub fn same(&self, cands: &mut [&mut Candidate]) -> Result<bool> {
         let (b, s) = (self.backend, self.stream);
         let (results, kept) = (&self.subject.results, &self.subject.kept);
@@ -228,12 +232,22 @@ impl Verifier<'_> {
         let snaps: Vec<DevPtr> = results.iter().map(|&(_, n)| room.take(n)).collect();
         let keeps: Vec<DevPtr> = kept.iter().map(|&(_, n)| room.take(n)).collect();
         // Per candidate: its data before anything ran, and the copy the
-        // rebound run reads.
+        // rebound run reads (for a grad: the memory it writes, then the
+        // guard).
         let copies: Vec<(DevPtr, DevPtr)> = cands
             .iter()
-            .map(|c| (room.take(c.bytes), room.take(c.bytes)))
+            .map(|c| (room.take(c.bytes), room.take(c.room())))
             .collect();
         let moved_away: Vec<DevPtr> = cands.iter().map(|c| c.ptr).collect();
+        // Where the moved run leaves each result: a grad where it was moved.
+        let written_at = |p: DevPtr| {
+            cands
+                .iter()
+                .zip(&copies)
+                .find(|(c, _)| c.what.written() && c.ptr == p)
+                .map_or(p, |(_, &(_, moved))| moved)
+        };
+        let result_at: Vec<DevPtr> = results.iter().map(|&(p, _)| written_at(p)).collect();
         self.copy_all(kept, &keeps, false)?;
         let experiment = |cands: &mut [&mut Candidate]| -> Result<()> {
             self.feed(&[])?;
@@ -244,7 +258,12 @@ impl Verifier<'_> {
             self.copy_all(results, &snaps, false)?;
             self.copy_all(kept, &keeps, true)?;
             for (c, &(orig, moved)) in cands.iter().zip(&copies) {
-                b.copy(moved, orig, c.bytes, s)?;
+                if c.what.written() {
+                    self.fill(moved, c.bytes, c.dtype, 1)?;
+                    self.fill(moved + c.bytes as DevPtr, CHUNK, c.dtype, 1)?;
+                } else {
+                    b.copy(moved, orig, c.bytes, s)?;
+                }
                 self.fill(c.ptr, c.bytes, c.dtype, 1)?;
             }
             // Updates take effect for later launches only: the copying run
@@ -257,13 +276,20 @@ impl Verifier<'_> {
             }
             self.run()?;
             b.zero(self.ws.flag(), 4, s)?;
-            for (&(p, n), &snap) in results.iter().zip(&snaps) {
+            for ((&(_, n), &snap), &p) in results.iter().zip(&snaps).zip(&result_at) {
                 b.differ(p, snap, n, self.ws.flag(), s)?;
             }
-            // A graph that writes what it is fed would write the caller's
-            // data once rebound.
             for (c, &(orig, moved)) in cands.iter().zip(&copies) {
-                b.differ(moved, orig, c.bytes, self.ws.flag(), s)?;
+                if c.what.written() {
+                    // Nothing past its end: a temporary the plan moved with
+                    // it would reach there.
+                    let guard = moved + c.bytes as DevPtr;
+                    b.differ(guard, self.ws.pattern(c.dtype, 1), CHUNK, self.ws.flag(), s)?;
+                } else {
+                    // A graph that writes what it is fed would write the
+                    // caller's data once rebound.
+                    b.differ(moved, orig, c.bytes, self.ws.flag(), s)?;
+                }
             }
             Ok(())
         };

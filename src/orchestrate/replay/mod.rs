@@ -366,8 +366,7 @@ fn launch(
     block: &Taken,
     s: StreamRef,
 ) -> Result<()> {
-    let inst = &p.cap.instances[idx];
-    let params = returns_params(inst, kind);
+    let params = returns_params(&p.cap.instances[idx], kind);
     // A slot block has its own capture of this pass (and, chosen on the
     // device, its own choice among the buckets' slot captures), which
     // writes the CLONE grads into it: no copy.
@@ -375,6 +374,18 @@ fn launch(
         (Some(b), true) => b.slot,
         _ => None,
     };
+    // Grads written in place, where the pass's own graph runs.
+    let own_graph = slot.is_none() && rows != Rows::Device;
+    let mut in_place = [false; IN_PLACE_MAX];
+    if params {
+        point_grads(
+            &mut p.cap.instances[idx],
+            a.param_dsts,
+            own_graph,
+            &mut in_place,
+        )?;
+    }
+    let inst = &p.cap.instances[idx];
     let slot_graph = match rows {
         Rows::Device => slot.and_then(|k| p.cap.switches[inst.callable].slot(k)),
         _ => slot.and_then(|k| inst.slot_graph(k)),
@@ -395,7 +406,52 @@ fn launch(
     }
     // check::destinations made sure these have destinations.
     let dst = |i: usize| a.param_dsts.map_or(0, |d| d[i]);
-    enqueue_destinations(p.backend.as_ref(), inst, dst, &mut p.cap.stage.acc, s)
+    let written = |i: usize| in_place.get(i).copied().unwrap_or(false);
+    enqueue_destinations(
+        p.backend.as_ref(),
+        inst,
+        dst,
+        written,
+        &mut p.cap.stage.acc,
+        s,
+    )
+}
+
+/// Parameters whose grads a replay can mark written in place (a fixed
+/// array: the steady state makes no host allocation); a grad past it is
+/// copied.
+const IN_PLACE_MAX: usize = 256;
+
+/// Points the grad pass's graph of `inst` at the destination of each
+/// COPY_INTO grad rebound at capture (GRAPHED_PARAM_FLAGS_REBIND_GRAD),
+/// where `own_graph` runs and the destination is aligned as the grad's
+/// buffer, marking it in `in_place`; elsewhere back at the grad's buffer,
+/// from which it is copied.
+fn point_grads(
+    inst: &mut Placed,
+    dsts: Option<&[crate::backend::DevPtr]>,
+    own_graph: bool,
+    in_place: &mut [bool; IN_PLACE_MAX],
+) -> Result<()> {
+    for (i, t) in inst.param_grads.iter_mut().enumerate() {
+        let Feed::Rebound(r) = &mut t.feed else {
+            continue;
+        };
+        let dst = dsts.and_then(|d| d.get(i).copied()).unwrap_or(0);
+        let direct = own_graph && i < IN_PLACE_MAX && dst != 0 && aligned_as(dst, t.ptr);
+        r.bind(if direct { dst } else { t.ptr })?;
+        if direct {
+            in_place[i] = true;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `to` is aligned at least as `from`, up to `REBIND_ALIGN`
+/// (kernels chosen at capture may rely on the alignment they saw).
+fn aligned_as(to: crate::backend::DevPtr, from: crate::backend::DevPtr) -> bool {
+    let align = |p: u64| (1u64 << p.trailing_zeros().min(63)).min(REBIND_ALIGN);
+    to != 0 && (from == 0 || align(to) >= align(from))
 }
 
 /// The other buckets of a forward's instance given parameter addresses
