@@ -77,6 +77,16 @@
 #define GRAPHED_SESSION_STATS_MAGIC 1735524358
 
 /**
+ * The magic graphed_memory_stats_default() sets.
+ */
+#define GRAPHED_MEMORY_STATS_MAGIC 1735524370
+
+/**
+ * The magic graphed_callable_memory_default() sets.
+ */
+#define GRAPHED_CALLABLE_MEMORY_MAGIC 1735524371
+
+/**
  * The result of every graphed call. Dense, starting at 0 = OK; codes are
  * never renumbered (a retired code stays reserved). The message of the last
  * failing call on a thread is in `graphed_last_error_message()`.
@@ -196,6 +206,13 @@ enum graphed_status
    * addresses. Nothing was enqueued.
    */
   GRAPHED_STATUS_PARAM_MOVED = 21,
+  /**
+   * The call names a callable that was released by
+   * graphed_session_release_callable (a forward, backward or weight-grad
+   * replay of it, a step that includes it, its static buffers); the
+   * message names the callable. Nothing was enqueued or changed.
+   */
+  GRAPHED_STATUS_CALLABLE_RELEASED = 22,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -391,6 +408,24 @@ enum graphed_param_flags
    * of reading the old memory.
    */
   GRAPHED_PARAM_FLAGS_REBIND = 4,
+  /**
+   * With GRAPHED_GRAD_POLICY_COPY_INTO: the grad is written straight
+   * into the destination a replay gives (graphed_replay_args.param_dsts)
+   * instead of into the grad's buffer and then copied. Capture plans and
+   * verifies pointing the pass that writes the grad (backward, or
+   * weight-grad where there is one) at another buffer, as for REBIND:
+   * a replay with a destination then points that pass's graph at it
+   * (node updates only when the destination changes). Where capture
+   * refused it (graphed_session_plan_dump says why), where the
+   * destination is less aligned than the grad's buffer (up to 256
+   * bytes), and on replays that run another graph of the pass (a clone
+   * slot's, a device-chosen bucket's, a step's), the grad is copied as
+   * COPY_INTO does. Either way the destination holds the grad once the
+   * replay has run, and its previous contents are not read; nothing else
+   * may use it until then. Another policy with this flag is
+   * GRAPHED_STATUS_INVALID_ARGUMENT at registration.
+   */
+  GRAPHED_PARAM_FLAGS_REBIND_GRAD = 8,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -1492,7 +1527,113 @@ typedef struct graphed_session_stats {
    * first).
    */
   uint64_t bucket_overflows;
+  /**
+   * COPY_INTO parameter grads (over all instances) whose pass writes
+   * them straight into the destination a replay gives
+   * (GRAPHED_PARAM_FLAGS_REBIND_GRAD, verified at capture), and those
+   * registered with that flag that capture refused: copied into the
+   * destination (the plan dump says why).
+   */
+  uint32_t grads_in_place;
+  uint32_t grads_in_place_refused;
 } graphed_session_stats;
+
+/**
+ * What graphed holds in this process, over every session and backend
+ * (graphed's own accounting). Initialise with graphed_memory_stats_default()
+ * before asking.
+ */
+typedef struct graphed_memory_stats {
+  /**
+   * sizeof(graphed_memory_stats); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_MEMORY_STATS_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * Sessions created and not yet destroyed (a session destroyed with
+   * graphed_session_destroy_when_idle counts until the call in progress
+   * on it returns).
+   */
+  uint32_t sessions;
+  /**
+   * Bytes of device memory graphed allocated and still holds (host
+   * memory on the host backend): static buffers, scratch arenas, clone
+   * blocks handed out and not yet released or kept for reuse,
+   * verification workspaces, loop state of steps. Memory from a
+   * session's clone_alloc is the caller's and not counted. 0 once every
+   * session is destroyed and every returned clone block released.
+   */
+  uint64_t device_bytes;
+  /**
+   * How many allocations those bytes are.
+   */
+  uint64_t allocations;
+  /**
+   * Graph executables alive (instantiated and not yet destroyed).
+   */
+  uint64_t graphs;
+} graphed_memory_stats;
+
+/**
+ * What one callable of a captured session holds (graphed's accounting).
+ * Initialise with graphed_callable_memory_default() before asking.
+ */
+typedef struct graphed_callable_memory {
+  /**
+   * sizeof(graphed_callable_memory); set by the _default() function.
+   */
+  size_t struct_size;
+  /**
+   * GRAPHED_CALLABLE_MEMORY_MAGIC; set by the _default() function.
+   */
+  uint32_t magic;
+  /**
+   * 1 once released by graphed_session_release_callable.
+   */
+  uint32_t released;
+  /**
+   * Bytes of its own static allocation: the static buffers of its
+   * instances that no other callable uses (not chained to another
+   * callable, sharing no memory with another's buffers through
+   * reuse_buffers). Freed by its release; 0 after.
+   */
+  uint64_t own_static_bytes;
+  /**
+   * Bytes of the static buffers it uses in the allocation callables
+   * share: buffers chained between it and another callable, and memory
+   * reuse_buffers gives to its buffers and another callable's (not the
+   * small block of bucket sizes that callables with buckets also keep
+   * there). That allocation is freed when the last callable using it is
+   * released; 0 once this one is released.
+   */
+  uint64_t shared_static_bytes;
+  /**
+   * Graph executables of its instances: every pass of every microbatch
+   * and bucket, clone slots, the graphs choosing its bucket on the
+   * device. 0 once released.
+   */
+  uint32_t graphs;
+  /**
+   * Graph executables of the steps that include it, which its release
+   * destroys too (they are counted for each of their callables).
+   */
+  uint32_t step_graphs;
+  /**
+   * Bytes of its returned clone blocks from graphed's memory not yet
+   * released with graphed_buffer_release (blocks from the session's
+   * clone_alloc are the caller's memory and not counted). Blocks stay
+   * valid after the release of their callable.
+   */
+  uint64_t clone_bytes_outstanding;
+  /**
+   * Bytes of its released clone blocks kept for reuse by its later
+   * replays (clone slots included); freed by its release.
+   */
+  uint64_t clone_bytes_cached;
+} graphed_callable_memory;
 
 /**
  * One pass of a schedule, in capture order (graphed_schedule_passes).
@@ -1599,6 +1740,33 @@ graphed_status graphed_session_destroy_when_idle(struct graphed_session *session
  * session can be captured again.
  */
 graphed_status graphed_session_capture(struct graphed_session *session);
+
+/**
+ * Releases one callable of a captured session while the others keep
+ * replaying (Transformer Engine's per-callable reset). It waits for the
+ * device (every stream of the session's context, as a destroy does),
+ * then destroys every graph of the callable (every microbatch, bucket,
+ * clone slot and weight-grad pass, the graphs choosing its bucket on the
+ * device) and of every step that includes it, frees its clone blocks
+ * kept for reuse, the static allocation of the buffers only it uses, and
+ * the allocation callables share once no captured callable uses it (with
+ * the last callable, the scratch arena goes too). Later forward,
+ * backward and weight-grad replays of it, replays of steps that include
+ * it, and graphed_session_buffers on it return
+ * GRAPHED_STATUS_CALLABLE_RELEASED naming it, changing nothing; queries
+ * of its shape, policies and memory still answer. Clones already
+ * returned stay valid until released; its aliases (outputs, input grads,
+ * ALIAS parameter grads) are invalid from this call on. Releasing a
+ * released callable again is a no-op (GRAPHED_STATUS_OK).
+ *
+ * Refused, changing nothing: NULL or stale session; BUSY; a session not
+ * captured (WRONG_STATE) or reset (SESSION_RESET); a callable that does
+ * not exist (INVALID_ARGUMENT); with strict leases, a lease still held on
+ * one of its aliases (ALIAS_HELD, naming the callable and the alias); a
+ * failing wait for the device (CUDA_ERROR). Errors while freeing are
+ * teardown errors (counted, logged), never the call's.
+ */
+graphed_status graphed_session_release_callable(struct graphed_session *session, uint32_t callable);
 
 /**
  * Releases the session's graphs, static buffers and scratch (waiting for
@@ -2015,6 +2183,46 @@ graphed_status graphed_teardown_errors(uint64_t *count_out,
 graphed_status graphed_session_device_memory(struct graphed_session *session,
                                              size_t *free_out,
                                              size_t *total_out);
+
+/**
+ * A zeroed graphed_memory_stats with its size and magic set.
+ */
+struct graphed_memory_stats graphed_memory_stats_default(void);
+
+/**
+ * Writes what graphed holds in this process (every session, every
+ * backend): device bytes and allocations it made and has not freed, live
+ * sessions, live graph executables. Needs no session; never BUSY.
+ * GRAPHED_STATUS_NULL_POINTER for a NULL `out`, BAD_STRUCT for one not
+ * initialised by graphed_memory_stats_default().
+ *
+ * # Safety
+ * `out` must be NULL or point to a graphed_memory_stats initialised by
+ * graphed_memory_stats_default(), of at least its struct_size bytes.
+ */
+graphed_status graphed_memory_stats_get(struct graphed_memory_stats *out);
+
+/**
+ * A zeroed graphed_callable_memory with its size and magic set.
+ */
+struct graphed_callable_memory graphed_callable_memory_default(void);
+
+/**
+ * Writes what callable `callable` of a captured session holds (released
+ * callables included: released = 1, their static bytes and graphs 0,
+ * their clone blocks still outstanding counted). Checks, in order: a NULL
+ * or stale session, a NULL `out`, a struct not initialised by
+ * graphed_callable_memory_default() (BAD_STRUCT), BUSY, a session not
+ * captured (WRONG_STATE) or reset (SESSION_RESET), a callable that does
+ * not exist (INVALID_ARGUMENT).
+ *
+ * # Safety
+ * `out` must be NULL or point to a graphed_callable_memory initialised by
+ * graphed_callable_memory_default(), of at least its struct_size bytes.
+ */
+graphed_status graphed_session_callable_memory(struct graphed_session *session,
+                                               uint32_t callable,
+                                               struct graphed_callable_memory *out);
 
 /**
  * GRAPHED_STATUS_OK when a backend (a graphed_backend value) can run

@@ -90,6 +90,11 @@ pub enum Error {
     #[error("{0}")]
     ParamMoved(String),
 
+    /// A replay (or a step, or a query of its buffers) of a callable that
+    /// was released from its captured session; the message names it.
+    #[error("{0}")]
+    CallableReleased(String),
+
     #[error("{0}")]
     Busy(String),
 

@@ -10,7 +10,10 @@
 //! destroy a session while another thread replays it, which must give
 //! BUSY or USE_AFTER_DESTROY and never a crash; and replay with the
 //! parameters' addresses given (moved ones refused) while other threads
-//! read the stats and which parameters can move. Every status is checked.
+//! read the stats and which parameters can move; and release one callable
+//! of a session while threads replay both of its callables and others read
+//! the process's memory figures and the callables' memory. Every status is
+//! checked.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
@@ -805,4 +808,190 @@ fn params_given_while_others_query() {
     assert_eq!((st.param_moves, st.clone_blocks_outstanding), (0, 0));
     ok(graphed_session_destroy(h.p()));
     assert_eq!(params_movable(h).0, S::UseAfterDestroy);
+}
+
+/// A forward of callable `c` with input `v`.
+fn forward_of(h: H, c: u32, v: f32) -> (graphed_status, graphed_ref) {
+    let data = vec![v; N];
+    let ptrs = [data.as_ptr() as *const c_void];
+    let mut a = graphed_replay_args_default();
+    a.callable = c;
+    a.data = ptrs.as_ptr();
+    a.num_data = 1;
+    let mut out = [empty_ref()];
+    // SAFETY: args and room for one ref.
+    let s = unsafe { graphed_forward(h.p(), &a, out.as_mut_ptr(), 1) };
+    (s, out[0])
+}
+
+/// A backward of callable `c` with grad output `v`: (status, param grads).
+fn backward_of(h: H, c: u32, v: f32) -> (graphed_status, [graphed_ref; 2]) {
+    let data = vec![v; N];
+    let ptrs = [data.as_ptr() as *const c_void];
+    let mut a = graphed_replay_args_default();
+    a.callable = c;
+    a.data = ptrs.as_ptr();
+    a.num_data = 1;
+    let mut gin = [empty_ref()];
+    let mut gp = [empty_ref(); 2];
+    // SAFETY: args and room for the stated refs.
+    let s = unsafe { graphed_backward(h.p(), &a, gin.as_mut_ptr(), 1, gp.as_mut_ptr(), 2) };
+    (s, gp)
+}
+
+fn memory_stats() -> graphed_memory_stats {
+    let mut m = graphed_memory_stats_default();
+    // SAFETY: an initialised struct.
+    ok(unsafe { graphed_memory_stats_get(&mut m) });
+    m
+}
+
+/// One callable of a session released (graphed_session_release_callable)
+/// while threads replay both of its callables, hand their clones to a
+/// deleter thread, and read the process's figures
+/// (graphed_memory_stats_get) and the callables' memory
+/// (graphed_session_callable_memory): the release gets BUSY while another
+/// call is inside the session and goes through once retried; afterwards
+/// replays of the released callable are refused (CALLABLE_RELEASED), the
+/// other's go on, and clones returned before the release stay intact
+/// until the deleter releases them.
+#[test]
+fn release_callable_while_others_replay() {
+    let mut cfg = graphed_session_config_default();
+    cfg.backend = graphed_backend::Host as u32;
+    cfg.warmup_iterations = 1;
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(&cfg, &mut s) });
+    let h = H(s as usize);
+    add_callable(h, None);
+    add_callable(h, None);
+    ok(graphed_session_capture(h.p()));
+    let released = AtomicBool::new(false);
+    let (tx, rx) = mpsc::channel::<Returned>();
+    thread::scope(|sc| {
+        for c in 0..2u32 {
+            let tx = tx.clone();
+            let released = &released;
+            sc.spawn(move || {
+                let end = deadline();
+                let mut done = 0;
+                while Instant::now() < end && done < 300 {
+                    let v = (c * 1000 + done) as f32;
+                    let allowed: &[graphed_status] = match c {
+                        0 => &[S::Ok, S::Busy, S::CallableReleased],
+                        _ => &[S::Ok, S::Busy],
+                    };
+                    let (s, _) = forward_of(h, c, v);
+                    match one_of(s, allowed) {
+                        S::CallableReleased => {
+                            assert!(released.load(Ordering::SeqCst));
+                            assert!(
+                                msg().contains("was released by graphed_session_release_callable")
+                            );
+                            break;
+                        }
+                        S::Busy => {
+                            thread::yield_now();
+                            continue;
+                        }
+                        _ => {}
+                    }
+                    let (s, gp) = backward_of(h, c, v);
+                    match one_of(s, allowed) {
+                        S::CallableReleased => break,
+                        S::Busy => continue,
+                        _ => {}
+                    }
+                    tx.send(Returned {
+                        owner: gp[0].owner as usize,
+                        grads: gp.iter().map(|r| (r.ptr as usize, v)).collect(),
+                    })
+                    .unwrap();
+                    done += 1;
+                }
+                if c == 1 {
+                    assert!(done > 0, "callable 1: no step got through");
+                }
+            });
+        }
+        drop(tx);
+        // The deleter: clones of the released callable outlive its release.
+        sc.spawn(move || {
+            for r in rx {
+                for &(p, v) in &r.grads {
+                    let fake = graphed_ref {
+                        ptr: p as *mut c_void,
+                        bytes: BYTES,
+                        ..empty_ref()
+                    };
+                    assert!(holds(&fake, v), "a clone changed before its release");
+                }
+                for _ in &r.grads {
+                    ok(graphed_buffer_release(r.owner as *mut graphed_buffer));
+                }
+            }
+        });
+        // The releaser.
+        let released = &released;
+        sc.spawn(move || {
+            thread::sleep(Duration::from_millis(20));
+            let end = Instant::now() + Duration::from_secs(20);
+            loop {
+                // Set first: a replay refused as released must see it.
+                released.store(true, Ordering::SeqCst);
+                match one_of(
+                    graphed_session_release_callable(h.p(), 0),
+                    &[S::Ok, S::Busy],
+                ) {
+                    S::Ok => break,
+                    _ => {
+                        assert!(Instant::now() < end, "release got BUSY for 20 s");
+                        thread::yield_now();
+                    }
+                }
+            }
+            loop {
+                if one_of(
+                    graphed_session_release_callable(h.p(), 0),
+                    &[S::Ok, S::Busy],
+                ) == S::Ok
+                {
+                    break;
+                }
+                thread::yield_now();
+            }
+        });
+        // The readers of the figures.
+        sc.spawn(move || {
+            let end = Instant::now() + Duration::from_millis(200);
+            let mut answered = 0;
+            while Instant::now() < end {
+                let m = memory_stats();
+                assert!(m.sessions >= 1 && m.allocations >= 1 && m.device_bytes > 0);
+                let mut cm = graphed_callable_memory_default();
+                // SAFETY: an initialised struct.
+                let s = unsafe { graphed_session_callable_memory(h.p(), 1, &mut cm) };
+                if one_of(s, &[S::Ok, S::Busy]) == S::Ok {
+                    assert_eq!(cm.released, 0);
+                    assert!(cm.own_static_bytes > 0);
+                    answered += 1;
+                }
+            }
+            assert!(answered > 0, "callable memory never got through");
+        });
+    });
+    let mut cm = graphed_callable_memory_default();
+    // SAFETY: an initialised struct.
+    ok(unsafe { graphed_session_callable_memory(h.p(), 0, &mut cm) });
+    assert_eq!((cm.released, cm.own_static_bytes, cm.graphs), (1, 0, 0));
+    assert_eq!(
+        cm.clone_bytes_outstanding, 0,
+        "the deleter released every clone"
+    );
+    assert_eq!(forward_of(h, 0, 1.0).0, S::CallableReleased);
+    let (s, out) = forward_of(h, 1, 5.0);
+    ok(s);
+    assert!(holds(&out, 5.0));
+    ok(graphed_session_destroy(h.p()));
 }

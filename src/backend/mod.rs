@@ -1,9 +1,10 @@
 //! Backends: the CUDA driver backend (the product) and the host emulation
 //! (for tests and for users' CI). Orchestration sees the [`Backend`] trait
 //! and the resource types that own what it makes ([`DeviceMemory`],
-//! [`Stream`], [`Event`]); [`open`] picks the implementation. Nothing here
-//! knows about C.
+//! [`Stream`], [`Event`]); [`open`] picks the implementation; `accounting`
+//! records what both hold, process-wide. Nothing here knows about C.
 
+pub mod accounting;
 pub mod cuda;
 pub mod host;
 pub mod teardown;

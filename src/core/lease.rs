@@ -157,6 +157,14 @@ impl Leases {
     pub fn held_count(&self) -> usize {
         self.slots.iter().filter(|s| s.held).count()
     }
+
+    /// The first of `slots` whose lease is held: its name and token.
+    pub fn held_in(&self, slots: &[usize]) -> Option<(String, u64)> {
+        slots.iter().find_map(|&i| {
+            let s = self.slots.get(i).filter(|s| s.held)?;
+            Some((s.name.clone(), self.token(i, s.generation)))
+        })
+    }
 }
 
 #[cfg(test)]
@@ -194,6 +202,18 @@ mod tests {
             .unwrap();
         l.release(t).unwrap();
         l.check_free(&bwd, || "backward".into()).unwrap();
+    }
+
+    #[test]
+    fn held_in_names_the_first_held_slot() {
+        let mut l = table();
+        assert_eq!(l.held_in(&[0, 1, 2]), None);
+        let t = l.acquire(1);
+        let (name, token) = l.held_in(&[0, 1, 2]).unwrap();
+        assert_eq!((name.as_str(), token), ("output 0 of callable 'a'", t));
+        assert_eq!(l.held_in(&[0, 2, 99]), None, "unknown slots are not held");
+        l.release(t).unwrap();
+        assert_eq!(l.held_in(&[1]), None);
     }
 
     #[test]

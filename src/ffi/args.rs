@@ -258,6 +258,20 @@ pub(crate) unsafe fn read_array<T: CStruct>(
         .collect()
 }
 
+/// Checks the header of an output struct the caller initialised with its
+/// `_default()`, before anything else of the call runs (`write_struct`
+/// checks it again when it writes).
+///
+/// # Safety
+/// `p` must be NULL or point to at least the header's bytes.
+pub(crate) unsafe fn check_struct<T: CStruct>(p: *const T, what: &'static str) -> Result<()> {
+    if p.is_null() {
+        return Err(Error::NullPointer { what });
+    }
+    // SAFETY: per this function's contract.
+    unsafe { header::<T>(p as *const u8, &|| what.to_string()) }.map(|_| ())
+}
+
 /// Writes `value` into an output struct the caller initialised with its
 /// `_default()`: as many bytes as the caller's `struct_size` holds, its
 /// header left as the caller set it.

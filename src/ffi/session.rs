@@ -103,6 +103,39 @@ pub extern "C" fn graphed_session_capture(session: *mut graphed_session) -> grap
     })
 }
 
+/// Releases one callable of a captured session while the others keep
+/// replaying (Transformer Engine's per-callable reset). It waits for the
+/// device (every stream of the session's context, as a destroy does),
+/// then destroys every graph of the callable (every microbatch, bucket,
+/// clone slot and weight-grad pass, the graphs choosing its bucket on the
+/// device) and of every step that includes it, frees its clone blocks
+/// kept for reuse, the static allocation of the buffers only it uses, and
+/// the allocation callables share once no captured callable uses it (with
+/// the last callable, the scratch arena goes too). Later forward,
+/// backward and weight-grad replays of it, replays of steps that include
+/// it, and graphed_session_buffers on it return
+/// GRAPHED_STATUS_CALLABLE_RELEASED naming it, changing nothing; queries
+/// of its shape, policies and memory still answer. Clones already
+/// returned stay valid until released; its aliases (outputs, input grads,
+/// ALIAS parameter grads) are invalid from this call on. Releasing a
+/// released callable again is a no-op (GRAPHED_STATUS_OK).
+///
+/// Refused, changing nothing: NULL or stale session; BUSY; a session not
+/// captured (WRONG_STATE) or reset (SESSION_RESET); a callable that does
+/// not exist (INVALID_ARGUMENT); with strict leases, a lease still held on
+/// one of its aliases (ALIAS_HELD, naming the callable and the alias); a
+/// failing wait for the device (CUDA_ERROR). Errors while freeing are
+/// teardown errors (counted, logged), never the call's.
+#[no_mangle]
+pub extern "C" fn graphed_session_release_callable(
+    session: *mut graphed_session,
+    callable: u32,
+) -> graphed_status {
+    boundary("graphed_session_release_callable", || {
+        self::session(session)?.lock()?.release_callable(callable)
+    })
+}
+
 /// Releases the session's graphs, static buffers and scratch (waiting for
 /// the device first). Every later replay or capture returns
 /// GRAPHED_STATUS_SESSION_RESET; clones already returned stay valid.

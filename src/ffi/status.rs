@@ -78,11 +78,16 @@ pub enum graphed_status {
     /// address); the message names the callable, the parameter and both
     /// addresses. Nothing was enqueued.
     ParamMoved = 21,
+    /// The call names a callable that was released by
+    /// graphed_session_release_callable (a forward, backward or weight-grad
+    /// replay of it, a step that includes it, its static buffers); the
+    /// message names the callable. Nothing was enqueued or changed.
+    CallableReleased = 22,
 }
 
 /// Every status, in code order. Kept next to the enum so that a new code
 /// cannot be added without a name.
-pub(crate) const ALL_STATUSES: [(graphed_status, &str); 22] = [
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 23] = [
     (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
     (
         graphed_status::InvalidArgument,
@@ -135,6 +140,10 @@ pub(crate) const ALL_STATUSES: [(graphed_status, &str); 22] = [
         "GRAPHED_STATUS_INCOMPATIBLE\0",
     ),
     (graphed_status::ParamMoved, "GRAPHED_STATUS_PARAM_MOVED\0"),
+    (
+        graphed_status::CallableReleased,
+        "GRAPHED_STATUS_CALLABLE_RELEASED\0",
+    ),
 ];
 
 /// The name of every code the table does not hold.
@@ -164,6 +173,7 @@ impl From<&Error> for graphed_status {
             Error::Unsupported(_) => graphed_status::Unsupported,
             Error::Incompatible(_) => graphed_status::Incompatible,
             Error::ParamMoved(_) => graphed_status::ParamMoved,
+            Error::CallableReleased(_) => graphed_status::CallableReleased,
             Error::Busy(_) => graphed_status::Busy,
             Error::UseAfterDestroy(_) => graphed_status::UseAfterDestroy,
             Error::Internal(_) => graphed_status::Internal,

@@ -11,11 +11,12 @@ use super::instance::{Instance, PassRef};
 use super::pool::Arena;
 use super::returned::{CloneBlock, Returned};
 use super::spec::MemCounters;
+use super::statics::Statics;
 use super::tensor::Param;
 use crate::backend::{teardown, AccItem, Backend, DevPtr, DeviceMemory, Event, Graph, Stream};
 use crate::core::layout::BufferDesc;
 use crate::core::lease::Leases;
-use crate::core::plan::{Lifetime, Plan};
+use crate::core::plan::{Lifetime, Owned, Plan};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -65,6 +66,8 @@ impl CapturedStep {
 /// The static-buffer plan and what it placed, for stats and the plan dump.
 pub(crate) struct PlanRecord {
     pub plan: Plan,
+    /// Which allocation each buffer lives in.
+    pub owned: Owned,
     pub buffers: Vec<BufferDesc>,
     pub lifetimes: Vec<Lifetime>,
 }
@@ -102,7 +105,7 @@ impl LeaseBook {
 
 /// What the graphs of a capture run on and in.
 pub(crate) struct Resources {
-    pub statics: DeviceMemory,
+    pub statics: Statics,
     pub arena: Option<Arena>,
     /// The capture stream: held (and, when the session made it, destroyed)
     /// with the graphs.
@@ -112,6 +115,7 @@ pub(crate) struct Resources {
 }
 
 impl Resources {
+    /// Bytes of the static allocations still held.
     pub fn statics_bytes(&self) -> usize {
         self.statics.bytes()
     }
@@ -141,7 +145,7 @@ impl Switches {
         self.slots.get(k).map(|g| g.as_ref())
     }
 
-    fn count(&self) -> usize {
+    pub fn count(&self) -> usize {
         self.passes.iter().flatten().count() + self.slots.len()
     }
 }
@@ -186,6 +190,10 @@ pub(crate) struct Captured {
     /// pass, the graph that chooses (its bodies are copies of the buckets'
     /// graphs, made at capture: it needs no template of theirs).
     pub switches: Vec<Switches>,
+    /// Per callable: released (graphed_session_release_callable): its
+    /// graphs, those of the steps that include it, and the static memory
+    /// only it used are gone (`released`).
+    pub released: Vec<bool>,
     /// Last: fields drop in order, so these go after the graphs.
     pub resources: Resources,
 }

@@ -11,6 +11,7 @@ use crate::core::layout::Role;
 use crate::core::returns::ReturnPlan;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 /// One pass of one instance, in warmup/capture order.
@@ -46,6 +47,9 @@ pub(crate) struct Placed {
     pub returns: ReturnPlan,
     /// Recycled clone blocks (CLONE grads without a caller allocator).
     pub ring: Option<Arc<CloneRing>>,
+    /// Bytes of its callable's ring blocks handed out and not released
+    /// (shared by the callable's instances).
+    pub clone_out: Arc<AtomicU64>,
     /// Per pass kind: its position in capture order (None: no such pass).
     pub position: [Option<usize>; 3],
     /// Per pass kind: the lease slots its replay overwrites (strict leases).

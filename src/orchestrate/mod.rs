@@ -7,10 +7,10 @@
 //! | `spec`, `steps`, `context` | what callers register, declare and configure; what a capture reads of a session |
 //! | `session`, `cell`, `report` | the session's states, how callers reach it, what it reports |
 //! | `tensor`, `instance` | one captured tensor with all its facts; a placed instance and its graphs |
-//! | `place`, `leases` | capture step 1: static buffers planned and placed, lease slots |
+//! | `place`, `leases`, `statics` | capture step 1: static buffers planned and placed, lease slots; the static allocations and their owners |
 //! | `capture` | capture steps 2 and 3: warmup, the passes, clone slots, steps; the transaction |
 //! | `rebind` | capture step 4: rebinding planned and verified on the device |
-//! | `captured` | the captured state, built whole |
+//! | `captured`, `released` | the captured state, built whole; one callable released from it, and what each holds |
 //! | `replay` | replay: checks, feed, launch, grads, staging; step replays |
 //! | `grads`, `returned` | parameter grads out of the static buffers; clone blocks and rings |
 //! | `scratch`, `pool`, `external` | the scratch allocator, shared pools, buffers callbacks provide |
@@ -30,12 +30,14 @@ mod leases;
 mod place;
 pub mod pool;
 mod rebind;
+pub mod released;
 pub mod replay;
 pub mod report;
 pub mod returned;
 pub mod scratch;
 pub mod session;
 pub mod spec;
+mod statics;
 pub mod steps;
 mod tensor;
 #[cfg(test)]
@@ -44,6 +46,7 @@ mod testing;
 pub use captured::LeaseBook;
 pub use cell::SessionCell;
 pub use clock::CaptureTimes;
+pub use released::CallableMemory;
 pub use replay::Replayed;
 pub use report::Stats;
 pub use returned::{CloneBlock, RefKind, Returned};

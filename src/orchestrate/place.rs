@@ -1,7 +1,9 @@
 //! Placement, the first step of a capture: the static buffers of every
 //! instance are laid out (`core::layout`), given lifetimes from the capture
-//! order and a place in one allocation (`core::plan`, with reuse when the
-//! session asks for it), and every instance gets its tensors (where each
+//! order and a place in memory (`core::plan`, with reuse when the session
+//! asks for it), split by owner (`plan::owned`: each callable's buffers no
+//! other callable uses in an allocation of its own, the others in one
+//! shared allocation), and every instance gets its tensors (where each
 //! lives, what replays feed it and return for it), its frozen return plan,
 //! its clone ring and its passes' positions.
 
@@ -14,11 +16,13 @@ use crate::backend::DevPtr;
 use crate::core::layout::{
     layout, InstanceBuffers, InstanceShape, Layout, ParamShape, Role, TensorShape,
 };
-use crate::core::plan::{self, Lifetime, Plan};
+use crate::core::plan::{self, Lifetime, Owned, Plan};
 use crate::core::policy::snapshot;
 use crate::core::returns::ReturnPlan;
 use crate::core::schedule::Schedule;
 use crate::error::Result;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 /// The static buffers of a session, planned but not yet placed.
 pub(crate) struct Planned {
@@ -28,12 +32,15 @@ pub(crate) struct Planned {
     pub layout: Layout,
     pub lifetimes: Vec<Lifetime>,
     pub plan: Plan,
+    /// Which allocation each buffer lives in, and where.
+    pub owned: Owned,
 }
 
 impl Planned {
-    /// The address of logical buffer `id` in an allocation at `base`.
-    fn at(&self, base: DevPtr, id: usize) -> DevPtr {
-        base + self.plan.offsets[id] as DevPtr
+    /// The address of logical buffer `id`, the allocations at `bases` (the
+    /// shared one first, then one per callable: `Owned::at`).
+    fn at(&self, bases: &[DevPtr], id: usize) -> DevPtr {
+        self.owned.at(bases, id)
     }
 }
 
@@ -94,30 +101,61 @@ pub(crate) fn plan(s: &Inputs, schedule: &Schedule) -> Result<Planned> {
             ..plan::disjoint(&layout.buffers)?
         }
     };
+    // The callables using each buffer: its instance's, and those of the
+    // instances chained to it.
+    let mut users: Vec<Vec<usize>> = layout
+        .buffers
+        .iter()
+        .map(|b| vec![owners[b.instance].0])
+        .collect();
+    for u in &layout.shared {
+        let c = owners[u.instance].0;
+        if !users[u.buffer].contains(&c) {
+            users[u.buffer].push(c);
+        }
+    }
+    let owned = plan::owned(&plan, &layout.buffers, &users, s.callables.len())?;
     Ok(Planned {
         shapes,
         owners,
         layout,
         lifetimes,
         plan,
+        owned,
     })
 }
 
-/// The placed instances of a planned session whose static allocation
-/// starts at `base`, with their passes at their positions in `order`: one
-/// per planned instance and bucket (see [`first_instances`]), every bucket
-/// in the planned instance's buffers.
+/// The placed instances of a planned session whose allocations are laid
+/// one after the other from `base` (see [`place_at`]).
+#[cfg(test)]
 pub(crate) fn place(
     s: &Inputs,
     p: &Planned,
     base: DevPtr,
     order: &[PassRef],
 ) -> Result<Vec<Placed>> {
+    place_at(s, p, &p.owned.contiguous(base), order)
+}
+
+/// The placed instances of a planned session whose static allocations
+/// are at `bases` (the shared one, then one per callable: `Owned::at`),
+/// with their passes at their positions in `order`: one per planned
+/// instance and bucket (see [`first_instances`]), every bucket in the
+/// planned instance's buffers.
+pub(crate) fn place_at(
+    s: &Inputs,
+    p: &Planned,
+    bases: &[DevPtr],
+    order: &[PassRef],
+) -> Result<Vec<Placed>> {
     let mut placed: Vec<Placed> = Vec::with_capacity(p.shapes.len());
+    // Per callable: the bytes of its clone blocks handed out.
+    let clone_out: Vec<Arc<AtomicU64>> = s.callables.iter().map(|_| Arc::default()).collect();
     for n in 0..p.shapes.len() {
         let first = placed.len();
+        let out = &clone_out[p.owners[n].0];
         for b in 0..s.callables[p.owners[n].0].bucket_count() {
-            let mut inst = place_one(s, p, n, b, base)?;
+            let mut inst = place_one(s, p, (n, b), bases, out)?;
             // The buckets share the clone blocks too (their grads have one
             // shape): one ring, one set of slot blocks.
             if b > 0 {
@@ -148,12 +186,12 @@ pub(crate) fn first_instances(s: &Inputs, microbatches: usize) -> Vec<usize> {
         .collect()
 }
 
-/// One instance's share of a plan, with its static allocation at `base`,
-/// in bucket `size` (0: no buckets).
+/// One instance's share of a plan, with its static allocations at
+/// `bases`, in bucket `size` (0: no buckets).
 struct Site<'a> {
     p: &'a Planned,
     n: usize,
-    base: DevPtr,
+    bases: &'a [DevPtr],
     size: u64,
 }
 
@@ -180,7 +218,7 @@ impl Site<'_> {
             x.row_bytes = t.row_bytes();
         }
         if let (Place::Static | Place::Chained, Some(id)) = (place, id) {
-            x.ptr = self.p.at(self.base, id);
+            x.ptr = self.p.at(self.bases, id);
         }
         if matches!(role, Role::Output | Role::GradInput) && place != Place::Absent {
             x.ret = Return::Alias;
@@ -264,21 +302,27 @@ impl Site<'_> {
     }
 }
 
-fn place_one(s: &Inputs, p: &Planned, n: usize, bucket: usize, base: DevPtr) -> Result<Placed> {
+fn place_one(
+    s: &Inputs,
+    p: &Planned,
+    (n, bucket): (usize, usize),
+    bases: &[DevPtr],
+    clone_out: &Arc<AtomicU64>,
+) -> Result<Placed> {
     let (c, mb) = p.owners[n];
     let spec = &s.callables[c];
     let size = spec.bucket_size(bucket);
-    let site = Site { p, n, base, size };
+    let site = Site { p, n, bases, size };
     let (inputs, grad_inputs) = site.inputs(&spec.inputs);
     let (outputs, grad_outputs) = site.outputs(&spec.outputs);
     let (shape, ib) = (site.shape(), site.ib());
-    let slab = ib.slab.map_or(0, |id| p.at(base, id));
+    let slab = ib.slab.map_or(0, |id| p.at(bases, id));
     let policies: Vec<_> = shape.params.iter().map(|p| p.map(|p| p.policy)).collect();
     let dtypes: Vec<_> = spec.params.iter().map(|p| p.dtype).collect();
     let returns = ReturnPlan::of(&policies, &shape.params, &dtypes, &ib.slab_layout)?;
     let param_grads = site.param_grads(spec, slab, &returns);
     let ring = (returns.clone.count > 0 && s.opts.allocator.is_none())
-        .then(|| CloneRing::new(s.backend, s.counters, returns.clone.bytes));
+        .then(|| CloneRing::new(s.backend, s.counters, clone_out, returns.clone.bytes));
     Ok(Placed {
         callable: c,
         microbatch: mb as u32,
@@ -306,6 +350,7 @@ fn place_one(s: &Inputs, p: &Planned, n: usize, bucket: usize, base: DevPtr) -> 
         slab,
         returns,
         ring,
+        clone_out: clone_out.clone(),
         position: [None; 3],
         overwritten: Default::default(),
     })

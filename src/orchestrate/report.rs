@@ -93,10 +93,9 @@ impl Session {
             st.step_graphs = steps as u32;
             st.instances = c.instances.len() as u32;
             st.captured = true;
-            let fed = c
-                .instances
-                .iter()
-                .flat_map(|i| i.inputs.iter().chain(&i.grad_outputs));
+            // Released callables have no graphs left to rebind.
+            let live = || c.instances.iter().filter(|i| !c.is_released(i.callable));
+            let fed = live().flat_map(|i| i.inputs.iter().chain(&i.grad_outputs));
             for t in fed {
                 match &t.feed {
                     Feed::Rebound(r) => {
@@ -107,7 +106,7 @@ impl Session {
                     _ => {}
                 }
             }
-            for inst in &c.instances {
+            for inst in live() {
                 for g in &inst.param_grads {
                     match &g.feed {
                         Feed::Rebound(_) => st.grads_in_place += 1,
@@ -129,11 +128,21 @@ impl Session {
         st
     }
 
-    /// The static buffers of one role of an instance (0 where absent).
+    /// The static buffers of one role of an instance (0 where absent);
+    /// refused once its callable is released (its own buffers are freed).
     pub fn buffers(&self, callable: u32, microbatch: u32, role: Role) -> Result<Vec<DevPtr>> {
         let cap = self.captured()?;
         let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
+        self.check_live(callable, "asking for its static buffers")?;
         Ok(inst.tensors(role).iter().map(|t| t.ptr).collect())
+    }
+
+    /// How many static buffers one role of an instance has (released
+    /// callables included: the count is the callable's shape).
+    pub fn buffer_count(&self, callable: u32, microbatch: u32, role: Role) -> Result<usize> {
+        let cap = self.captured()?;
+        let inst = &cap.instances[cap.instance_index(callable, microbatch)?];
+        Ok(inst.tensors(role).len())
     }
 
     /// Whether each input (`Role::Input`) or each output's grad-output
@@ -174,9 +183,10 @@ impl Session {
 
     /// The static-buffer plan as text (a callable's buckets share its
     /// buffers: one line each): one line per buffer with its
-    /// instance, role, size, offset, memory slot and lifetime (in pass
-    /// positions of the capture order), then what replays do with each
-    /// tensor asked to be rebound.
+    /// instance, role, size, offset in its allocation, memory slot,
+    /// lifetime (in pass positions of the capture order) and allocation
+    /// (the callable's own, or the one callables share), then what replays
+    /// do with each tensor asked to be rebound.
     pub fn plan_dump(&self) -> Result<String> {
         use std::fmt::Write;
         let cap = self.captured()?;
@@ -193,8 +203,9 @@ impl Session {
         );
         let _ = writeln!(
             out,
-            "callable  microbatch  role             index  bytes       offset      slot  lifetime"
+            "callable  microbatch  role             index  bytes       offset      slot  lifetime  memory"
         );
+        let owned = &cap.plan.owned;
         for (i, b) in cap.plan.buffers.iter().enumerate() {
             // The planned instance's first placed one (its buckets share
             // its buffers).
@@ -207,15 +218,22 @@ impl Session {
                 .get(i)
                 .copied()
                 .unwrap_or(Lifetime { start: 0, end: 0 });
+            let (owner, offset) = owned.place.get(i).copied().unwrap_or((None, p.offsets[i]));
+            let memory = match owner {
+                Some(_) if cap.is_released(inst.callable) => "own (released)",
+                Some(_) => "own",
+                None if !cap.resources.statics.has_shared() => "shared (released)",
+                None => "shared",
+            };
             let _ = writeln!(
                 out,
-                "{:<9} {:<11} {:<16} {:<6} {:<11} {:<11} {:<5} [{}, {}]",
+                "{:<9} {:<11} {:<16} {:<6} {:<11} {:<11} {:<5} [{}, {}]  {memory}",
                 self.callables[inst.callable].name,
                 inst.microbatch,
                 b.role.name(),
                 b.index,
                 b.bytes,
-                p.offsets[i],
+                offset,
                 p.slot_of[i],
                 lt.start,
                 lt.end

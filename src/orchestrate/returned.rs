@@ -9,7 +9,7 @@
 use super::spec::{CloneAllocator, MemCounters};
 use crate::backend::{teardown, Backend, DevPtr, Event, StreamRef};
 use crate::error::{Error, Result};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 /// What a returned reference is.
@@ -55,6 +55,10 @@ pub struct CloneBlock {
     pub bytes: usize,
     backend: Arc<dyn Backend>,
     counters: Arc<MemCounters>,
+    /// Ring blocks: the bytes of its callable's blocks handed out and not
+    /// yet released (its rings' blocks only: a caller's allocator's memory
+    /// is the caller's).
+    callable_out: Option<Arc<AtomicU64>>,
     origin: Origin,
     /// The stream the block was last returned on: its release is ordered
     /// after the work enqueued there.
@@ -91,6 +95,7 @@ impl CloneBlock {
             bytes,
             backend: backend.clone(),
             counters: counters.clone(),
+            callable_out: None,
             origin: Origin::Caller(allocator.clone()),
             stream: AtomicUsize::new(stream.0),
             event: None,
@@ -104,6 +109,18 @@ impl CloneBlock {
     fn handed_out(&self) {
         MemCounters::add(&self.counters.clone_bytes, self.bytes);
         MemCounters::add(&self.counters.clone_blocks, 1);
+        if let Some(c) = &self.callable_out {
+            MemCounters::add(c, self.bytes);
+        }
+    }
+
+    /// Counts the block as no longer handed out.
+    fn given_back(&self) {
+        MemCounters::sub(&self.counters.clone_bytes, self.bytes);
+        MemCounters::sub(&self.counters.clone_blocks, 1);
+        if let Some(c) = &self.callable_out {
+            MemCounters::sub(c, self.bytes);
+        }
     }
 
     /// The stream whose order the block's release follows (the stream it
@@ -126,8 +143,7 @@ impl CloneBlock {
     /// its ring (after the work enqueued on its stream, through its event);
     /// any other block is freed, in that stream's order.
     pub fn release(self: Arc<CloneBlock>) -> Result<()> {
-        MemCounters::sub(&self.counters.clone_bytes, self.bytes);
-        MemCounters::sub(&self.counters.clone_blocks, 1);
+        self.given_back();
         if let (Origin::Ring(ring), Some(event)) = (&self.origin, &self.event) {
             if let Some(ring) = ring.upgrade() {
                 let _ctx = self.backend.bind()?;
@@ -168,6 +184,9 @@ impl Drop for CloneBlock {
 pub struct CloneRing {
     backend: Arc<dyn Backend>,
     counters: Arc<MemCounters>,
+    /// Bytes of its callable's ring blocks handed out (shared by the rings
+    /// of the callable's instances).
+    callable_out: Arc<AtomicU64>,
     bytes: usize,
     free: Mutex<Vec<Arc<CloneBlock>>>,
     /// The slot blocks' addresses, slot by slot (instances sharing the
@@ -176,14 +195,18 @@ pub struct CloneRing {
 }
 
 impl CloneRing {
+    /// A ring of `bytes` blocks; `callable_out` counts the bytes of its
+    /// callable's blocks handed out.
     pub fn new(
         backend: &Arc<dyn Backend>,
         counters: &Arc<MemCounters>,
+        callable_out: &Arc<AtomicU64>,
         bytes: usize,
     ) -> Arc<CloneRing> {
         Arc::new(CloneRing {
             backend: backend.clone(),
             counters: counters.clone(),
+            callable_out: callable_out.clone(),
             bytes,
             free: Mutex::new(Vec::new()),
             slots: Mutex::new(Vec::new()),
@@ -206,6 +229,7 @@ impl CloneRing {
             bytes: self.bytes,
             backend: self.backend.clone(),
             counters: self.counters.clone(),
+            callable_out: Some(self.callable_out.clone()),
             origin: Origin::Ring(Arc::downgrade(self)),
             stream: AtomicUsize::new(stream.0),
             event: Some(Event::new(&self.backend)?),
@@ -306,8 +330,7 @@ impl CloneRing {
     /// Returns a block from `take` or `take_slot` that was not handed to
     /// the caller after all (it was written by nothing).
     pub fn put_back(&self, b: Arc<CloneBlock>) {
-        MemCounters::sub(&self.counters.clone_bytes, b.bytes);
-        MemCounters::sub(&self.counters.clone_blocks, 1);
+        b.given_back();
         MemCounters::add(&self.counters.clone_cached_bytes, b.bytes);
         self.lock().push(b);
     }

@@ -10,11 +10,13 @@ use super::capture;
 use super::captured::{Captured, LeaseBook};
 use super::context::Inputs;
 use super::pool::Pool;
+use super::released::{released_error, CallableMemory};
 use super::replay::{self, Replayed};
 use super::spec::{
     CallableSpec, LogLevel, Looping, MemCounters, ReplayArgs, SessionOptions, StepSpec, TensorSpec,
 };
 use super::steps::{self, StepRequest};
+use crate::backend::accounting::SessionMark;
 use crate::backend::{teardown, Backend, BackendKind, DevPtr, StreamRef};
 use crate::core::lease::{self, Leases};
 use crate::core::policy::ParamFlags;
@@ -42,6 +44,8 @@ pub struct Session {
     pub(crate) leases: Arc<LeaseBook>,
     /// Identifies the session to its pool.
     pub(crate) key: u64,
+    /// Counted among the process's live sessions while it lives.
+    _mark: SessionMark,
 }
 
 fn check_tensor(t: &TensorSpec, what: &str) -> Result<()> {
@@ -194,6 +198,7 @@ impl Session {
             counters: Arc::new(MemCounters::default()),
             leases: Arc::new(LeaseBook::default()),
             key: KEYS.fetch_add(1, Ordering::Relaxed),
+            _mark: SessionMark::new(),
         };
         if !s.opts.clone_param_grads_on_return {
             s.log(LogLevel::Warn, || {
@@ -462,25 +467,118 @@ impl Session {
             captured.resources.arena_bytes(),
         );
         *self.leases.lock() = leases;
-        let passes = captured
-            .order
-            .iter()
-            .map(|p| {
-                let inst = &captured.instances[p.instance];
-                format!(
-                    "the {} of callable '{}' (microbatch {})",
-                    p.kind, self.callables[inst.callable].name, inst.microbatch
-                )
-            })
-            .collect();
-        self.pool.join(self.key, &self.opts.name, passes);
         self.state = State::Captured(Box::new(captured));
+        self.join_pool();
         self.log(LogLevel::Info, || {
             format!(
                 "captured {n} graphs for {} callables: {st} bytes of static buffers, {sc} bytes of scratch",
                 self.callables.len()
             )
         });
+        Ok(())
+    }
+
+    /// Joins the pool with the passes of the callables not released, in
+    /// capture order: their positions in that order become those the
+    /// pool's order checks (a released callable's passes never replay, so
+    /// they leave the iteration).
+    fn join_pool(&mut self) {
+        let State::Captured(cap) = &mut self.state else {
+            return;
+        };
+        let mut passes = Vec::with_capacity(cap.order.len());
+        for p in &cap.order {
+            let inst = &cap.instances[p.instance];
+            if cap.released.get(inst.callable).copied().unwrap_or(false) {
+                continue;
+            }
+            passes.push(format!(
+                "the {} of callable '{}' (microbatch {})",
+                p.kind, self.callables[inst.callable].name, inst.microbatch
+            ));
+        }
+        let mut pos = 0;
+        for i in 0..cap.order.len() {
+            let p = cap.order[i];
+            let inst = &mut cap.instances[p.instance];
+            if !cap.released.get(inst.callable).copied().unwrap_or(false) {
+                inst.position[p.kind.index()] = Some(pos);
+                pos += 1;
+            }
+        }
+        self.pool.leave(self.key);
+        self.pool.join(self.key, &self.opts.name, passes);
+    }
+
+    /// Releases one callable of the captured session while the others
+    /// keep replaying (`released`): waits for the device, destroys every
+    /// graph of its instances and of every step that includes it, frees
+    /// its clone blocks kept for reuse, its own static memory, and the
+    /// shared static memory once no captured callable uses it. Refused,
+    /// changing nothing, while a strict lease on one of its aliases is held.
+    /// Releasing a released callable again does nothing.
+    pub fn release_callable(&mut self, callable: u32) -> Result<()> {
+        self.captured()?;
+        let c = callable as usize;
+        let name = match self.callables.get(c) {
+            Some(spec) => spec.name.clone(),
+            None => {
+                return Err(Error::invalid(format!(
+                    "callable {callable} does not exist (the session has {})",
+                    self.callables.len()
+                )))
+            }
+        };
+        let State::Captured(cap) = &mut self.state else {
+            return Err(Error::Internal("state changed".into()));
+        };
+        if cap.is_released(c) {
+            return Ok(());
+        }
+        if self.opts.strict_leases {
+            if let Some((slot, token)) = self.leases.lock().held_in(&cap.lease_slots(c)) {
+                return Err(Error::AliasHeld(format!(
+                    "callable '{name}' cannot be released: {slot}, an alias it handed out, is still held                      (lease 0x{token:x}); release that lease first (graphed_lease_release). Nothing was                      released"
+                )));
+            }
+        }
+        let _ctx = self.backend.bind()?;
+        // Its graphs may still run on the caller's streams.
+        self.backend.synchronize_all()?;
+        let ((), errors) = teardown::collect(|| cap.release(c));
+        self.note_teardown(errors);
+        self.join_pool();
+        self.log(LogLevel::Info, || {
+            format!(
+                "released callable '{name}': its graphs and the static memory only it used are freed"
+            )
+        });
+        Ok(())
+    }
+
+    /// What callable `callable` of the captured session holds.
+    pub fn callable_memory(&self, callable: u32) -> Result<CallableMemory> {
+        let cap = self.captured()?;
+        if callable as usize >= self.callables.len() {
+            return Err(Error::invalid(format!(
+                "callable {callable} does not exist (the session has {})",
+                self.callables.len()
+            )));
+        }
+        Ok(cap.callable_memory(callable as usize))
+    }
+
+    /// Refuses `what` of callable `callable` once it is released.
+    pub(crate) fn check_live(&self, callable: u32, what: &str) -> Result<()> {
+        if let State::Captured(cap) = &self.state {
+            if cap.is_released(callable as usize) {
+                let name = self
+                    .callables
+                    .get(callable as usize)
+                    .map_or("?", |c| &c.name);
+                return Err(released_error(name, what));
+            }
+        }
         Ok(())
     }
 
@@ -527,6 +625,8 @@ impl Session {
     /// static outputs: aliases, valid until the next forward replay of the
     /// same instance.
     pub fn forward(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
+        self.captured()?;
+        self.check_live(a.callable, "a forward replay")?;
         replay::pass(self.parts()?, a, PassKind::Forward)
     }
 
@@ -535,12 +635,16 @@ impl Session {
     /// parameter grads per the return plan (all NONE when the callable has
     /// a weight-grad graph: `wgrad` returns them).
     pub fn backward(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
+        self.captured()?;
+        self.check_live(a.callable, "a backward replay")?;
         replay::pass(self.parts()?, a, PassKind::Backward)
     }
 
     /// Replays the weight-grad graph of a callable registered with a
     /// weight-grad callback; returns its parameter grads per the return plan.
     pub fn wgrad(&mut self, a: &ReplayArgs) -> Result<Replayed<'_>> {
+        self.captured()?;
+        self.check_live(a.callable, "a weight-grad replay")?;
         replay::pass(self.parts()?, a, PassKind::Wgrad)
     }
 
@@ -553,6 +657,14 @@ impl Session {
         params: Option<&[DevPtr]>,
         microbatches: u32,
     ) -> Result<Replayed<'_>> {
+        if let State::Captured(cap) = &self.state {
+            if let Some(c) = cap.step_released(step as usize) {
+                return Err(released_error(
+                    &self.callables[c].name,
+                    &format!("step {step}, which includes it,"),
+                ));
+            }
+        }
         replay::step(self.parts()?, step, stream, params, microbatches)
     }
 }

@@ -6,6 +6,7 @@
 use super::device::Inner;
 use super::driver::{check, error_name};
 use super::rebind::{self, Template};
+use crate::backend::accounting::GraphMark;
 use crate::backend::{teardown, CaptureEnd, DevPtr, Graph, Made, RebindPlan, StreamRef};
 use crate::error::Result;
 use cudarc::driver::sys;
@@ -21,6 +22,8 @@ pub(super) struct CudaGraph {
     /// The kernel nodes rebinding plans patch, shared between the plans.
     rebound_nodes: rebind::NodeTable,
     made: Made,
+    /// Counted as a graph executable of the process while it lives.
+    _mark: GraphMark,
 }
 
 // SAFETY: a CUgraphExec may be launched and destroyed from any thread.
@@ -129,6 +132,7 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
         inner: inner.clone(),
         rebound_nodes: Default::default(),
         made: Made::default(),
+        _mark: GraphMark::new(),
     };
     // SAFETY: exec is live; uploading prepares its first launch.
     check("cuGraphUpload", unsafe {

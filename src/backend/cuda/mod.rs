@@ -16,8 +16,8 @@ mod loops;
 mod rebind;
 
 use super::{
-    AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
-    Graph, IndexedCopy, StreamRef, Tail,
+    accounting, AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard,
+    DevPtr, EventRef, Graph, IndexedCopy, StreamRef, Tail,
 };
 use crate::core::dtype::DType;
 use crate::error::Result;
@@ -75,12 +75,15 @@ impl Backend for CudaBackend {
         check("cuMemAlloc", unsafe {
             sys::cuMemAlloc_v2(&mut p, bytes.max(1))
         })?;
+        accounting::allocated(BackendKind::Cuda, p, bytes);
         Ok(p)
     }
 
     fn free(&self, ptr: DevPtr) -> Result<()> {
         // SAFETY: ptr came from alloc and is freed once.
-        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })?;
+        accounting::freed(BackendKind::Cuda, ptr);
+        Ok(())
     }
 
     fn alloc_async(&self, bytes: usize, stream: StreamRef) -> Result<DevPtr> {
@@ -95,6 +98,7 @@ impl Backend for CudaBackend {
             )
         };
         check("cuMemAllocFromPoolAsync", r)?;
+        accounting::allocated(BackendKind::Cuda, p, bytes);
         Ok(p)
     }
 
@@ -102,7 +106,11 @@ impl Backend for CudaBackend {
         // SAFETY: ptr came from alloc_async and is freed once, in stream order.
         check("cuMemFreeAsync", unsafe {
             sys::cuMemFreeAsync(ptr, stream.0 as sys::CUstream)
-        })
+        })?;
+        // Back in the clone pool (which keeps it reserved for reuse): no
+        // longer graphed's allocation.
+        accounting::freed(BackendKind::Cuda, ptr);
+        Ok(())
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {

@@ -4,12 +4,15 @@
 use super::rebind;
 use super::stream::{self, submit};
 use super::task::{lock, Task, TaskList};
+use crate::backend::accounting::GraphMark;
 use crate::backend::{CaptureEnd, DevPtr, Graph, RebindPlan, StreamRef};
 use crate::error::Result;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub(super) struct HostGraph {
     tasks: TaskList,
+    /// Counted as a graph executable of the process while it lives.
+    _mark: GraphMark,
 }
 
 impl HostGraph {
@@ -30,6 +33,7 @@ pub(super) fn end_capture(s: StreamRef) -> Result<CaptureEnd> {
         Err(why) => CaptureEnd::Invalidated(why),
         Ok(tasks) => CaptureEnd::Graph(Box::new(HostGraph {
             tasks: Arc::new(Mutex::new(tasks)),
+            _mark: GraphMark::new(),
         })),
     })
 }

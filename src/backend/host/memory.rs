@@ -1,8 +1,9 @@
 //! Host "device" memory: aligned, zeroed host allocations tracked per
-//! backend (so a free of an unknown address is caught), uploads and
-//! downloads, and the injected free failures tests use.
+//! backend (so a free of an unknown address is caught) and in the
+//! process's record (`backend::accounting`), uploads and downloads, and
+//! the injected free failures tests use.
 
-use crate::backend::DevPtr;
+use crate::backend::{accounting, BackendKind, DevPtr};
 use crate::core::ALIGN;
 use crate::error::{Error, Result};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
@@ -57,6 +58,7 @@ impl HostMemory {
             )));
         }
         self.allocs().insert(p as DevPtr, layout);
+        accounting::allocated(BackendKind::Host, p as DevPtr, bytes);
         Ok(p as DevPtr)
     }
 
@@ -66,6 +68,7 @@ impl HostMemory {
                 "0x{ptr:x} is not memory of this host backend (freed twice?)"
             ))
         })?;
+        accounting::freed(BackendKind::Host, ptr);
         // SAFETY: allocated by alloc_zeroed with this layout, removed once.
         unsafe { dealloc(ptr as *mut u8, layout) };
         injected_free_failure()
@@ -75,6 +78,7 @@ impl HostMemory {
 impl Drop for HostMemory {
     fn drop(&mut self) {
         for (ptr, layout) in self.allocs().drain() {
+            accounting::freed(BackendKind::Host, ptr);
             // SAFETY: every entry was allocated by alloc_zeroed with this layout.
             unsafe { dealloc(ptr as *mut u8, layout) };
         }

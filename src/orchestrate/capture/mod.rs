@@ -1,6 +1,7 @@
 //! Capture, as one transaction in the order of its steps:
 //! 1. place: plan the static buffers and place every instance (`place`,
-//!    `leases`), allocate them, copy the samples in;
+//!    `leases`), allocate them (`statics`: each callable's own, and those
+//!    callables share), copy the samples in;
 //! 2. warm up (`warmup`): every pass runs eagerly on the capture stream, in
 //!    capture order (`order`: the schedule's, or forwards in registration
 //!    order, backwards in reverse, each weight-grad after its backward;
@@ -34,11 +35,11 @@ use super::instance::{Instance, PassRef, Placed};
 use super::rebind;
 use super::scratch::Scratch;
 use super::spec::{LogLevel, MemCounters};
+use super::statics::Statics;
 use super::{leases, place};
-use crate::backend::{DeviceMemory, Event, Stream, StreamRef};
+use crate::backend::{Event, Stream, StreamRef};
 use crate::core::lease::Leases;
 use crate::core::policy::{resolve_why, Decided, GradPolicy};
-use crate::core::size;
 use crate::error::Result;
 use order::order_of;
 use record::{record, Recorded};
@@ -63,12 +64,13 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     let (ev_in, ev_out) = (Event::new(backend)?, Event::new(backend)?);
     // Past the planned buffers, where callables have buckets: the sizes
     // the device reads (`buckets::SizeBlock`).
+    // Each callable's own buffers in an allocation of their own, the
+    // buffers callables share (and the sizes) in one they share.
     let sizes_bytes = SizeBlock::bytes(s.callables)?;
-    let statics_bytes = size::add(planned.plan.total_bytes, sizes_bytes, "the static buffers")?;
-    let statics = DeviceMemory::new(backend, statics_bytes)?;
-    let sizes = (sizes_bytes > 0)
-        .then(|| SizeBlock::at(statics.ptr() + planned.plan.total_bytes as u64, s.callables));
-    let mut placed = place::place(s, &planned, statics.ptr(), &order)?;
+    let bucketed: Vec<bool> = s.callables.iter().map(|c| !c.buckets.is_empty()).collect();
+    let statics = Statics::allocate(backend, &planned.owned, sizes_bytes, &bucketed)?;
+    let sizes = (sizes_bytes > 0).then(|| SizeBlock::at(statics.sizes_base(), s.callables));
+    let mut placed = place::place_at(s, &planned, &statics.bases(), &order)?;
     let mut leases = Leases::new(epoch);
     if s.opts.strict_leases {
         leases::assign(s, &planned, &mut placed, &mut leases)?;
@@ -155,6 +157,7 @@ fn assemble(
         switches: recorded.switches,
         plan: PlanRecord {
             plan: planned.plan,
+            owned: planned.owned,
             buffers: planned.layout.buffers,
             lifetimes: planned.lifetimes,
         },
@@ -164,20 +167,18 @@ fn assemble(
         sizes: None,
         last_forward: vec![None; s.callables.len()],
         zeroed: Zeroed::new(s.callables),
+        released: vec![false; s.callables.len()],
         resources,
     }
 }
 
 /// Zeroes the static buffers, copies the samples into the static inputs,
 /// and loads the kernels replays and verification will need.
-fn fill_statics(
-    s: &Inputs,
-    placed: &[Placed],
-    statics: &DeviceMemory,
-    stream: StreamRef,
-) -> Result<()> {
+fn fill_statics(s: &Inputs, placed: &[Placed], statics: &Statics, stream: StreamRef) -> Result<()> {
     let backend = s.backend;
-    backend.zero(statics.ptr(), statics.bytes(), stream)?;
+    for (ptr, bytes) in statics.allocations() {
+        backend.zero(ptr, bytes, stream)?;
+    }
     for inst in placed {
         let specs = &s.callables[inst.callable].inputs;
         for (spec, t) in specs.iter().zip(&inst.inputs) {
