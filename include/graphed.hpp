@@ -560,6 +560,14 @@ inline std::vector<graphed_release> schedule_releases(const std::vector<graphed_
                                                   layers_per_chunk);
 }
 
+/// What graphed holds in this process, over every session
+/// (graphed_memory_stats_get).
+inline graphed_memory_stats memory_stats() {
+    graphed_memory_stats m = graphed_memory_stats_default();
+    check(graphed_memory_stats_get(&m));
+    return m;
+}
+
 // ---- sessions -----------------------------------------------------------------------
 
 /// Free and total device memory as the driver reports them.
@@ -659,6 +667,20 @@ class Session {
 
     void capture() { check(graphed_session_capture(raw_)); }
     void reset() { check(graphed_session_reset(raw_)); }
+
+    /// Releases one callable of the captured session while the others keep
+    /// replaying (graphed_session_release_callable): its graphs, those of
+    /// the steps that include it, and the static memory only it uses are
+    /// freed; its later replays throw GRAPHED_STATUS_CALLABLE_RELEASED.
+    /// Releasing it again does nothing.
+    void release_callable(uint32_t callable) { check(graphed_session_release_callable(raw_, callable)); }
+
+    /// What one callable holds (graphed_session_callable_memory).
+    graphed_callable_memory callable_memory(uint32_t callable) const {
+        graphed_callable_memory m = graphed_callable_memory_default();
+        check(graphed_session_callable_memory(raw_, callable, &m));
+        return m;
+    }
 
     /// Replays a forward graph; returns one ALIAS Ref per output.
     std::vector<Ref> forward(const Replay& r) {
