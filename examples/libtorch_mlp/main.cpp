@@ -1,10 +1,14 @@
 // graphed from a libtorch program (no Python): a 4-layer MLP of
 // torch::nn::Linear layers trained with SGD, each layer graphed through
 // graphed_torch, next to the same MLP trained eagerly; then the gradient
-// aliasing hazard with the opt-out against the default. Exits non-zero if a
+// aliasing hazard with the opt-out against the default; then memory: graphs
+// released one callable at a time, and graphs made, trained and dropped
+// again and again, the device's memory coming back. Exits non-zero if a
 // check fails.
 #include "graphed_torch.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -125,6 +129,68 @@ int main() {
             verdict(clones ? err == 0.0 : err > 0.5,
                     clones ? "default accumulates exactly:" : "opt-out is corrupted, as documented:");
         }
+
+        std::printf("\n3. Memory: one callable released while the others replay; graphs dropped\n");
+        {
+            Mlp m(width, 4), ref(width, 4);
+            for (auto& l : m.layers) l->to(dev);
+            for (auto& l : ref.layers) l->to(dev);
+            m.copy_from(eager);
+            ref.copy_from(eager);
+            auto g = graph(m, sample, true);
+            g[0].release();
+            const graphed_torch::MemoryReport r = graphed_torch::memory_report();
+            const graphed_torch::CallableMemory& first = r.sessions.back().callables[0];
+            verdict(first.released && first.graphs == 0 && first.own_static_bytes == 0 && first.torch_bytes == 0,
+                    "the released callable holds no graph and no memory:");
+            verdict(r.sessions.back().callables[1].graphs > 0, "the others keep theirs:");
+            torch::Tensor x = torch::randn({batch, width}, dev);
+            torch::Tensor y = layer_forward(m.layers[0], x, true), ye = layer_forward(ref.layers[0], x, true);
+            for (size_t i = 1; i < m.layers.size(); ++i) {
+                y = g[i]({y})[0];
+                ye = layer_forward(ref.layers[i], ye, i + 1 < m.layers.size());
+            }
+            verdict(torch::equal(y, ye), "the others replay, equal to eager:");
+            bool refused = false;
+            try {
+                g[0]({x});
+            } catch (const std::runtime_error&) {
+                refused = true;
+            }
+            verdict(refused, "a call of the released callable throws:");
+        }
+        auto cycle = [&] {
+            Mlp m(width, 4);
+            for (auto& l : m.layers) l->to(dev);
+            m.copy_from(eager);
+            auto g = graph(m, sample, true);
+            torch::optim::SGD o(m.parameters(), 0.05);
+            torch::Tensor y = torch::randn({batch, width}, dev), t = torch::randn({batch, width}, dev);
+            for (auto& layer : g) y = layer({y})[0];
+            torch::mse_loss(y, t).backward();
+            o.step();
+            o.zero_grad();
+        };
+        auto used = [] {
+            torch::cuda::synchronize();
+            c10::cuda::CUDACachingAllocator::emptyCache();
+            size_t free = 0, total = 0;
+            cudaMemGetInfo(&free, &total);
+            return total - free;
+        };
+        cycle();  // the first loads kernels and workspaces
+        const size_t base = used();
+        const graphed_torch::MemoryReport before = graphed_torch::memory_report();
+        for (int k = 0; k < 4; ++k) cycle();
+        const size_t after = used();
+        std::printf("   device memory in use after the first cycle %.1f MiB, after four more %.1f MiB\n",
+                    base / 1048576.0, after / 1048576.0);
+        verdict(after == base, "graphs made, trained and dropped four times give every byte back:");
+        const graphed_torch::MemoryReport now = graphed_torch::memory_report();
+        verdict(now.sessions.size() == before.sessions.size() &&
+                    now.graphed.device_bytes == before.graphed.device_bytes &&
+                    now.graphed.sessions == before.graphed.sessions && now.graphed.graphs == before.graphed.graphs,
+                "graphed's own accounting is back where it was (every session dropped is gone):");
     } catch (const std::exception& e) {
         std::printf("error: %s\n", e.what());
         return 2;

@@ -49,7 +49,7 @@ def ours(clones, accumulate=None, lazy=True):
 
 VARIANTS = [
     ("torch.cuda.make_graphed_callables", torch_graph),
-    ("graphed (default: owned, lent)", ours(True)),
+    ("graphed (default: owned, written in place)", ours(True)),
     ("graphed (opt-out: aliases)", ours(False)),
     ("graphed (accumulate into .grad)", ours(True, "grad")),
     ("graphed (owned, copied: lazy_clones=False)", ours(True, lazy=False)),
@@ -212,7 +212,7 @@ def step_times(runs=9, steps=50):
         f"over {steps} steps after 10 warm-up steps, median of {runs} runs interleaved across the variants, all in "
         "this process.\n"
     )
-    say("| config | eager (ms) | torch graphed (ms) | graphed owned, lent (default) (ms) | graphed ALIAS (ms) | graphed ACCUMULATE_INTO .grad (ms) | graphed owned, copied (lazy_clones=False) (ms) | owned / torch graphed | owned / eager | ACCUMULATE_INTO / eager | copied / eager |")
+    say("| config | eager (ms) | torch graphed (ms) | graphed owned, in place (default) (ms) | graphed ALIAS (ms) | graphed ACCUMULATE_INTO .grad (ms) | graphed owned, copied (lazy_clones=False) (ms) | owned / torch graphed | owned / eager | ACCUMULATE_INTO / eager | copied / eager |")
     say("|---|---|---|---|---|---|---|---|---|---|---|")
     for h, b, dtype in ((512, 32, torch.float32), (4096, 4096, torch.bfloat16)):
         base = make_mlp(h, 4, dtype, 3)

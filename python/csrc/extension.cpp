@@ -322,12 +322,11 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["rebind_nodes"] = st.rebind_nodes;
     d["slot_graphs"] = st.slot_graphs;
     d["step_graphs"] = st.step_graphs;
-    // The adapter's lent grads (Options::lazy_clones): whether in force, and
-    // the grads (and bytes) copied out because they were still held.
-    const auto [copies, bytes] = g.lazy_copies();
+    // Owned grads in fresh memory (Options::lazy_clones): whether in force;
+    // the grads written straight there, and those capture refused (copied).
     d["lazy_clones"] = g.lazy_clones();
-    d["lazy_grads_copied"] = copies;
-    d["lazy_bytes_copied"] = bytes;
+    d["grads_in_place"] = st.grads_in_place;
+    d["grads_in_place_refused"] = st.grads_in_place_refused;
     d["capture_ns"] = st.capture_ns;
     d["capture_plan_ns"] = st.capture_plan_ns;
     d["capture_warmup_ns"] = st.capture_warmup_ns;
@@ -343,6 +342,48 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
     d["params_movable"] = st.params_movable;
     d["params_move_refused"] = st.params_move_refused;
     d["param_moves"] = st.param_moves;
+    return d;
+}
+
+// graphed_torch::memory_report() as plain Python data.
+py::dict memory_report() {
+    const graphed_torch::MemoryReport r = graphed_torch::memory_report();
+    py::list sessions;
+    uint64_t torch_bytes = 0;
+    for (const graphed_torch::SessionMemory& s : r.sessions) {
+        py::list callables;
+        for (const graphed_torch::CallableMemory& c : s.callables) {
+            py::dict d;
+            d["name"] = c.name;
+            d["released"] = c.released;
+            d["own_static_bytes"] = c.own_static_bytes;
+            d["shared_static_bytes"] = c.shared_static_bytes;
+            d["graphs"] = c.graphs;
+            d["step_graphs"] = c.step_graphs;
+            d["clone_bytes_outstanding"] = c.clone_bytes_outstanding;
+            d["clone_bytes_cached"] = c.clone_bytes_cached;
+            d["torch_bytes"] = c.torch_bytes;
+            torch_bytes += c.torch_bytes;
+            callables.append(d);
+        }
+        py::dict d;
+        d["reset"] = s.reset;
+        d["callables"] = callables;
+        d["static_bytes"] = s.static_bytes;
+        d["scratch_bytes"] = s.scratch_bytes;
+        d["pool_bytes"] = s.pool_bytes;
+        d["graphs"] = s.graphs;
+        d["torch_pool_reserved"] = s.torch_pool_reserved;
+        d["torch_pool_allocated"] = s.torch_pool_allocated;
+        sessions.append(d);
+    }
+    py::dict d;
+    d["sessions"] = sessions;
+    d["total_bytes"] = r.graphed.device_bytes;
+    d["allocations"] = r.graphed.allocations;
+    d["live_sessions"] = r.graphed.sessions;
+    d["graphs"] = r.graphed.graphs;
+    d["torch_bytes"] = torch_bytes;
     return d;
 }
 
@@ -401,12 +442,16 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def_property_readonly("has_backward_dw", &graphed_torch::GraphedCallable::has_backward_dw)
         .def("reset", &graphed_torch::GraphedCallable::reset, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("is_reset", &graphed_torch::GraphedCallable::is_reset)
+        .def("release", &graphed_torch::GraphedCallable::release, py::call_guard<py::gil_scoped_release>())
+        .def_property_readonly("is_released", &graphed_torch::GraphedCallable::is_released)
         .def_property_readonly("microbatches", &graphed_torch::GraphedCallable::microbatches)
         .def_property_readonly("bucket_sizes", &graphed_torch::GraphedCallable::bucket_sizes)
         .def("session_stats", &stats_of)
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
         .def("params_movable", &graphed_torch::GraphedCallable::params_movable);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
+    m.def("memory_report", &memory_report,
+          "What graphed holds: per live session and callable, and graphed's process-wide accounting.");
     py::class_<graphed_torch::GraphedStep>(m, "GraphedStep")
         .def(
             "replay",

@@ -113,15 +113,16 @@ struct Options {
     // Clones from PyTorch's caching allocator (counted by
     // torch.cuda.memory_allocated) instead of graphed's own pool.
     bool clones_from_torch_allocator = true;
-    // With clone_param_grads_on_return: each parameter grad is handed out
-    // where the backward graph wrote it and copied out only if it is still
-    // held when a replay that may overwrite it is about to run (the next
-    // microbatch's forward when grads accumulate); a grad dropped before
-    // then (zero_grad(set_to_none=True)) is never copied. On by default;
-    // False: graphed copies every grad at every backward. In force for
-    // make_graphed_callables in training without a schedule, buffer reuse
-    // or a caller's pool, with clones from PyTorch's allocator; elsewhere
-    // grads are copied at every backward.
+    // With clone_param_grads_on_return: every replay of the pass that
+    // writes the parameter grads writes them straight into fresh memory of
+    // PyTorch's caching allocator (GRAPHED_PARAM_FLAGS_REBIND_GRAD, where
+    // capture verified it; graphed copies them there where it did not), and
+    // autograd gets those tensors: owned grads without a copy, never
+    // written by a later replay and never moved. On by default; False:
+    // graphed copies every grad into a clone at every backward. In force
+    // in training with clones from PyTorch's allocator, where grads go to
+    // autograd (not with accumulate_into, nor in a step) and without
+    // buffer reuse; elsewhere grads are copied at every backward.
     bool lazy_clones = true;
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.
@@ -232,6 +233,15 @@ class GraphedCallable {
     // make_graphed_callables call). Idempotent; replays then throw.
     void reset() const;
     bool is_reset() const;
+    // Releases this callable alone (every microbatch of it), as Transformer
+    // Engine's reset() of one callable does: its graphs, graphed's static
+    // buffers only it uses, and the PyTorch tensors the adapter keeps for
+    // it are freed, while the other callables keep replaying. Its calls
+    // then throw; owned grads it returned stay valid, outputs and input
+    // grads it returned must no longer be used. Idempotent. The last
+    // callable released resets the session.
+    void release() const;
+    bool is_released() const;
     // The parameters as the last call found them.
     const std::vector<at::Tensor>& params() const;
     // Options::accumulate_into of its session ("" when grads are returned).
@@ -250,16 +260,59 @@ class GraphedCallable {
     graphed_session_stats stats() const;
     // graphed's plan of the session's static buffers and inputs, as text.
     std::string plan() const;
-    // Whether the session hands out lazily owned grads (Options::lazy_clones
-    // in force), and how many grads, and bytes, it has copied out so far.
+    // Whether the session's owned grads are written into fresh memory at
+    // each replay (Options::lazy_clones in force); stats() counts those
+    // written there straight (grads_in_place) and those copied there
+    // (grads_in_place_refused).
     bool lazy_clones() const;
-    std::pair<uint64_t, uint64_t> lazy_copies() const;
 
   private:
     std::shared_ptr<Shared> shared_;
     size_t index_;
     uint32_t microbatch_;
 };
+
+// What graphed holds for one callable (graphed_session_callable_memory),
+// and the PyTorch tensors the adapter keeps for it.
+struct CallableMemory {
+    std::string name;
+    bool released = false;
+    // graphed's static buffers: its own allocation, and its share of the
+    // allocation callables share (chained and reused buffers).
+    uint64_t own_static_bytes = 0, shared_static_bytes = 0;
+    // Graph executables of its instances, and of the steps that include it.
+    uint32_t graphs = 0, step_graphs = 0;
+    // Returned clone blocks of graphed's memory not yet released, and
+    // released ones kept for reuse.
+    uint64_t clone_bytes_outstanding = 0, clone_bytes_cached = 0;
+    // PyTorch tensors its graphs read and write that the adapter keeps
+    // while they exist: outputs, input and parameter grads provided at
+    // capture, the forward's saved tensors (retain_graph_in_backward),
+    // and the memory its passes' random numbers are drawn from.
+    uint64_t torch_bytes = 0;
+};
+
+// One session (a make_graphed_callables or make_graphed_step call).
+struct SessionMemory {
+    bool reset = false;
+    std::vector<CallableMemory> callables;
+    // graphed_session_stats: static buffers, scratch, the scratch pool.
+    uint64_t static_bytes = 0, scratch_bytes = 0, pool_bytes = 0;
+    uint32_t graphs = 0;
+    // PyTorch's private pool the session captured into: its segments
+    // (reserved from the driver) and the blocks in use in them. Shared
+    // with other captures when the caller gave a pool.
+    uint64_t torch_pool_reserved = 0, torch_pool_allocated = 0;
+};
+
+// What graphed holds in this process: every live session this adapter
+// made, and graphed's own process-wide accounting (graphed_memory_stats:
+// device bytes it allocated, allocations, sessions, graph executables).
+struct MemoryReport {
+    std::vector<SessionMemory> sessions;
+    graphed_memory_stats graphed;
+};
+MemoryReport memory_report();
 
 // Warms up and captures every callable into one graphed session sharing one
 // private memory pool; throws std::runtime_error with graphed's message (and

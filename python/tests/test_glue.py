@@ -25,6 +25,9 @@ class FakeImpl:
     def reset(self):
         self.session.resets += 1
 
+    def release(self):
+        self.session.released.append((self.spec["name"], self.microbatch))
+
     def backward_dw(self):
         pass
 
@@ -41,7 +44,7 @@ class FakeExt:
     PARAM_FLAGS_DELAYED_WGRAD = 0x100
 
     def __init__(self):
-        self.replays, self.resets, self.calls = [], 0, []
+        self.replays, self.resets, self.calls, self.released = [], 0, [], []
         self.microbatches = 1
 
     def schedule(self, order, layers_per_chunk, num_callables):
@@ -169,12 +172,14 @@ def test_per_call_keywords(fake):
 
 def test_reset_releases_only_the_selected_callable(fake):
     # Transformer Engine's reset(): the callable reset runs eagerly and its
-    # module gets its own forward back; the other keeps replaying; the
-    # graphs are freed (the extension's reset) with the last one.
+    # module gets its own forward back, its graphs and memory released (the
+    # extension's release of that callable); the other keeps replaying; the
+    # rest is freed (the extension's reset) with the last one.
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     gt.make_graphed_callables((a, b), ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
     x = torch.ones(2, 4)
     a.reset()
+    assert fake.released == [("Linear_0", 0)]
     assert fake.resets == 0 and "forward" not in a.__dict__ and "forward" in b.__dict__
     assert "session_stats" not in a.__dict__ and "session_stats" in b.__dict__
     replays = len(fake.replays)
@@ -183,9 +188,10 @@ def test_reset_releases_only_the_selected_callable(fake):
     b(x)
     assert fake.replays[-1][0] == "Linear_1" and len(fake.replays) == replays + 1  # still graphed
     a.reset()  # a second reset does nothing
-    assert fake.resets == 0
+    assert fake.resets == 0 and fake.released == [("Linear_0", 0)]
     b.reset()
     assert fake.resets == 1 and "forward" not in b.__dict__
+    assert fake.released == [("Linear_0", 0)], "the last one resets the whole session instead"
     b.reset()
     assert fake.resets == 1
 
@@ -208,8 +214,12 @@ def test_with_order_every_microbatchs_callable_counts(fake):
     layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     samples = tuple((torch.zeros(2, 4),) for _ in range(4))
     g = gt.make_graphed_callables(layers, samples, _order=[1, 2, 1, 2, -2, -1, -2, -1])
+    # g: layer 0's microbatches 0 and 1, then layer 1's; a layer's graphs go
+    # once both of its microbatches' graphed callables are reset.
+    released = [[], ["Linear_0"], ["Linear_0"]]
     for i, c in enumerate(g):
         assert fake.resets == 0, f"freed after {i} of {len(g)} resets"
+        assert [name for name, _ in fake.released] == released[i - 1] if i else not fake.released
         c.reset()
     assert fake.resets == 1
 

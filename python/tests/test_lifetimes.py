@@ -31,14 +31,17 @@ def hooked(param):
 
 def two_steps(model):
     """The weight grads two steps hand to autograd, the first as it was
-    right after its step, and the first as it is after the second step."""
+    right after its step, and the first as it is after the second step
+    (which must keep the address it had: a kept grad never moves)."""
     seen, hook = hooked(model.weight)
     step(model, rand(), rand())
     snapshot = seen[0].clone()
+    address = seen[0].data_ptr()
     model.zero_grad(set_to_none=True)
     step(model, rand(), rand())
     hook.remove()
     assert len(seen) == 2
+    assert seen[0].data_ptr() == address, "the kept grad was moved by the second step"
     return seen[0], snapshot, seen[1]
 
 
@@ -46,8 +49,9 @@ def rand():
     return torch.randn(2, 4, device="cuda")
 
 
-# Owned grads both ways: lent (the default) and copied at every backward.
-OWNED = pytest.mark.parametrize("lazy", [True, False], ids=["lent", "copied"])
+# Owned grads both ways: written into fresh memory (the default) and copied
+# at every backward.
+OWNED = pytest.mark.parametrize("lazy", [True, False], ids=["fresh", "copied"])
 
 
 @OWNED

@@ -56,7 +56,12 @@ def test_reset_returns_memory():
         assert free_after == free, f"reuse={reuse}: the driver has {free - free_after} bytes less free memory"
 
 
-def test_reset_of_one_callable_leaves_the_other_replaying():
+def test_reset_of_one_callable_frees_its_memory_while_the_other_replays():
+    """Transformer Engine's per-callable reset: a.reset() frees a's graphs,
+    graphed's static buffers only a uses and the PyTorch tensors kept for
+    a's graphs (PyTorch's allocated bytes drop by at least those, graphed's
+    by at least a's own static bytes), while b keeps replaying, equal to
+    eager; b.reset() then frees the rest."""
     torch.manual_seed(0)
     eager = [torch.nn.Linear(256, 256, device="cuda") for _ in range(2)]
     layers = [torch.nn.Linear(256, 256, device="cuda") for _ in range(2)]
@@ -65,9 +70,20 @@ def test_reset_of_one_callable_leaves_the_other_replaying():
     samples = tuple((torch.randn(32, 256, device="cuda", requires_grad=True),) for _ in layers)
     a, b = gt.make_graphed_callables(tuple(layers), samples)
     held = settle()
+    before = gt.memory_report()
+    mine = [s for s in before["sessions"] if [c["name"] for c in s["callables"]] == ["Linear_0", "Linear_1"]][-1]
+    a_held = mine["callables"][0]
+    assert a_held["graphs"] > 0 and a_held["torch_bytes"] > 0 and not a_held["released"], a_held
     a.reset()
     assert "forward" not in a.__dict__ and "forward" in b.__dict__
-    assert settle() == held  # the graphs share one plan: nothing is freed yet
+    freed = settle()
+    after = gt.memory_report()
+    assert held[0] - freed[0] >= a_held["torch_bytes"], f"PyTorch freed {held[0] - freed[0]} of {a_held['torch_bytes']}"
+    assert before["total_bytes"] - after["total_bytes"] >= a_held["own_static_bytes"]
+    assert before["graphs"] - after["graphs"] >= a_held["graphs"]
+    a_after = [s for s in after["sessions"] if s["callables"][0]["name"] == "Linear_0"][-1]["callables"][0]
+    assert a_after["released"] and a_after["graphs"] == 0 and a_after["own_static_bytes"] == 0, a_after
+    assert a_after["torch_bytes"] == 0, a_after
     for _ in range(3):
         x = torch.randn(32, 256, device="cuda", requires_grad=True)
         xe = x.detach().clone().requires_grad_()
@@ -82,9 +98,9 @@ def test_reset_of_one_callable_leaves_the_other_replaying():
     still = settle()
     b.reset()
     assert "forward" not in b.__dict__
-    freed = settle()
+    gone = settle()
     # the last reset frees the graphs and their buffers
-    assert freed[0] < still[0] or freed[1] > still[1], f"nothing freed: {still} -> {freed}"
+    assert gone[0] < still[0] or gone[1] > still[1], f"nothing freed: {still} -> {gone}"
 
 
 # ---- graphs freed with the last reference --------------------------------------------------
@@ -185,13 +201,16 @@ DROPPED = {
 
 
 def footprint():
-    """PyTorch's allocated and reserved bytes and the driver's used bytes,
-    after the garbage is collected and PyTorch's cache emptied."""
+    """PyTorch's allocated and reserved bytes, the driver's used bytes, and
+    graphed's own (its device bytes and live sessions), after the garbage is
+    collected and PyTorch's cache emptied."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), total - free
+    ours = gt.memory_report()
+    return (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), total - free, ours["total_bytes"],
+            ours["live_sessions"])
 
 
 @pytest.mark.parametrize("path", sorted(DROPPED))
@@ -205,6 +224,7 @@ def test_dropped_graphs_are_freed(path):
         cycle()
         now = footprint()
         assert now == base, (
-            f"{path}, cycle {k + 2}: allocated, reserved and driver-used bytes went from {base} to {now} "
+            f"{path}, cycle {k + 2}: allocated, reserved, driver-used and graphed's bytes and graphed's live "
+            f"sessions went from {base} to {now} "
             f"(+{(now[2] - base[2]) / 2**20:.1f} MiB on the device)"
         )

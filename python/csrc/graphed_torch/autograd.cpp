@@ -162,6 +162,7 @@ struct GraphedBackward : public torch::autograd::Node {
         Shared& s = *shared;
         if (s.is_reset) throw std::runtime_error("graphed: backward of a callable whose session was reset");
         Callable* c = s.callables[index].get();
+        s.check_live(*c);
         for (size_t i = 0; i < held.size(); ++i)
             if (held[i].first.defined() && held[i].first._version() != held[i].second)
                 throw std::runtime_error(
@@ -193,7 +194,11 @@ struct GraphedBackward : public torch::autograd::Node {
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
         // graphed refuses it when the callable's last forward ran other rows.
         if (rows) r.size(uint64_t(rows));
-        const std::vector<void*> dst_ptrs = pointers_of(dsts);
+        // Owned grads: the backward writes them into fresh memory (not with a
+        // weight-grad pass, whose replay returns them).
+        std::vector<at::Tensor> fresh;
+        if (!c->wgrad) fresh = s.fresh_grads(*c);
+        const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? dsts : fresh);
         if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
         graphed::Grads g;
         s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
@@ -208,7 +213,9 @@ struct GraphedBackward : public torch::autograd::Node {
                                        g.inputs[i], ins[i],
                                        [&] { return c->who(microbatch) + "the grad of " + c->input_name(i); }, shared));
         for (size_t j = 0; j < g.params.size(); ++j)
-            result.push_back(s.param_grad(key, *c, j, microbatch, g.params[j], shared));
+            result.push_back(j < fresh.size() && fresh[j].defined()
+                                 ? std::move(fresh[j])
+                                 : s.param_grad(*c, j, microbatch, g.params[j], shared));
         return result;
     }
 };
@@ -270,7 +277,7 @@ bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const voi
 std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor>& inputs, const ReplayOn& on) const {
     Shared& s = *shared_;
     Callable* c = s.callables[index_].get();
-    if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
+    s.check_live(*c);
     if (inputs.size() != c->in.size())
         throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->in.size()) +
                                     " tensor inputs, got " + std::to_string(inputs.size()));
@@ -395,12 +402,13 @@ void GraphedCallable::backward_dw() const {
     Shared& s = *shared_;
     Callable* c = s.callables[index_].get();
     if (!c->wgrad) return;
-    if (s.is_reset) throw std::runtime_error("graphed callable '" + c->name + "': its session was reset");
+    s.check_live(*c);
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Wgrad);
     s.before_replay(key, cur);
     graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
-    const std::vector<void*> dst_ptrs = pointers_of(c->wgrad_dsts[microbatch_]);
+    std::vector<at::Tensor> fresh = s.fresh_grads(*c);
+    const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? c->wgrad_dsts[microbatch_] : fresh);
     if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
     std::vector<graphed::Ref> gp;
     s.replay(index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
@@ -411,7 +419,8 @@ void GraphedCallable::backward_dw() const {
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
-        at::Tensor g = s.param_grad(key, *c, j, microbatch_, gp[j], shared_);
+        at::Tensor g = j < fresh.size() && fresh[j].defined() ? std::move(fresh[j])
+                                                              : s.param_grad(*c, j, microbatch_, gp[j], shared_);
         if (!g.defined()) continue;
         at::Tensor& grad = c->params[j].mutable_grad();
         if (grad.defined())
@@ -429,6 +438,10 @@ void GraphedCallable::reset() const {
 }
 
 bool GraphedCallable::is_reset() const { return shared_->is_reset; }
+
+void GraphedCallable::release() const { shared_->release_callable(index_); }
+
+bool GraphedCallable::is_released() const { return shared_->is_reset || shared_->callables[index_]->released; }
 
 const std::vector<at::Tensor>& GraphedCallable::params() const { return shared_->callables[index_]->params; }
 
@@ -458,12 +471,7 @@ graphed_session_stats GraphedCallable::stats() const {
     return shared_->session->stats();
 }
 
-bool GraphedCallable::lazy_clones() const { return shared_->lazy; }
-
-std::pair<uint64_t, uint64_t> GraphedCallable::lazy_copies() const {
-    std::lock_guard<std::mutex> lock(shared_->lent_mu);
-    return {shared_->lent_copies, shared_->lent_bytes};
-}
+bool GraphedCallable::lazy_clones() const { return shared_->fresh; }
 
 std::string GraphedCallable::plan() const { return shared_->is_reset ? std::string() : shared_->session->plan_dump(); }
 

@@ -195,7 +195,6 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
             s.end_routing();
             const size_t key = pass_key(s.instance(c->index, ctx->microbatch, ctx->bucket), pass);
             s.rng.end(key);
-            s.captured_at(key);
             if (s.opts.reuse_buffers && s.capture_position < s.releases.size())
                 for (const Release& r : s.releases[s.capture_position]) s.release(r);
             ++s.capture_position;

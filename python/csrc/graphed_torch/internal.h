@@ -6,7 +6,7 @@
 // The adapter's files, one concept each:
 //   rng.cpp        PyTorch's CUDA generators, made graph-safe around captures and replays
 //   streams.cpp    the work stream, the private pool routing, clones from PyTorch's allocator
-//   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, lent grads, leases
+//   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, fresh grads, leases
 //   schedule.cpp   the pass order, shape and releases of buffer reuse (from graphed)
 //   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
 //   make.cpp       session setup, discovery, registration, capture, reset
@@ -238,6 +238,7 @@ struct Callable {
     std::vector<bool> param_grad;  // the parameter is registered as taking a grad
     bool wgrad = false;            // has a delayed weight-gradient pass
     bool outputs_known = false;
+    bool released = false;         // GraphedCallable::release: calls throw
     // The frozen graphed_grad_policy of each parameter, as graphed's
     // callbacks and hooks receive it (graphed_pass_ctx.param_policies).
     std::vector<uint32_t> policies;
@@ -346,43 +347,26 @@ struct Shared {
     std::mutex lease_mu;
     std::unordered_map<uint64_t, std::string> held;
 
-    // Lazily owned parameter grads (Options::lazy_clones; tensors.cpp).
-    // Each grad handed out over the buffer its backward graph writes is a
-    // lent grad, with the capture position of that pass: PyTorch's private
-    // pool may have given the buffer memory an earlier capture freed, so
-    // the graphs captured at or before that position may write it. Before
-    // one of them replays, every lent grad still alive is copied into
-    // memory of its own, which its storage then points at (reclaim).
-    bool lazy = false;
-    struct Lent {
-        size_t position;
-        c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-    };
-    std::mutex lent_mu;
-    std::vector<Lent> lent;
-    size_t lent_last = 0;                // the highest position in `lent`
-    std::vector<size_t> positions;       // by pass_key: its capture position
-    uint64_t lent_copies = 0, lent_bytes = 0;
-    // Records the capture position of the pass with key `key` (post_hook).
-    void captured_at(size_t key);
-    // Before a replay of pass `key` on `stream`: copies out each lent grad
-    // still alive whose pass was captured at or after it (every one for
-    // key SIZE_MAX: at reset). Nothing on a stream under capture (graphed
-    // refuses that replay; a copy there would only be recorded).
-    void reclaim(size_t key, cudaStream_t stream);
-    // Before every replay of pass `key` on `stream`: the lent grads it may
-    // overwrite copied out, then the generators advanced (in that order: a
-    // failure of the first leaves them unmoved).
-    void before_replay(size_t key, cudaStream_t stream) {
-        reclaim(key, stream);
-        rng.prologue(key, stream);
-    }
-    // What autograd gets for the grad `r` of callable `c`'s parameter j that
-    // a replay of pass `key` (microbatch `mb`) returned: none (no grad, or
-    // added into its destination), the clone, a lent grad (an ALIAS under
-    // lazy clones, but not of a parameter graphed aliases by its own
-    // policy: Transformer Engine's delayed weight-grad ones), or the alias.
-    at::Tensor param_grad(size_t key, const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
+    // Owned parameter grads in fresh memory (Options::lazy_clones;
+    // tensors.cpp). Each grad graphed does not alias by its own policy
+    // (Transformer Engine's delayed weight-grad ones) is registered
+    // COPY_INTO with GRAPHED_PARAM_FLAGS_REBIND_GRAD, and every replay of
+    // the pass that writes it gives graphed a tensor of PyTorch's caching
+    // allocator, allocated then, as its destination: the graph writes the
+    // grad straight into it where capture verified it can (graphed copies
+    // it there where not), and autograd gets that tensor. No grad handed
+    // out is memory a later replay writes, and none is ever moved.
+    bool fresh = false;
+    // The destinations of the grads of `c` that a replay of its grad pass
+    // writes fresh (undefined for the others), allocated on the current
+    // stream; empty when none is.
+    std::vector<at::Tensor> fresh_grads(const Callable& c) const;
+    // Before every replay of pass `key` on `stream`: the generators advanced.
+    void before_replay(size_t key, cudaStream_t stream) { rng.prologue(key, stream); }
+    // What autograd gets for the grad `r` of callable `c`'s parameter j
+    // that a replay (microbatch `mb`) returned: none (no grad, or written
+    // into its destination), the clone, or the alias.
+    at::Tensor param_grad(const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
                           const std::shared_ptr<Shared>& self);
 
     // Buckets of the callable with the most (1 without buckets): the
@@ -428,6 +412,14 @@ struct Shared {
 
     // With buffer reuse: lets go of what `r` names (schedule.cpp).
     void release(const Release& r);
+    // Releases callable `index` (every microbatch of it): graphed's graphs
+    // and static buffers only it uses, and what the adapter keeps for it;
+    // the last one released resets the session (make.cpp).
+    void release_callable(size_t index);
+    // Throws for a call of `c` after its release or the session's reset.
+    void check_live(const Callable& c) const;
+    // What it holds, per callable (make.cpp).
+    SessionMemory memory() const;
     // Destroys the session and lets go of everything it used (make.cpp).
     void reset();
     // Lets go of the caller's functions: each callable's forward and hook,

@@ -12,10 +12,34 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace graphed_torch {
 
 namespace {
+
+// Every session this adapter made that is still alive (memory_report).
+std::mutex registry_mu;
+std::vector<std::weak_ptr<Shared>>& registry() {
+    static std::vector<std::weak_ptr<Shared>> sessions;
+    return sessions;
+}
+
+void enroll(const std::shared_ptr<Shared>& s) {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    auto& v = registry();
+    v.erase(std::remove_if(v.begin(), v.end(), [](const std::weak_ptr<Shared>& w) { return w.expired(); }), v.end());
+    v.push_back(s);
+}
+
+// Bytes of the distinct storages of `ts` not yet in `seen`.
+uint64_t storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<const void*>& seen) {
+    uint64_t n = 0;
+    for (const at::Tensor& t : ts)
+        if (t.defined() && t.has_storage() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
+            n += t.storage().nbytes();
+    return n;
+}
 
 // Buckets: ascending sizes from 1, a flag per input, at least one dynamic
 // input, each with the largest bucket as its first dimension.
@@ -230,15 +254,19 @@ void register_callable(Shared& s, Callable& c) {
         // for parameters whose real grad is computed outside autograd
         // (DELAYED_WGRAD); else graphed decides (frozen at capture: see
         // Callable::policies).
-        const bool accumulate =
-            grad && !s.opts.accumulate_into.empty() && !(c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
-        const uint32_t policy = !accumulate        ? uint32_t(GRAPHED_GRAD_POLICY_DEFAULT)
-                                : s.opts.copy_into ? uint32_t(GRAPHED_GRAD_POLICY_COPY_INTO)
-                                                   : uint32_t(GRAPHED_GRAD_POLICY_ACCUMULATE_INTO);
+        const bool own_policy = grad && !(c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
+        const bool accumulate = own_policy && !s.opts.accumulate_into.empty();
+        // Owned grads in fresh memory (Shared::fresh): written straight into
+        // each replay's destination where capture verifies it.
+        const bool fresh = own_policy && s.fresh;
+        const uint32_t policy = accumulate ? (s.opts.copy_into ? uint32_t(GRAPHED_GRAD_POLICY_COPY_INTO)
+                                                               : uint32_t(GRAPHED_GRAD_POLICY_ACCUMULATE_INTO))
+                                : fresh    ? uint32_t(GRAPHED_GRAD_POLICY_COPY_INTO)
+                                           : uint32_t(GRAPHED_GRAD_POLICY_DEFAULT);
+        const uint32_t flags = c.flags[j] | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u) |
+                               (fresh ? GRAPHED_PARAM_FLAGS_REBIND_GRAD : 0u);
         d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
-                                               dtype_code(p.scalar_type(), &exact), policy,
-                                               c.flags[j] | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u),
-                                               grad));
+                                               dtype_code(p.scalar_type(), &exact), policy, flags, grad));
         c.param_meta.push_back(Meta{p.sizes().vec(), p.scalar_type(), false});
         Meta layout = meta_of(p);
         if (!p.is_contiguous()) layout.strides = p.strides().vec();
@@ -281,8 +309,8 @@ graphed_session_config config_of(Shared& s, const Options& o) {
     graphed_session_config cfg = graphed::session_config(GRAPHED_BACKEND_CUDA);
     cfg.device = s.device;
     cfg.warmup_iterations = uint32_t(std::max(o.num_warmup_iters - 1, 0));
-    // Lent grads are graphed's aliases, copied out by the adapter when held.
-    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return && !s.lazy ? 1u : 0u;
+    // Fresh grads are COPY_INTO by their own policy (register_callable).
+    cfg.clone_param_grads_on_return = o.clone_param_grads_on_return ? 1u : 0u;
     cfg.strict_leases = o.strict_leases ? 1u : 0u;
     // Warmup and capture on the work stream itself, so that the joins around
     // each callback are no-ops (the legacy default stream cannot capture:
@@ -337,12 +365,12 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
     s.pool = o.pool ? *o.pool : at::cuda::graph_pool_handle();
     s.rng.add(at::cuda::detail::getDefaultCUDAGenerator(s.device), s.device);
     for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
-    // Lent grads need every graph that may write their buffers to be this
-    // session's and to replay through it: not with a caller's pool (other
-    // sessions' graphs), a step, buffer reuse (buffers let go during
-    // capture) or a schedule.
-    s.lazy = o.lazy_clones && o.clone_param_grads_on_return && o.clones_from_torch_allocator && o.training &&
-             !o.pool && !declare && !o.reuse_buffers && o.schedule.empty();
+    // Owned grads in fresh memory of PyTorch's allocator: where grads are
+    // owned clones from it, in training, returned to autograd (not added
+    // into an attribute, nor a step's), and the grad buffers are not let go
+    // during capture (buffer reuse: cloned as they are consumed).
+    s.fresh = o.lazy_clones && o.clone_param_grads_on_return && o.clones_from_torch_allocator && o.training &&
+              o.accumulate_into.empty() && !declare && !o.reuse_buffers;
     s.session.emplace(config_of(s, o));
 
     const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
@@ -432,6 +460,7 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
         }
     }
     s.drop_callbacks();
+    enroll(shared);
     return shared;
 }
 
@@ -440,6 +469,114 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     std::vector<GraphedCallable> out;
     for (size_t i = 0; i < shared->callables.size(); ++i) out.emplace_back(shared, i);
     return out;
+}
+
+void Shared::check_live(const Callable& c) const {
+    if (is_reset) throw std::runtime_error("graphed callable '" + c.name + "': its session was reset");
+    if (c.released)
+        throw std::runtime_error("graphed callable '" + c.name +
+                                 "' was released (its graphs and memory are freed): call the function it graphed, or "
+                                 "make it again");
+}
+
+void Shared::release_callable(size_t index) {
+    Callable& c = *callables.at(index);
+    if (is_reset || c.released) return;
+    c10::cuda::CUDAGuard guard(device);
+    // graphed waits for the device work of its graphs, destroys them (and
+    // the steps that include it) and frees its own static buffers; then the
+    // tensors its graphs wrote may go.
+    session->release_callable(uint32_t(index));
+    c.released = true;
+    c.tapes.clear();
+    c.ext_out.clear();
+    c.ext_gin.clear();
+    c.ext_pgrad.clear();
+    c.bucket_keep.clear();
+    c.wgrad_keep.clear();
+    c.wgrad_dsts.clear();
+    c.end_pass();
+    c.samples.clear();
+    c.param_source = nullptr;
+    for (uint32_t mb = 0; mb < microbatches; ++mb)
+        for (size_t b = 0; b < max_buckets; ++b)
+            for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) {
+                const size_t key = pass_key(instance(index, mb, b), p);
+                if (key < rng.passes.size()) rng.passes[key] = RngStates::PassDraws();
+            }
+    // A step includes every callable: its graphs went with this one.
+    if (step) {
+        step->data.clear();
+        step->losses = at::Tensor();
+    }
+    for (const auto& other : callables)
+        if (!other->released) return;
+    reset();
+}
+
+SessionMemory Shared::memory() const {
+    SessionMemory m;
+    m.reset = is_reset;
+    const bool live = session && !is_reset;
+    if (live) {
+        const graphed_session_stats st = session->stats();
+        m.static_bytes = st.static_bytes;
+        m.scratch_bytes = st.scratch_bytes;
+        m.pool_bytes = st.pool_bytes;
+        m.graphs = st.graph_count + st.slot_graphs + st.step_graphs;
+    }
+    std::unordered_set<const void*> seen;
+    for (size_t i = 0; i < callables.size(); ++i) {
+        const Callable& c = *callables[i];
+        CallableMemory cm;
+        cm.name = c.name;
+        cm.released = c.released;
+        if (live) {
+            graphed_callable_memory g = graphed_callable_memory_default();
+            graphed::check(graphed_session_callable_memory(session->get(), uint32_t(i), &g));
+            cm.own_static_bytes = g.own_static_bytes;
+            cm.shared_static_bytes = g.shared_static_bytes;
+            cm.graphs = g.graphs;
+            cm.step_graphs = g.step_graphs;
+            cm.clone_bytes_outstanding = g.clone_bytes_outstanding;
+            cm.clone_bytes_cached = g.clone_bytes_cached;
+        }
+        for (const Tape& t : c.tapes) cm.torch_bytes += storage_bytes(t.inputs, seen) + storage_bytes(t.outputs, seen);
+        for (const auto* per_mb : {&c.ext_out, &c.ext_gin, &c.ext_pgrad})
+            for (const auto& v : *per_mb) cm.torch_bytes += storage_bytes(v, seen);
+        cm.torch_bytes += storage_bytes(c.bucket_keep, seen);
+        for (uint32_t mb = 0; mb < microbatches; ++mb)
+            for (size_t b = 0; b < max_buckets; ++b)
+                for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) {
+                    const size_t key = pass_key(instance(i, mb, b), p);
+                    if (key < rng.passes.size())
+                        cm.torch_bytes += storage_bytes({rng.passes[key].device}, seen);
+                }
+        m.callables.push_back(std::move(cm));
+    }
+    if (pool_refs > 0) {
+        const auto snap = c10::cuda::CUDACachingAllocator::snapshot();
+        for (const auto& seg : snap.segments)
+            if (seg.device == device && seg.owner_private_pool_id == pool) {
+                m.torch_pool_reserved += seg.total_size;
+                m.torch_pool_allocated += seg.allocated_size;
+            }
+    }
+    return m;
+}
+
+MemoryReport memory_report() {
+    std::vector<std::shared_ptr<Shared>> live;
+    {
+        std::lock_guard<std::mutex> lock(registry_mu);
+        for (const auto& w : registry())
+            if (auto s = w.lock()) live.push_back(std::move(s));
+    }
+    MemoryReport r;
+    for (const auto& s : live) r.sessions.push_back(s->memory());
+    r.graphed = graphed_memory_stats_default();
+    graphed::check(graphed_memory_stats_get(&r.graphed));
+    return r;
 }
 
 void Shared::drop_callbacks() {
@@ -454,9 +591,6 @@ void Shared::drop_callbacks() {
 
 void Shared::reset() {
     if (is_reset) return;
-    // Lent grads still held keep their data: the pool goes with the graphs.
-    // (Throws before anything is reset; none is alive in the destructor.)
-    reclaim(SIZE_MAX, c10::cuda::getCurrentCUDAStream(device).stream());
     is_reset = true;
     end_routing();
     rng.abandon();

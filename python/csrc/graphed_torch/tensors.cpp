@@ -2,13 +2,10 @@
 // requires_grad, layout) and graphed's dtype codes; PyTorch tensors over the
 // static buffers graphed's callbacks receive and over the outputs and grads
 // its replays return (a CLONE grad holds its clone block, a leased ALIAS its
-// lease); lent grads, copied out only when still held at a replay that may
-// overwrite them; and the message that names the aliases still alive when a replay
-// would overwrite them (strict leases).
+// lease); the fresh memory each grad pass writes owned grads into; and the
+// message that names the aliases still alive when a replay would overwrite
+// them (strict leases).
 #include "internal.h"
-
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -123,95 +120,32 @@ std::string layout_text(const Meta& m, const std::string& device) {
     return o + ", strides " + shape_text(m.strides);
 }
 
-// ---- lent grads (Options::lazy_clones) --------------------------------------------------------
+// ---- fresh grads (Options::lazy_clones) ----------------------------------------------------
 
-void Shared::captured_at(size_t key) {
-    if (positions.size() <= key) positions.resize(key + 1, SIZE_MAX);
-    positions[key] = capture_position;
+std::vector<at::Tensor> Shared::fresh_grads(const Callable& c) const {
+    std::vector<at::Tensor> v;
+    if (!fresh) return v;
+    for (size_t j = 0; j < c.params.size(); ++j) {
+        if (j >= c.policies.size() || c.policies[j] != GRAPHED_GRAD_POLICY_COPY_INTO) continue;
+        if (v.empty()) v.resize(c.params.size());
+        const Meta& m = c.param_meta[j];
+        v[j] = at::empty(m.sizes, options_of(m.dtype, device));
+    }
+    return v;
 }
 
-at::Tensor Shared::param_grad(size_t key, const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
+at::Tensor Shared::param_grad(const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
                               const std::shared_ptr<Shared>& self) {
     switch (r.kind()) {
-        // Added into its destination: autograd gets none (and, with DDP,
-        // its hook finds it in param.grad, the bucket view).
+        // Added into (or written into) its destination: autograd gets none
+        // here (with DDP, its hook finds it in param.grad, the bucket view).
         case GRAPHED_REF_KIND_ACCUMULATE_INTO:
+        case GRAPHED_REF_KIND_COPY_INTO:
         case GRAPHED_REF_KIND_NONE: return at::Tensor();
         case GRAPHED_REF_KIND_CLONE: return wrap_clone(r, c.param_meta[j], device);
         default: break;
     }
-    const bool lent_grad = lazy && r.kind() == GRAPHED_REF_KIND_ALIAS &&
-                           !(j < c.flags.size() && (c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD));
-    at::Tensor t = wrap_alias(r, c.param_meta[j], [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
-    if (!lent_grad) return t;
-    // A pass of unknown position (none is expected) counts as captured last:
-    // every replay copies its grads out.
-    const size_t position = key < positions.size() ? positions[key] : SIZE_MAX;
-    std::lock_guard<std::mutex> lock(lent_mu);
-    lent.push_back({position, t.storage().getWeakStorageImpl()});
-    lent_last = std::max(lent_last, position);
-    return t;
-}
-
-void Shared::reclaim(size_t key, cudaStream_t stream) {
-    if (!lazy) return;
-    // Captured at or after `from`: graphs captured before a lent grad's pass
-    // may write its buffer (the pool gave it memory they had freed), and so
-    // does that pass itself; later captures found it taken.
-    // (A replay of unknown position, and a reset, copy out every one.)
-    const size_t from = key < positions.size() && positions[key] != SIZE_MAX ? positions[key] : 0;
-    std::lock_guard<std::mutex> lock(lent_mu);
-    if (lent.empty() || from > lent_last) return;
-    // Keeps the entries `keep` says to, in order, and lent_last with them.
-    auto retain = [this](auto&& keep) {
-        size_t kept = 0, last = 0;
-        for (size_t i = 0; i < lent.size(); ++i) {
-            if (!keep(lent[i])) continue;
-            last = std::max(last, lent[i].position);
-            if (kept != i) lent[kept] = std::move(lent[i]);
-            ++kept;
-        }
-        lent.erase(lent.begin() + ptrdiff_t(kept), lent.end());
-        lent_last = last;
-    };
-    // The dropped ones go first, without a CUDA call: a loop that drops its
-    // grads before the next forward ends here.
-    bool due = false;
-    retain([&](const Lent& l) {
-        if (l.storage.expired()) return false;
-        due = due || l.position >= from;
-        return true;
-    });
-    if (!due) return;
-    // Under capture a copy would only be recorded, never run, and graphed
-    // refuses the replay: the lent grads stay as they are.
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    cuda_check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
-    if (capturing != cudaStreamCaptureStatusNone) return;
-    // The copies are allocated on the session's device, for its current stream.
-    c10::cuda::CUDAGuard guard(device);
-    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
-    retain([&](const Lent& l) {
-        c10::intrusive_ptr<c10::StorageImpl> st = l.storage.lock();
-        if (!st) return false;  // dropped since: nothing to copy
-        if (l.position < from) return true;  // this replay cannot write it
-        // Still held: its data moves to memory of its own, on the stream the
-        // replay runs on (so before the replay writes the buffer); every
-        // tensor over this storage (views too) reads the copy from now on.
-        const size_t bytes = st->nbytes();
-        at::DataPtr own = c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
-        if (bytes)
-            cuda_check(cudaMemcpyAsync(own.get(), st->data_ptr().get(), bytes, cudaMemcpyDeviceToDevice, stream),
-                       "cudaMemcpyAsync (a held grad copied out)");
-        if (stream != current.stream())
-            c10::cuda::CUDACachingAllocator::recordStream(own, c10::cuda::getStreamFromExternal(stream, device));
-        // The old data pointer's deleter lets go of the buffer (and of its
-        // lease under strict leases).
-        st->set_data_ptr_noswap(std::move(own));
-        ++lent_copies;
-        lent_bytes += bytes;
-        return false;
-    });
+    return wrap_alias(r, c.param_meta[j], [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
 }
 
 // ---- leases ----------------------------------------------------------------------------------

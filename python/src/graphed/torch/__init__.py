@@ -7,8 +7,11 @@ signature-compatible with Transformer Engine's (and torch's).
 Modules come back with their forward replaced by graph replays (plain
 callables come back as graphed callables; with `_order`, one graphed callable
 per sample_args entry), and autograd works as in eager PyTorch. Parameter
-grads are owned clones by default, so a retained or accumulated grad is
-never overwritten by the next replay (PyTorch issue 181723).
+grads are owned by default (written into fresh memory of PyTorch's
+allocator at each backward), so a retained or accumulated grad is never
+overwritten by the next replay (PyTorch issue 181723). The graphs and their
+memory go with the last reference to them, or with reset().
+`memory_report()` says what graphed holds.
 
 `python -m graphed.torch.check` prints versions, the library in use, the
 driver, and runs a one-layer self-test.
@@ -24,6 +27,7 @@ _LAZY = {
     "make_graphed_callables": "_make",
     "graph_pool_handle": "_make",
     "make_graphed_step": "_step",
+    "memory_report": "_make",
     "GraphedStep": "_step",
     "register_generator": "_rng",
     "registered_generators": "_rng",
@@ -44,6 +48,7 @@ __all__ = [
     "graph_pool_handle",
     "make_graphed_callables",
     "make_graphed_step",
+    "memory_report",
     "register_generator",
     "registered_generators",
 ]

@@ -12,29 +12,39 @@ class Session:
     shared by the graphed callables it returned. reset() on one of them
     releases that one only, as in Transformer Engine: it runs eagerly from
     then on (a module gets its own forward back) while the others keep
-    replaying. The graphs and their memory are freed when the last one is
-    released (they share one memory plan)."""
+    replaying, and once every graphed callable of its callable is released
+    (one, or one per microbatch with `_order`), that callable's graphs and
+    the memory only it uses are freed. The last release frees the rest.
+    Dropped without reset(), the graphs and their memory are freed with
+    the last reference to them."""
 
     def __init__(self, impls, restore_modules):
         self._impls = impls  # any one frees them all
         # id(module) -> (module, previous instance forward or None)
         self._restore = {id(module): (module, previous) for module, previous in restore_modules}
         self._live = 0
+        self._per_callable = {}  # callable index -> graphed callables not yet released
         self.is_reset = False
 
-    def adopt(self):
+    def adopt(self, callable_index):
         """Counts one more graphed callable sharing the graphs."""
         self._live += 1
+        self._per_callable[callable_index] = self._per_callable.get(callable_index, 0) + 1
 
-    def release(self, module):
+    def release(self, module, callable_index, impl):
         """One graphed callable let go (its module, if make_graphed_callables
-        replaced that module's forward, gets it back); the last frees all."""
+        replaced that module's forward, gets it back); the last of its
+        callable frees that callable's graphs and memory, the last of all
+        frees the rest."""
         entry = self._restore.pop(id(module), None) if module is not None else None
         if entry is not None:
             _restore(*entry)
         self._live -= 1
+        self._per_callable[callable_index] -= 1
         if self._live <= 0:
             self.reset()
+        elif self._per_callable[callable_index] == 0 and not self.is_reset:
+            impl.release()
 
     def reset(self):
         """Frees the graphs and their buffers (every callable of this call).
@@ -73,10 +83,10 @@ def _already_reset():
 class GraphedCallable:
     __slots__ = (
         "_impl", "_binding", "_outputs", "_module", "_training", "_eager", "_session", "_released", "_rows",
-        "__weakref__",
+        "_index", "__weakref__",
     )
 
-    def __init__(self, impl, binding, outputs, module, training, eager, session, rows=None):
+    def __init__(self, impl, binding, outputs, module, training, eager, session, index, rows=None):
         self._impl = impl
         self._binding = binding
         self._outputs = outputs
@@ -86,7 +96,8 @@ class GraphedCallable:
         self._session = session
         self._released = False
         self._rows = rows  # with buckets: _buckets.Rows
-        session.adopt()
+        self._index = index  # its callable's, in the make_graphed_callables call
+        session.adopt(index)
 
     def __call__(self, *args, **kwargs):
         stream = event = None
@@ -120,14 +131,16 @@ class GraphedCallable:
         """Releases this graphed callable, as Transformer Engine's reset()
         does: it runs eagerly from now on (a module gets its own forward
         back), while the other callables of the same make_graphed_callables
-        call keep replaying their graphs. When the last of them is released,
-        the graphs and their buffers are freed: outputs, input grads and
-        aliased parameter grads returned before must then no longer be used;
-        owned (cloned) grads stay valid. A second call does nothing."""
+        call keep replaying their graphs. Its graphs, the static buffers
+        only it uses and the PyTorch tensors kept for them are freed at once
+        (with `_order`, once every microbatch's graphed callable of it is
+        released): outputs, input grads and aliased parameter grads it
+        returned must then no longer be used; owned grads stay valid. The
+        last release frees the rest. A second call does nothing."""
         if self._released:
             return
         self._released = True
-        self._session.release(self._module)
+        self._session.release(self._module, self._index, self._impl)
 
     @property
     def is_reset(self):

@@ -41,6 +41,19 @@ def _built_for():
     return f" It was built against torch {built}; this is torch {torch.__version__}: rebuild it against this torch."
 
 
+def memory_report():
+    """What graphed holds now, as plain data: per live session ("sessions")
+    its graphed static bytes, scratch, graph executables, the bytes of
+    PyTorch's private pool it captured into (reserved and in use), and per
+    callable its own and shared static bytes, graphs, outstanding and cached
+    clone blocks and the PyTorch tensors kept for its graphs
+    ("torch_bytes"), with whether it was released; and graphed's own
+    process-wide accounting: the device bytes it allocated and still holds
+    ("total_bytes"), its allocations, live sessions and graph executables.
+    docs/memory.md explains each figure."""
+    return extension().memory_report()
+
+
 def graph_pool_handle():
     """A new graph memory pool id, to share between make_graphed_callables
     calls (and torch.cuda.graph captures) through `pool`."""
@@ -190,7 +203,7 @@ def make_graphed_callables(
     given, graphed (Transformer Engine's and torch's make_graphed_callables;
     docs/migration.md lists every argument).
 
-    Differences that matter: parameter grads are owned clones by default
+    Differences that matter: parameter grads are owned by default
     (`clone_param_grads_on_return=False` returns aliases of the graph's
     buffers, as torch does); random numbers are drawn afresh at every replay
     (the default CUDA generator, those given in `generators` and those
@@ -199,13 +212,13 @@ def make_graphed_callables(
     naming the argument. graphed's own options: `strict_leases` (a replay
     that would overwrite an alias still held raises AliasHeldError),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
-    the default, or graphed's pool), `lazy_clones` (True, the default: an
-    owned grad is handed out where the backward graph wrote it and copied
-    out only if it is still held when a replay that may overwrite it runs,
-    so a loop that drops its grads, zero_grad(set_to_none=True), copies
-    none; a grad read on another stream must be joined to the replaying
-    one before the next replay; in force in training without `_order`,
-    `pool` or buffer reuse; False: every grad is copied at every backward),
+    the default, or graphed's pool), `lazy_clones` (True, the default:
+    every backward writes the parameter grads straight into fresh memory of
+    PyTorch's allocator, which autograd gets, where capture verified it (a
+    copy into that memory where not): owned grads without a copy, never
+    written by a later replay and never moved; in force in training where
+    grads go to autograd, without buffer reuse; False: every grad is copied
+    into a clone at every backward),
     `rebind_inputs` (on by default: inputs and incoming grads are read
     where they are instead of copied, where capture verifies it; a rebound
     input must not be modified in place before its backward; False copies
@@ -406,7 +419,7 @@ def make_graphed_callables(
         fn = callables[k]
         module = fn if isinstance(fn, torch.nn.Module) else None
         eager = fn.forward if module is not None else fn
-        return GraphedCallable(graphs[k][m], bindings[k], outputs[k], module, training, eager, session, rows[k])
+        return GraphedCallable(graphs[k][m], bindings[k], outputs[k], module, training, eager, session, k, rows[k])
 
     if schedule is not None:
         return tuple(wrap(k, m) for k, m in entries)
