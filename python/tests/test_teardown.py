@@ -161,6 +161,18 @@ def drop_with_hooks():
     assert seen
 
 
+def drop_aliases():
+    """Aliased grads (the opt-out) left in .grad when everything is dropped."""
+    models = blocks()
+    gt.make_graphed_callables(tuple(models), ((tokens(),), (tokens(True),)), clone_param_grads_on_return=False)
+    train(models, models)
+    y = tokens()
+    for m in models:
+        y = m(y)
+    y.square().mean().backward()
+    assert models[0].qkv.weight.grad is not None
+
+
 def drop_buckets():
     models = blocks(1)
     samples = [(torch.randn(n, BATCH, HIDDEN, device="cuda"),) for n in (16, 32, SEQ)]
@@ -194,6 +206,7 @@ DROPPED = {
     "modules": drop_modules,
     "callables": drop_callables,
     "hooks": drop_with_hooks,
+    "aliases": drop_aliases,
     "buckets": drop_buckets,
     "schedule": drop_schedule,
     "step": drop_step,

@@ -145,6 +145,24 @@ at::Tensor Shared::param_grad(const Callable& c, size_t j, uint32_t mb, graphed:
         case GRAPHED_REF_KIND_CLONE: return wrap_clone(r, c.param_meta[j], device);
         default: break;
     }
+    // An alias of a grad buffer the adapter provided at capture (a PyTorch
+    // tensor) keeps that tensor's memory, not the session: held as
+    // param.grad, an alias holding the session would make a cycle (the
+    // session holds the parameter, whose grad holds the session) that no
+    // collector sees, and dropped graphs would never be freed.
+    if (!r.lease()) {
+        auto same = [&](const at::Tensor& t) { return t.defined() && t.data_ptr() == r.ptr(); };
+        const at::Tensor* own = nullptr;
+        if (mb < c.ext_pgrad.size())
+            for (const at::Tensor& t : c.ext_pgrad[mb])
+                if (same(t)) own = &t;
+        for (const at::Tensor& t : c.bucket_keep)
+            if (!own && same(t)) own = &t;
+        if (own) {
+            const Meta& m = c.param_meta[j];
+            return over(r.ptr(), m, options_of(m.dtype, device), [keep = *own](void*) {});
+        }
+    }
     return wrap_alias(r, c.param_meta[j], [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
 }
 
