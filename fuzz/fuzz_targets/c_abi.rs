@@ -14,8 +14,11 @@
 //! layout) and replay them (with a microbatch count), reset and destroy in
 //! any order; replays and step replays are given the
 //! parameters' addresses (registered, NULL, moved, aligned or not, wrong
-//! counts), which the host backend never follows (PARAM_MOVED, and a
-//! refusal changes nothing). The callbacks read their behaviour from
+//! counts), which the host backend never follows here (PARAM_MOVED, and a
+//! refusal changes nothing); in a session of their own whose callables
+//! record no work (`moves`), parameters do move, and a model checks that a
+//! refused call counts no move and leaves the addresses a later replay
+//! given none reads where they were. The callbacks read their behaviour from
 //! the input too: return non-zero, allocate scratch of any size, free it
 //! twice, synchronize under capture, keep their in-call handles, call back
 //! into their own session, replay another session on their capturing
@@ -92,6 +95,8 @@ mod checks;
 mod handles;
 #[path = "c_abi/input.rs"]
 mod input;
+#[path = "c_abi/moves.rs"]
+mod moves;
 #[path = "c_abi/params.rs"]
 mod params;
 #[path = "c_abi/queries.rs"]
@@ -116,6 +121,7 @@ use capture::*;
 use checks::*;
 use handles::*;
 use input::*;
+use moves::*;
 use params::*;
 use queries::*;
 use replay::*;
@@ -250,15 +256,21 @@ fn run(data: &[u8]) {
                 20 => op_destroy(target()),
                 21 => op_schedule_helpers(),
                 22 => use_kept(),
-                _ => match i.below(12) {
-                    0..=2 => op_add_step(),
-                    3..=5 => op_step_replay(),
-                    6 => op_destroy_when_idle(target()),
-                    7 => op_arity(),
-                    8 => op_driver_version(),
-                    9 => op_release_on(),
-                    10 => op_schedule_passes(),
-                    _ => op_misc(),
+                // i.below(12), read as its byte: 251 (once op_misc)
+                // moves parameters in a session of its own; every other
+                // byte keeps its meaning.
+                _ => match i.byte() {
+                    251 => op_moving_params(),
+                    b => match b % 12 {
+                        0..=2 => op_add_step(),
+                        3..=5 => op_step_replay(),
+                        6 => op_destroy_when_idle(target()),
+                        7 => op_arity(),
+                        8 => op_driver_version(),
+                        9 => op_release_on(),
+                        10 => op_schedule_passes(),
+                        _ => op_misc(),
+                    },
                 },
             }
         }
