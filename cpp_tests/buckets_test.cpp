@@ -12,6 +12,7 @@
 #include "layers.hpp"
 #include "support.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -440,16 +441,16 @@ TEST_P(Buckets, ChosenOnTheDeviceMatchesEagerOfThatSizeBitForBit) {
         expect_step(eager, want, gy, elems, grads);
     }
     EXPECT_EQ(s.stats().bucket_overflows, 0u);
-    // Above the largest bucket: no graph of the callable runs, the device
-    // counts it, and the session goes on.
+    // Above the largest bucket: no bucket's graph runs, the pass writes
+    // zeros, the device counts it, and the session goes on
+    // (AboveTheLargestBucketOnTheDeviceWritesZeros has the whole iteration).
     const uint64_t above = kMax + 1;
     dev->upload(size.get(), &above, 8);
     kit::Buffer x = floats(full, 7);
-    std::vector<float> before = kit::fetch<float>(*dev, s.buffers(0, 0, GRAPHED_BUFFER_ROLE_OUTPUT)[0], full);
     s.forward(r.callable(0).data(x.get()).device_size(static_cast<const uint64_t*>(size.get())), outs);
     dev->sync();
     EXPECT_EQ(s.stats().bucket_overflows, 1u);
-    EXPECT_EQ(kit::fetch<float>(*dev, outs[0].ptr(), full), before) << "nothing ran";
+    EXPECT_EQ(kit::fetch<float>(*dev, outs[0].ptr(), full), std::vector<float>(full, 0.0f)) << "zeros";
     // Refusals: both sizes; a backward given a size; a moved parameter.
     EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.forward(r.size(3)); }, "both set"));
     EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.backward(r.size(3).device_size(nullptr)); },
@@ -459,6 +460,85 @@ TEST_P(Buckets, ChosenOnTheDeviceMatchesEagerOfThatSizeBitForBit) {
     EXPECT_TRUE(throws(GRAPHED_STATUS_PARAM_MOVED,
                        [&] { s.forward(r.size(0).device_size(static_cast<const uint64_t*>(size.get())).params(moved, 2)); },
                        "where capture did"));
+}
+
+// A size above the largest bucket, chosen on the device: the device cannot
+// refuse it, so no bucket's graph runs and every pass writes zeros where it
+// writes its results (the outputs, the input grads, the parameter grads:
+// CLONE ones from a clone slot's graph, and copied from the slab when every
+// slot is held), each pass counted in bucket_overflows; then an iteration
+// in the buckets gives what it gave before, bit for bit.
+TEST_P(Buckets, AboveTheLargestBucketOnTheDeviceWritesZeros) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp graphed(*dev, kLayers, kMax, kWidth, 41);
+    graphed_session_config cfg = config();
+    cfg.bucket_choice_on_device = 1;
+    graphed::Session s(cfg);
+    kit::Wiring w;
+    w.buckets = kSizes;
+    graphed.register_layers(s, sample.get(), w);
+    s.capture();
+    kit::Buffer size(*dev, 8);
+    graphed::Replay r;
+    r.stream(dev->stream());
+    const size_t full = size_t(kMax) * kWidth;
+    // What one iteration at `n` rows gives: every layer's output and input
+    // grad (past the first layer), their first n rows (all of them above
+    // the largest bucket), and its parameter grads, read back.
+    auto iteration = [&](uint64_t n, std::vector<graphed::Grads>& grads) {
+        std::vector<std::vector<float>> got;
+        const size_t rows = size_t(std::min<uint64_t>(n, kMax)) * kWidth;
+        auto first_rows = [&](const graphed::Ref& a) {
+            EXPECT_EQ(a.bytes(), full * 4) << "the largest bucket's rows";
+            return kit::fetch<float>(*dev, a.ptr(), n > uint64_t(kMax) ? full : rows);
+        };
+        dev->upload(size.get(), &n, 8);
+        kit::Buffer x = floats(full, 21), gy = floats(full, 22);
+        r.size(0).device_size(static_cast<const uint64_t*>(size.get()));
+        const void* in = x.get();
+        std::vector<graphed::Ref> outs;
+        for (int i = 0; i < kLayers; ++i) {
+            s.forward(r.callable(uint32_t(i)).data(in), outs);
+            got.push_back(first_rows(outs[0]));
+            in = outs[0].ptr();
+        }
+        r.device_size(nullptr);
+        const void* g = gy.get();
+        for (int i = kLayers - 1; i >= 0; --i) {
+            s.backward(r.callable(uint32_t(i)).data(g), grads[size_t(i)]);
+            const graphed::Grads& gr = grads[size_t(i)];
+            if (i > 0) {
+                g = gr.inputs[0].ptr();
+                got.push_back(first_rows(gr.inputs[0]));
+            }
+            for (const graphed::Ref& p : gr.params) got.push_back(kit::fetch<float>(*dev, p.ptr(), p.bytes() / 4));
+        }
+        dev->sync();
+        return got;
+    };
+    std::vector<graphed::Grads> grads(kLayers);
+    const std::vector<std::vector<float>> in_bucket = iteration(13, grads);
+    for (const auto& v : in_bucket) {
+        ASSERT_FALSE(v.empty());
+        EXPECT_NE(v, std::vector<float>(v.size(), 0.0f)) << "results worth comparing";
+    }
+    EXPECT_EQ(s.stats().bucket_overflows, 0u);
+    // From the clone slots' graphs (2 per layer), then, every slot held by
+    // the grads kept from those rounds, copied from the slab: zeros each
+    // time.
+    std::vector<std::vector<graphed::Grads>> kept;
+    for (int round = 0; round < 3; ++round) {
+        SCOPED_TRACE(testing::Message() << "above every bucket, round " << round);
+        const std::vector<std::vector<float>> above = iteration(kMax + 1 + uint64_t(round), grads);
+        ASSERT_EQ(above.size(), in_bucket.size());
+        for (size_t k = 0; k < above.size(); ++k)
+            EXPECT_EQ(above[k], std::vector<float>(above[k].size(), 0.0f)) << "result " << k << " is not zeros";
+        EXPECT_EQ(s.stats().bucket_overflows, uint64_t(2 * kLayers * (round + 1))) << "every pass counted";
+        kept.push_back(std::move(grads));
+        grads = std::vector<graphed::Grads>(kLayers);
+    }
+    kept.clear();
+    EXPECT_EQ(iteration(13, grads), in_bucket) << "the session goes on";
 }
 
 // A layer whose output, input grad and parameter grads are its own memory

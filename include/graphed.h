@@ -1179,8 +1179,14 @@ typedef struct graphed_replay_args {
    * back with the largest bucket's bytes, their first `*device_size`
    * rows the result. Its backward and weight-grad replays (size 0, no
    * device_size) run the same bucket; their grad-outputs likewise hold
-   * the largest bucket's rows. A size above the largest bucket runs
-   * none of the callable's graphs and is counted in
+   * the largest bucket's rows. The device cannot refuse a size above the
+   * largest bucket: such a pass (the forward, and its backward and
+   * weight-grad, which read the same size) runs none of the callable's
+   * bucket graphs and writes zeros where it writes its results instead:
+   * the outputs (forward), the input grads (backward) and the parameter
+   * grads (the pass that writes them), whole, so that CLONE grads are
+   * zeros, COPY_INTO destinations get zeros and ACCUMULATE_INTO
+   * destinations get zeros added. Each such pass is counted in
    * graphed_session_stats.bucket_overflows. Parameters are read where
    * they were captured (no moves). NULL: the host chooses (`size`).
    */
@@ -1520,11 +1526,12 @@ typedef struct graphed_session_stats {
    */
   uint64_t param_moves;
   /**
-   * Replays that chose their bucket on the device
-   * (graphed_replay_args.device_size) with a size above the largest
-   * bucket: none of the callable's graphs ran for them. Read from the
-   * device: counts the replays that have run (synchronise their stream
-   * first).
+   * Passes (forward, backward, weight-grad) that chose their bucket on
+   * the device (graphed_replay_args.device_size) with a size above the
+   * largest bucket: none of the callable's bucket graphs ran for them,
+   * and their outputs and grads are zeros. Counted on the device, read
+   * here (no synchronisation on the replay path): counts the passes that
+   * have run (synchronise their stream first). 0 again after a reset.
    */
   uint64_t bucket_overflows;
   /**

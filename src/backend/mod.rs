@@ -240,15 +240,17 @@ pub trait Backend: Send + Sync {
     /// Records, into the capture running on `stream`, a choice made on the
     /// device when the graph runs: body i, a copy of `bodies[i]`'s work,
     /// runs for the first i whose `choice.table[i]` (u64 device memory)
-    /// is at least the u64 at `choice.size`; when none is, no body runs and
-    /// the u64 at `choice.overflows` is incremented. The capture goes on
-    /// after the choice. The bodies are graphs of this backend whose
-    /// templates are kept.
+    /// is at least the u64 at `choice.size`; when none is, no body runs,
+    /// the u64 at `choice.overflows` is incremented and the ranges of
+    /// `zeros` (address, bytes: what the bodies write) are zeroed instead.
+    /// The capture goes on after the choice. The bodies are graphs of this
+    /// backend whose templates are kept.
     fn capture_switch(
         &self,
         stream: StreamRef,
         choice: Choice,
         bodies: &[&dyn Graph],
+        zeros: &[(DevPtr, usize)],
     ) -> Result<()>;
     /// Zeroes `[dst + min(n * row, bytes), dst + bytes)`, n the u64 at
     /// `size` when the work runs; at most `most` bytes are zeroed (it sizes

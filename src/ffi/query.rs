@@ -100,11 +100,12 @@ pub struct graphed_session_stats {
     /// Parameter moves replays followed since capture (one per parameter
     /// per instance or step pointed at a new address).
     pub param_moves: u64,
-    /// Replays that chose their bucket on the device
-    /// (graphed_replay_args.device_size) with a size above the largest
-    /// bucket: none of the callable's graphs ran for them. Read from the
-    /// device: counts the replays that have run (synchronise their stream
-    /// first).
+    /// Passes (forward, backward, weight-grad) that chose their bucket on
+    /// the device (graphed_replay_args.device_size) with a size above the
+    /// largest bucket: none of the callable's bucket graphs ran for them,
+    /// and their outputs and grads are zeros. Counted on the device, read
+    /// here (no synchronisation on the replay path): counts the passes that
+    /// have run (synchronise their stream first). 0 again after a reset.
     pub bucket_overflows: u64,
     /// COPY_INTO parameter grads (over all instances) whose pass writes
     /// them straight into the destination a replay gives

@@ -85,8 +85,14 @@ pub struct graphed_replay_args {
     /// back with the largest bucket's bytes, their first `*device_size`
     /// rows the result. Its backward and weight-grad replays (size 0, no
     /// device_size) run the same bucket; their grad-outputs likewise hold
-    /// the largest bucket's rows. A size above the largest bucket runs
-    /// none of the callable's graphs and is counted in
+    /// the largest bucket's rows. The device cannot refuse a size above the
+    /// largest bucket: such a pass (the forward, and its backward and
+    /// weight-grad, which read the same size) runs none of the callable's
+    /// bucket graphs and writes zeros where it writes its results instead:
+    /// the outputs (forward), the input grads (backward) and the parameter
+    /// grads (the pass that writes them), whole, so that CLONE grads are
+    /// zeros, COPY_INTO destinations get zeros and ACCUMULATE_INTO
+    /// destinations get zeros added. Each such pass is counted in
     /// graphed_session_stats.bucket_overflows. Parameters are read where
     /// they were captured (no moves). NULL: the host chooses (`size`).
     pub device_size: *const u64,

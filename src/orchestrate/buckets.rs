@@ -4,7 +4,8 @@
 //! callable's table of bucket sizes; which padding rows of bucketed buffers
 //! the host knows are zero; and the graphs that choose a bucket on the
 //! device: per pass, the padding zeroed past the size, then a SWITCH node
-//! whose body i is bucket i's graph of that pass.
+//! whose body i is bucket i's graph of that pass, and which, for a size
+//! above the largest bucket, zeroes what the pass writes instead.
 
 use super::instance::Placed;
 use super::spec::CallableSpec;
@@ -208,16 +209,45 @@ impl Zeroed {
     }
 }
 
+/// What pass `kind` of `inst` writes, as (address, bytes): its outputs
+/// (forward), its input grads (backward) and, from the pass that writes
+/// them, its parameter grads (the CLONE ones into `slot`, the block of a
+/// clone slot's graph, when given). A pass whose size no bucket holds
+/// writes zeros there instead (`capture_switch`).
+pub(crate) fn written(inst: &Placed, kind: PassKind, slot: Option<DevPtr>) -> Vec<(DevPtr, usize)> {
+    let tensors: &[Tensor] = match kind {
+        PassKind::Forward => &inst.outputs,
+        PassKind::Backward => &inst.grad_inputs,
+        PassKind::Wgrad => &[],
+    };
+    let mut v: Vec<(DevPtr, usize)> = tensors.iter().map(|t| (t.ptr, t.bytes)).collect();
+    if kind != PassKind::Forward && kind == inst.grad_pass() {
+        let at = match slot {
+            Some(b) => inst.param_grads_into(b),
+            None => inst.param_grads.iter().map(|t| t.ptr).collect(),
+        };
+        v.extend(
+            at.into_iter()
+                .zip(&inst.param_grads)
+                .map(|(p, t)| (p, t.bytes)),
+        );
+    }
+    v.retain(|&(p, n)| p != 0 && n > 0);
+    v
+}
+
 /// The graph that chooses the bucket of `largest`'s callable on the device
 /// for pass `kind` and runs `bodies[i]`, a bucket's graph of that pass (or
-/// of one clone slot of it), for bucket i: the rows of the fed DYNAMIC
-/// buffers past the size zeroed (a replay fills them whole), then a SWITCH
-/// node over copies of the bodies. Recorded on `stream`, which must not be
-/// capturing. None in `bodies`: a bucket without that graph (an internal
-/// error).
+/// of one clone slot of it, whose block is `slot`), for bucket i: the rows
+/// of the fed DYNAMIC buffers past the size zeroed (a replay fills them
+/// whole), then a SWITCH node over copies of the bodies, which for a size
+/// above the largest bucket counts it and zeroes what the pass writes
+/// (`written`: outputs, input grads, parameter grads are then defined).
+/// Recorded on `stream`, which must not be capturing. None in `bodies`: a
+/// bucket without that graph (an internal error).
 pub(crate) fn capture_switch(
     (backend, (stream, mode), block): (&dyn Backend, (StreamRef, CaptureMode), &SizeBlock),
-    (largest, kind): (&Placed, PassKind),
+    (largest, kind, slot): (&Placed, PassKind, Option<DevPtr>),
     bodies: Option<Vec<&dyn Graph>>,
 ) -> Result<Box<dyn Graph>> {
     let bodies =
@@ -241,7 +271,12 @@ pub(crate) fn capture_switch(
                 backend.zero_tail(tail, stream)?;
             }
         }
-        backend.capture_switch(stream, block.choice(c), &bodies)
+        backend.capture_switch(
+            stream,
+            block.choice(c),
+            &bodies,
+            &written(largest, kind, slot),
+        )
     })();
     let ended = backend.end_capture(stream);
     recorded?;

@@ -288,6 +288,7 @@ pub fn op_capture(t: Target) {
             s.live_attempt = Some(attempt);
             // No forward of a bucketed callable has run since capture.
             s.last_fwd = vec![None; s.callables.len()];
+            s.overflows = 0;
         }
         after_capture(k);
     }

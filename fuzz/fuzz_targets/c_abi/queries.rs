@@ -94,6 +94,9 @@ pub fn check_stats(k: usize, got: &graphed_session_stats) {
         (0, flagged, 0),
         "stats.params_movable, params_move_refused, param_moves"
     );
+    // Passes that chose on the device a size above every bucket.
+    let overflows = if s.st == St::Captured { s.overflows } else { 0 };
+    assert_eq!(got.bucket_overflows, overflows, "stats.bucket_overflows");
     if s.st != St::Captured {
         // Nothing of a failed capture, or of a reset one, stays behind.
         assert_eq!((got.graph_count, got.instances), (0, 0));

@@ -92,14 +92,18 @@ pub struct Sess {
     /// Per callable, the rows of its last successful forward replay since
     /// capture (bucketed callables only).
     pub last_fwd: Vec<Option<FRows>>,
+    /// Passes run since capture that chose on the device a size above the
+    /// largest bucket (stats.bucket_overflows).
+    pub overflows: u64,
 }
 
 /// The rows a replay of a bucketed callable runs: chosen on the host (its
-/// size) or on the device.
+/// size) or on the device (true: a size above the largest bucket, for
+/// which the pass writes zeros).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum FRows {
     Host(u64),
-    Device,
+    Device(bool),
 }
 
 /// The bucket a replay of `cl` running `rows` runs: the smallest that holds

@@ -263,21 +263,26 @@ impl Loops {
 
     /// Records, into the capture running on `stream`, the bucket choice
     /// kernel and a SWITCH node after it whose body i is a copy of graph
-    /// `bodies[i]` (see `Backend::capture_switch`); the capture goes on
-    /// after the node. `ctx` is the device's context, bound.
+    /// `bodies[i]`, and whose body n (the value the kernel sets when no
+    /// bucket holds the size) zeroes the ranges of `zeros` with memset
+    /// nodes (see `Backend::capture_switch`); the capture goes on after the
+    /// node. `ctx` is the device's context, bound.
     pub fn capture_switch(
         &self,
         ctx: sys::CUcontext,
         stream: StreamRef,
         choice: Choice,
         bodies: &[sys::CUgraph],
+        zeros: &[(DevPtr, usize)],
     ) -> Result<()> {
         let v = driver_version()?;
         if v < NEEDS_SWITCH {
             return Err(switch_unsupported(v));
         }
         let n = bodies.len() as u32;
-        // The default (n) runs no body if the choice did not run.
+        // The kernel sets n for a size no bucket holds: body n zeroes what
+        // the bodies write (none without ranges to zero).
+        let size = n + u32::from(!zeros.is_empty());
         let handle = self.handle(ctx, stream, n)?;
         let mut args = [
             choice.size,
@@ -289,7 +294,7 @@ impl Loops {
         // SAFETY: the kernel takes these five u64; `size` and `overflows`
         // are u64s and `table` holds n of them; one thread acts.
         unsafe { launch(self.select, &mut args, 1, stream) }?;
-        let targets = self.add_conditional(ctx, stream, handle, (CONDITIONAL_SWITCH, n))?;
+        let targets = self.add_conditional(ctx, stream, handle, (CONDITIONAL_SWITCH, size))?;
         for (i, (&body, &target)) in bodies.iter().zip(&targets).enumerate() {
             let mut child: sys::CUgraphNode = null_mut();
             // SAFETY: a body graph of the node and a live template (cloned
@@ -304,6 +309,25 @@ impl Loops {
                     body,
                 )
             })?;
+        }
+        if let Some(&none) = targets.get(n as usize) {
+            for &(dst, bytes) in zeros {
+                let p = sys::CUDA_MEMSET_NODE_PARAMS {
+                    dst,
+                    pitch: 0,
+                    value: 0,
+                    elementSize: 1,
+                    width: bytes,
+                    height: 1,
+                };
+                let mut node: sys::CUgraphNode = null_mut();
+                // SAFETY: the SWITCH node's body graph for no bucket, a 1D
+                // memset of `bytes` at `dst` (device memory of the
+                // session's static allocation), our bound context.
+                check("cuGraphAddMemsetNode(no bucket's zeros)", unsafe {
+                    sys::cuGraphAddMemsetNode(&mut node, none, std::ptr::null(), 0, &p, ctx)
+                })?;
+            }
         }
         Ok(())
     }

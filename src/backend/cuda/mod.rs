@@ -188,6 +188,7 @@ impl Backend for CudaBackend {
         stream: StreamRef,
         choice: Choice,
         bodies: &[&dyn Graph],
+        zeros: &[(DevPtr, usize)],
     ) -> Result<()> {
         let _ctx = self.inner.bind()?;
         let templates = bodies
@@ -201,7 +202,7 @@ impl Backend for CudaBackend {
             .collect::<Result<Vec<_>>>()?;
         self.inner
             .loops()?
-            .capture_switch(self.inner.ctx, stream, choice, &templates)
+            .capture_switch(self.inner.ctx, stream, choice, &templates, zeros)
     }
 
     fn zero_tail(&self, t: Tail, stream: StreamRef) -> Result<()> {

@@ -154,6 +154,7 @@ impl Backend for HostBackend {
         stream: StreamRef,
         choice: Choice,
         bodies: &[&dyn Graph],
+        zeros: &[(DevPtr, usize)],
     ) -> Result<()> {
         if !stream::is_capturing(stream)? {
             return Err(Error::state(
@@ -176,6 +177,7 @@ impl Backend for HostBackend {
                 size: choice.size as usize,
                 table: choice.table as usize,
                 overflows: choice.overflows as usize,
+                zeros: Arc::new(zeros.iter().map(|&(p, n)| (p as usize, n)).collect()),
             },
         )
     }

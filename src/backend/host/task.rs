@@ -58,12 +58,14 @@ pub(super) enum Task {
         state: usize,
     },
     /// A choice: body i for the first i with `table[i] >= *size` (u64s),
-    /// else none and `*overflows += 1`.
+    /// else none, `*overflows += 1` and the ranges of `zeros` (address,
+    /// bytes) zeroed.
     Switch {
         bodies: Arc<Vec<Arc<Vec<Task>>>>,
         size: usize,
         table: usize,
         overflows: usize,
+        zeros: Arc<Vec<(usize, usize)>>,
     },
     /// Zeroes `[dst + min(*size * row, bytes), dst + bytes)`.
     ZeroTail {
@@ -139,6 +141,7 @@ pub(super) fn run(task: &Task) -> Result<()> {
             size,
             table,
             overflows,
+            ref zeros,
         } => {
             // SAFETY: `size` and `overflows` are u64s and `table` holds one
             // u64 per body, in memory the graph's owner keeps.
@@ -152,8 +155,16 @@ pub(super) fn run(task: &Task) -> Result<()> {
                         run(t)?;
                     }
                 }
-                // SAFETY: as above.
-                None => unsafe { *(overflows as *mut u64) += 1 },
+                None => {
+                    // SAFETY: as above; each range is a buffer of the
+                    // graph's owner of that many bytes.
+                    unsafe {
+                        *(overflows as *mut u64) += 1;
+                        for &(dst, bytes) in zeros.iter() {
+                            std::ptr::write_bytes(dst as *mut u8, 0, bytes);
+                        }
+                    }
+                }
             }
         }
         Task::ZeroTail {

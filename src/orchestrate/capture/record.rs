@@ -122,7 +122,7 @@ fn switches(
                         .iter()
                         .map(|&n| graphs[n].passes[kind.index()].as_deref())
                         .collect::<Option<Vec<_>>>();
-                    let graph = buckets::capture_switch(to, (largest, kind), bodies)?;
+                    let graph = buckets::capture_switch(to, (largest, kind, None), bodies)?;
                     per.passes[kind.index()] = Some(graph);
                 }
             }
@@ -133,8 +133,13 @@ fn switches(
                     .iter()
                     .map(|&n| graphs[n].slots.get(k).map(|g| g.graph.as_ref()))
                     .collect::<Option<Vec<_>>>();
-                per.slots
-                    .push(buckets::capture_switch(to, (largest, grad_pass), bodies)?);
+                // The buckets share the slot blocks.
+                let slot = graphs[buckets[0]].slots[k].block;
+                per.slots.push(buckets::capture_switch(
+                    to,
+                    (largest, grad_pass, Some(slot)),
+                    bodies,
+                )?);
             }
         }
         out.push(per);

@@ -380,8 +380,8 @@ pub(super) fn build_args(
         // A bucketed callable: mostly a size its replay takes (a forward's
         // within the buckets, a backward's its last forward's or 0), else
         // one refused, or the device's choice (never with the parameters'
-        // addresses given, never above the largest bucket: the model does
-        // not follow a replay that runs nothing).
+        // addresses given; one above the largest bucket runs no bucket and
+        // writes zeros).
         let largest = *buckets.last().unwrap();
         let (last, on_device) = {
             let ss = wd.sessions.borrow();
@@ -393,7 +393,7 @@ pub(super) fn build_args(
         };
         let dev = |a: &mut graphed_replay_args| {
             let m = mem(8, 0);
-            let v = i.below(largest as usize + 1) as u64;
+            let v = i.below(largest as usize + 2) as u64;
             // SAFETY: harness memory of 8 bytes.
             unsafe { (m as *mut u64).write_unaligned(v) };
             a.device_size = m as *const u64;
@@ -423,7 +423,11 @@ pub(super) fn build_args(
         }
         bucket_arg = a.size != 0 || !a.device_size.is_null();
         bucket_rows = match kind {
-            0 if !a.device_size.is_null() => Some(FRows::Device),
+            0 if !a.device_size.is_null() => {
+                // SAFETY: harness memory of 8 bytes (dev above).
+                let v = unsafe { (a.device_size as *const u64).read_unaligned() };
+                Some(FRows::Device(v > largest))
+            }
             0 => Some(FRows::Host(a.size)),
             _ => last,
         };

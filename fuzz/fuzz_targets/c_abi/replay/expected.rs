@@ -135,7 +135,7 @@ pub(super) fn expected(t: Target, kind: u32, built: &Built) -> Expected {
                     None => Some(S::WrongState),
                     Some(_) if dev => Some(S::InvalidArgument),
                     Some(FRows::Host(n)) if size != 0 && size != n => Some(S::InvalidArgument),
-                    Some(FRows::Device) if size != 0 => Some(S::InvalidArgument),
+                    Some(FRows::Device(_)) if size != 0 => Some(S::InvalidArgument),
                     Some(_) => None,
                 }
             } else if dev {
