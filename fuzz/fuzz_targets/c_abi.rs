@@ -8,7 +8,9 @@
 //! fuzzed descriptors, capture, replay forward/backward/weight-grad with
 //! fuzzed arguments, release and retain clone blocks and leases (live,
 //! stale and forged), query stats, buffers, policies and the plan dump,
-//! declare steps (over microbatches, with io copies into harness memory,
+//! release callables of captured sessions and ask what graphed holds
+//! (the process's figures, each callable's memory), declare steps (over
+//! microbatches, with io copies into harness memory,
 //! unrolled or looping on the device, over callables with external
 //! buffers, with a capture hook that may fail, in descriptors of every
 //! layout) and replay them (with a microbatch count), reset and destroy in
@@ -35,8 +37,9 @@
 //! by frozen policy, aliases and clones holding what the captured graph
 //! wrote, COPY_INTO and ACCUMULATE_INTO destinations updated, clones kept
 //! intact until released, leases never handed out twice, stats agreeing
-//! with the model. At the end of each input everything is released and the
-//! handle table must be empty; LeakSanitizer checks the rest.
+//! with the model. At the end of each input everything is released, the
+//! handle table must be empty and graphed must hold nothing (no byte, no
+//! allocation, no session, no graph); LeakSanitizer checks the rest.
 //!
 //! Sizes are either small or impossible (at least 2^41 bytes, which no
 //! allocator here grants), so that a run never needs real memory beyond a
@@ -95,6 +98,8 @@ mod checks;
 mod handles;
 #[path = "c_abi/input.rs"]
 mod input;
+#[path = "c_abi/memory.rs"]
+mod memory;
 #[path = "c_abi/moves.rs"]
 mod moves;
 #[path = "c_abi/params.rs"]
@@ -121,6 +126,7 @@ use capture::*;
 use checks::*;
 use handles::*;
 use input::*;
+use memory::*;
 use moves::*;
 use params::*;
 use queries::*;
@@ -186,6 +192,7 @@ fn teardown() {
         wd.allocs.borrow().is_empty(),
         "clone_alloc memory never given back through clone_free"
     );
+    check_held_nothing();
 }
 
 fn run(data: &[u8]) {
@@ -257,10 +264,15 @@ fn run(data: &[u8]) {
                 21 => op_schedule_helpers(),
                 22 => use_kept(),
                 // i.below(12), read as its byte: 251 (once op_misc)
-                // moves parameters in a session of its own; every other
-                // byte keeps its meaning.
+                // moves parameters in a session of its own; 248 to 250
+                // (once op_driver_version, op_release_on and
+                // op_schedule_passes) ask about and give back memory;
+                // every other byte keeps its meaning.
                 _ => match i.byte() {
                     251 => op_moving_params(),
+                    248 => op_memory_stats(),
+                    249 => op_release_callable(),
+                    250 => op_callable_memory(),
                     b => match b % 12 {
                         0..=2 => op_add_step(),
                         3..=5 => op_step_replay(),

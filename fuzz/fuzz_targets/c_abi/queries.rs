@@ -78,10 +78,13 @@ pub fn check_stats(k: usize, got: &graphed_session_stats) {
     // one registered with REBIND is refused at capture, and no replay ever
     // follows a move. Counted per instance: every bucket of a bucketed
     // callable is one.
+    // Released callables have no graphs left: they count for nothing.
     let flagged = if s.st == St::Captured {
         s.callables
             .iter()
-            .map(|c| {
+            .enumerate()
+            .filter(|(c, _)| !s.released.contains(c))
+            .map(|(_, c)| {
                 c.params.iter().filter(|p| p.rebind).count() as u32 * c.buckets.len().max(1) as u32
             })
             .sum::<u32>()
@@ -147,7 +150,9 @@ pub fn op_query() {
                 let (st, cls, mb) = model.clone().unwrap();
                 want = state_err(st);
                 if want.is_none() {
+                    let gone = matches!(t, Target::Live(k) if released(k, c as usize));
                     match cls.get(c as usize) {
+                        Some(_) if m < mb && gone => want = Some(S::CallableReleased),
                         Some(cl) if m < mb => {
                             let n = match role {
                                 0 | 3 => cl.inputs.len(),

@@ -414,6 +414,7 @@ pub fn op_create() {
         steps: Vec::new(),
         bucket_device: cfg.bucket_choice_on_device == 1,
         last_fwd: Vec::new(),
+        released: Vec::new(),
         overflows: 0,
     });
 }

@@ -92,6 +92,8 @@ pub struct Sess {
     /// Per callable, the rows of its last successful forward replay since
     /// capture (bucketed callables only).
     pub last_fwd: Vec<Option<FRows>>,
+    /// Callables released since capture (graphed_session_release_callable).
+    pub released: Vec<usize>,
     /// Passes run since capture that chose on the device a size above the
     /// largest bucket (stats.bucket_overflows).
     pub overflows: u64,

@@ -119,6 +119,10 @@ pub(super) fn expected(t: Target, kind: u32, built: &Built) -> Expected {
             St::Reset => first(&mut want, Some(S::SessionReset)),
             St::Captured => {}
         }
+        // A released callable is refused before the replay's own checks.
+        if *st == St::Captured && released(sess.unwrap(), c as usize) {
+            first(&mut want, Some(S::CallableReleased));
+        }
         let buckets = cl.as_ref().map_or(&[][..], |c| c.buckets.as_slice());
         if *st == St::Captured && !buckets.is_empty() {
             // resolve(), first of the replay's own checks: the callable and

@@ -207,6 +207,14 @@ fn step_replay_with(with_params: bool) {
             St::Reset => first(&mut want, Some(S::SessionReset)),
             St::Captured => {}
         }
+        // A step over a released callable is refused.
+        if *st == St::Captured {
+            let k = sess.unwrap();
+            let gone = st_model
+                .as_ref()
+                .is_some_and(|s| s.callables.iter().any(|&c| released(k, c)));
+            first(&mut want, gone.then_some(S::CallableReleased));
+        }
         // The count's message only where nothing before it failed (an
         // earlier INVALID_ARGUMENT, a misaligned grads array say, wins).
         count_says = want.is_none() && count_err.is_some();
