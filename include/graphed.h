@@ -775,7 +775,11 @@ typedef struct graphed_session_config {
    * return owned grads without a copy while a slot is free (one is free
    * again once the caller released its grads). With every slot held, a
    * replay copies into another block. Needs no caller allocator and no
-   * external buffers in that pass; costs one block of the callable's
+   * external buffers in that pass (the weight-grad pass where there is
+   * one, else the backward: external parameter grads, or, from a
+   * backward, external input grads, leave the callable without clone
+   * slots; external input grads of a backward followed by a weight-grad
+   * pass do not); costs one block of the callable's
    * CLONE bytes per slot. The slot captures run the pass callback again
    * without the per-pass hooks: state a pre hook sets up for capture (a
    * framework's private memory pool) is not there, so such a caller sets
@@ -854,7 +858,16 @@ typedef struct graphed_tensor_desc {
    * `chain_output` of the earlier callable `chain_callable` (same
    * microbatch). It has no buffer of its own: it reads that output in
    * place, and its grad is that output's grad-output, written in place.
-   * Bytes, dtype and requires_grad must match the output's.
+   * Bytes, dtype and requires_grad must match the output's. Chained to
+   * a DYNAMIC output it is DYNAMIC: without a shape it takes the
+   * output's, and a shape of its own must have the largest bucket as
+   * its first dimension (GRAPHED_STATUS_INVALID_ARGUMENT otherwise); a
+   * forward then runs the rows its producer's last forward ran, and is
+   * refused before the producer has run one. Chained to an output of
+   * one shape, it is read as the buffer holds it whatever the size: a
+   * forward of any size is accepted, before the producer's first
+   * forward too (the buffer then holds what the producer's capture
+   * left there).
    */
   uint32_t chain_callable;
   uint32_t chain_output;
@@ -936,6 +949,10 @@ typedef struct graphed_pass_ctx {
   /**
    * Enqueue all work here: a CUstream on CUDA (never the legacy default
    * stream), a host stream (graphed_host_enqueue) on the host backend.
+   * It is the session's capture stream (or config.capture_stream): the
+   * session's own goes with the session's graphs, at a reset, a failed
+   * capture or the session's destroy; a host stream kept past then is
+   * GRAPHED_STATUS_USE_AFTER_DESTROY wherever it is passed.
    */
   graphed_stream stream;
   size_t num_inputs;
@@ -1153,7 +1170,10 @@ typedef struct graphed_replay_args {
    * least as the registered one, up to 256 bytes), and refuses the
    * replay with GRAPHED_STATUS_PARAM_MOVED otherwise. Backward and
    * weight-grad replays read the parameters where their forward did:
-   * other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT.
+   * other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT, except
+   * after a forward that chose its bucket on the device (device_size),
+   * whose backward and weight-grad replays read every parameter where
+   * capture did: another address there is GRAPHED_STATUS_PARAM_MOVED.
    */
   const void *const *params;
   size_t num_params;
@@ -1188,7 +1208,9 @@ typedef struct graphed_replay_args {
    * zeros, COPY_INTO destinations get zeros and ACCUMULATE_INTO
    * destinations get zeros added. Each such pass is counted in
    * graphed_session_stats.bucket_overflows. Parameters are read where
-   * they were captured (no moves). NULL: the host chooses (`size`).
+   * they were captured: another address given to such a forward, or to
+   * the backward and weight-grad replays after it, is
+   * GRAPHED_STATUS_PARAM_MOVED. NULL: the host chooses (`size`).
    */
   const uint64_t *device_size;
 } graphed_replay_args;
@@ -1286,7 +1308,14 @@ typedef struct graphed_step_desc {
    * finds its external buffers at the addresses its own capture
    * provided (ctx->outputs, ctx->grad_inputs, ctx->param_grads) and
    * writes its results there; graphed_pass_set_buffer is refused there
-   * (GRAPHED_STATUS_WRONG_STATE). io entries may name them.
+   * (GRAPHED_STATUS_WRONG_STATE). io entries may name them. A callable
+   * whose pass that writes the parameter grads (the weight-grad pass
+   * where there is one, else the backward) provides external grads gets
+   * no clone slots (graphed_session_config.clone_slots): its CLONE grads
+   * make the step replay pass by pass, and in a step over microbatches,
+   * with io or looping on the device they are
+   * GRAPHED_STATUS_INCOMPATIBLE at capture (give them COPY_INTO or
+   * ACCUMULATE_INTO).
    */
   const uint32_t *callables;
   size_t num_callables;
@@ -1303,7 +1332,11 @@ typedef struct graphed_step_desc {
    * static buffers of the step's callables, done inside the step's
    * graph (each element initialised by graphed_step_io_default(); their
    * struct_size is their stride). NULL with 0: none (the callables read
-   * what their static buffers hold, as graphed_step_replay says).
+   * what their static buffers hold, as graphed_step_replay says). A step
+   * with io copies has no pass-by-pass replay, whatever its microbatch
+   * count: its CLONE grads need a clone slot (graphed_session_config
+   * .clone_slots), GRAPHED_STATUS_INCOMPATIBLE at capture without one,
+   * as over several microbatches or looping on the device.
    */
   const struct graphed_step_io *io;
   size_t num_io;
@@ -1318,9 +1351,14 @@ typedef struct graphed_step_desc {
    * slot), COPY_INTO the sum, ACCUMULATE_INTO each microbatch's grad
    * added into the destination. ALIAS grads (the last microbatch's
    * only) and a session without clone slots for CLONE grads are
-   * GRAPHED_STATUS_INCOMPATIBLE at capture. The static buffers and the
-   * scratch arena are those of one microbatch, reused by each. With
-   * GRAPHED_STEP_LOOP_WHILE, the most microbatches a replay may run.
+   * GRAPHED_STATUS_INCOMPATIBLE at capture, and so are CLONE and
+   * COPY_INTO grads of a dtype graphed does not sum: it sums f32, f16 and
+   * bf16 (f64 and integer grads are refused, as they are for
+   * ACCUMULATE_INTO at registration; a step looping on the device sums
+   * even for one microbatch, so the same holds there). The static
+   * buffers and the scratch arena are those of one microbatch, reused
+   * by each. With GRAPHED_STEP_LOOP_WHILE, the most microbatches a
+   * replay may run.
    */
   uint32_t microbatches;
   /**
@@ -1894,6 +1932,19 @@ struct graphed_replay_args graphed_replay_args_default(void);
  * (`num_outputs` must equal the callable's output count): the static
  * outputs, valid until the next forward replay of the same instance.
  *
+ * A refused replay changes nothing: every refusal comes before anything
+ * is enqueued, a parameter is pointed elsewhere or a move counted. Where
+ * several apply, this one (as graphed_backward and
+ * graphed_backward_wgrad) answers the first of: the arguments as read
+ * (the session handle, args, its arrays' pointers and counts); BUSY; the
+ * callable and the output arrays' counts; the session's state (not
+ * captured, reset) and a released callable; the microbatch, then the
+ * size (buckets: args.size, args.device_size, a chained input's rows);
+ * after the device's choice, the parameters' addresses; then the data,
+ * the weight-grad callback, the destinations, the parameters' addresses,
+ * the streams (capturing), strict leases, the order of sessions sharing
+ * a pool, and last the parameters of the callable's other buckets.
+ *
  * # Safety
  * `args` must point to a graphed_replay_args initialised by its
  * _default() function; `outputs` must have room for `num_outputs` refs of
@@ -1927,6 +1978,12 @@ graphed_status graphed_backward(struct graphed_session *session,
 /**
  * Replays the weight-grad graph of a callable registered with a wgrad
  * callback, and writes its parameter grads (per policy) to `param_grads`.
+ * It takes no data: it reads the grad-outputs as the callable's last
+ * backward replay left them (and, with buckets, runs its last forward's
+ * bucket). Replay it after the backward of its forward: after a forward
+ * of another size with no backward between, it reads the earlier
+ * backward's grad-outputs, whose rows past the new size are that
+ * backward's data, not zeros.
  *
  * # Safety
  * As graphed_backward.
@@ -2000,9 +2057,22 @@ struct graphed_step_args graphed_step_args_default(void);
  * `param_grads` (`num_param_grads` must be their total): per policy, as
  * graphed_backward does. CLONE grads come from a clone slot free in every
  * callable; when none is, the step replays pass by pass (same results,
- * one launch per pass), except a step over microbatches or with io
- * copies: GRAPHED_STATUS_ALIAS_HELD, and a moved parameter its graph
- * cannot follow is GRAPHED_STATUS_PARAM_MOVED.
+ * one launch per pass), except a step over microbatches, with io copies
+ * or looping on the device: GRAPHED_STATUS_ALIAS_HELD, and a moved
+ * parameter its graph cannot follow is GRAPHED_STATUS_PARAM_MOVED.
+ *
+ * A refused step replay changes nothing: its graphs are not pointed at
+ * the addresses it was given, no move is counted, and a later replay
+ * given no address (args->params NULL, or a NULL entry) reads the
+ * parameters where the last successful one had them. Where several
+ * refusals apply, the first of these answers: the session handle and
+ * args; BUSY; the step, the refs array, then the pointer and count of
+ * args->params; the session's state (not captured, reset) and a
+ * released callable of the step; the microbatch count; the stream
+ * (capturing); strict leases; the parameters' addresses (their count,
+ * then moves neither the step's graphs nor its callables' can follow);
+ * the order of sessions sharing a pool; and, with every clone slot held,
+ * a step that cannot replay pass by pass (ALIAS_HELD).
  *
  * # Safety
  * `args` must point to a graphed_step_args initialised by its _default()
@@ -2262,7 +2332,8 @@ graphed_status graphed_schedule_from_te_order(const double *order,
  * weight-grad after its backward. Writes min(count, capacity) passes to
  * `passes` (NULL: none, and `capacity` is not read) and the count to
  * `*count_out`. A capacity whose bytes (capacity * pass_size) overflow is
- * INVALID_ARGUMENT, as every array length.
+ * INVALID_ARGUMENT, as every array length; the schedule is checked first
+ * (a schedule that breaks a rule answers that, whatever the capacity).
  *
  * # Safety
  * The arrays must hold the counts stated; `passes` must have room for
@@ -2297,7 +2368,8 @@ graphed_status graphed_schedule_passes(const struct graphed_schedule_step *steps
  * callable, microbatch and role, to `releases` (NULL: none, and
  * `capacity` is not read) and the count to `*count_out`. A capacity whose
  * bytes (capacity * release_size) overflow is INVALID_ARGUMENT, as every
- * array length.
+ * array length; the schedule is checked first (a schedule that breaks a
+ * rule answers that, whatever the capacity).
  *
  * # Safety
  * The arrays must hold the counts stated; `releases` must have room for
@@ -2321,8 +2393,10 @@ graphed_status graphed_schedule_releases(const struct graphed_schedule_step *ste
  * (room for `chunk_capacity` entries each, at least the chunk count), the
  * number of layers (callables) of each chunk and the first callable of
  * each. `layers_per_chunk` as in the session config (NULL: split evenly).
- * The schedule's rules are checked as at capture. A `chunk_capacity` whose
- * bytes overflow is INVALID_ARGUMENT, as every array length.
+ * The schedule's rules are checked as at capture, before the chunk
+ * arrays: a schedule that breaks a rule answers that, whatever the
+ * capacity. A `chunk_capacity` whose bytes overflow, or one below the
+ * chunk count, is INVALID_ARGUMENT.
  *
  * # Safety
  * `steps` must hold `num_steps` elements of `step_size` bytes;

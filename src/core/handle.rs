@@ -66,7 +66,10 @@ impl Kind {
                 "belonged to a callback that has returned: in-callback handles are valid only during \
                  the call they were passed to"
             }
-            Kind::HostStream => "was destroyed with the session that made it",
+            Kind::HostStream => {
+                "was destroyed: a session's capture stream goes with its graphs (at a reset, a \
+                 failed capture or the session's destroy), though the session may live on"
+            }
         }
     }
 }

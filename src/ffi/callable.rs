@@ -62,7 +62,16 @@ pub struct graphed_tensor_desc {
     /// `chain_output` of the earlier callable `chain_callable` (same
     /// microbatch). It has no buffer of its own: it reads that output in
     /// place, and its grad is that output's grad-output, written in place.
-    /// Bytes, dtype and requires_grad must match the output's.
+    /// Bytes, dtype and requires_grad must match the output's. Chained to
+    /// a DYNAMIC output it is DYNAMIC: without a shape it takes the
+    /// output's, and a shape of its own must have the largest bucket as
+    /// its first dimension (GRAPHED_STATUS_INVALID_ARGUMENT otherwise); a
+    /// forward then runs the rows its producer's last forward ran, and is
+    /// refused before the producer has run one. Chained to an output of
+    /// one shape, it is read as the buffer holds it whatever the size: a
+    /// forward of any size is accepted, before the producer's first
+    /// forward too (the buffer then holds what the producer's capture
+    /// left there).
     pub chain_callable: u32,
     pub chain_output: u32,
 }

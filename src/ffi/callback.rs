@@ -44,6 +44,10 @@ pub struct graphed_pass_ctx {
     pub iteration: u32,
     /// Enqueue all work here: a CUstream on CUDA (never the legacy default
     /// stream), a host stream (graphed_host_enqueue) on the host backend.
+    /// It is the session's capture stream (or config.capture_stream): the
+    /// session's own goes with the session's graphs, at a reset, a failed
+    /// capture or the session's destroy; a host stream kept past then is
+    /// GRAPHED_STATUS_USE_AFTER_DESTROY wherever it is passed.
     pub stream: graphed_stream,
     pub num_inputs: usize,
     /// Static inputs (read).

@@ -106,7 +106,11 @@ pub struct graphed_session_config {
     /// return owned grads without a copy while a slot is free (one is free
     /// again once the caller released its grads). With every slot held, a
     /// replay copies into another block. Needs no caller allocator and no
-    /// external buffers in that pass; costs one block of the callable's
+    /// external buffers in that pass (the weight-grad pass where there is
+    /// one, else the backward: external parameter grads, or, from a
+    /// backward, external input grads, leave the callable without clone
+    /// slots; external input grads of a backward followed by a weight-grad
+    /// pass do not); costs one block of the callable's
     /// CLONE bytes per slot. The slot captures run the pass callback again
     /// without the per-pass hooks: state a pre hook sets up for capture (a
     /// framework's private memory pool) is not there, so such a caller sets

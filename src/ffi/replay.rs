@@ -63,7 +63,10 @@ pub struct graphed_replay_args {
     /// least as the registered one, up to 256 bytes), and refuses the
     /// replay with GRAPHED_STATUS_PARAM_MOVED otherwise. Backward and
     /// weight-grad replays read the parameters where their forward did:
-    /// other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT.
+    /// other addresses there are GRAPHED_STATUS_INVALID_ARGUMENT, except
+    /// after a forward that chose its bucket on the device (device_size),
+    /// whose backward and weight-grad replays read every parameter where
+    /// capture did: another address there is GRAPHED_STATUS_PARAM_MOVED.
     pub params: *const *const c_void,
     pub num_params: usize,
     /// Callables with buckets (graphed_callable_desc.bucket_sizes): the
@@ -94,7 +97,9 @@ pub struct graphed_replay_args {
     /// zeros, COPY_INTO destinations get zeros and ACCUMULATE_INTO
     /// destinations get zeros added. Each such pass is counted in
     /// graphed_session_stats.bucket_overflows. Parameters are read where
-    /// they were captured (no moves). NULL: the host chooses (`size`).
+    /// they were captured: another address given to such a forward, or to
+    /// the backward and weight-grad replays after it, is
+    /// GRAPHED_STATUS_PARAM_MOVED. NULL: the host chooses (`size`).
     pub device_size: *const u64,
 }
 
@@ -308,6 +313,19 @@ fn replay(
 /// (`num_outputs` must equal the callable's output count): the static
 /// outputs, valid until the next forward replay of the same instance.
 ///
+/// A refused replay changes nothing: every refusal comes before anything
+/// is enqueued, a parameter is pointed elsewhere or a move counted. Where
+/// several apply, this one (as graphed_backward and
+/// graphed_backward_wgrad) answers the first of: the arguments as read
+/// (the session handle, args, its arrays' pointers and counts); BUSY; the
+/// callable and the output arrays' counts; the session's state (not
+/// captured, reset) and a released callable; the microbatch, then the
+/// size (buckets: args.size, args.device_size, a chained input's rows);
+/// after the device's choice, the parameters' addresses; then the data,
+/// the weight-grad callback, the destinations, the parameters' addresses,
+/// the streams (capturing), strict leases, the order of sessions sharing
+/// a pool, and last the parameters of the callable's other buckets.
+///
 /// # Safety
 /// `args` must point to a graphed_replay_args initialised by its
 /// _default() function; `outputs` must have room for `num_outputs` refs of
@@ -363,6 +381,12 @@ pub unsafe extern "C" fn graphed_backward(
 
 /// Replays the weight-grad graph of a callable registered with a wgrad
 /// callback, and writes its parameter grads (per policy) to `param_grads`.
+/// It takes no data: it reads the grad-outputs as the callable's last
+/// backward replay left them (and, with buckets, runs its last forward's
+/// bucket). Replay it after the backward of its forward: after a forward
+/// of another size with no backward between, it reads the earlier
+/// backward's grad-outputs, whose rows past the new size are that
+/// backward's data, not zeros.
 ///
 /// # Safety
 /// As graphed_backward.

@@ -281,7 +281,8 @@ unsafe fn write_list<T>(
 /// weight-grad after its backward. Writes min(count, capacity) passes to
 /// `passes` (NULL: none, and `capacity` is not read) and the count to
 /// `*count_out`. A capacity whose bytes (capacity * pass_size) overflow is
-/// INVALID_ARGUMENT, as every array length.
+/// INVALID_ARGUMENT, as every array length; the schedule is checked first
+/// (a schedule that breaks a rule answers that, whatever the capacity).
 ///
 /// # Safety
 /// The arrays must hold the counts stated; `passes` must have room for
@@ -357,7 +358,8 @@ pub struct graphed_release {
 /// callable, microbatch and role, to `releases` (NULL: none, and
 /// `capacity` is not read) and the count to `*count_out`. A capacity whose
 /// bytes (capacity * release_size) overflow is INVALID_ARGUMENT, as every
-/// array length.
+/// array length; the schedule is checked first (a schedule that breaks a
+/// rule answers that, whatever the capacity).
 ///
 /// # Safety
 /// The arrays must hold the counts stated; `releases` must have room for
@@ -421,8 +423,10 @@ pub unsafe extern "C" fn graphed_schedule_releases(
 /// (room for `chunk_capacity` entries each, at least the chunk count), the
 /// number of layers (callables) of each chunk and the first callable of
 /// each. `layers_per_chunk` as in the session config (NULL: split evenly).
-/// The schedule's rules are checked as at capture. A `chunk_capacity` whose
-/// bytes overflow is INVALID_ARGUMENT, as every array length.
+/// The schedule's rules are checked as at capture, before the chunk
+/// arrays: a schedule that breaks a rule answers that, whatever the
+/// capacity. A `chunk_capacity` whose bytes overflow, or one below the
+/// chunk count, is INVALID_ARGUMENT.
 ///
 /// # Safety
 /// `steps` must hold `num_steps` elements of `step_size` bytes;

@@ -45,7 +45,14 @@ pub struct graphed_step_desc {
     /// finds its external buffers at the addresses its own capture
     /// provided (ctx->outputs, ctx->grad_inputs, ctx->param_grads) and
     /// writes its results there; graphed_pass_set_buffer is refused there
-    /// (GRAPHED_STATUS_WRONG_STATE). io entries may name them.
+    /// (GRAPHED_STATUS_WRONG_STATE). io entries may name them. A callable
+    /// whose pass that writes the parameter grads (the weight-grad pass
+    /// where there is one, else the backward) provides external grads gets
+    /// no clone slots (graphed_session_config.clone_slots): its CLONE grads
+    /// make the step replay pass by pass, and in a step over microbatches,
+    /// with io or looping on the device they are
+    /// GRAPHED_STATUS_INCOMPATIBLE at capture (give them COPY_INTO or
+    /// ACCUMULATE_INTO).
     pub callables: *const u32,
     pub num_callables: usize,
     /// One destination per parameter of the step's callables, in order:
@@ -58,7 +65,11 @@ pub struct graphed_step_desc {
     /// static buffers of the step's callables, done inside the step's
     /// graph (each element initialised by graphed_step_io_default(); their
     /// struct_size is their stride). NULL with 0: none (the callables read
-    /// what their static buffers hold, as graphed_step_replay says).
+    /// what their static buffers hold, as graphed_step_replay says). A step
+    /// with io copies has no pass-by-pass replay, whatever its microbatch
+    /// count: its CLONE grads need a clone slot (graphed_session_config
+    /// .clone_slots), GRAPHED_STATUS_INCOMPATIBLE at capture without one,
+    /// as over several microbatches or looping on the device.
     pub io: *const graphed_step_io,
     pub num_io: usize,
     /// How many microbatches one replay runs, in turn (default 1, at most
@@ -71,9 +82,14 @@ pub struct graphed_step_desc {
     /// slot), COPY_INTO the sum, ACCUMULATE_INTO each microbatch's grad
     /// added into the destination. ALIAS grads (the last microbatch's
     /// only) and a session without clone slots for CLONE grads are
-    /// GRAPHED_STATUS_INCOMPATIBLE at capture. The static buffers and the
-    /// scratch arena are those of one microbatch, reused by each. With
-    /// GRAPHED_STEP_LOOP_WHILE, the most microbatches a replay may run.
+    /// GRAPHED_STATUS_INCOMPATIBLE at capture, and so are CLONE and
+    /// COPY_INTO grads of a dtype graphed does not sum: it sums f32, f16 and
+    /// bf16 (f64 and integer grads are refused, as they are for
+    /// ACCUMULATE_INTO at registration; a step looping on the device sums
+    /// even for one microbatch, so the same holds there). The static
+    /// buffers and the scratch arena are those of one microbatch, reused
+    /// by each. With GRAPHED_STEP_LOOP_WHILE, the most microbatches a
+    /// replay may run.
     pub microbatches: u32,
     /// A graphed_step_loop value: UNROLLED (default; every microbatch
     /// captured, so the graph grows with the count and each callback sees
@@ -337,9 +353,22 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
 /// `param_grads` (`num_param_grads` must be their total): per policy, as
 /// graphed_backward does. CLONE grads come from a clone slot free in every
 /// callable; when none is, the step replays pass by pass (same results,
-/// one launch per pass), except a step over microbatches or with io
-/// copies: GRAPHED_STATUS_ALIAS_HELD, and a moved parameter its graph
-/// cannot follow is GRAPHED_STATUS_PARAM_MOVED.
+/// one launch per pass), except a step over microbatches, with io copies
+/// or looping on the device: GRAPHED_STATUS_ALIAS_HELD, and a moved
+/// parameter its graph cannot follow is GRAPHED_STATUS_PARAM_MOVED.
+///
+/// A refused step replay changes nothing: its graphs are not pointed at
+/// the addresses it was given, no move is counted, and a later replay
+/// given no address (args->params NULL, or a NULL entry) reads the
+/// parameters where the last successful one had them. Where several
+/// refusals apply, the first of these answers: the session handle and
+/// args; BUSY; the step, the refs array, then the pointer and count of
+/// args->params; the session's state (not captured, reset) and a
+/// released callable of the step; the microbatch count; the stream
+/// (capturing); strict leases; the parameters' addresses (their count,
+/// then moves neither the step's graphs nor its callables' can follow);
+/// the order of sessions sharing a pool; and, with every clone slot held,
+/// a step that cannot replay pass by pass (ALIAS_HELD).
 ///
 /// # Safety
 /// `args` must point to a graphed_step_args initialised by its _default()
