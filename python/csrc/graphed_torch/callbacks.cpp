@@ -139,9 +139,21 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
             for (at::Tensor& g : c->ext_pgrad[mb])
                 if (g.defined()) c->bucket_keep.push_back(g);
             c->ext_pgrad[mb].assign(c->params.size(), at::Tensor());
+            // Fresh grads: which blocks of the pass each grad's memory shares.
+            const bool watched = c->watching;
+            const std::vector<Watched> seen = watched ? watched_allocations(c) : std::vector<Watched>();
+            c->watching = false;
             for (size_t j = 0; j < c->params.size(); ++j)
                 if (c->param_grad[j]) {
-                    const at::Tensor& g = c->pass_grads[c->in.size() + j];
+                    at::Tensor g = c->pass_grads[c->in.size() + j];
+                    // Not the grad's alone: copied (in the graph) into memory
+                    // that is, which graphed then points at each replay's
+                    // destination.
+                    if (j < c->spare.size() && c->spare[j].defined() &&
+                        !(watched && g.storage_offset() == 0 && alone(seen, g.data_ptr(), g.nbytes()))) {
+                        c->spare[j].copy_(g);
+                        g = c->spare[j];
+                    }
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_PARAM_GRADS, j, g);
                     c->ext_pgrad[mb][j] = g;
                 }
@@ -174,6 +186,19 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
             e.grad_outputs = &c->pass_gouts;
         }
         if (c->hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
+        // Fresh grads, the pass that writes them: memory of its own per grad
+        // (made here, outside the private pool), and what the pool hands out
+        // and frees during the pass recorded, to tell which grads share it.
+        const bool grads = pass == (c->wgrad ? Pass::Wgrad : Pass::Backward);
+        if (capture && grads && s.fresh) {
+            c->spare.assign(c->params.size(), at::Tensor());
+            for (size_t j = 0; j < c->params.size(); ++j)
+                if (c->param_grad[j] && j < c->policies.size() && c->policies[j] == GRAPHED_GRAD_POLICY_COPY_INTO) {
+                    const Meta& m = c->param_meta[j];
+                    c->spare[j] = at::empty(m.sizes, options_of(m.dtype, s.device));
+                }
+            c->watching = watch_allocations(c, s.device);
+        }
         if (capture) {
             s.rng.begin(s.device);
             s.begin_routing();
@@ -210,6 +235,11 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
             }
             s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
         }
+        // A watch its callback did not end (a failed pass) stops here; the
+        // spare memory not taken goes.
+        if (c->watching) watched_allocations(c);
+        c->watching = false;
+        c->spare.clear();
         c->end_pass();
     });
 }

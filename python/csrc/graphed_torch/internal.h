@@ -171,6 +171,25 @@ inline size_t pass_key(size_t instance, Pass p) { return instance * 3 + uint32_t
 
 // One stream per device for every session's warmup and capture.
 c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device);
+
+// The blocks PyTorch's caching allocator hands out and frees on one device
+// while a grad pass is captured. A grad whose memory none of them overlaps
+// but its own allocation is the grad's alone during the pass: the pass's
+// graph can be pointed elsewhere for it (GRAPHED_PARAM_FLAGS_REBIND_GRAD)
+// without taking another tensor's references (a temporary the pool gave
+// the same memory earlier in the pass) along.
+struct Watched {
+    uintptr_t addr;
+    size_t size;
+    bool alloc;  // handed out (else freed)
+};
+// Starts recording for `owner` on `device`; false when another capture
+// records (then nothing is, and every grad counts as shared).
+bool watch_allocations(const void* owner, c10::DeviceIndex device);
+// Stops `owner`'s recording (if it is the one) and returns what it saw.
+std::vector<Watched> watched_allocations(const void* owner);
+// Whether [p, p + bytes) overlaps nothing in `seen` but its own allocation.
+bool alone(const std::vector<Watched>& seen, const void* p, size_t bytes);
 // graphed's clone allocator over PyTorch's caching allocator (ctx: the Shared).
 int32_t torch_alloc(void* ctx, size_t bytes, graphed_stream, void** out);
 void torch_free(void*, void* ptr, size_t, graphed_stream);
@@ -247,6 +266,12 @@ struct Callable {
     std::vector<std::vector<bool>> rebound;
     // External buffers handed to graphed, per microbatch.
     std::vector<std::vector<at::Tensor>> ext_out, ext_gin, ext_pgrad;
+    // With fresh grads, while its grad pass is captured: per parameter,
+    // memory of its own (outside the private pool, made before the capture)
+    // that a grad sharing memory with other blocks of the pass is copied
+    // into, so that the memory graphed points elsewhere is the grad's alone.
+    std::vector<at::Tensor> spare;
+    bool watching = false;
     // Between a pass's pre-hook, callback and post-hook.
     std::vector<at::Tensor> pass_inputs, pass_outputs, pass_gouts, pass_grads;
     std::string error;

@@ -605,6 +605,9 @@ void Shared::reset() {
         session.reset();
     }
     for (auto& c : callables) {
+        if (c->watching) watched_allocations(c.get());
+        c->watching = false;
+        c->spare.clear();
         c->tapes.clear();
         c->ext_out.clear();
         c->ext_gin.clear();

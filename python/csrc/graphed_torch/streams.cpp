@@ -30,6 +30,74 @@ c10::cuda::CUDAStream default_work_stream(c10::DeviceIndex device) {
     return it->second;
 }
 
+namespace {
+
+struct Watch {
+    std::atomic<bool> on{false};
+    std::mutex mu;
+    const void* owner = nullptr;
+    c10::DeviceIndex device = 0;
+    std::vector<Watched> seen;
+};
+
+Watch& the_watch() {
+    static Watch w;
+    return w;
+}
+
+// Called by the allocator with its lock held: takes only the watch's lock.
+template <class Entry>
+void on_trace(const Entry& te) {
+    Watch& w = the_watch();
+    if (!w.on.load(std::memory_order_acquire)) return;
+    using Action = typename Entry::Action;
+    const bool alloc = te.action_ == Action::ALLOC;
+    if (!alloc && te.action_ != Action::FREE_REQUESTED && te.action_ != Action::FREE_COMPLETED) return;
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.on && te.device_ == w.device) w.seen.push_back(Watched{uintptr_t(te.addr_), size_t(te.size_), alloc});
+}
+
+}  // namespace
+
+bool watch_allocations(const void* owner, c10::DeviceIndex device) {
+    // Trackers cannot be detached: one for the process, idle when off.
+    static std::once_flag attached;
+    std::call_once(attached, [] {
+        c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([](const auto& te) { on_trace(te); });
+    });
+    Watch& w = the_watch();
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.on) return false;
+    w.owner = owner;
+    w.device = device;
+    w.seen.clear();
+    w.on.store(true, std::memory_order_release);
+    return true;
+}
+
+std::vector<Watched> watched_allocations(const void* owner) {
+    Watch& w = the_watch();
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (!w.on || w.owner != owner) return {};
+    w.on.store(false, std::memory_order_release);
+    w.owner = nullptr;
+    return std::move(w.seen);
+}
+
+bool alone(const std::vector<Watched>& seen, const void* p, size_t bytes) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(p), hi = lo + bytes;
+    int own = 0;
+    for (const Watched& b : seen) {
+        if (b.addr >= hi || b.addr + b.size <= lo) continue;
+        // Its own allocation: handed out once at its address. Anything else
+        // there (a block freed in the pass, one handed out before it) was
+        // another tensor's.
+        if (b.alloc && b.addr == lo && b.size >= bytes && ++own == 1) continue;
+        return false;
+    }
+    return true;
+}
+
 void Shared::begin_routing() {
     // The work stream, and while a step's graph is captured the stream its
     // callbacks run on (a looped step's body is captured on its own).
