@@ -268,10 +268,10 @@ pub fn op_add_callable() {
         p.bytes = bytes;
         p.flags = i.pick(&[0, 0, 0, 1, 2, 3, 4]);
         if p.flags == 4 {
-            // REBIND (once an unknown bit), alone or with the others, or
-            // an unknown bit: a second choice, so that the inputs that
-            // picked the others read as before.
-            p.flags = i.pick(&[4, 4, 5, 6, 7, 8, 12]);
+            // REBIND, alone or with the others, REBIND_GRAD (valid with
+            // COPY_INTO only), or an unknown bit: a second choice, so that
+            // the inputs that picked the others read as before.
+            p.flags = i.pick(&[4, 4, 5, 6, 7, 8, 12, 10, 16]);
         }
         if bytes > 1 << 20 {
             p.flags &= !2;
@@ -281,13 +281,14 @@ pub fn op_add_callable() {
         if !i.chance(8) {
             p.data = mem(bytes.min(1 << 16), 0) as *mut c_void;
         }
-        if p.dtype > 8 || p.requires_grad > 1 || p.flags & !7 != 0 || p.policy > 4 {
+        if p.dtype > 8 || p.requires_grad > 1 || p.flags & !15 != 0 || p.policy > 4 {
             conv_err.get_or_insert(S::InvalidArgument);
         }
         let valid = ok
             && bytes % ds == 0
             && !(p.policy == 4 && !matches!(p.dtype, 0..=2))
-            && !(p.requires_grad == 0 && p.policy != 0);
+            && !(p.requires_grad == 0 && p.policy != 0)
+            && !(p.flags & 8 != 0 && p.policy != 3);
         if !valid {
             param_err.get_or_insert(S::InvalidArgument);
         } else if p.data.is_null() {
@@ -514,7 +515,7 @@ pub fn op_set_param_flags() {
     if flags == 4 {
         // As in op_add_callable: REBIND and its combinations are a second
         // choice.
-        flags = i.pick(&[4, 4, 5, 6, 7, 8]);
+        flags = i.pick(&[4, 4, 5, 6, 7, 8, 16]);
     }
     if let Target::Live(k) = t {
         // External memory must hold the buffer: keep those small.
@@ -527,7 +528,7 @@ pub fn op_set_param_flags() {
             flags &= !2;
         }
     }
-    let mut want = if flags & !7 != 0 {
+    let mut want = if flags & !15 != 0 {
         Some(S::InvalidArgument)
     } else {
         None
@@ -544,6 +545,10 @@ pub fn op_set_param_flags() {
             St::Open => match s.callables.get(c as usize) {
                 None => Some(S::InvalidArgument),
                 Some(cl) if p as usize >= cl.params.len() => Some(S::InvalidArgument),
+                // REBIND_GRAD writes into the COPY_INTO destination.
+                Some(cl) if flags & 8 != 0 && cl.params[p as usize].policy != 3 => {
+                    Some(S::InvalidArgument)
+                }
                 Some(_) => {
                     ok_model = Some(k);
                     None
