@@ -422,8 +422,13 @@ enum graphed_param_flags
    * slot's, a device-chosen bucket's, a step's), the grad is copied as
    * COPY_INTO does. Either way the destination holds the grad once the
    * replay has run, and its previous contents are not read; nothing else
-   * may use it until then. Another policy with this flag is
-   * GRAPHED_STATUS_INVALID_ARGUMENT at registration.
+   * may use it until then. With EXTERNAL_GRAD, the memory the callback
+   * provides must be the grad's alone while its pass is captured: no
+   * other buffer the pass uses (a temporary a framework's pool handed
+   * the same memory earlier in the pass) may overlap it, or pointing the
+   * graph elsewhere would take that buffer's references along. Another
+   * policy with this flag is GRAPHED_STATUS_INVALID_ARGUMENT at
+   * registration.
    */
   GRAPHED_PARAM_FLAGS_REBIND_GRAD = 8,
 };
