@@ -156,15 +156,32 @@ impl Pool {
         }
     }
 
-    /// Checks that session `key` may replay its pass at capture-order
-    /// position `pos` now; changes nothing (a replay refused for another
-    /// reason after this check leaves the order as it was). With one member
-    /// nothing is checked (a session alone may replay its graphs as it
-    /// likes). With several, a session may take over from another only
-    /// when that one finished its iteration, and must start with its first
-    /// pass.
-    pub fn may_replay(&self, key: u64, pos: usize) -> Result<()> {
-        let o = lock(&self.order);
+    /// Takes session `key`'s replay of its pass at capture-order position
+    /// `pos` into the order, if it may run now: checked and recorded under
+    /// one lock, so that two sessions replaying on two threads cannot both
+    /// be allowed. The claim is given back when dropped, unless kept once
+    /// the pass is launched (`Claim::keep`): a replay refused after its
+    /// claim leaves the order as it was. With one member nothing is checked
+    /// (a session alone may replay its graphs as it likes). With several, a
+    /// session may take over from another only when that one finished its
+    /// iteration, and must start with its first pass.
+    pub fn claim(&self, key: u64, pos: usize) -> Result<Claim<'_>> {
+        let mut o = lock(&self.order);
+        Self::check(&o, key, pos)?;
+        let before = (
+            o.current,
+            o.members.iter().find(|m| m.key == key).and_then(|m| m.last),
+        );
+        Self::record(&mut o, key, pos);
+        Ok(Claim {
+            pool: Some(self),
+            key,
+            pos,
+            before,
+        })
+    }
+
+    fn check(o: &Order, key: u64, pos: usize) -> Result<()> {
         if o.members.len() < 2 || o.current == Some(key) {
             return Ok(());
         }
@@ -206,13 +223,52 @@ impl Pool {
     }
 
     /// Records that session `key` replayed its pass at capture-order
-    /// position `pos` (after `may_replay` allowed it and the pass was
-    /// launched).
+    /// position `pos` (the passes of a step after the one it claimed).
     pub fn replayed(&self, key: u64, pos: usize) {
-        let mut o = lock(&self.order);
+        Self::record(&mut lock(&self.order), key, pos);
+    }
+
+    fn record(o: &mut Order, key: u64, pos: usize) {
         o.current = Some(key);
         if let Some(m) = o.members.iter_mut().find(|m| m.key == key) {
             m.last = Some(pos);
+        }
+    }
+}
+
+/// A replay's place in its pool's order (`Pool::claim`), given back when
+/// dropped unless kept.
+#[must_use = "a claim is given back when dropped: keep it once the pass is launched"]
+pub struct Claim<'p> {
+    pool: Option<&'p Pool>,
+    key: u64,
+    pos: usize,
+    /// The order's current session and this session's last pass before.
+    before: (Option<u64>, Option<usize>),
+}
+
+impl Claim<'_> {
+    /// The pass was launched: the order keeps it.
+    pub fn keep(mut self) {
+        self.pool = None;
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool else { return };
+        let mut o = lock(&pool.order);
+        // Given back only where nothing was recorded since.
+        let (key, pos) = (self.key, self.pos);
+        let mine = o
+            .members
+            .iter()
+            .any(|m| m.key == key && m.last == Some(pos));
+        if o.current == Some(key) && mine {
+            o.current = self.before.0;
+            if let Some(m) = o.members.iter_mut().find(|m| m.key == key) {
+                m.last = self.before.1;
+            }
         }
     }
 }
@@ -222,10 +278,9 @@ mod tests {
     use super::*;
     use crate::backend::host::HostBackend;
 
-    /// A replay as the replay path makes it: checked, then recorded.
+    /// A replay as the replay path makes it: claimed, then kept.
     fn replay(p: &Pool, key: u64, pos: usize) -> Result<()> {
-        p.may_replay(key, pos)?;
-        p.replayed(key, pos);
+        p.claim(key, pos)?.keep();
         Ok(())
     }
 
@@ -271,15 +326,33 @@ mod tests {
     }
 
     #[test]
-    fn a_check_alone_changes_no_order() {
+    fn a_claim_is_checked_and_recorded_at_once() {
+        let p = Pool::new(HostBackend::new());
+        p.join(1, "a", names(1, 2));
+        p.join(2, "b", names(2, 2));
+        // While `a`'s first pass is claimed (not yet launched), `b` may not
+        // start: two threads cannot both be allowed.
+        let claim = p.claim(1, 0).unwrap();
+        let e = p.claim(2, 0).map(|c| c.keep()).unwrap_err();
+        assert!(
+            e.to_string().contains("in the middle of its iteration"),
+            "{e}"
+        );
+        claim.keep();
+        replay(&p, 1, 1).unwrap();
+        replay(&p, 2, 0).unwrap();
+    }
+
+    #[test]
+    fn a_claim_given_back_changes_no_order() {
         let p = Pool::new(HostBackend::new());
         p.join(1, "a", names(1, 2));
         p.join(2, "b", names(2, 2));
         replay(&p, 1, 0).unwrap();
         replay(&p, 1, 1).unwrap();
-        // `b` may start, but only checked (its replay was then refused for
-        // something else): `a` may start its next iteration.
-        p.may_replay(2, 0).unwrap();
+        // `b` may start, but its claim is given back (its replay was then
+        // refused for something else): `a` may start its next iteration.
+        drop(p.claim(2, 0).unwrap());
         replay(&p, 1, 0).unwrap();
         // Had `b` replayed its first pass, `a` would wait for its iteration.
         let e = replay(&p, 2, 0).unwrap_err();

@@ -18,7 +18,7 @@ pub(crate) use step::step;
 use super::captured::{Captured, LeaseBook, Rows, Stage};
 use super::grads::{copy_clones, enqueue_destinations};
 use super::instance::Placed;
-use super::pool::Pool;
+use super::pool::{Claim, Pool};
 use super::returned::{CloneBlock, Returned};
 use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
 use super::tensor::{Feed, REBIND_ALIGN};
@@ -78,9 +78,10 @@ fn returns_params(inst: &Placed, kind: PassKind) -> bool {
 }
 
 /// Everything a replay of `kind` of instance `idx` can be refused for (the
-/// other buckets' parameters aside: `run_pass` checks them next). Changes
-/// nothing: the pool's order is checked here and recorded at the launch.
-fn check_pass(p: &Parts, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<()> {
+/// other buckets' parameters aside: `run_pass` checks them next), and last
+/// its place in the pool's order, claimed: kept at the launch, given back
+/// if the replay is refused before, so that a refusal changes nothing.
+fn check_pass<'a>(p: &Parts<'a>, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<Claim<'a>> {
     let inst = &p.cap.instances[idx];
     let name = &p.callables[inst.callable].name;
     let who = || {
@@ -122,7 +123,8 @@ fn check_pass(p: &Parts, a: &ReplayArgs, kind: PassKind, idx: usize) -> Result<(
             .lock()
             .check_free(&inst.overwritten[kind.index()], who)?;
     }
-    p.pool.may_replay(p.key, position(inst, kind, who)?)
+    let pool: &'a Pool = p.pool;
+    pool.claim(p.key, position(inst, kind, who)?)
 }
 
 /// The capture-order position of pass `kind` of `inst`.
@@ -365,6 +367,7 @@ fn launch(
     a: &ReplayArgs,
     block: &Taken,
     s: StreamRef,
+    claim: Claim,
 ) -> Result<()> {
     let params = returns_params(&p.cap.instances[idx], kind);
     // A slot block has its own capture of this pass (and, chosen on the
@@ -395,9 +398,8 @@ fn launch(
         (None, Rows::Device) => p.cap.switches[inst.callable].pass(kind)?.launch(s)?,
         (None, _) => inst.graph(kind)?.launch(s)?,
     }
-    // Launched: the pool's order takes it (check_pass allowed it).
-    p.pool
-        .replayed(p.key, position(inst, kind, || format!("the {kind} pass"))?);
+    // Launched: the pool's order keeps it (check_pass claimed it).
+    claim.keep();
     if !params {
         return Ok(());
     }
@@ -477,7 +479,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     if rows == Rows::Device {
         check_device_params(p, a, idx)?;
     }
-    check_pass(p, a, kind, idx)?;
+    let claim = check_pass(p, a, kind, idx)?;
     let c = p.cap.instances[idx].callable;
     let siblings = buckets_beside(p, idx, kind, a);
     for k in siblings.clone() {
@@ -516,7 +518,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             s,
         )?;
     }
-    launch(p, (idx, rows), kind, a, &block, s)?;
+    launch(p, (idx, rows), kind, a, &block, s, claim)?;
     if let Some(side) = a.side_stream {
         p.backend
             .join(side, a.stream, p.cap.resources.ev_out.raw())?;

@@ -9,6 +9,7 @@
 //! pass-by-pass replay: it refuses instead, naming what stops it.
 
 use super::super::captured::{Captured, CapturedStep};
+use super::super::pool::Claim;
 use super::super::returned::{CloneBlock, Returned};
 use super::super::spec::ReplayArgs;
 use super::{check, run_pass, stage, Parts, Replayed};
@@ -47,12 +48,20 @@ pub(crate) fn step<'a>(
     if !follows && st.looped {
         return Err(unfollowed(&p, step as usize, params));
     }
-    if let Some(first) = st.passes.first() {
-        let pos = p.cap.instances[first.instance].position[first.kind.index()].unwrap_or(0);
-        p.pool.may_replay(p.key, pos)?;
-    }
+    // Its place in the pool's order, claimed: kept at the launch, given
+    // back if the step is refused before (or replayed pass by pass, each
+    // pass claiming its own).
+    let pool = p.pool;
+    let claim = match st.passes.first() {
+        Some(first) => {
+            let pos = p.cap.instances[first.instance].position[first.kind.index()].unwrap_or(0);
+            Some(pool.claim(p.key, pos)?)
+        }
+        None => None,
+    };
     if !follows {
         // Only the callables' own graphs can read the parameters there.
+        drop(claim);
         return by_pass(p, step as usize, stream, params);
     }
     // The slot blocks taken, in a vector the replays reuse (empty between
@@ -74,6 +83,7 @@ pub(crate) fn step<'a>(
             }
             Ok(None) => {
                 p.cap.stage.taken = taken;
+                drop(claim);
                 return by_pass(p, step as usize, stream, params);
             }
             Err(e) => {
@@ -92,7 +102,7 @@ pub(crate) fn step<'a>(
         p.cap.stage.taken = taken;
         return Err(e);
     }
-    if let Err(e) = launch(&p, step as usize, chosen, stream, count) {
+    if let Err(e) = launch(&p, step as usize, chosen, stream, count, claim) {
         put_back(&p, step as usize, &mut taken);
         p.cap.stage.taken = taken;
         return Err(e);
@@ -260,6 +270,7 @@ fn launch(
     chosen: Option<usize>,
     stream: StreamRef,
     count: u32,
+    claim: Option<Claim>,
 ) -> Result<()> {
     let st = &p.cap.steps[step];
     let graph = match (&st.graph, chosen) {
@@ -271,7 +282,10 @@ fn launch(
         p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
     }
     graph.launch(stream)?;
-    // Launched: the pool's order takes every pass (step() checked it).
+    // Launched: the pool's order keeps it, and takes every pass.
+    if let Some(c) = claim {
+        c.keep();
+    }
     for pp in &st.passes {
         let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
         p.pool.replayed(p.key, pos);
