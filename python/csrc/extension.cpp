@@ -150,24 +150,28 @@ std::vector<graphed_schedule_step> steps_of(const std::vector<std::pair<uint32_t
     return v;
 }
 
+// Options the package passes by name, with graphed_torch::Options' own
+// defaults where a key is missing (the defaults are declared there once;
+// make_graphed_callables' keyword defaults are checked against
+// default_options() by test_options.py).
 graphed_torch::Options options_of(const py::dict& d) {
     graphed_torch::Options o;
-    o.num_warmup_iters = get<int>(d, "num_warmup_iters", 3);
-    o.training = get<bool>(d, "training", true);
-    o.allow_unused_input = get<bool>(d, "allow_unused_input", false);
-    o.retain_graph_in_backward = get<bool>(d, "retain_graph_in_backward", false);
-    o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", true);
-    o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", true);
-    o.lazy_clones = get<bool>(d, "lazy_clones", true);
-    o.strict_leases = get<bool>(d, "strict_leases", false);
-    o.rebind_inputs = get<bool>(d, "rebind_inputs", true);
-    o.rebind_params = get<bool>(d, "rebind_params", true);
+    o.num_warmup_iters = get<int>(d, "num_warmup_iters", o.num_warmup_iters);
+    o.training = get<bool>(d, "training", o.training);
+    o.allow_unused_input = get<bool>(d, "allow_unused_input", o.allow_unused_input);
+    o.retain_graph_in_backward = get<bool>(d, "retain_graph_in_backward", o.retain_graph_in_backward);
+    o.clone_param_grads_on_return = get<bool>(d, "clone_param_grads_on_return", o.clone_param_grads_on_return);
+    o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", o.clones_from_torch_allocator);
+    o.lazy_clones = get<bool>(d, "lazy_clones", o.lazy_clones);
+    o.strict_leases = get<bool>(d, "strict_leases", o.strict_leases);
+    o.rebind_inputs = get<bool>(d, "rebind_inputs", o.rebind_inputs);
+    o.rebind_params = get<bool>(d, "rebind_params", o.rebind_params);
     o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
     o.layers_per_chunk = get<std::vector<uint32_t>>(d, "layers_per_chunk", {});
-    o.reuse_buffers = get<bool>(d, "reuse_buffers", false);
+    o.reuse_buffers = get<bool>(d, "reuse_buffers", o.reuse_buffers);
     if (d.contains("accumulate_into") && !d["accumulate_into"].is_none())
         o.accumulate_into = d["accumulate_into"].cast<std::string>();
-    o.copy_into = get<bool>(d, "copy_into", false);
+    o.copy_into = get<bool>(d, "copy_into", o.copy_into);
     if (d.contains("pool") && !d["pool"].is_none()) {
         auto p = d["pool"].cast<std::pair<unsigned long long, unsigned long long>>();
         o.pool = c10::MempoolId_t{p.first, p.second};
@@ -184,6 +188,24 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.pre_warmup_hook = callback_of(d, "pre_warmup_hook");
     o.post_warmup_hook = callback_of(d, "post_warmup_hook");
     return o;
+}
+
+// graphed_torch::Options' defaults of the options make_graphed_callables
+// takes as keywords, by their keyword's name.
+py::dict default_options() {
+    const graphed_torch::Options o;
+    py::dict d;
+    d["num_warmup_iters"] = o.num_warmup_iters;
+    d["allow_unused_input"] = o.allow_unused_input;
+    d["retain_graph_in_backward"] = o.retain_graph_in_backward;
+    d["clone_param_grads_on_return"] = o.clone_param_grads_on_return;
+    d["clones_from_torch_allocator"] = o.clones_from_torch_allocator;
+    d["lazy_clones"] = o.lazy_clones;
+    d["strict_leases"] = o.strict_leases;
+    d["rebind_inputs"] = o.rebind_inputs;
+    d["rebind_params"] = o.rebind_params;
+    d["_reuse_graph_input_output_buffers"] = o.reuse_buffers;
+    return d;
 }
 
 // Transformer Engine's `_order` as graphed reads it for `num_callables`
@@ -450,6 +472,8 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
         .def("params_movable", &graphed_torch::GraphedCallable::params_movable);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
+    m.def("default_options", &default_options,
+          "graphed_torch::Options' defaults of make_graphed_callables' keyword options, by keyword.");
     m.def("memory_report", &memory_report,
           "What graphed holds: per live session and callable, and graphed's process-wide accounting.");
     py::class_<graphed_torch::GraphedStep>(m, "GraphedStep")

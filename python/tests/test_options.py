@@ -1,7 +1,26 @@
-"""Transformer Engine's FP8 arguments: accepted when off, refused when they would need FP8 (pure Python)."""
+"""Transformer Engine's FP8 arguments: accepted when off, refused when they would need FP8 (pure Python);
+make_graphed_callables' keyword defaults are the C++ adapter's (graphed_torch::Options)."""
+import inspect
+
 import pytest
 
+from _support import needs_extension
 from graphed.torch._options import check_fp8
+
+
+@needs_extension
+def test_keyword_defaults_are_the_adapters():
+    from graphed import _torch_ext
+    from graphed.torch import _make
+
+    signature = inspect.signature(_make.make_graphed_callables).parameters
+    defaults = _torch_ext.default_options()
+    assert defaults, "the extension names no option"
+    for name, value in defaults.items():
+        assert signature[name].default == value, (
+            f"make_graphed_callables({name}={signature[name].default!r}) but graphed_torch::Options defaults it to "
+            f"{value!r}"
+        )
 
 
 def test_off_values_are_accepted():
