@@ -12,6 +12,7 @@
 //
 // Instances: the kit's CUDA kernels; cuBLAS GEMMs (where the build has
 // cuBLAS); the host backend.
+#include "kernels.hpp"
 #include "layers.hpp"
 #include "support.hpp"
 #include "tools.hpp"
@@ -26,50 +27,18 @@ namespace {
 
 using kit::Buffer;
 
-#ifdef GRAPHED_TESTS_CUBLAS
-constexpr bool kCublasBuilt = true;
-#else
-constexpr bool kCublasBuilt = false;
-#endif
+using graphed_test_kernels::Kernels;
+using graphed_test_kernels::kernels_name;
+using graphed_test_kernels::KernelsName;
 
-enum class Kernels { Host, Cuda, Cublas };
-
-const char* kernels_name(Kernels k) {
-    switch (k) {
-        case Kernels::Host: return "host";
-        case Kernels::Cuda: return "cuda";
-        case Kernels::Cublas: return "cuda_cublas";
-    }
-    return "?";
-}
-
-void PrintTo(Kernels k, std::ostream* os) { *os << kernels_name(k); }
-
-struct KernelsName {
-    std::string operator()(const ::testing::TestParamInfo<Kernels>& i) const { return kernels_name(i.param); }
-};
-
-class GradsInPlace : public ::testing::TestWithParam<Kernels> {
+class GradsInPlace : public graphed_test_kernels::KernelsTest {
   protected:
     static constexpr int B = 8, IN = 32, OUT = 16;
     static constexpr size_t NW = size_t(OUT) * IN, NB = OUT;
 
     void SetUp() override {
-        std::string why;
-        switch (GetParam()) {
-            case Kernels::Host: dev = kit::make_host_device(); break;
-            case Kernels::Cuda: dev = kit::make_cuda_device(&why); break;
-            case Kernels::Cublas: dev = bench::make_blas_device(&why); break;
-        }
-        if (!dev) {
-            const char* require = std::getenv("GRAPHED_REQUIRE_CUDA");
-            const bool required = require && std::string(require) == "1" &&
-                                  (GetParam() == Kernels::Cuda || (GetParam() == Kernels::Cublas && kCublasBuilt));
-            if (required)
-                FAIL() << "GRAPHED_REQUIRE_CUDA=1, but the " << kernels_name(GetParam())
-                       << " kernels are not available: " << why;
-            GTEST_SKIP() << "the " << kernels_name(GetParam()) << " kernels are not available: " << why;
-        }
+        graphed_test_kernels::KernelsTest::SetUp();
+        if (!dev) return;
         for (int i = 0; i < 4; ++i) {
             x[i] = Buffer(*dev, size_t(B) * IN * 4);
             gy[i] = Buffer(*dev, size_t(B) * OUT * 4);
@@ -132,7 +101,6 @@ class GradsInPlace : public ::testing::TestWithParam<Kernels> {
         dev->sync();
     }
 
-    std::unique_ptr<kit::Device> dev;
     Buffer x[4], gy[4], w, b;
     kit::LinearLayer layer;
 };

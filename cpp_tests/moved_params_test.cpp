@@ -16,6 +16,7 @@
 // (where the build has cuBLAS); the host backend, whose host tasks are
 // opaque, so that every move there is refused (GRAPHED_STATUS_PARAM_MOVED)
 // while replays at the registered addresses stay exact.
+#include "kernels.hpp"
 #include "layers.hpp"
 #include "support.hpp"
 #include "tools.hpp"
@@ -32,30 +33,9 @@ namespace {
 
 using kit::Buffer;
 
-#ifdef GRAPHED_TESTS_CUBLAS
-constexpr bool kCublasBuilt = true;
-#else
-constexpr bool kCublasBuilt = false;
-#endif
-
-// The kernels the layers run.
-enum class Kernels { Host, Cuda, Cublas };
-
-const char* kernels_name(Kernels k) {
-    switch (k) {
-        case Kernels::Host: return "host";
-        case Kernels::Cuda: return "cuda";
-        case Kernels::Cublas: return "cuda_cublas";
-    }
-    return "?";
-}
-
-// For GoogleTest's messages.
-void PrintTo(Kernels k, std::ostream* os) { *os << kernels_name(k); }
-
-struct KernelsName {
-    std::string operator()(const ::testing::TestParamInfo<Kernels>& i) const { return kernels_name(i.param); }
-};
+using graphed_test_kernels::Kernels;
+using graphed_test_kernels::kernels_name;
+using graphed_test_kernels::KernelsName;
 
 // An address as the library's messages print it.
 std::string hex(const void* p) {
@@ -64,29 +44,13 @@ std::string hex(const void* p) {
     return b;
 }
 
-class MovedParams : public ::testing::TestWithParam<Kernels> {
+class MovedParams : public graphed_test_kernels::KernelsTest {
   protected:
     static constexpr int B = 8, IN = 32, OUT = 16;
 
     void SetUp() override {
-        std::string why;
-        switch (GetParam()) {
-            case Kernels::Host: dev = kit::make_host_device(); break;
-            case Kernels::Cuda: dev = kit::make_cuda_device(&why); break;
-            case Kernels::Cublas: dev = bench::make_blas_device(&why); break;
-        }
-        if (!dev) {
-            // On the GPU machine (scripts/gpu-run.sh) a CUDA backend that
-            // does not come up is a failure, not a skip; cuBLAS is one
-            // where the build has it.
-            const char* require = std::getenv("GRAPHED_REQUIRE_CUDA");
-            const bool required = require && std::string(require) == "1" &&
-                                  (GetParam() == Kernels::Cuda || (GetParam() == Kernels::Cublas && kCublasBuilt));
-            if (required)
-                FAIL() << "GRAPHED_REQUIRE_CUDA=1, but the " << kernels_name(GetParam())
-                       << " kernels are not available: " << why;
-            GTEST_SKIP() << "the " << kernels_name(GetParam()) << " kernels are not available: " << why;
-        }
+        graphed_test_kernels::KernelsTest::SetUp();
+        if (!dev) return;
         for (int i = 0; i < 3; ++i) {
             x[i] = Buffer(*dev, size_t(B) * IN * 4);
             gy[i] = Buffer(*dev, size_t(B) * OUT * 4);
@@ -186,7 +150,6 @@ class MovedParams : public ::testing::TestWithParam<Kernels> {
         return got;
     }
 
-    std::unique_ptr<kit::Device> dev;
     Buffer x[3], gy[3];
     Params reg;  // where the layer's parameters are registered
     kit::LinearLayer layer;
