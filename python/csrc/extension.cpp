@@ -390,6 +390,7 @@ py::dict memory_report() {
         }
         py::dict d;
         d["reset"] = s.reset;
+        d["busy"] = s.busy;
         d["callables"] = callables;
         d["static_bytes"] = s.static_bytes;
         d["scratch_bytes"] = s.scratch_bytes;

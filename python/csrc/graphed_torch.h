@@ -285,16 +285,20 @@ struct CallableMemory {
     // Returned clone blocks of graphed's memory not yet released, and
     // released ones kept for reuse.
     uint64_t clone_bytes_outstanding = 0, clone_bytes_cached = 0;
-    // PyTorch tensors its graphs read and write that the adapter keeps
-    // while they exist: outputs, input and parameter grads provided at
-    // capture, the forward's saved tensors (retain_graph_in_backward),
-    // and the memory its passes' random numbers are drawn from.
+    // PyTorch tensors its graphs write that the adapter keeps while they
+    // exist: outputs, input and parameter grads provided at capture, and
+    // the memory its passes' random numbers are drawn from (not what a
+    // forward saves for its backward, which lives in the private pool
+    // unseen: torch_pool_allocated counts it).
     uint64_t torch_bytes = 0;
 };
 
 // One session (a make_graphed_callables or make_graphed_step call).
 struct SessionMemory {
     bool reset = false;
+    // A call was inside the session when asked (a replay on another
+    // thread): graphed's figures are left at 0.
+    bool busy = false;
     std::vector<CallableMemory> callables;
     // graphed_session_stats: static buffers, scratch, the scratch pool.
     uint64_t static_bytes = 0, scratch_bytes = 0, pool_bytes = 0;

@@ -26,6 +26,8 @@ class FakeImpl:
         self.session.resets += 1
 
     def release(self):
+        if self.session.refuse_release:
+            raise RuntimeError("graphed: a lease is still held")
         self.session.released.append((self.spec["name"], self.microbatch))
 
     def backward_dw(self):
@@ -45,6 +47,7 @@ class FakeExt:
 
     def __init__(self):
         self.replays, self.resets, self.calls, self.released = [], 0, [], []
+        self.refuse_release = False
         self.microbatches = 1
 
     def schedule(self, order, layers_per_chunk, num_callables):
@@ -192,6 +195,25 @@ def test_reset_releases_only_the_selected_callable(fake):
     b.reset()
     assert fake.resets == 1 and "forward" not in b.__dict__
     assert fake.released == [("Linear_0", 0)], "the last one resets the whole session instead"
+    b.reset()
+    assert fake.resets == 1
+
+
+def test_a_refused_release_changes_nothing(fake):
+    # The extension refuses the release (a strict lease held): the reset
+    # raises, the module keeps its graphed forward, and a later reset works.
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    gt.make_graphed_callables((a, b), ((torch.zeros(2, 4),), (torch.zeros(2, 4),)))
+    fake.refuse_release = True
+    with pytest.raises(RuntimeError, match="a lease is still held"):
+        a.reset()
+    assert "forward" in a.__dict__ and not a.forward.is_reset and fake.released == []
+    replays = len(fake.replays)
+    a(torch.ones(2, 4))
+    assert len(fake.replays) == replays + 1  # still graphed
+    fake.refuse_release = False
+    a.reset()
+    assert fake.released == [("Linear_0", 0)] and "forward" not in a.__dict__
     b.reset()
     assert fake.resets == 1
 

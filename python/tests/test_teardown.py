@@ -161,10 +161,12 @@ def drop_with_hooks():
     assert seen
 
 
-def drop_aliases():
+def drop_aliases(**opts):
     """Aliased grads (the opt-out) left in .grad when everything is dropped."""
     models = blocks()
-    gt.make_graphed_callables(tuple(models), ((tokens(),), (tokens(True),)), clone_param_grads_on_return=False)
+    gt.make_graphed_callables(
+        tuple(models), ((tokens(),), (tokens(True),)), clone_param_grads_on_return=False, **opts
+    )
     train(models, models)
     y = tokens()
     for m in models:
@@ -207,6 +209,7 @@ DROPPED = {
     "callables": drop_callables,
     "hooks": drop_with_hooks,
     "aliases": drop_aliases,
+    "leased aliases": lambda: drop_aliases(strict_leases=True),
     "buckets": drop_buckets,
     "schedule": drop_schedule,
     "step": drop_step,

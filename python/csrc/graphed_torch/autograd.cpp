@@ -189,19 +189,20 @@ struct GraphedBackward : public torch::autograd::Node {
         }
         cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
         cudaStream_t side_stream = side && side->stream() != cur ? side->stream() : nullptr;
+        // Owned grads: the backward writes them into fresh memory (not with a
+        // weight-grad pass, whose replay returns them), made before the
+        // generators advance.
+        std::vector<at::Tensor> fresh;
+        if (!c->wgrad) fresh = s.fresh_grads(*c);
         const size_t key = pass_key(s.instance(index, microbatch, bucket), Pass::Backward);
         s.before_replay(key, cur);
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
         // graphed refuses it when the callable's last forward ran other rows.
         if (rows) r.size(uint64_t(rows));
-        // Owned grads: the backward writes them into fresh memory (not with a
-        // weight-grad pass, whose replay returns them).
-        std::vector<at::Tensor> fresh;
-        if (!c->wgrad) fresh = s.fresh_grads(*c);
         const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? dsts : fresh);
         if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
         graphed::Grads g;
-        s.replay(index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
+        s.replay_or_unwind(key, index, microbatch, [&](graphed::Session& session) { session.backward(r, g); });
         torch::autograd::variable_list result;
         result.reserve(g.inputs.size() + g.params.size());
         std::vector<Meta> in_buf;
@@ -404,14 +405,14 @@ void GraphedCallable::backward_dw() const {
     if (!c->wgrad) return;
     s.check_live(*c);
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
+    std::vector<at::Tensor> fresh = s.fresh_grads(*c);
     const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Wgrad);
     s.before_replay(key, cur);
     graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
-    std::vector<at::Tensor> fresh = s.fresh_grads(*c);
     const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? c->wgrad_dsts[microbatch_] : fresh);
     if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
     std::vector<graphed::Ref> gp;
-    s.replay(index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
+    s.replay_or_unwind(key, index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
     // Enqueued: the caching allocator orders a later reuse of this memory
     // after it on the stream.
     c->wgrad_keep[microbatch_].clear();

@@ -149,8 +149,9 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
                     // Not the grad's alone: copied (in the graph) into memory
                     // that is, which graphed then points at each replay's
                     // destination.
+                    const bool whole = g.storage_offset() == 0 && g.nbytes() == g.storage().nbytes();
                     if (j < c->spare.size() && c->spare[j].defined() &&
-                        !(watched && g.storage_offset() == 0 && alone(seen, g.data_ptr(), g.nbytes()))) {
+                        !(watched && whole && alone(seen, g.data_ptr(), g.nbytes()))) {
                         c->spare[j].copy_(g);
                         g = c->spare[j];
                     }

@@ -188,7 +188,8 @@ struct Watched {
 bool watch_allocations(const void* owner, c10::DeviceIndex device);
 // Stops `owner`'s recording (if it is the one) and returns what it saw.
 std::vector<Watched> watched_allocations(const void* owner);
-// Whether [p, p + bytes) overlaps nothing in `seen` but its own allocation.
+// Whether [p, p + bytes) overlaps nothing in `seen` but its own allocation
+// of exactly those bytes, handed out once while `seen` was recorded.
 bool alone(const std::vector<Watched>& seen, const void* p, size_t bytes);
 // graphed's clone allocator over PyTorch's caching allocator (ctx: the Shared).
 int32_t torch_alloc(void* ctx, size_t bytes, graphed_stream, void** out);
@@ -421,6 +422,20 @@ struct Shared {
         }
     }
     [[noreturn]] void alias_held(const graphed::Error& e, size_t callable, uint32_t mb);
+    // replay(), the generators' advance for pass `key` undone when graphed
+    // refused the replay (it enqueued nothing); a CUDA error leaves them.
+    template <class F>
+    void replay_or_unwind(size_t key, size_t callable, uint32_t mb, F&& fn) {
+        try {
+            replay(callable, mb, std::forward<F>(fn));
+        } catch (const AliasHeld&) {
+            rng.unwind(key);
+            throw;
+        } catch (const graphed::Error& e) {
+            if (e.status() != GRAPHED_STATUS_CUDA_ERROR) rng.unwind(key);
+            throw;
+        }
+    }
 
     // A tensor over an ALIAS a replay returned; it keeps the session alive,
     // and under strict leases holds the lease (taken from `r`) until it dies.
@@ -444,9 +459,12 @@ struct Shared {
     // Throws for a call of `c` after its release or the session's reset.
     void check_live(const Callable& c) const;
     // What it holds, per callable (make.cpp).
-    SessionMemory memory() const;
+    SessionMemory memory();
     // Destroys the session and lets go of everything it used (make.cpp).
     void reset();
+    // Held by reset, release_callable and memory: a report on another thread
+    // never reads what a reset or release is freeing.
+    std::recursive_mutex teardown_mu;
     // Lets go of the caller's functions: each callable's forward and hook,
     // the warmup hooks, the step's destination. Replays never call them,
     // and what they hold (a module, whose forward attribute holds the

@@ -480,6 +480,7 @@ void Shared::check_live(const Callable& c) const {
 }
 
 void Shared::release_callable(size_t index) {
+    std::lock_guard<std::recursive_mutex> lock(teardown_mu);
     Callable& c = *callables.at(index);
     if (is_reset || c.released) return;
     c10::cuda::CUDAGuard guard(device);
@@ -514,16 +515,25 @@ void Shared::release_callable(size_t index) {
     reset();
 }
 
-SessionMemory Shared::memory() const {
+SessionMemory Shared::memory() {
+    std::lock_guard<std::recursive_mutex> lock(teardown_mu);
     SessionMemory m;
     m.reset = is_reset;
-    const bool live = session && !is_reset;
-    if (live) {
-        const graphed_session_stats st = session->stats();
-        m.static_bytes = st.static_bytes;
-        m.scratch_bytes = st.scratch_bytes;
-        m.pool_bytes = st.pool_bytes;
-        m.graphs = st.graph_count + st.slot_graphs + st.step_graphs;
+    bool live = session && !is_reset;
+    // graphed's figures, unless a call is inside the session right now (a
+    // replay on another thread): then the adapter's alone, marked busy.
+    try {
+        if (live) {
+            const graphed_session_stats st = session->stats();
+            m.static_bytes = st.static_bytes;
+            m.scratch_bytes = st.scratch_bytes;
+            m.pool_bytes = st.pool_bytes;
+            m.graphs = st.graph_count + st.slot_graphs + st.step_graphs;
+        }
+    } catch (const graphed::Error& e) {
+        if (e.status() != GRAPHED_STATUS_BUSY) throw;
+        m.busy = true;
+        live = false;
     }
     std::unordered_set<const void*> seen;
     for (size_t i = 0; i < callables.size(); ++i) {
@@ -531,9 +541,14 @@ SessionMemory Shared::memory() const {
         CallableMemory cm;
         cm.name = c.name;
         cm.released = c.released;
-        if (live) {
-            graphed_callable_memory g = graphed_callable_memory_default();
-            graphed::check(graphed_session_callable_memory(session->get(), uint32_t(i), &g));
+        graphed_callable_memory g = graphed_callable_memory_default();
+        const graphed_status st = live ? graphed_session_callable_memory(session->get(), uint32_t(i), &g)
+                                       : GRAPHED_STATUS_OK;
+        if (st == GRAPHED_STATUS_BUSY) {
+            m.busy = true;
+            live = false;
+        } else if (live) {
+            graphed::check(st);
             cm.own_static_bytes = g.own_static_bytes;
             cm.shared_static_bytes = g.shared_static_bytes;
             cm.graphs = g.graphs;
@@ -541,7 +556,6 @@ SessionMemory Shared::memory() const {
             cm.clone_bytes_outstanding = g.clone_bytes_outstanding;
             cm.clone_bytes_cached = g.clone_bytes_cached;
         }
-        for (const Tape& t : c.tapes) cm.torch_bytes += storage_bytes(t.inputs, seen) + storage_bytes(t.outputs, seen);
         for (const auto* per_mb : {&c.ext_out, &c.ext_gin, &c.ext_pgrad})
             for (const auto& v : *per_mb) cm.torch_bytes += storage_bytes(v, seen);
         cm.torch_bytes += storage_bytes(c.bucket_keep, seen);
@@ -554,7 +568,8 @@ SessionMemory Shared::memory() const {
                 }
         m.callables.push_back(std::move(cm));
     }
-    if (pool_refs > 0) {
+    // Only PyTorch's own allocator gives its segments.
+    if (pool_refs > 0 && c10::cuda::CUDACachingAllocator::name() == "native") {
         const auto snap = c10::cuda::CUDACachingAllocator::snapshot();
         for (const auto& seg : snap.segments)
             if (seg.device == device && seg.owner_private_pool_id == pool) {
@@ -590,6 +605,7 @@ void Shared::drop_callbacks() {
 }
 
 void Shared::reset() {
+    std::lock_guard<std::recursive_mutex> lock(teardown_mu);
     if (is_reset) return;
     is_reset = true;
     end_routing();

@@ -267,6 +267,10 @@ std::pair<std::vector<GraphedCallable>, GraphedStep> make_graphed_step(std::vect
 at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t n) const {
     Shared& s = *shared_;
     if (s.is_reset) throw std::runtime_error("graphed step: its session was reset");
+    for (const auto& c : s.callables)
+        if (c->released)
+            throw std::runtime_error("graphed step: its callable '" + c->name +
+                                     "' was released, and the step's graphs with it; make the step again");
     StepState& st = *s.step;
     const uint32_t max = st.opts.microbatches;
     if (n == 0) n = max;

@@ -60,7 +60,12 @@ void on_trace(const Entry& te) {
 }  // namespace
 
 bool watch_allocations(const void* owner, c10::DeviceIndex device) {
-    // Trackers cannot be detached: one for the process, idle when off.
+    // Only PyTorch's own allocator reports its blocks (not cudaMallocAsync
+    // or a pluggable one): elsewhere nothing is watched, and every grad
+    // counts as shared. Trackers cannot be detached: one for the process,
+    // idle when off.
+    static const bool native = c10::cuda::CUDACachingAllocator::name() == "native";
+    if (!native) return false;
     static std::once_flag attached;
     std::call_once(attached, [] {
         c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([](const auto& te) { on_trace(te); });
@@ -89,13 +94,15 @@ bool alone(const std::vector<Watched>& seen, const void* p, size_t bytes) {
     int own = 0;
     for (const Watched& b : seen) {
         if (b.addr >= hi || b.addr + b.size <= lo) continue;
-        // Its own allocation: handed out once at its address. Anything else
-        // there (a block freed in the pass, one handed out before it) was
-        // another tensor's.
-        if (b.alloc && b.addr == lo && b.size >= bytes && ++own == 1) continue;
+        // Its own allocation: handed out once during the pass, at its
+        // address, of its size. Anything else there (a block freed in the
+        // pass, one handed out before it, a larger block it is part of) was
+        // another tensor's; a grad not handed out during the pass is not
+        // known to be alone.
+        if (b.alloc && b.addr == lo && b.size == bytes && ++own == 1) continue;
         return false;
     }
-    return true;
+    return own == 1;
 }
 
 void Shared::begin_routing() {

@@ -146,22 +146,33 @@ at::Tensor Shared::param_grad(const Callable& c, size_t j, uint32_t mb, graphed:
         default: break;
     }
     // An alias of a grad buffer the adapter provided at capture (a PyTorch
-    // tensor) keeps that tensor's memory, not the session: held as
-    // param.grad, an alias holding the session would make a cycle (the
-    // session holds the parameter, whose grad holds the session) that no
-    // collector sees, and dropped graphs would never be freed.
-    if (!r.lease()) {
-        auto same = [&](const at::Tensor& t) { return t.defined() && t.data_ptr() == r.ptr(); };
-        const at::Tensor* own = nullptr;
-        if (mb < c.ext_pgrad.size())
-            for (const at::Tensor& t : c.ext_pgrad[mb])
-                if (same(t)) own = &t;
-        for (const at::Tensor& t : c.bucket_keep)
-            if (!own && same(t)) own = &t;
-        if (own) {
-            const Meta& m = c.param_meta[j];
-            return over(r.ptr(), m, options_of(m.dtype, device), [keep = *own](void*) {});
+    // tensor) keeps that tensor's memory, and the session only weakly (to
+    // let go of its lease under strict leases): held as param.grad, an
+    // alias holding the session would make a cycle (the session holds the
+    // parameter, whose grad holds the session) that no collector sees, and
+    // dropped graphs would never be freed.
+    auto same = [&](const at::Tensor& t) { return t.defined() && t.data_ptr() == r.ptr(); };
+    const at::Tensor* own = nullptr;
+    if (mb < c.ext_pgrad.size())
+        for (const at::Tensor& t : c.ext_pgrad[mb])
+            if (same(t)) own = &t;
+    for (const at::Tensor& t : c.bucket_keep)
+        if (!own && same(t)) own = &t;
+    const Meta& m = c.param_meta[j];
+    if (own && !r.lease()) return over(r.ptr(), m, options_of(m.dtype, device), [keep = *own](void*) {});
+    if (own) {
+        auto lease = std::make_shared<graphed::Lease>(std::move(r.lease()));
+        {
+            std::lock_guard<std::mutex> lock(lease_mu);
+            held[lease->id()] = c.who(mb) + c.param_name(j) + ".grad";
         }
+        std::weak_ptr<Shared> weak = self;
+        return over(r.ptr(), m, options_of(m.dtype, device), [keep = *own, weak, lease](void*) {
+            if (auto s = weak.lock())
+                s->drop_lease(*lease);
+            else
+                lease->reset();  // the session is gone: nothing left to release
+        });
     }
     return wrap_alias(r, c.param_meta[j], [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
 }

@@ -35,16 +35,19 @@ class Session:
         """One graphed callable let go (its module, if make_graphed_callables
         replaced that module's forward, gets it back); the last of its
         callable frees that callable's graphs and memory, the last of all
-        frees the rest."""
+        frees the rest. A release the extension refuses (a strict lease
+        still held, a replay in progress on another thread) raises and
+        changes nothing."""
+        last = self._live <= 1
+        if not last and self._per_callable[callable_index] == 1 and not self.is_reset:
+            impl.release()
         entry = self._restore.pop(id(module), None) if module is not None else None
         if entry is not None:
             _restore(*entry)
         self._live -= 1
         self._per_callable[callable_index] -= 1
-        if self._live <= 0:
+        if last:
             self.reset()
-        elif self._per_callable[callable_index] == 0 and not self.is_reset:
-            impl.release()
 
     def reset(self):
         """Frees the graphs and their buffers (every callable of this call).
@@ -124,7 +127,10 @@ class GraphedCallable:
     def backward_dw(self):
         """Replays the delayed weight-gradient graph of this callable (and
         microbatch) and accumulates its parameter grads into `param.grad`; a
-        no-op for callables without weight-grad steps in `_order`."""
+        no-op for callables without weight-grad steps in `_order`, and once
+        it is reset (its eager backward computed every grad)."""
+        if self._released or self._session.is_reset:
+            return
         self._impl.backward_dw()
 
     def reset(self):
@@ -139,8 +145,8 @@ class GraphedCallable:
         last release frees the rest. A second call does nothing."""
         if self._released:
             return
-        self._released = True
         self._session.release(self._module, self._index, self._impl)
+        self._released = True
 
     @property
     def is_reset(self):

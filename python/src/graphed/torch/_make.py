@@ -217,8 +217,9 @@ def make_graphed_callables(
     PyTorch's allocator, which autograd gets, where capture verified it (a
     copy into that memory where not): owned grads without a copy, never
     written by a later replay and never moved; in force in training where
-    grads go to autograd, without buffer reuse; False: every grad is copied
-    into a clone at every backward),
+    grads go to autograd, with `clone_param_grads_on_return` and
+    `clones_from_torch_allocator` on and without buffer reuse; False: every
+    grad is copied into a clone at every backward),
     `rebind_inputs` (on by default: inputs and incoming grads are read
     where they are instead of copied, where capture verifies it; a rebound
     input must not be modified in place before its backward; False copies

@@ -147,7 +147,9 @@ class GraphedStep:
 
     @property
     def is_reset(self):
-        return self._callables[0].is_reset
+        """Whether its graphs are gone: reset, or one of its callables
+        released (the step's graphs go with it)."""
+        return any(c.is_released for c in self._callables)
 
 
 def make_graphed_step(
