@@ -369,7 +369,13 @@ py::dict stats_of(const graphed_torch::GraphedCallable& g) {
 
 // graphed_torch::memory_report() as plain Python data.
 py::dict memory_report() {
-    const graphed_torch::MemoryReport r = graphed_torch::memory_report();
+    // Without the GIL: a reset on another thread holds a session's lock
+    // while letting go of Python objects, which takes the GIL.
+    graphed_torch::MemoryReport r;
+    {
+        py::gil_scoped_release nogil;
+        r = graphed_torch::memory_report();
+    }
     py::list sessions;
     uint64_t torch_bytes = 0;
     for (const graphed_torch::SessionMemory& s : r.sessions) {
