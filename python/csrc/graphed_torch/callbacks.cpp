@@ -236,11 +236,8 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
             }
             s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
         }
-        // A watch its callback did not end (a failed pass) stops here; the
-        // spare memory not taken goes.
-        if (c->watching) watched_allocations(c);
-        c->watching = false;
-        c->spare.clear();
+        // A watch its callback did not end (a failed pass) stops here.
+        c->end_watch();
         c->end_pass();
     });
 }

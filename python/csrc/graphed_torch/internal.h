@@ -317,6 +317,17 @@ struct Callable {
         pass_gouts.clear();
         pass_grads.clear();
     }
+    // Ends a watch of the allocator its grad pass started and lets go of
+    // the spare memory not taken (post_hook; a failed pass).
+    void end_watch() {
+        if (watching) watched_allocations(this);
+        watching = false;
+        spare.clear();
+    }
+    // Lets go of every tensor kept for its graphs and of the caller's
+    // objects (a module's parameter dicts): at its release and at reset
+    // (make.cpp).
+    void let_go();
 };
 
 // A step (make_graphed_step): what its declaration, capture and replays share.
@@ -398,6 +409,13 @@ struct Shared {
     // Buckets of the callable with the most (1 without buckets): the
     // stride of instance().
     size_t max_buckets = 1;
+    // Every pass key of callable `index` (each microbatch, bucket and pass).
+    template <class F>
+    void for_each_pass_key(size_t index, F&& f) const {
+        for (uint32_t mb = 0; mb < microbatches; ++mb)
+            for (size_t b = 0; b < max_buckets; ++b)
+                for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) f(pass_key(instance(index, mb, b), p));
+    }
     // A captured (callable, microbatch, bucket): keys its passes' draws.
     size_t instance(size_t callable, uint32_t mb, size_t bucket = 0) const {
         return (callable * microbatches + mb) * max_buckets + bucket;

@@ -471,6 +471,22 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     return out;
 }
 
+void Callable::let_go() {
+    end_watch();
+    tapes.clear();
+    ext_out.clear();
+    ext_gin.clear();
+    ext_pgrad.clear();
+    bucket_keep.clear();
+    end_pass();
+    samples.clear();
+    wgrad_keep.clear();
+    wgrad_dsts.clear();
+    // What it holds of the caller's objects (a module's parameter dicts)
+    // goes now, not with the last graphed callable.
+    param_source = nullptr;
+}
+
 void Shared::check_live(const Callable& c) const {
     if (is_reset) throw std::runtime_error("graphed callable '" + c.name + "': its session was reset");
     if (c.released)
@@ -489,22 +505,10 @@ void Shared::release_callable(size_t index) {
     // tensors its graphs wrote may go.
     session->release_callable(uint32_t(index));
     c.released = true;
-    c.tapes.clear();
-    c.ext_out.clear();
-    c.ext_gin.clear();
-    c.ext_pgrad.clear();
-    c.bucket_keep.clear();
-    c.wgrad_keep.clear();
-    c.wgrad_dsts.clear();
-    c.end_pass();
-    c.samples.clear();
-    c.param_source = nullptr;
-    for (uint32_t mb = 0; mb < microbatches; ++mb)
-        for (size_t b = 0; b < max_buckets; ++b)
-            for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) {
-                const size_t key = pass_key(instance(index, mb, b), p);
-                if (key < rng.passes.size()) rng.passes[key] = RngStates::PassDraws();
-            }
+    c.let_go();
+    for_each_pass_key(index, [&](size_t key) {
+        if (key < rng.passes.size()) rng.passes[key] = RngStates::PassDraws();
+    });
     // A step includes every callable: its graphs went with this one.
     if (step) {
         step->data.clear();
@@ -559,13 +563,9 @@ SessionMemory Shared::memory() {
         for (const auto* per_mb : {&c.ext_out, &c.ext_gin, &c.ext_pgrad})
             for (const auto& v : *per_mb) cm.torch_bytes += storage_bytes(v, seen);
         cm.torch_bytes += storage_bytes(c.bucket_keep, seen);
-        for (uint32_t mb = 0; mb < microbatches; ++mb)
-            for (size_t b = 0; b < max_buckets; ++b)
-                for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) {
-                    const size_t key = pass_key(instance(i, mb, b), p);
-                    if (key < rng.passes.size())
-                        cm.torch_bytes += storage_bytes({rng.passes[key].device}, seen);
-                }
+        for_each_pass_key(i, [&](size_t key) {
+            if (key < rng.passes.size()) cm.torch_bytes += storage_bytes({rng.passes[key].device}, seen);
+        });
         m.callables.push_back(std::move(cm));
     }
     // Only PyTorch's own allocator gives its segments.
@@ -620,23 +620,7 @@ void Shared::reset() {
         }
         session.reset();
     }
-    for (auto& c : callables) {
-        if (c->watching) watched_allocations(c.get());
-        c->watching = false;
-        c->spare.clear();
-        c->tapes.clear();
-        c->ext_out.clear();
-        c->ext_gin.clear();
-        c->ext_pgrad.clear();
-        c->bucket_keep.clear();
-        c->end_pass();
-        c->samples.clear();
-        c->wgrad_keep.clear();
-        c->wgrad_dsts.clear();
-        // What it holds of the caller's objects (a module's parameter
-        // dicts) goes now, not with the last graphed callable.
-        c->param_source = nullptr;
-    }
+    for (auto& c : callables) c->let_go();
     drop_callbacks();
     rng.passes.clear();
     if (step) {
