@@ -127,18 +127,22 @@ def test_grads_held_across_later_iterations_keep_their_address_and_values(strict
         g.reset()
 
 
-def test_a_kept_grad_is_never_the_graphs_buffer():
-    """The grad returned is not memory any of the session's graphs keep
-    writing: its address differs from every static buffer and external
-    buffer the plan names, and from the next replay's grad while held."""
-    model = stack(5)
+def test_a_later_backward_adds_into_the_held_grad_and_the_plan_says_in_place():
+    """Two backwards without zeroing: autograd adds the second grad into
+    the first, the tensor it holds as .grad (not one of graphed's), which
+    then equals eager's g1 + g2 bit for bit; the plan says the grads are
+    written straight into their destination."""
+    eager, model = stack(5), stack(5)
     graphed = graphed_stack(model)
     (x1, y1), (x2, y2) = batches(2, seed=19)
     backward(model, x1, y1)
     first = {p: p.grad for p in model.parameters()}
-    backward(model, x2, y2)  # accumulates into the held grads (eager's rule)
+    backward(model, x2, y2)
     for p, g in first.items():
         assert p.grad is g, "autograd replaced the held grad instead of adding into it"
+    for x, y in ((x1, y1), (x2, y2)):
+        backward(eager, x, y)
+    assert_equal(grads(model), grads(eager), "g1 + g2")
     plan = graphed[0].session_plan()
     assert "written straight into its destination" in plan, plan
     for g in graphed:
