@@ -13,7 +13,7 @@ use std::time::Duration;
 use graphed_status as S;
 
 mod common;
-use common::{empty_ref, msg, ok};
+use common::{empty_ref, free_nothing, msg, ok};
 
 unsafe extern "C" fn noop(_: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
     0
@@ -125,8 +125,6 @@ unsafe extern "C" fn alloc_releasing_a_lease(
     unsafe { *out = mem.as_mut_ptr().cast() };
     0
 }
-
-unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: graphed_stream) {}
 
 /// graphed_lease_release is documented as never waiting for calls in
 /// progress on the session, safe from any thread at any time. A lease

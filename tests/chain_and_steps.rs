@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use std::ptr::null_mut;
 
 mod common;
-use common::{empty_ref, layer_desc, msg, ok, stats};
+use common::{create, empty_ref, free_nothing, layer_desc, msg, ok, refuse_alloc, stats};
 
 const N: usize = 64;
 
@@ -130,14 +130,6 @@ fn host() -> graphed_session_config {
     let mut c = graphed_session_config_default();
     c.backend = graphed_backend::Host as u32;
     c
-}
-
-/// A new session from `cfg`.
-fn create(cfg: &graphed_session_config) -> *mut graphed_session {
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(cfg, &mut s) });
-    s
 }
 
 /// Registers the model's layers, chained or not, with grad `policy`, and
@@ -801,17 +793,6 @@ fn a_step_refused_by_its_shared_pool_keeps_no_clone_block() {
     ok(graphed_session_destroy(a));
 }
 
-unsafe extern "C" fn refuse_alloc(
-    _: *mut c_void,
-    _: usize,
-    _: graphed_stream,
-    _: *mut *mut c_void,
-) -> i32 {
-    1
-}
-
-unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: graphed_stream) {}
-
 #[test]
 fn a_step_failing_pass_by_pass_keeps_no_lease() {
     let mut m = Model::new(2);
@@ -819,7 +800,7 @@ fn a_step_failing_pass_by_pass_keeps_no_lease() {
     cfg.strict_leases = 1;
     // A caller allocator: a step with CLONE grads replays pass by pass, and
     // this one refuses every block.
-    cfg.clone_alloc = Some(refuse_alloc);
+    cfg.clone_alloc = Some(refuse_alloc::<1>);
     cfg.clone_free = Some(free_nothing);
     let s = create(&cfg);
     // Backward runs callable 1 (ALIAS: a lease) before callable 0 (CLONE:

@@ -14,7 +14,7 @@ use std::ptr::{null, null_mut};
 use graphed_status as S;
 
 mod common;
-use common::{empty_ref, layer_desc, msg, ok};
+use common::{create, empty_ref, host_config, layer_desc, msg, ok, step_replay};
 
 const N: usize = 16;
 const BYTES: usize = N * 4;
@@ -22,20 +22,6 @@ const COLS: usize = 4;
 
 unsafe extern "C" fn nothing(_: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
     0
-}
-
-fn config() -> graphed_session_config {
-    let mut c = graphed_session_config_default();
-    c.backend = graphed_backend::Host as u32;
-    c.warmup_iterations = 1;
-    c
-}
-
-fn create(cfg: &graphed_session_config) -> *mut graphed_session {
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(cfg, &mut s) });
-    s
 }
 
 fn tensor(bytes: usize) -> graphed_tensor_desc {
@@ -111,22 +97,6 @@ fn add_step(
     ok(unsafe { graphed_session_add_step(s, &d, &mut idx) });
 }
 
-fn step_replay(
-    s: *mut graphed_session,
-    n: usize,
-    params: Option<&[*const c_void]>,
-) -> (S, Vec<graphed_ref>) {
-    let mut a = graphed_step_args_default();
-    if let Some(p) = params {
-        a.params = p.as_ptr();
-        a.num_params = p.len();
-    }
-    let mut refs = vec![empty_ref(); n];
-    // SAFETY: valid args and room for n refs.
-    let st = unsafe { graphed_step_replay(s, &a, refs.as_mut_ptr(), n) };
-    (st, refs)
-}
-
 /// A step with io copies, or looping on the device, has no pass-by-pass
 /// replay even for one microbatch: its CLONE grads need a clone slot.
 #[test]
@@ -144,7 +114,7 @@ fn a_step_with_io_or_a_loop_needs_a_clone_slot_even_for_one_microbatch() {
             "copies data in or out and returns CLONE grads, which need a clone slot",
         ),
     ] {
-        let mut cfg = config();
+        let mut cfg = host_config();
         cfg.clone_slots = 0;
         let s = create(&cfg);
         add(
@@ -162,7 +132,7 @@ fn a_step_with_io_or_a_loop_needs_a_clone_slot_even_for_one_microbatch() {
         ok(graphed_session_destroy(s));
     }
     // Without io or a loop, the same step replays pass by pass.
-    let mut cfg = config();
+    let mut cfg = host_config();
     cfg.clone_slots = 0;
     let s = create(&cfg);
     add(
@@ -177,7 +147,7 @@ fn a_step_with_io_or_a_loop_needs_a_clone_slot_even_for_one_microbatch() {
     ok(graphed_buffer_release(refs[0].owner));
     ok(graphed_session_destroy(s));
     // With a slot: captured; with the slot held, ALIAS_HELD.
-    let mut cfg = config();
+    let mut cfg = host_config();
     cfg.clone_slots = 1;
     let s = create(&cfg);
     add(
@@ -215,7 +185,7 @@ fn only_f32_f16_and_bf16_grads_are_summed_over_microbatches() {
     ];
     for (dtype, policy, microbatches, looping, refused) in cases {
         let what = format!("{dtype:?} {policy:?}, {microbatches} microbatches, WHILE {looping}");
-        let s = create(&config());
+        let s = create(&host_config());
         add(s, &[param(dtype, BYTES, policy)], false);
         let dst = leak(0u8, BYTES).cast::<c_void>();
         let dsts = if policy == P::CopyInto {
@@ -240,7 +210,7 @@ fn only_f32_f16_and_bf16_grads_are_summed_over_microbatches() {
         ok(graphed_session_destroy(s));
     }
     // ACCUMULATE_INTO takes the same three only, at registration.
-    let s = create(&config());
+    let s = create(&host_config());
     let t = tensor(BYTES);
     let p = [param(D::F64, BYTES, P::AccumulateInto)];
     let d = layer_desc(&t, &t, &p, Some(nothing), Some(nothing));
@@ -289,7 +259,7 @@ fn a_kept_callback_stream_goes_with_the_sessions_graphs() {
     let d = layer_desc(&t, &t, &[], Some(keep_stream), Some(keep_stream));
     for fail in [false, true] {
         FAIL.set(fail);
-        let s = create(&config());
+        let s = create(&host_config());
         let mut idx = 0;
         // SAFETY: the descriptor and its arrays are valid locals.
         ok(unsafe { graphed_session_add_callable(s, &d, &mut idx) });
@@ -326,7 +296,7 @@ fn a_kept_callback_stream_goes_with_the_sessions_graphs() {
     FAIL.set(false);
     // As another session's replay stream too.
     let kept = KEPT.get();
-    let other = create(&config());
+    let other = create(&host_config());
     add(other, &[], false);
     ok(graphed_session_capture(other));
     let mut a = graphed_replay_args_default();
@@ -405,7 +375,7 @@ fn fwd(s: *mut graphed_session, callable: u32, size: u64) -> S {
 fn chained_inputs_of_bucketed_callables() {
     let fixed = tensor(BYTES);
     for (shape, accepted) in [(Some([2i64, 8]), false), (Some([4, 4]), true), (None, true)] {
-        let s = create(&config());
+        let s = create(&host_config());
         ok(add_bucketed(
             s,
             &dynamic(),
@@ -437,7 +407,7 @@ fn chained_inputs_of_bucketed_callables() {
         ok(graphed_session_destroy(s));
     }
     // A producer with a DYNAMIC output (0) and one of one shape (1).
-    let s = create(&config());
+    let s = create(&host_config());
     ok(add_bucketed(
         s,
         &dynamic(),
@@ -520,7 +490,7 @@ unsafe extern "C" fn sum_rows(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i
 /// backward between, the rows past the new size are that backward's data.
 #[test]
 fn a_weight_grad_replay_reads_the_grad_outputs_its_last_backward_left() {
-    let s = create(&config());
+    let s = create(&host_config());
     let p = [param(
         graphed_dtype::F32,
         COLS * 4,
@@ -574,7 +544,7 @@ fn a_weight_grad_replay_reads_the_grad_outputs_its_last_backward_left() {
 /// read every parameter where capture did).
 #[test]
 fn a_backward_after_the_devices_choice_answers_param_moved_for_another_address() {
-    let mut cfg = config();
+    let mut cfg = host_config();
     cfg.bucket_choice_on_device = 1;
     let s = create(&cfg);
     let p = [param(
@@ -660,7 +630,7 @@ unsafe extern "C" fn provide_grad_input(ctx: *const graphed_pass_ctx, _: *mut c_
 fn clone_slots_belong_to_the_pass_that_writes_the_parameter_grads() {
     GRAD_IN.set(leak(0u8, BYTES) as usize);
     for wgrad in [true, false] {
-        let s = create(&config());
+        let s = create(&host_config());
         let input = graphed_tensor_desc {
             flags: graphed_tensor_flags::External as u32,
             ..tensor(BYTES)
@@ -710,7 +680,7 @@ fn clone_slots_belong_to_the_pass_that_writes_the_parameter_grads() {
 #[test]
 fn the_first_refusal_in_the_documented_order_answers() {
     // Not captured, and a size on a callable without buckets.
-    let s = create(&config());
+    let s = create(&host_config());
     add(s, &[], false);
     assert_eq!(fwd(s, 0, 3), S::WrongState, "{}", msg());
     ok(graphed_session_capture(s));
@@ -718,7 +688,7 @@ fn the_first_refusal_in_the_documented_order_answers() {
     ok(graphed_session_destroy(s));
     // A size above every bucket, and a parameter given elsewhere (the
     // host backend's opaque tasks: not movable).
-    let s = create(&config());
+    let s = create(&host_config());
     let p = [graphed_param_desc {
         flags: graphed_param_flags::Rebind as u32,
         ..param(graphed_dtype::F32, COLS * 4, graphed_grad_policy::Alias)
@@ -760,9 +730,9 @@ fn the_first_refusal_in_the_documented_order_answers() {
     // A step over microbatches whose slot is held, given a parameter less
     // aligned than registered, then sharing a pool with a session in the
     // middle of its iteration.
-    let a0 = create(&config());
+    let a0 = create(&host_config());
     add(a0, &[], false);
-    let mut cfg = config();
+    let mut cfg = host_config();
     cfg.clone_slots = 1;
     cfg.share_pool_with = a0;
     let s = create(&cfg);

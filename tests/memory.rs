@@ -16,7 +16,7 @@ use std::ptr::{null, null_mut};
 use std::sync::Mutex;
 
 mod common;
-use common::{empty_ref, msg, ok, stats};
+use common::{create, empty_ref, free_nothing, host_config, memory_stats as held, msg, ok, stats};
 
 use graphed_status as S;
 
@@ -34,13 +34,6 @@ static LOCK: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn held() -> graphed_memory_stats {
-    let mut m = graphed_memory_stats_default();
-    // SAFETY: an initialised struct.
-    ok(unsafe { graphed_memory_stats_get(&mut m) });
-    m
 }
 
 fn figures(m: &graphed_memory_stats) -> (u64, u64, u32, u64) {
@@ -145,20 +138,6 @@ unsafe extern "C" fn pass(ctx: *const graphed_pass_ctx, data: *mut c_void) -> i3
         let t: &'static Copy = Box::leak(Box::new(Copy { src, dsts }));
         graphed_host_enqueue(c.stream, Some(run_copy), t as *const Copy as *mut c_void) as i32
     }
-}
-
-fn host() -> graphed_session_config {
-    let mut c = graphed_session_config_default();
-    c.backend = graphed_backend::Host as u32;
-    c.warmup_iterations = 1;
-    c
-}
-
-fn create(cfg: &graphed_session_config) -> *mut graphed_session {
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(cfg, &mut s) });
-    s
 }
 
 /// Parameter memory, kept for the whole test run.
@@ -383,7 +362,7 @@ fn refused_as_released(st: graphed_status, name: &str) {
 fn releasing_a_callable_gives_back_exactly_what_it_owns() {
     let _g = serial();
     let start = held();
-    let s = create(&host());
+    let s = create(&host_config());
     // a -> b chained (their chained buffers are shared), c alone; a step
     // over c, one over a and b.
     let a = add(s, "a", DESC);
@@ -607,7 +586,7 @@ fn releasing_a_callable_gives_back_exactly_what_it_owns() {
 fn strict_leases_refuse_releasing_a_callable_whose_alias_is_held() {
     let _g = serial();
     let start = held();
-    let mut cfg = host();
+    let mut cfg = host_config();
     cfg.strict_leases = 1;
     let s = create(&cfg);
     let a = add(s, "held", DESC);
@@ -660,7 +639,7 @@ fn refused_calls_name_what_is_wrong() {
     m.struct_size = 39;
     // SAFETY: as above.
     assert_eq!(unsafe { graphed_memory_stats_get(&mut m) }, S::BadStruct);
-    let s = create(&host());
+    let s = create(&host_config());
     add(s, "x", DESC);
     assert_eq!(
         graphed_session_release_callable(s, 0),
@@ -706,10 +685,10 @@ fn refused_calls_name_what_is_wrong() {
 fn a_released_callable_leaves_its_sessions_iteration_in_a_shared_pool() {
     let _g = serial();
     let start = held();
-    let s1 = create(&host());
+    let s1 = create(&host_config());
     let (a, b) = (add(s1, "a", DESC), add(s1, "b", DESC));
     ok(graphed_session_capture(s1));
-    let mut cfg = host();
+    let mut cfg = host_config();
     cfg.share_pool_with = s1;
     let s2 = create(&cfg);
     add(s2, "z", DESC);
@@ -740,8 +719,6 @@ unsafe extern "C" fn caller_alloc(
     0
 }
 
-unsafe extern "C" fn caller_free(_: *mut c_void, _: *mut c_void, _: usize, _: graphed_stream) {}
-
 #[test]
 fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     let _g = serial();
@@ -749,7 +726,7 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     let mut sessions = Vec::new();
 
     // Plain, chained, a weight-grad pass, clone slots; released in part.
-    let s = create(&host());
+    let s = create(&host_config());
     let a = add(s, "a", DESC);
     let b = add(
         s,
@@ -782,7 +759,7 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
 
     // A pipeline schedule over two chunks and two microbatches, weight-grad
     // steps, buffer reuse (memory shared between callables).
-    let mut cfg = host();
+    let mut cfg = host_config();
     let order = [
         1.0, 2.0, 1.0, 2.0, -2.0, -2.5, -1.0, -1.5, -2.0, -2.5, -1.0, -1.5,
     ];
@@ -840,7 +817,7 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
 
     // Steps: one over microbatches with io copies (unrolled), one looping
     // on the device (loop state), one plain; a callable of both released.
-    let s = create(&host());
+    let s = create(&host_config());
     let p = add(s, "p", DESC);
     let q = add(
         s,
@@ -883,7 +860,7 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
 
     // Buckets, chosen on the host and on the device.
     for device in [false, true] {
-        let mut cfg = host();
+        let mut cfg = host_config();
         cfg.bucket_choice_on_device = device as u32;
         let s = create(&cfg);
         let x = add(
@@ -914,9 +891,9 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     }
 
     // The caller's clone allocator; strict leases with ALIAS grads.
-    let mut cfg = host();
+    let mut cfg = host_config();
     cfg.clone_alloc = Some(caller_alloc);
-    cfg.clone_free = Some(caller_free);
+    cfg.clone_free = Some(free_nothing);
     let s = create(&cfg);
     add(s, "own", DESC);
     ok(graphed_session_capture(s));
@@ -926,7 +903,7 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     let (st, _, gp) = backward(s, 0, 0, Some(3));
     ok(st);
     sessions.push((s, Some(gp)));
-    let mut cfg = host();
+    let mut cfg = host_config();
     cfg.strict_leases = 1;
     cfg.clone_param_grads_on_return = 0;
     let s = create(&cfg);
@@ -945,10 +922,10 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     sessions.push((s, None));
 
     // A session never captured, one whose capture failed.
-    let s = create(&host());
+    let s = create(&host_config());
     add(s, "open", DESC);
     sessions.push((s, None));
-    let s = create(&host());
+    let s = create(&host_config());
     add(s, "fine", DESC);
     add(
         s,

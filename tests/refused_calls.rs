@@ -21,7 +21,10 @@ use std::ptr::null_mut;
 use graphed_status as S;
 
 mod common;
-use common::{empty_ref, layer_desc, msg, ok, stats};
+use common::{
+    create, empty_ref, free_nothing, host_config, layer_desc, msg, ok, refuse_alloc, stats,
+    step_replay,
+};
 
 const N: usize = 16;
 const BYTES: usize = N * 4;
@@ -58,19 +61,10 @@ fn aligned(v: f32) -> *mut f32 {
 }
 
 fn config(clone_slots: u32, share: *mut graphed_session) -> graphed_session_config {
-    let mut c = graphed_session_config_default();
-    c.backend = graphed_backend::Host as u32;
-    c.warmup_iterations = 1;
+    let mut c = host_config();
     c.clone_slots = clone_slots;
     c.share_pool_with = share;
     c
-}
-
-fn create(cfg: &graphed_session_config) -> *mut graphed_session {
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(cfg, &mut s) });
-    s
 }
 
 fn tensor() -> graphed_tensor_desc {
@@ -129,14 +123,7 @@ fn step(
     params: Option<&[*const c_void]>,
     n: usize,
 ) -> (S, Vec<graphed_ref>) {
-    let mut a = graphed_step_args_default();
-    if let Some(p) = params {
-        a.params = p.as_ptr();
-        a.num_params = p.len();
-    }
-    let mut refs = vec![empty_ref(); n];
-    // SAFETY: valid args and room for n refs.
-    let st = unsafe { graphed_step_replay(s, &a, refs.as_mut_ptr(), n) };
+    let (st, refs) = step_replay(s, n, params);
     if st != S::Ok {
         assert!(
             refs.iter().all(|r| r.ptr.is_null()),
@@ -446,17 +433,6 @@ fn a_bucketed_forward_refused_for_another_bucket_keeps_the_pools_order() {
     ok(graphed_session_destroy(a));
 }
 
-unsafe extern "C" fn refuse_alloc(
-    _: *mut c_void,
-    _: usize,
-    _: graphed_stream,
-    _: *mut *mut c_void,
-) -> i32 {
-    3
-}
-
-unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: graphed_stream) {}
-
 /// A backward that fails before its graph runs (the caller's allocator
 /// refuses its clone block) did not run: its session is still in the
 /// middle of its iteration, so the session sharing its pool may not take
@@ -466,7 +442,7 @@ unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: g
 fn a_backward_that_failed_before_its_launch_leaves_its_iteration_open() {
     let w = aligned(6.0);
     let mut cfg = config(0, null_mut());
-    cfg.clone_alloc = Some(refuse_alloc);
+    cfg.clone_alloc = Some(refuse_alloc::<3>);
     cfg.clone_free = Some(free_nothing);
     let a = create(&cfg);
     add(a, &[w], graphed_grad_policy::Clone, Some(nothing));

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use graphed_status as S;
 
 mod common;
-use common::{empty_ref, msg, ok};
+use common::{empty_ref, memory_stats, msg, ok};
 
 const N: usize = 64; // f32 elements of every tensor and parameter
 const BYTES: usize = N * 4;
@@ -837,13 +837,6 @@ fn backward_of(h: H, c: u32, v: f32) -> (graphed_status, [graphed_ref; 2]) {
     // SAFETY: args and room for the stated refs.
     let s = unsafe { graphed_backward(h.p(), &a, gin.as_mut_ptr(), 1, gp.as_mut_ptr(), 2) };
     (s, gp)
-}
-
-fn memory_stats() -> graphed_memory_stats {
-    let mut m = graphed_memory_stats_default();
-    // SAFETY: an initialised struct.
-    ok(unsafe { graphed_memory_stats_get(&mut m) });
-    m
 }
 
 /// One callable of a session released (graphed_session_release_callable)

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use graphed::ffi::*;
-use std::ffi::CStr;
+use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
 
 /// The calling thread's last error message.
@@ -57,4 +57,60 @@ pub fn stats(s: *mut graphed_session) -> graphed_session_stats {
     // SAFETY: an initialised stats struct; an invalid session is refused.
     ok(unsafe { graphed_session_stats_get(s, &mut st) });
     st
+}
+
+/// A host-backend config with one warmup iteration, the defaults otherwise.
+pub fn host_config() -> graphed_session_config {
+    let mut c = graphed_session_config_default();
+    c.backend = graphed_backend::Host as u32;
+    c.warmup_iterations = 1;
+    c
+}
+
+/// A new session from `cfg` (the call must succeed).
+pub fn create(cfg: &graphed_session_config) -> *mut graphed_session {
+    let mut s = null_mut();
+    // SAFETY: a valid config and out pointer.
+    ok(unsafe { graphed_session_create(cfg, &mut s) });
+    s
+}
+
+/// The process's memory figures (the call must succeed).
+pub fn memory_stats() -> graphed_memory_stats {
+    let mut m = graphed_memory_stats_default();
+    // SAFETY: an initialised struct.
+    ok(unsafe { graphed_memory_stats_get(&mut m) });
+    m
+}
+
+/// A replay of step 0 with `n` refs and the parameters at `params` (None:
+/// a NULL array): the status and the refs.
+pub fn step_replay(
+    s: *mut graphed_session,
+    n: usize,
+    params: Option<&[*const c_void]>,
+) -> (graphed_status, Vec<graphed_ref>) {
+    let mut a = graphed_step_args_default();
+    if let Some(p) = params {
+        a.params = p.as_ptr();
+        a.num_params = p.len();
+    }
+    let mut refs = vec![empty_ref(); n];
+    // SAFETY: valid args and room for n refs.
+    let st = unsafe { graphed_step_replay(s, &a, refs.as_mut_ptr(), n) };
+    (st, refs)
+}
+
+/// A clone allocator of the caller's that refuses every block with `CODE`.
+pub unsafe extern "C" fn refuse_alloc<const CODE: i32>(
+    _: *mut c_void,
+    _: usize,
+    _: graphed_stream,
+    _: *mut *mut c_void,
+) -> i32 {
+    CODE
+}
+
+/// A clone allocator's free that has nothing to free.
+pub unsafe extern "C" fn free_nothing(_: *mut c_void, _: *mut c_void, _: usize, _: graphed_stream) {
 }
