@@ -2307,12 +2307,6 @@ graphed_status graphed_session_callable_memory(struct graphed_session *session,
                                                struct graphed_callable_memory *out);
 
 /**
- * GRAPHED_STATUS_OK when a backend (a graphed_backend value) can run
- * here; otherwise the reason (GRAPHED_STATUS_NO_DRIVER, _NO_DEVICE).
- */
-graphed_status graphed_backend_available(uint32_t backend);
-
-/**
  * Converts Transformer Engine's `_order` notation into schedule steps:
  * `c` is the forward of chunk c (chunks numbered from 1 there), `-c` its
  * backward and `-c - 0.5` its delayed weight-gradient. Writes `num_order`
@@ -2419,6 +2413,12 @@ graphed_status graphed_schedule_shape(const struct graphed_schedule_step *steps,
                                       uint32_t *chunk_layers_out,
                                       uint32_t *chunk_first_out,
                                       size_t chunk_capacity);
+
+/**
+ * GRAPHED_STATUS_OK when a backend (a graphed_backend value) can run
+ * here; otherwise the reason (GRAPHED_STATUS_NO_DRIVER, _NO_DEVICE).
+ */
+graphed_status graphed_backend_available(uint32_t backend);
 
 /**
  * Writes the number of CUDA devices to `*count_out`.

@@ -1,10 +1,21 @@
-//! Device discovery: how many CUDA devices there are, and which driver,
-//! answered with a clear status on machines without a driver or a GPU.
+//! Device discovery: whether a backend can run here at all, how many CUDA
+//! devices there are, and which driver, answered with a clear status on
+//! machines without a driver or a GPU.
 
 use super::args::arg_out;
 use super::boundary::boundary;
+use super::enums::graphed_backend;
 use super::status::graphed_status;
 use crate::backend;
+
+/// GRAPHED_STATUS_OK when a backend (a graphed_backend value) can run
+/// here; otherwise the reason (GRAPHED_STATUS_NO_DRIVER, _NO_DEVICE).
+#[no_mangle]
+pub extern "C" fn graphed_backend_available(backend: u32) -> graphed_status {
+    boundary("graphed_backend_available", || {
+        backend::available(graphed_backend::decode(backend, "backend")?)
+    })
+}
 
 /// Writes the number of CUDA devices to `*count_out`.
 ///

@@ -7,8 +7,8 @@
 //! The modules are declared in the order a caller meets the API, which is
 //! the order of the generated header (cbindgen reads them in this order):
 //! its conventions first, then the session, callables, callbacks, replays
-//! and steps, returned clone blocks, queries, and the helpers. The
-//! comments keep rustfmt from sorting them.
+//! and steps, returned clone blocks, queries (stats, buffers and plan,
+//! memory), and the helpers. The comments keep rustfmt from sorting them.
 
 // Status codes and their names, the version.
 mod status;
@@ -35,11 +35,16 @@ mod replay;
 mod step;
 // Returned clone blocks.
 mod buffer;
-// Stats, buffers, policies, the plan dump, device memory.
+// A session's figures (graphed_session_stats).
+mod stats;
+// A captured session's buffers, rebinding, policies, the plan dump.
 mod query;
+// Teardown errors; what graphed holds: the device's, the process's and one
+// callable's memory.
+mod memory;
 // Schedule steps and the helpers that derive them.
 mod schedule;
-// Device discovery.
+// Whether a backend can run; device discovery.
 mod device;
 // Host-backend streams.
 mod host;
@@ -53,9 +58,11 @@ pub use device::*;
 pub use enums::*;
 pub use handles::*;
 pub use host::*;
+pub use memory::*;
 pub use query::*;
 pub use replay::*;
 pub use schedule::*;
 pub use session::*;
+pub use stats::*;
 pub use status::*;
 pub use step::*;
