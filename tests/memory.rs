@@ -32,8 +32,10 @@ const BUCKETS: [u64; 2] = [2, 8];
 
 static LOCK: Mutex<()> = Mutex::new(());
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+/// Takes `LOCK`; the process's figures once taken.
+fn serial() -> (std::sync::MutexGuard<'static, ()>, graphed_memory_stats) {
+    let g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    (g, held())
 }
 
 fn figures(m: &graphed_memory_stats) -> (u64, u64, u32, u64) {
@@ -168,6 +170,29 @@ const DESC: Desc = Desc {
     buckets: false,
     fails: false,
 };
+/// With a weight-grad pass.
+const WGRAD_DESC: Desc = Desc {
+    wgrad: true,
+    ..DESC
+};
+/// With buckets.
+const BUCKETED: Desc = Desc {
+    buckets: true,
+    ..DESC
+};
+/// Its backward fails under capture.
+const FAILING: Desc = Desc {
+    fails: true,
+    ..DESC
+};
+
+/// Input 0 chained to output 0 of callable `p`.
+fn chained_to(p: u32) -> Desc {
+    Desc {
+        chain: Some(p),
+        ..DESC
+    }
+}
 
 /// Registers callable `name` with one input, one output, one parameter.
 fn add(s: *mut graphed_session, name: &str, d: Desc) -> u32 {
@@ -243,14 +268,39 @@ fn add_step(
     idx
 }
 
-/// Replay arguments for (callable, microbatch) with data `x` (None: NULL).
-fn args(c: u32, mb: u32, x: Option<&[u8]>, size: u64) -> (graphed_replay_args, Vec<*const c_void>) {
+/// An io copy of `role` of `callable` for 3 microbatches, from or into
+/// memory kept for the test run holding `v` in every byte.
+fn step_io(callable: u32, role: graphed_buffer_role, v: u8) -> graphed_step_io {
+    let mem: &'static mut [u8] = Box::leak(vec![v; 3 * BYTES].into_boxed_slice());
+    graphed_step_io {
+        callable,
+        role: role as u32,
+        ptr: mem.as_mut_ptr().cast(),
+        stride: BYTES,
+        ..graphed_step_io_default()
+    }
+}
+
+/// `call` given replay arguments for (callable, microbatch) of `size`
+/// rows, with data of bytes `v` (None: NULL data).
+fn with_args<R>(
+    c: u32,
+    mb: u32,
+    v: Option<u8>,
+    size: u64,
+    call: impl FnOnce(&graphed_replay_args) -> R,
+) -> R {
+    let x = v.map(|v| vec![v; BUCKETS[1] as usize * ROW]);
     let data: Vec<*const c_void> = x.iter().map(|x| x.as_ptr() as *const c_void).collect();
     let mut a = graphed_replay_args_default();
     a.callable = c;
     a.microbatch = mb;
     a.size = size;
-    (a, data)
+    if !data.is_empty() {
+        a.data = data.as_ptr();
+        a.num_data = 1;
+    }
+    call(&a)
 }
 
 /// A forward of (c, mb) with input bytes `v` (NULL data for a chained
@@ -262,15 +312,11 @@ fn forward(
     v: Option<u8>,
     size: u64,
 ) -> (graphed_status, graphed_ref) {
-    let x = v.map(|v| vec![v; BUCKETS[1] as usize * ROW]);
-    let (mut a, data) = args(c, mb, x.as_deref(), size);
-    if !data.is_empty() {
-        a.data = data.as_ptr();
-        a.num_data = 1;
-    }
     let mut out = empty_ref();
     // SAFETY: valid args and room for one ref.
-    let st = unsafe { graphed_forward(s, &a, &mut out, 1) };
+    let st = with_args(c, mb, v, size, |a| unsafe {
+        graphed_forward(s, a, &mut out, 1)
+    });
     (st, out)
 }
 
@@ -282,23 +328,20 @@ fn backward(
     mb: u32,
     v: Option<u8>,
 ) -> (graphed_status, graphed_ref, graphed_ref) {
-    let x = v.map(|v| vec![v; BUCKETS[1] as usize * ROW]);
-    let (mut a, data) = args(c, mb, x.as_deref(), 0);
-    if !data.is_empty() {
-        a.data = data.as_ptr();
-        a.num_data = 1;
-    }
     let (mut gin, mut gp) = (empty_ref(), empty_ref());
     // SAFETY: valid args and room for one ref each.
-    let st = unsafe { graphed_backward(s, &a, &mut gin, 1, &mut gp, 1) };
+    let st = with_args(c, mb, v, 0, |a| unsafe {
+        graphed_backward(s, a, &mut gin, 1, &mut gp, 1)
+    });
     (st, gin, gp)
 }
 
 fn wgrad(s: *mut graphed_session, c: u32, mb: u32) -> (graphed_status, graphed_ref) {
-    let (a, _) = args(c, mb, None, 0);
     let mut gp = empty_ref();
     // SAFETY: valid args and room for one ref.
-    let st = unsafe { graphed_backward_wgrad(s, &a, &mut gp, 1) };
+    let st = with_args(c, mb, None, 0, |a| unsafe {
+        graphed_backward_wgrad(s, a, &mut gp, 1)
+    });
     (st, gp)
 }
 
@@ -310,11 +353,7 @@ fn step(s: *mut graphed_session, step: u32, n: usize) -> graphed_status {
     // SAFETY: valid args and room for n refs.
     let st = unsafe { graphed_step_replay(s, &a, refs.as_mut_ptr(), n) };
     if st == S::Ok {
-        for r in &refs {
-            if r.kind == graphed_ref_kind::Clone as u32 {
-                ok(graphed_buffer_release(r.owner));
-            }
-        }
+        refs.iter().for_each(release);
     }
     st
 }
@@ -324,6 +363,46 @@ fn release(r: &graphed_ref) {
     if r.kind == graphed_ref_kind::Clone as u32 {
         ok(graphed_buffer_release(r.owner));
     }
+}
+
+/// Callable `c`'s static input (microbatch 0): the status and the address.
+fn input_buffer(s: *mut graphed_session, c: u32) -> (graphed_status, *mut c_void) {
+    let mut ptrs = [null_mut(); 1];
+    // SAFETY: room for one pointer.
+    let st = unsafe {
+        graphed_session_buffers(
+            s,
+            c,
+            0,
+            graphed_buffer_role::Input as u32,
+            ptrs.as_mut_ptr(),
+            1,
+        )
+    };
+    (st, ptrs[0])
+}
+
+/// Releases callable `c`, whose memory was `m`: the process gives back its
+/// own allocation, its cached clone blocks, its graphs and its steps'. The
+/// process's figures before and after.
+#[track_caller]
+fn release_owned(
+    s: *mut graphed_session,
+    c: u32,
+    m: &graphed_callable_memory,
+) -> (graphed_memory_stats, graphed_memory_stats) {
+    let before = held();
+    ok(graphed_session_release_callable(s, c));
+    let after = held();
+    assert_eq!(
+        before.device_bytes - after.device_bytes,
+        m.own_static_bytes + m.clone_bytes_cached
+    );
+    assert_eq!(
+        before.graphs - after.graphs,
+        (m.graphs + m.step_graphs) as u64
+    );
+    (before, after)
 }
 
 fn bytes_of(r: &graphed_ref) -> Vec<u8> {
@@ -360,20 +439,12 @@ fn refused_as_released(st: graphed_status, name: &str) {
 
 #[test]
 fn releasing_a_callable_gives_back_exactly_what_it_owns() {
-    let _g = serial();
-    let start = held();
+    let (_g, start) = serial();
     let s = create(&host_config());
     // a -> b chained (their chained buffers are shared), c alone; a step
     // over c, one over a and b.
     let a = add(s, "a", DESC);
-    let b = add(
-        s,
-        "b",
-        Desc {
-            chain: Some(a),
-            ..DESC
-        },
-    );
+    let b = add(s, "b", chained_to(a));
     let c = add(s, "c", DESC);
     let step_c = add_step(s, &[c], 1, &[], false);
     let step_ab = add_step(s, &[a, b], 1, &[], false);
@@ -437,20 +508,10 @@ fn releasing_a_callable_gives_back_exactly_what_it_owns() {
     assert!(mc.clone_bytes_cached > 0);
     assert_eq!(mc.clone_bytes_outstanding, 0);
     let block = 256; // one PBYTES grad, aligned
-    let before = held();
-    ok(graphed_session_release_callable(s, c));
-    let after = held();
-    assert_eq!(
-        before.device_bytes - after.device_bytes,
-        mc.own_static_bytes + mc.clone_bytes_cached
-    );
+    let (before, after) = release_owned(s, c, &mc);
     assert_eq!(
         before.allocations - after.allocations,
         1 + mc.clone_bytes_cached / block
-    );
-    assert_eq!(
-        before.graphs - after.graphs,
-        (mc.graphs + mc.step_graphs) as u64
     );
     assert_eq!(after.sessions, before.sessions);
     let m = memory(s, c);
@@ -469,19 +530,7 @@ fn releasing_a_callable_gives_back_exactly_what_it_owns() {
     refused_as_released(forward(s, c, 0, Some(1), 0).0, "c");
     refused_as_released(backward(s, c, 0, Some(1)).0, "c");
     refused_as_released(step(s, step_c, 1), "c");
-    let mut ptrs = [null_mut(); 1];
-    // SAFETY: room for one pointer.
-    let st = unsafe {
-        graphed_session_buffers(
-            s,
-            c,
-            0,
-            graphed_buffer_role::Input as u32,
-            ptrs.as_mut_ptr(),
-            1,
-        )
-    };
-    refused_as_released(st, "c");
+    refused_as_released(input_buffer(s, c).0, "c");
     let mut n = 0;
     // SAFETY: a valid out pointer.
     ok(unsafe { graphed_session_buffer_count(s, c, 0, graphed_buffer_role::Input as u32, &mut n) });
@@ -500,17 +549,7 @@ fn releasing_a_callable_gives_back_exactly_what_it_owns() {
     // Release a: its own allocation goes; the shared one stays for b.
     let ma = memory(s, a);
     assert_eq!(ma.clone_bytes_outstanding, block, "the block held");
-    let before = held();
-    ok(graphed_session_release_callable(s, a));
-    let after = held();
-    assert_eq!(
-        before.device_bytes - after.device_bytes,
-        ma.own_static_bytes + ma.clone_bytes_cached
-    );
-    assert_eq!(
-        before.graphs - after.graphs,
-        (ma.graphs + ma.step_graphs) as u64
-    );
+    release_owned(s, a, &ma);
     refused_as_released(step(s, step_ab, 2), "a");
     refused_as_released(backward(s, a, 0, None).0, "a");
     assert_eq!(memory(s, b).shared_static_bytes, mb.shared_static_bytes);
@@ -526,20 +565,10 @@ fn releasing_a_callable_gives_back_exactly_what_it_owns() {
     );
     assert_eq!(memory(s, a).clone_bytes_outstanding, 0);
     // b still replays: its input (a's output) is the caller's to fill now.
-    let mut ptrs = [null_mut(); 1];
-    // SAFETY: room for one pointer.
-    ok(unsafe {
-        graphed_session_buffers(
-            s,
-            b,
-            0,
-            graphed_buffer_role::Input as u32,
-            ptrs.as_mut_ptr(),
-            1,
-        )
-    });
+    let (st, input) = input_buffer(s, b);
+    ok(st);
     // SAFETY: b's static input, BYTES long.
-    unsafe { std::ptr::write_bytes(ptrs[0] as *mut u8, 0x33, BYTES) };
+    unsafe { std::ptr::write_bytes(input as *mut u8, 0x33, BYTES) };
     let (st, out) = forward(s, b, 0, None, 0);
     ok(st);
     assert!(bytes_of(&out).iter().all(|&x| x == 0x33));
@@ -584,8 +613,7 @@ fn releasing_a_callable_gives_back_exactly_what_it_owns() {
 
 #[test]
 fn strict_leases_refuse_releasing_a_callable_whose_alias_is_held() {
-    let _g = serial();
-    let start = held();
+    let (_g, start) = serial();
     let mut cfg = host_config();
     cfg.strict_leases = 1;
     let s = create(&cfg);
@@ -619,8 +647,7 @@ fn strict_leases_refuse_releasing_a_callable_whose_alias_is_held() {
 
 #[test]
 fn refused_calls_name_what_is_wrong() {
-    let _g = serial();
-    let start = held();
+    let (_g, start) = serial();
     assert_eq!(
         graphed_session_release_callable(null_mut(), 0),
         S::NullPointer
@@ -683,8 +710,7 @@ fn refused_calls_name_what_is_wrong() {
 /// run), so the other is not kept waiting for them.
 #[test]
 fn a_released_callable_leaves_its_sessions_iteration_in_a_shared_pool() {
-    let _g = serial();
-    let start = held();
+    let (_g, start) = serial();
     let s1 = create(&host_config());
     let (a, b) = (add(s1, "a", DESC), add(s1, "b", DESC));
     ok(graphed_session_capture(s1));
@@ -721,29 +747,14 @@ unsafe extern "C" fn caller_alloc(
 
 #[test]
 fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
-    let _g = serial();
-    let start = held();
+    let (_g, start) = serial();
     let mut sessions = Vec::new();
 
     // Plain, chained, a weight-grad pass, clone slots; released in part.
     let s = create(&host_config());
     let a = add(s, "a", DESC);
-    let b = add(
-        s,
-        "b",
-        Desc {
-            chain: Some(a),
-            ..DESC
-        },
-    );
-    let w = add(
-        s,
-        "w",
-        Desc {
-            wgrad: true,
-            ..DESC
-        },
-    );
+    let b = add(s, "b", chained_to(a));
+    let w = add(s, "w", WGRAD_DESC);
     ok(graphed_session_capture(s));
     iterate(s, w, 1);
     let (st, gp) = wgrad(s, w, 0);
@@ -777,22 +788,8 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     cfg.num_schedule_steps = steps.len();
     cfg.reuse_buffers = 1;
     let s = create(&cfg);
-    let c0 = add(
-        s,
-        "chunk0",
-        Desc {
-            wgrad: true,
-            ..DESC
-        },
-    );
-    let c1 = add(
-        s,
-        "chunk1",
-        Desc {
-            wgrad: true,
-            ..DESC
-        },
-    );
+    let c0 = add(s, "chunk0", WGRAD_DESC);
+    let c1 = add(s, "chunk1", WGRAD_DESC);
     ok(graphed_session_capture(s));
     let (m0, m1) = (memory(s, c0), memory(s, c1));
     assert!(
@@ -819,32 +816,11 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     // on the device (loop state), one plain; a callable of both released.
     let s = create(&host_config());
     let p = add(s, "p", DESC);
-    let q = add(
-        s,
-        "q",
-        Desc {
-            chain: Some(p),
-            ..DESC
-        },
-    );
+    let q = add(s, "q", chained_to(p));
     let r = add(s, "r", DESC);
-    let xs: &'static mut [u8] = Box::leak(vec![1u8; 3 * BYTES].into_boxed_slice());
-    let gs: &'static mut [u8] = Box::leak(vec![2u8; 3 * BYTES].into_boxed_slice());
     let io = [
-        graphed_step_io {
-            callable: p,
-            role: graphed_buffer_role::Input as u32,
-            ptr: xs.as_mut_ptr().cast(),
-            stride: BYTES,
-            ..graphed_step_io_default()
-        },
-        graphed_step_io {
-            callable: q,
-            role: graphed_buffer_role::GradOutput as u32,
-            ptr: gs.as_mut_ptr().cast(),
-            stride: BYTES,
-            ..graphed_step_io_default()
-        },
+        step_io(p, graphed_buffer_role::Input, 1),
+        step_io(q, graphed_buffer_role::GradOutput, 2),
     ];
     let unrolled = add_step(s, &[p, q], 3, &io, false);
     let looping = add_step(s, &[p, q], 3, &io, true);
@@ -863,22 +839,8 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
         let mut cfg = host_config();
         cfg.bucket_choice_on_device = device as u32;
         let s = create(&cfg);
-        let x = add(
-            s,
-            "x",
-            Desc {
-                buckets: true,
-                ..DESC
-            },
-        );
-        let y = add(
-            s,
-            "y",
-            Desc {
-                buckets: true,
-                ..DESC
-            },
-        );
+        let x = add(s, "x", BUCKETED);
+        let y = add(s, "y", BUCKETED);
         ok(graphed_session_capture(s));
         ok(forward(s, x, 0, Some(1), 2).0);
         ok(forward(s, y, 0, Some(1), 5).0);
@@ -927,14 +889,7 @@ fn after_every_session_of_every_kind_is_destroyed_nothing_is_held() {
     sessions.push((s, None));
     let s = create(&host_config());
     add(s, "fine", DESC);
-    add(
-        s,
-        "fails",
-        Desc {
-            fails: true,
-            ..DESC
-        },
-    );
+    add(s, "fails", FAILING);
     assert_eq!(graphed_session_capture(s), S::CallbackFailed);
     assert_eq!(stats(s).static_bytes, 0);
     sessions.push((s, None));
