@@ -14,7 +14,7 @@ use std::ptr::{null, null_mut};
 use graphed_status as S;
 
 mod common;
-use common::{create, empty_ref, host_config, layer_desc, msg, ok, step_replay};
+use common::{create, empty_ref, host_config, layer_desc, msg, ok, stats, step_replay};
 
 const N: usize = 16;
 const BYTES: usize = N * 4;
@@ -97,6 +97,26 @@ fn add_step(
     ok(unsafe { graphed_session_add_step(s, &d, &mut idx) });
 }
 
+/// A session of `clone_slots` clone slots, with a callable of one CLONE
+/// parameter and a step of one microbatch over it, WHILE when `looping`,
+/// with an io copy from `io` when given; it and the status of its capture.
+fn clone_step(
+    clone_slots: u32,
+    looping: bool,
+    io: Option<*mut c_void>,
+) -> (*mut graphed_session, S) {
+    let mut cfg = host_config();
+    cfg.clone_slots = clone_slots;
+    let s = create(&cfg);
+    add(
+        s,
+        &[param(graphed_dtype::F32, BYTES, graphed_grad_policy::Clone)],
+        false,
+    );
+    add_step(s, 1, looping, io, &[]);
+    (s, graphed_session_capture(s))
+}
+
 /// A step with io copies, or looping on the device, has no pass-by-pass
 /// replay even for one microbatch: its CLONE grads need a clone slot.
 #[test]
@@ -114,16 +134,8 @@ fn a_step_with_io_or_a_loop_needs_a_clone_slot_even_for_one_microbatch() {
             "copies data in or out and returns CLONE grads, which need a clone slot",
         ),
     ] {
-        let mut cfg = host_config();
-        cfg.clone_slots = 0;
-        let s = create(&cfg);
-        add(
-            s,
-            &[param(graphed_dtype::F32, BYTES, graphed_grad_policy::Clone)],
-            false,
-        );
-        add_step(s, 1, looping, with_io.then_some(io), &[]);
-        assert_eq!(graphed_session_capture(s), S::Incompatible, "{}", msg());
+        let (s, st) = clone_step(0, looping, with_io.then_some(io));
+        assert_eq!(st, S::Incompatible, "{}", msg());
         assert!(
             msg().contains(says) && msg().contains("clone_slots is 0"),
             "{}",
@@ -132,31 +144,15 @@ fn a_step_with_io_or_a_loop_needs_a_clone_slot_even_for_one_microbatch() {
         ok(graphed_session_destroy(s));
     }
     // Without io or a loop, the same step replays pass by pass.
-    let mut cfg = host_config();
-    cfg.clone_slots = 0;
-    let s = create(&cfg);
-    add(
-        s,
-        &[param(graphed_dtype::F32, BYTES, graphed_grad_policy::Clone)],
-        false,
-    );
-    add_step(s, 1, false, None, &[]);
-    ok(graphed_session_capture(s));
+    let (s, st) = clone_step(0, false, None);
+    ok(st);
     let (st, refs) = step_replay(s, 1, None);
     assert_eq!(st, S::Ok, "{}", msg());
     ok(graphed_buffer_release(refs[0].owner));
     ok(graphed_session_destroy(s));
     // With a slot: captured; with the slot held, ALIAS_HELD.
-    let mut cfg = host_config();
-    cfg.clone_slots = 1;
-    let s = create(&cfg);
-    add(
-        s,
-        &[param(graphed_dtype::F32, BYTES, graphed_grad_policy::Clone)],
-        false,
-    );
-    add_step(s, 1, false, Some(io), &[]);
-    ok(graphed_session_capture(s));
+    let (s, st) = clone_step(1, false, Some(io));
+    ok(st);
     let (st, held) = step_replay(s, 1, None);
     assert_eq!(st, S::Ok, "{}", msg());
     assert_eq!(step_replay(s, 1, None).0, S::AliasHeld, "{}", msg());
@@ -321,9 +317,19 @@ fn dynamic() -> graphed_tensor_desc {
     }
 }
 
+/// Registers a bucketed callable with `input` and `outputs`, without
+/// parameters, whose callbacks record nothing.
+fn add_bucketed(
+    s: *mut graphed_session,
+    input: &graphed_tensor_desc,
+    outputs: &[graphed_tensor_desc],
+) -> S {
+    add_bucketed_with(s, input, outputs, &[], Some(nothing), false)
+}
+
 /// Registers a bucketed callable with `input`, `outputs`, `params` and
 /// callbacks `cb` (also the weight-grad one when `wgrad`).
-fn add_bucketed(
+fn add_bucketed_with(
     s: *mut graphed_session,
     input: &graphed_tensor_desc,
     outputs: &[graphed_tensor_desc],
@@ -342,6 +348,31 @@ fn add_bucketed(
     let mut idx = 0;
     // SAFETY: the descriptor and its arrays are valid locals.
     unsafe { graphed_session_add_callable(s, &d, &mut idx) }
+}
+
+/// A parameter of COLS floats whose grads are ALIAS.
+fn row_param() -> graphed_param_desc {
+    param(graphed_dtype::F32, COLS * 4, graphed_grad_policy::Alias)
+}
+
+/// A captured session of `cfg` with one bucketed callable of a DYNAMIC
+/// input and output, `params` and callbacks `cb`, a weight-grad pass too.
+fn with_wgrad(
+    cfg: &graphed_session_config,
+    params: &[graphed_param_desc],
+    cb: graphed_pass_fn,
+) -> *mut graphed_session {
+    let s = create(cfg);
+    ok(add_bucketed_with(
+        s,
+        &dynamic(),
+        &[dynamic()],
+        params,
+        cb,
+        true,
+    ));
+    ok(graphed_session_capture(s));
+    s
 }
 
 fn chained(shape: Option<&[i64; 2]>, output: u32) -> graphed_tensor_desc {
@@ -376,22 +407,8 @@ fn chained_inputs_of_bucketed_callables() {
     let fixed = tensor(BYTES);
     for (shape, accepted) in [(Some([2i64, 8]), false), (Some([4, 4]), true), (None, true)] {
         let s = create(&host_config());
-        ok(add_bucketed(
-            s,
-            &dynamic(),
-            &[dynamic()],
-            &[],
-            Some(nothing),
-            false,
-        ));
-        let st = add_bucketed(
-            s,
-            &chained(shape.as_ref(), 0),
-            &[dynamic()],
-            &[],
-            Some(nothing),
-            false,
-        );
+        ok(add_bucketed(s, &dynamic(), &[dynamic()]));
+        let st = add_bucketed(s, &chained(shape.as_ref(), 0), &[dynamic()]);
         if accepted {
             assert_eq!(st, S::Ok, "{shape:?}: {}", msg());
         } else {
@@ -408,30 +425,9 @@ fn chained_inputs_of_bucketed_callables() {
     }
     // A producer with a DYNAMIC output (0) and one of one shape (1).
     let s = create(&host_config());
-    ok(add_bucketed(
-        s,
-        &dynamic(),
-        &[dynamic(), fixed],
-        &[],
-        Some(nothing),
-        false,
-    ));
-    ok(add_bucketed(
-        s,
-        &chained(None, 0),
-        &[dynamic()],
-        &[],
-        Some(nothing),
-        false,
-    ));
-    ok(add_bucketed(
-        s,
-        &chained(None, 1),
-        &[dynamic()],
-        &[],
-        Some(nothing),
-        false,
-    ));
+    ok(add_bucketed(s, &dynamic(), &[dynamic(), fixed]));
+    ok(add_bucketed(s, &chained(None, 0), &[dynamic()]));
+    ok(add_bucketed(s, &chained(None, 1), &[dynamic()]));
     ok(graphed_session_capture(s));
     // Before the producer's first forward: the DYNAMIC one is refused, the
     // other runs any size.
@@ -490,21 +486,8 @@ unsafe extern "C" fn sum_rows(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i
 /// backward between, the rows past the new size are that backward's data.
 #[test]
 fn a_weight_grad_replay_reads_the_grad_outputs_its_last_backward_left() {
-    let s = create(&host_config());
-    let p = [param(
-        graphed_dtype::F32,
-        COLS * 4,
-        graphed_grad_policy::Alias,
-    )];
-    ok(add_bucketed(
-        s,
-        &dynamic(),
-        &[dynamic()],
-        &p,
-        Some(sum_rows),
-        true,
-    ));
-    ok(graphed_session_capture(s));
+    let p = [row_param()];
+    let s = with_wgrad(&host_config(), &p, Some(sum_rows));
     let ones = [1.0f32; N];
     let backward = |size: u64| {
         let data = [ones.as_ptr() as *const c_void];
@@ -546,22 +529,9 @@ fn a_weight_grad_replay_reads_the_grad_outputs_its_last_backward_left() {
 fn a_backward_after_the_devices_choice_answers_param_moved_for_another_address() {
     let mut cfg = host_config();
     cfg.bucket_choice_on_device = 1;
-    let s = create(&cfg);
-    let p = [param(
-        graphed_dtype::F32,
-        COLS * 4,
-        graphed_grad_policy::Alias,
-    )];
+    let p = [row_param()];
     let registered = p[0].data as *const c_void;
-    ok(add_bucketed(
-        s,
-        &dynamic(),
-        &[dynamic()],
-        &p,
-        Some(nothing),
-        true,
-    ));
-    ok(graphed_session_capture(s));
+    let s = with_wgrad(&cfg, &p, Some(nothing));
     let other = [leak(0u8, COLS * 4 + 256) as *const c_void];
     let size = Box::new(3u64);
     let replay = |kind: u32, device: bool, params: &[*const c_void]| {
@@ -654,11 +624,9 @@ fn clone_slots_belong_to_the_pass_that_writes_the_parameter_grads() {
         let st = graphed_session_capture(s);
         if wgrad {
             assert_eq!(st, S::Ok, "the weight-grad pass keeps its slots: {}", msg());
-            let mut sst = graphed_session_stats_default();
-            // SAFETY: a full struct.
-            ok(unsafe { graphed_session_stats_get(s, &mut sst) });
             assert_eq!(
-                sst.slot_graphs, 2,
+                stats(s).slot_graphs,
+                2,
                 "the weight-grad pass of each default slot"
             );
         } else {
@@ -688,20 +656,11 @@ fn the_first_refusal_in_the_documented_order_answers() {
     ok(graphed_session_destroy(s));
     // A size above every bucket, and a parameter given elsewhere (the
     // host backend's opaque tasks: not movable).
-    let s = create(&host_config());
     let p = [graphed_param_desc {
         flags: graphed_param_flags::Rebind as u32,
-        ..param(graphed_dtype::F32, COLS * 4, graphed_grad_policy::Alias)
+        ..row_param()
     }];
-    ok(add_bucketed(
-        s,
-        &dynamic(),
-        &[dynamic()],
-        &p,
-        Some(sum_rows),
-        true,
-    ));
-    ok(graphed_session_capture(s));
+    let s = with_wgrad(&host_config(), &p, Some(sum_rows));
     let other = [leak(0u8, COLS * 4) as *const c_void];
     let mut a = graphed_replay_args_default();
     a.size = 5;
