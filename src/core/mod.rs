@@ -2,8 +2,10 @@
 //! so that they are unit-tested on any machine. Element types, grad-return
 //! policies and the return plan they freeze into, the static-buffer layout,
 //! alias leases, the scratch arena, pipeline schedules, how long each
-//! buffer of a schedule is needed, the buffer-reuse planner, checked size
-//! arithmetic, strided regions of caller memory and the handle table.
+//! buffer of a schedule is needed, the static-buffer planner (`plan/`: its
+//! lifetimes, reuse, and the split of its memory by owning callable),
+//! checked size arithmetic, strided regions of caller memory and the handle
+//! table.
 
 pub mod arena;
 pub mod dtype;
