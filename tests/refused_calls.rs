@@ -174,6 +174,63 @@ fn movable(s: *mut graphed_session, callable: u32, n: usize) -> Vec<u32> {
     on
 }
 
+/// A replay of step 0 given the parameters at `to` (`n` refs), refused
+/// with `want`, its message saying `says` where given: it counts no move.
+#[track_caller]
+fn refused_without_a_move(
+    s: *mut graphed_session,
+    to: &[*mut f32],
+    n: usize,
+    want: S,
+    says: Option<&str>,
+) {
+    let (st, _) = step(s, Some(&addrs(to)), n);
+    assert_eq!(st, want, "{}", msg());
+    if let Some(says) = says {
+        assert!(msg().contains(says), "{}", msg());
+    }
+    assert_eq!(
+        stats(s).param_moves,
+        0,
+        "the refused step replay counted a move"
+    );
+}
+
+/// A replay of step 0 (`n` refs) given the parameters at `at` (None: a
+/// NULL array) that succeeds; its clones released.
+#[track_caller]
+fn replayed(s: *mut graphed_session, at: Option<&[*mut f32]>, n: usize) {
+    let (st, g) = step(s, at.map(addrs).as_deref(), n);
+    assert_eq!(st, S::Ok, "{}", msg());
+    release(&g);
+}
+
+/// Replays of step 0 (`n` refs) given no address, then the parameters at
+/// `at`, their clones released: both run where the parameters are, so
+/// nothing moves (`what` fails the count otherwise).
+#[track_caller]
+fn replays_without_a_move(s: *mut graphed_session, at: &[*mut f32], n: usize, what: &str) {
+    replayed(s, None, n);
+    replayed(s, Some(at), n);
+    assert_eq!(stats(s).param_moves, 0, "{what}");
+}
+
+/// After a whole iteration of `a`, a replay of `b`'s step 0 given the
+/// parameters at `to` (`n` refs) succeeds and counts `moves` moves.
+#[track_caller]
+fn moves_after_an_iteration(
+    a: *mut graphed_session,
+    b: *mut graphed_session,
+    to: &[*mut f32],
+    n: usize,
+    moves: u64,
+) {
+    ok(fwd(a, 0, 0, None));
+    ok(bwd(a, 0, 0));
+    assert_eq!(step(b, Some(&addrs(to)), n).0, S::Ok, "{}", msg());
+    assert_eq!(stats(b).param_moves, moves);
+}
+
 /// The regression: a step over microbatches whose one clone slot is held
 /// is refused with ALIAS_HELD, and the parameter moves it was given stay
 /// unmade: not counted, and the next replay given no address runs where
@@ -191,32 +248,18 @@ fn a_step_over_microbatches_refused_for_its_held_slot_keeps_no_parameter_move() 
     assert_eq!(held[0].kind, graphed_ref_kind::Clone as u32);
     // The slot is held: refused, with the parameter given elsewhere.
     let to = aligned(1.5);
-    let (st, _) = step(s, Some(&addrs(&[to])), 1);
-    assert_eq!(st, S::AliasHeld, "{}", msg());
-    assert!(msg().contains("all 1 are held"), "{}", msg());
-    assert_eq!(
-        stats(s).param_moves,
-        0,
-        "the refused step replay counted a move"
-    );
+    refused_without_a_move(s, &[to], 1, S::AliasHeld, Some("all 1 are held"));
     release(&held);
     // Given no address, the step runs where the last successful replay had
     // the parameter: back there, nothing moves.
-    let (st, g) = step(s, None, 1);
-    assert_eq!(st, S::Ok, "{}", msg());
-    release(&g);
-    let (st, g) = step(s, Some(&addrs(&[w])), 1);
-    assert_eq!(st, S::Ok, "{}", msg());
-    release(&g);
-    assert_eq!(
-        stats(s).param_moves,
-        0,
-        "the step ran at the refused call's address after it"
+    replays_without_a_move(
+        s,
+        &[w],
+        1,
+        "the step ran at the refused call's address after it",
     );
     // A move that succeeds is counted: the step follows it.
-    let (st, g) = step(s, Some(&addrs(&[to])), 1);
-    assert_eq!(st, S::Ok, "{}", msg());
-    release(&g);
+    replayed(s, Some(&[to]), 1);
     assert_eq!(stats(s).param_moves, 1);
     ok(graphed_session_destroy(s));
 }
@@ -250,33 +293,22 @@ fn a_step_refused_by_its_shared_pool_keeps_no_parameter_move() {
     );
     let to = aligned(2.0);
     ok(fwd(a, 0, 0, None));
-    let (st, _) = step(b, Some(&addrs(&[to])), 1);
-    assert_eq!(st, S::WrongState, "{}", msg());
-    assert!(
-        msg().contains("in the middle of its iteration"),
-        "{}",
-        msg()
-    );
-    assert_eq!(
-        stats(b).param_moves,
-        0,
-        "the refused step replay counted a move"
+    refused_without_a_move(
+        b,
+        &[to],
+        1,
+        S::WrongState,
+        Some("in the middle of its iteration"),
     );
     ok(bwd(a, 0, 0));
-    for given in [None, Some(addrs(&[w]))] {
-        let (st, _) = step(b, given.as_deref(), 1);
-        assert_eq!(st, S::Ok, "{}", msg());
-    }
-    assert_eq!(
-        stats(b).param_moves,
-        0,
-        "the step ran at the refused call's address after it"
+    replays_without_a_move(
+        b,
+        &[w],
+        1,
+        "the step ran at the refused call's address after it",
     );
     // Then a move that succeeds is counted.
-    ok(fwd(a, 0, 0, None));
-    ok(bwd(a, 0, 0));
-    assert_eq!(step(b, Some(&addrs(&[to])), 1).0, S::Ok, "{}", msg());
-    assert_eq!(stats(b).param_moves, 1);
+    moves_after_an_iteration(a, b, &[to], 1, 1);
     ok(graphed_session_destroy(b));
     ok(graphed_session_destroy(a));
 }
@@ -294,22 +326,12 @@ fn a_step_replayed_pass_by_pass_refused_by_its_shared_pool_keeps_its_addresses()
     assert_eq!(st, S::Ok, "{}", msg());
     let to = aligned(3.0);
     ok(fwd(a, 0, 0, None));
-    let (st, _) = step(b, Some(&addrs(&[to])), 1);
-    assert_eq!(st, S::WrongState, "{}", msg());
-    assert_eq!(
-        stats(b).param_moves,
-        0,
-        "the refused step replay counted a move"
-    );
+    refused_without_a_move(b, &[to], 1, S::WrongState, None);
     ok(bwd(a, 0, 0));
     // Still held: pass by pass, where the last successful replay had it.
-    let (st, g) = step(b, None, 1);
-    assert_eq!(st, S::Ok, "{}", msg());
-    release(&g);
+    replayed(b, None, 1);
     release(&held);
-    let (st, g) = step(b, Some(&addrs(&[w])), 1);
-    assert_eq!(st, S::Ok, "{}", msg());
-    release(&g);
+    replayed(b, Some(&[w]), 1);
     assert_eq!(
         stats(b).param_moves,
         0,
@@ -338,28 +360,16 @@ fn a_step_that_only_its_callables_can_follow_keeps_its_addresses_when_refused() 
     assert_eq!((movable(b, 0, 1), movable(b, 1, 1)), (vec![1], vec![1]));
     let to = aligned(4.0);
     ok(fwd(a, 0, 0, None));
-    let (st, _) = step(b, Some(&addrs(&[to, to])), 2);
-    assert_eq!(st, S::WrongState, "{}", msg());
-    assert_eq!(
-        stats(b).param_moves,
-        0,
-        "the refused step replay counted a move"
-    );
+    refused_without_a_move(b, &[to, to], 2, S::WrongState, None);
     ok(bwd(a, 0, 0));
-    for given in [None, Some(addrs(&[w, w]))] {
-        let (st, _) = step(b, given.as_deref(), 2);
-        assert_eq!(st, S::Ok, "{}", msg());
-    }
-    assert_eq!(
-        stats(b).param_moves,
-        0,
-        "the callables' forwards ran at the refused call's address after it"
+    replays_without_a_move(
+        b,
+        &[w, w],
+        2,
+        "the callables' forwards ran at the refused call's address after it",
     );
     // A move that succeeds moves both callables' graphs, pass by pass.
-    ok(fwd(a, 0, 0, None));
-    ok(bwd(a, 0, 0));
-    assert_eq!(step(b, Some(&addrs(&[to, to])), 2).0, S::Ok, "{}", msg());
-    assert_eq!(stats(b).param_moves, 2);
+    moves_after_an_iteration(a, b, &[to, to], 2, 2);
     ok(graphed_session_destroy(b));
     ok(graphed_session_destroy(a));
 }

@@ -28,7 +28,7 @@ pub const GRAPHED_CALLABLE_DESC_MAGIC: u32 = 0x6772_0002;
 
 /// The most buckets a callable may have (graphed_callable_desc.num_buckets).
 pub const GRAPHED_MAX_BUCKETS: usize = 256;
-const _: () = assert!(GRAPHED_MAX_BUCKETS == crate::orchestrate::session::MAX_BUCKETS);
+const _: () = assert!(GRAPHED_MAX_BUCKETS == crate::orchestrate::registration::MAX_BUCKETS);
 
 /// A static input or output of a callable. Initialise each with
 /// graphed_tensor_desc_default().

@@ -5,7 +5,7 @@
 //! | module | room |
 //! |---|---|
 //! | `spec`, `steps`, `context` | what callers register, declare and configure; what a capture reads of a session |
-//! | `session`, `cell`, `report` | the session's states, how callers reach it, what it reports |
+//! | `session`, `registration`, `lifecycle`, `cell`, `report` | the session's states and replays' entry; what callers register; capture, releasing one callable, reset and drop; how callers reach it, what it reports |
 //! | `tensor`, `instance` | one captured tensor with all its facts; a placed instance and its graphs |
 //! | `place`, `leases`, `statics` | capture step 1: static buffers planned and placed, lease slots; the static allocations and their owners |
 //! | `capture` | capture steps 2 and 3: warmup, the passes, clone slots, steps; the transaction |
@@ -27,9 +27,11 @@ pub mod external;
 mod grads;
 mod instance;
 mod leases;
+mod lifecycle;
 mod place;
 pub mod pool;
 mod rebind;
+pub mod registration;
 pub mod released;
 pub mod replay;
 pub mod report;
