@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use graphed_status as S;
 
 mod common;
-use common::{empty_ref, memory_stats, msg, ok};
+use common::{create, empty_ref, host_config, memory_stats, msg, ok};
 
 const N: usize = 64; // f32 elements of every tensor and parameter
 const BYTES: usize = N * 4;
@@ -121,16 +121,11 @@ fn session(o: Opts) -> H {
 /// A session as `session` makes it, its two parameters registered with
 /// `flags`; also returns their addresses.
 fn session_with(o: Opts, flags: [u32; 2]) -> (H, [usize; 2]) {
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    cfg.warmup_iterations = 1;
+    let mut cfg = host_config();
     cfg.strict_leases = o.strict as u32;
     cfg.clone_param_grads_on_return = o.clone as u32;
     cfg.share_pool_with = o.share.map_or(null_mut(), H::p);
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
-    let h = H(s as usize);
+    let h = H(create(&cfg) as usize);
     let params = add_callable_with(h, o.hold, flags);
     ok(graphed_session_capture(h.p()));
     (h, params)
@@ -174,53 +169,62 @@ fn add_callable_with(h: H, hold: Option<&'static Hold>, flags: [u32; 2]) -> [usi
     [params[0].data as usize, params[1].data as usize]
 }
 
-/// One forward with input `v` (every element).
-fn forward(h: H, v: f32) -> (graphed_status, graphed_ref) {
-    forward_at(h, v, None)
-}
-
-/// One forward with input `v`, the parameters at `params` (None: a NULL
-/// array).
-fn forward_at(h: H, v: f32, params: Option<&[usize; 2]>) -> (graphed_status, graphed_ref) {
+/// `call` given replay arguments for callable `c` with data `v` (every
+/// element) and the parameters at `params` (None: a NULL array).
+fn with_args<R>(
+    c: u32,
+    v: f32,
+    params: Option<&[usize; 2]>,
+    call: impl FnOnce(&graphed_replay_args) -> R,
+) -> R {
     let data = vec![v; N];
     let ptrs = [data.as_ptr() as *const c_void];
     let mut a = graphed_replay_args_default();
+    a.callable = c;
     a.data = ptrs.as_ptr();
     a.num_data = 1;
     if let Some(p) = params {
         a.params = p.as_ptr() as *const *const c_void;
         a.num_params = 2;
     }
+    call(&a)
+}
+
+/// One forward with input `v` (every element).
+fn forward(h: H, v: f32) -> (graphed_status, graphed_ref) {
+    forward_at(h, 0, v, None)
+}
+
+/// One forward of callable `c` with input `v`, the parameters at `params`
+/// (None: a NULL array).
+fn forward_at(h: H, c: u32, v: f32, params: Option<&[usize; 2]>) -> (graphed_status, graphed_ref) {
     let mut out = [empty_ref()];
     // SAFETY: args and room for one ref.
-    let s = unsafe { graphed_forward(h.p(), &a, out.as_mut_ptr(), 1) };
+    let s = with_args(c, v, params, |a| unsafe {
+        graphed_forward(h.p(), a, out.as_mut_ptr(), 1)
+    });
     (s, out[0])
 }
 
 /// One backward with grad output `v`: (status, input grad, param grads).
 fn backward(h: H, v: f32) -> (graphed_status, graphed_ref, [graphed_ref; 2]) {
-    backward_at(h, v, None)
+    backward_at(h, 0, v, None)
 }
 
-/// One backward with grad output `v`, the parameters at `params`.
+/// One backward of callable `c` with grad output `v`, the parameters at
+/// `params`.
 fn backward_at(
     h: H,
+    c: u32,
     v: f32,
     params: Option<&[usize; 2]>,
 ) -> (graphed_status, graphed_ref, [graphed_ref; 2]) {
-    let data = vec![v; N];
-    let ptrs = [data.as_ptr() as *const c_void];
-    let mut a = graphed_replay_args_default();
-    a.data = ptrs.as_ptr();
-    a.num_data = 1;
-    if let Some(p) = params {
-        a.params = p.as_ptr() as *const *const c_void;
-        a.num_params = 2;
-    }
     let mut gin = [empty_ref()];
     let mut gp = [empty_ref(); 2];
     // SAFETY: args and room for the stated refs.
-    let s = unsafe { graphed_backward(h.p(), &a, gin.as_mut_ptr(), 1, gp.as_mut_ptr(), 2) };
+    let s = with_args(c, v, params, |a| unsafe {
+        graphed_backward(h.p(), a, gin.as_mut_ptr(), 1, gp.as_mut_ptr(), 2)
+    });
     (s, gin[0], gp)
 }
 
@@ -243,6 +247,21 @@ struct Returned {
     grads: Vec<(usize, f32)>,
 }
 
+impl Returned {
+    /// Each clone still holds what its replay returned.
+    #[track_caller]
+    fn check_intact(&self) {
+        for &(p, v) in &self.grads {
+            let fake = graphed_ref {
+                ptr: p as *mut c_void,
+                bytes: BYTES,
+                ..empty_ref()
+            };
+            assert!(holds(&fake, v), "a clone changed before its release");
+        }
+    }
+}
+
 fn deadline() -> Instant {
     Instant::now() + Duration::from_millis(1500)
 }
@@ -262,14 +281,7 @@ fn shared_session_with_deleter(h: H, threads: usize, iters: usize) {
                     ok(graphed_buffer_retain(owner));
                     ok(graphed_buffer_release(owner));
                 }
-                for &(p, v) in &r.grads {
-                    let fake = graphed_ref {
-                        ptr: p as *mut c_void,
-                        bytes: BYTES,
-                        ..empty_ref()
-                    };
-                    assert!(holds(&fake, v), "a clone changed before its release");
-                }
+                r.check_intact();
                 // One reference per clone grad.
                 for _ in &r.grads {
                     ok(graphed_buffer_release(owner));
@@ -633,10 +645,7 @@ fn shared_pool_from_two_threads() {
                 let mut cfg = graphed_session_config_default();
                 cfg.backend = graphed_backend::Host as u32;
                 cfg.share_pool_with = a.p();
-                let mut s = null_mut();
-                // SAFETY: a valid config and out pointer.
-                ok(unsafe { graphed_session_create(&cfg, &mut s) });
-                ok(graphed_session_destroy(s));
+                ok(graphed_session_destroy(create(&cfg)));
             }
         });
     });
@@ -736,7 +745,7 @@ fn params_given_while_others_query() {
                     } else {
                         [reg[0], moved]
                     };
-                    let (s, out) = forward_at(h, v, Some(&away));
+                    let (s, out) = forward_at(h, 0, v, Some(&away));
                     if one_of(s, &[S::ParamMoved, S::Busy]) == S::ParamMoved {
                         let m = msg();
                         assert!(
@@ -748,18 +757,18 @@ fn params_given_while_others_query() {
                         assert!(out.ptr.is_null(), "a ref written on refusal");
                         refused += 1;
                     }
-                    let (s, _) = forward_at(h, v, Some(&given));
+                    let (s, _) = forward_at(h, 0, v, Some(&given));
                     if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
                         thread::yield_now();
                         continue;
                     }
                     // Another thread's forward may come in between: the
                     // backward reads the parameters where forwards did.
-                    let (s, ..) = backward_at(h, v, Some(&[reg[0], moved]));
+                    let (s, ..) = backward_at(h, 0, v, Some(&[reg[0], moved]));
                     if one_of(s, &[S::InvalidArgument, S::Busy]) == S::InvalidArgument {
                         assert!(msg().contains("where its forward did"), "{}", msg());
                     }
-                    let (s, _, gp) = backward_at(h, v, Some(&given));
+                    let (s, _, gp) = backward_at(h, 0, v, Some(&given));
                     if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
                         continue;
                     }
@@ -810,35 +819,6 @@ fn params_given_while_others_query() {
     assert_eq!(params_movable(h).0, S::UseAfterDestroy);
 }
 
-/// A forward of callable `c` with input `v`.
-fn forward_of(h: H, c: u32, v: f32) -> (graphed_status, graphed_ref) {
-    let data = vec![v; N];
-    let ptrs = [data.as_ptr() as *const c_void];
-    let mut a = graphed_replay_args_default();
-    a.callable = c;
-    a.data = ptrs.as_ptr();
-    a.num_data = 1;
-    let mut out = [empty_ref()];
-    // SAFETY: args and room for one ref.
-    let s = unsafe { graphed_forward(h.p(), &a, out.as_mut_ptr(), 1) };
-    (s, out[0])
-}
-
-/// A backward of callable `c` with grad output `v`: (status, param grads).
-fn backward_of(h: H, c: u32, v: f32) -> (graphed_status, [graphed_ref; 2]) {
-    let data = vec![v; N];
-    let ptrs = [data.as_ptr() as *const c_void];
-    let mut a = graphed_replay_args_default();
-    a.callable = c;
-    a.data = ptrs.as_ptr();
-    a.num_data = 1;
-    let mut gin = [empty_ref()];
-    let mut gp = [empty_ref(); 2];
-    // SAFETY: args and room for the stated refs.
-    let s = unsafe { graphed_backward(h.p(), &a, gin.as_mut_ptr(), 1, gp.as_mut_ptr(), 2) };
-    (s, gp)
-}
-
 /// One callable of a session released (graphed_session_release_callable)
 /// while threads replay both of its callables, hand their clones to a
 /// deleter thread, and read the process's figures
@@ -850,13 +830,7 @@ fn backward_of(h: H, c: u32, v: f32) -> (graphed_status, [graphed_ref; 2]) {
 /// until the deleter releases them.
 #[test]
 fn release_callable_while_others_replay() {
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    cfg.warmup_iterations = 1;
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
-    let h = H(s as usize);
+    let h = H(create(&host_config()) as usize);
     add_callable(h, None);
     add_callable(h, None);
     ok(graphed_session_capture(h.p()));
@@ -875,7 +849,7 @@ fn release_callable_while_others_replay() {
                         0 => &[S::Ok, S::Busy, S::CallableReleased],
                         _ => &[S::Ok, S::Busy],
                     };
-                    let (s, _) = forward_of(h, c, v);
+                    let (s, _) = forward_at(h, c, v, None);
                     match one_of(s, allowed) {
                         S::CallableReleased => {
                             assert!(released.load(Ordering::SeqCst));
@@ -890,7 +864,7 @@ fn release_callable_while_others_replay() {
                         }
                         _ => {}
                     }
-                    let (s, gp) = backward_of(h, c, v);
+                    let (s, _, gp) = backward_at(h, c, v, None);
                     match one_of(s, allowed) {
                         S::CallableReleased => break,
                         S::Busy => continue,
@@ -912,14 +886,7 @@ fn release_callable_while_others_replay() {
         // The deleter: clones of the released callable outlive its release.
         sc.spawn(move || {
             for r in rx {
-                for &(p, v) in &r.grads {
-                    let fake = graphed_ref {
-                        ptr: p as *mut c_void,
-                        bytes: BYTES,
-                        ..empty_ref()
-                    };
-                    assert!(holds(&fake, v), "a clone changed before its release");
-                }
+                r.check_intact();
                 for _ in &r.grads {
                     ok(graphed_buffer_release(r.owner as *mut graphed_buffer));
                 }
@@ -982,8 +949,8 @@ fn release_callable_while_others_replay() {
         cm.clone_bytes_outstanding, 0,
         "the deleter released every clone"
     );
-    assert_eq!(forward_of(h, 0, 1.0).0, S::CallableReleased);
-    let (s, out) = forward_of(h, 1, 5.0);
+    assert_eq!(forward_at(h, 0, 1.0, None).0, S::CallableReleased);
+    let (s, out) = forward_at(h, 1, 5.0, None);
     ok(s);
     assert!(holds(&out, 5.0));
     ok(graphed_session_destroy(h.p()));
