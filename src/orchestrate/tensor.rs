@@ -114,8 +114,10 @@ pub(crate) struct Param {
     pub feed: ParamFeed,
 }
 
-/// The largest power of two that divides `p`, up to `REBIND_ALIGN`.
-fn alignment(p: DevPtr) -> u64 {
+/// The largest power of two that divides `p`, up to `REBIND_ALIGN` (kernels
+/// chosen at capture may rely on the alignment they saw: a buffer is pointed
+/// only at addresses aligned at least as it was).
+pub(crate) fn alignment(p: DevPtr) -> u64 {
     if p == 0 {
         REBIND_ALIGN
     } else {

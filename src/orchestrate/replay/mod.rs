@@ -21,7 +21,7 @@ use super::instance::Placed;
 use super::pool::{Claim, Pool};
 use super::returned::{CloneBlock, Returned};
 use super::spec::{CallableSpec, MemCounters, ReplayArgs, SessionOptions};
-use super::tensor::{Feed, REBIND_ALIGN};
+use super::tensor::{alignment, Feed, REBIND_ALIGN};
 use crate::backend::{Backend, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
@@ -440,20 +440,14 @@ fn point_grads(
             continue;
         };
         let dst = dsts.and_then(|d| d.get(i).copied()).unwrap_or(0);
-        let direct = own_graph && i < IN_PLACE_MAX && dst != 0 && aligned_as(dst, t.ptr);
+        let direct =
+            own_graph && i < IN_PLACE_MAX && dst != 0 && alignment(dst) >= alignment(t.ptr);
         r.bind(if direct { dst } else { t.ptr })?;
         if direct {
             in_place[i] = true;
         }
     }
     Ok(())
-}
-
-/// Whether `to` is aligned at least as `from`, up to `REBIND_ALIGN`
-/// (kernels chosen at capture may rely on the alignment they saw).
-fn aligned_as(to: crate::backend::DevPtr, from: crate::backend::DevPtr) -> bool {
-    let align = |p: u64| (1u64 << p.trailing_zeros().min(63)).min(REBIND_ALIGN);
-    to != 0 && (from == 0 || align(to) >= align(from))
 }
 
 /// The other buckets of a forward's instance given parameter addresses
