@@ -245,6 +245,9 @@ TEST_P(MemoryRelease, AHeldLeaseRefusesTheRelease) {
     const graphed_memory_stats before = graphed::memory_stats();
     EXPECT_TRUE(fails_with(GRAPHED_STATUS_ALIAS_HELD, graphed_session_release_callable(s.get(), 0),
                            "callable 'leased' cannot be released"));
+    EXPECT_TRUE(fails_with(GRAPHED_STATUS_ALIAS_HELD, graphed_session_release_callable(s.get(), 0),
+                           "is still held (lease 0x"))
+        << "the message reads as one sentence";
     EXPECT_EQ(before.device_bytes, graphed::memory_stats().device_bytes) << "nothing released";
     EXPECT_EQ(0u, s.callable_memory(0).released);
     out[0].release();

@@ -115,7 +115,9 @@ impl Session {
         if self.opts.strict_leases {
             if let Some((slot, token)) = self.leases.lock().held_in(&cap.lease_slots(c)) {
                 return Err(Error::AliasHeld(format!(
-                    "callable '{name}' cannot be released: {slot}, an alias it handed out, is still held                      (lease 0x{token:x}); release that lease first (graphed_lease_release). Nothing was                      released"
+                    "callable '{name}' cannot be released: {slot}, an alias it handed out, is still held \
+                     (lease 0x{token:x}); release that lease first (graphed_lease_release). Nothing was \
+                     released"
                 )));
             }
         }
