@@ -1,8 +1,9 @@
 """PyTorch's side of the step-graph and memory benchmarks: the same small
-MLP (Linear + ReLU layers, fp32) that benches/bench_main.cpp graphs with
-graphed, here graphed layer by layer with torch.cuda.make_graphed_callables
-and driven from Python, as users of torch do. Prints one JSON object that
-graphed_bench merges into its report (--torch-json), and a summary.
+MLP (Linear + ReLU layers, fp32) that benches/step_bench.cpp and
+memory_bench.cpp graph with graphed, here graphed layer by layer with
+torch.cuda.make_graphed_callables and driven from Python, as users of torch
+do. Prints one JSON object that graphed_bench merges into its report
+(--torch-json), and a summary.
 
     python3 benches/torch_reference.py --layers 24 --width 256 --batch 64
 
