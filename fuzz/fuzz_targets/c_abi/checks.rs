@@ -1,6 +1,8 @@
 //! The checks every call gets (never INTERNAL, a known code, a message
-//! naming the function on failure, the expected status), and those after
-//! every op (held clones intact, stats as the model says).
+//! naming the function on failure, the expected status), those after
+//! every op (held clones intact, stats as the model says), and the out
+//! structs of queries (headers fuzzed, untouched on failure, nothing
+//! written past them).
 
 use super::*;
 
@@ -87,5 +89,99 @@ pub fn check_all_stats() {
         let r = unsafe { graphed_session_stats_get(h as *mut _, &mut st) };
         expect(r, &[S::Ok], "graphed_session_stats_get", "idle session");
         check_stats(k, &st);
+    }
+}
+
+/// A struct of the ABI that a query fills, headed by its size and magic.
+pub trait OutStruct: Copy {
+    fn header(&mut self) -> (&mut usize, &mut u32);
+}
+
+macro_rules! out_structs {
+    ($($t:ty),*) => {$(
+        impl OutStruct for $t {
+            fn header(&mut self) -> (&mut usize, &mut u32) {
+                (&mut self.struct_size, &mut self.magic)
+            }
+        }
+    )*};
+}
+
+out_structs!(
+    graphed_session_stats,
+    graphed_memory_stats,
+    graphed_callable_memory
+);
+
+/// A query's out struct as an op passes it: at the front of a buffer with
+/// room past it, its header fuzzed, or NULL.
+pub struct Out<T> {
+    buf: Vec<u64>,
+    before: Vec<u64>,
+    /// The struct as written before the call.
+    pub m: T,
+    null: bool,
+    /// The refusal its header or NULL asks for.
+    pub err: Option<graphed_status>,
+}
+
+impl<T: OutStruct> Out<T> {
+    /// `m` with a magic from `magics`, a size from `sizes`, a larger size,
+    /// NULL instead, or as it is, as the input says.
+    pub fn fuzzed(mut m: T, magics: &[u32], sizes: &[usize]) -> Out<T> {
+        let i = &w().input;
+        let mut err = None;
+        let mut null = false;
+        match i.below(8) {
+            0 => {
+                *m.header().1 = i.pick(magics);
+                err = Some(S::BadStruct);
+            }
+            1 => {
+                *m.header().0 = i.pick(sizes);
+                err = Some(S::BadStruct);
+            }
+            2 => *m.header().0 = size_of::<T>() + 16,
+            3 => {
+                null = true;
+                err = Some(S::NullPointer);
+            }
+            _ => {}
+        }
+        let mut buf = vec![0u64; size_of::<T>() / 8 + 4];
+        // SAFETY: buf holds the struct.
+        unsafe { (buf.as_mut_ptr() as *mut T).write(m) };
+        let before = buf.clone();
+        Out {
+            buf,
+            before,
+            m,
+            null,
+            err,
+        }
+    }
+
+    /// What the call is given.
+    pub fn ptr(&mut self) -> *mut T {
+        if self.null {
+            null_mut()
+        } else {
+            self.buf.as_mut_ptr().cast()
+        }
+    }
+
+    /// After the call that returned `r`: on a failure, nothing written
+    /// (None); else nothing written past the struct, and the struct filled.
+    pub fn filled(&self, r: graphed_status, what: &str) -> Option<T> {
+        if r != S::Ok {
+            assert_eq!(self.buf, self.before, "{what} written on failure");
+            return None;
+        }
+        assert!(
+            self.buf[size_of::<T>() / 8..].iter().all(|&x| x == 0),
+            "{what} written past the struct"
+        );
+        // SAFETY: the struct graphed filled.
+        Some(unsafe { (self.buf.as_ptr() as *const T).read() })
     }
 }

@@ -39,53 +39,25 @@ pub fn check_held_nothing() {
 
 pub fn op_memory_stats() {
     let wd = w();
-    let i = &wd.input;
-    let mut buf = vec![0u64; size_of::<graphed_memory_stats>() / 8 + 4];
-    let mut m = graphed_memory_stats_default();
-    let mut want = S::Ok;
-    let mut null = false;
-    match i.below(8) {
-        0 => {
-            m.magic = i.pick(&[0, 0x6772_0006, 0x6772_0013]);
-            want = S::BadStruct;
-        }
-        1 => {
-            m.struct_size = i.pick(&[0, 12, 39]);
-            want = S::BadStruct;
-        }
-        2 => m.struct_size = size_of::<graphed_memory_stats>() + 16,
-        3 => {
-            null = true;
-            want = S::NullPointer;
-        }
-        _ => {}
-    }
-    // SAFETY: buf holds the struct.
-    unsafe { (buf.as_mut_ptr() as *mut graphed_memory_stats).write(m) };
-    let p: *mut graphed_memory_stats = if null {
-        null_mut()
-    } else {
-        buf.as_mut_ptr().cast()
-    };
-    let before = buf.clone();
+    let mut out = Out::fuzzed(
+        graphed_memory_stats_default(),
+        &[0, 0x6772_0006, 0x6772_0013],
+        &[0, 12, 39],
+    );
     mark();
     // SAFETY: NULL or a struct with spare room.
-    let r = unsafe { graphed_memory_stats_get(p) };
-    expect(r, &[want], "graphed_memory_stats_get", "memory stats");
-    if r != S::Ok {
-        assert_eq!(buf, before, "memory stats written on failure");
-        return;
-    }
-    // SAFETY: the struct graphed filled.
-    let got = unsafe { (buf.as_ptr() as *const graphed_memory_stats).read() };
-    assert_eq!(got.struct_size, m.struct_size, "header overwritten");
-    assert_eq!(got.magic, m.magic, "header overwritten");
-    assert!(
-        buf[size_of::<graphed_memory_stats>() / 8..]
-            .iter()
-            .all(|&x| x == 0),
-        "memory stats written past the struct"
+    let r = unsafe { graphed_memory_stats_get(out.ptr()) };
+    expect(
+        r,
+        &[out.err.unwrap_or(S::Ok)],
+        "graphed_memory_stats_get",
+        "memory stats",
     );
+    let Some(got) = out.filled(r, "memory stats") else {
+        return;
+    };
+    assert_eq!(got.struct_size, out.m.struct_size, "header overwritten");
+    assert_eq!(got.magic, out.m.magic, "header overwritten");
     // Between ops no call is in progress: the sessions alive are the
     // model's.
     let alive = wd.sessions.borrow().iter().filter(|s| s.alive).count();
@@ -100,15 +72,17 @@ pub fn op_memory_stats() {
     assert_eq!(got.device_bytes == 0, got.allocations == 0);
 }
 
-/// graphed_session_release_callable on any target, mostly a captured one.
-pub fn op_release_callable() {
+/// A target for a call on one callable, mostly a captured session, and a
+/// callable, mostly one it has: the target, the model's (index, state,
+/// callables) of a live one, and the callable.
+fn callable_target() -> (Target, Option<(usize, St, usize)>, u32) {
     let wd = w();
     let i = &wd.input;
     let t = target_where(|s| s.st == St::Captured);
     let model = match t {
         Target::Live(k) => {
             let s = &wd.sessions.borrow()[k];
-            Some((k, s.st, s.callables.len(), s.strict))
+            Some((k, s.st, s.callables.len()))
         }
         _ => None,
     };
@@ -118,14 +92,28 @@ pub fn op_release_callable() {
     } else {
         i.pick(&[n as u32, u32::MAX])
     };
+    (t, model, c)
+}
+
+/// The refusals of a call on callable `c` of a live session in state `st`
+/// with `n` callables, kept in `want` after any earlier one.
+fn callable_refusal(want: &mut Option<graphed_status>, st: St, n: usize, c: u32) {
+    match st {
+        St::Open => first(want, Some(S::WrongState)),
+        St::Reset => first(want, Some(S::SessionReset)),
+        St::Captured => {}
+    }
+    first(want, (c as usize >= n).then_some(S::InvalidArgument));
+}
+
+/// graphed_session_release_callable on any target, mostly a captured one.
+pub fn op_release_callable() {
+    let wd = w();
+    let (t, model, c) = callable_target();
     let mut want = t.lock();
-    if let Some((k, st, n, strict)) = model {
-        match st {
-            St::Open => first(&mut want, Some(S::WrongState)),
-            St::Reset => first(&mut want, Some(S::SessionReset)),
-            St::Captured => {}
-        }
-        first(&mut want, (c as usize >= n).then_some(S::InvalidArgument));
+    if let Some((k, st, n)) = model {
+        callable_refusal(&mut want, st, n, c);
+        let strict = wd.sessions.borrow()[k].strict;
         if strict && (c as usize) < n && !released(k, c as usize) {
             let held = wd
                 .leases
@@ -146,15 +134,8 @@ pub fn op_release_callable() {
     );
     trace!("release_callable {t:?} {c}: {r:?}");
     let after = held();
-    let Some((k, ..)) = model else {
-        assert_eq!(
-            figures(&after),
-            figures(&before),
-            "a refusal changed memory"
-        );
-        return;
-    };
-    if r != S::Ok {
+    // Only a live target can be released (the others are refused).
+    let (Some((k, ..)), S::Ok) = (model, r) else {
         assert_eq!(
             figures(&after),
             figures(&before),
@@ -164,7 +145,7 @@ pub fn op_release_callable() {
             assert!(msg().contains("cannot be released"), "{}", msg());
         }
         return;
-    }
+    };
     let again = released(k, c as usize);
     if again {
         assert_eq!(
@@ -221,80 +202,30 @@ fn check_callable_memory(k: usize, c: u32) {
 
 /// graphed_session_callable_memory on any target, with fuzzed structs.
 pub fn op_callable_memory() {
-    let wd = w();
-    let i = &wd.input;
-    let t = target_where(|s| s.st == St::Captured);
-    let model = match t {
-        Target::Live(k) => {
-            let s = &wd.sessions.borrow()[k];
-            Some((k, s.st, s.callables.len()))
-        }
-        _ => None,
-    };
-    let n = model.map_or(0, |m| m.2);
-    let c = if n > 0 && !i.chance(30) {
-        i.below(n) as u32
-    } else {
-        i.pick(&[n as u32, u32::MAX])
-    };
-    let mut buf = vec![0u64; size_of::<graphed_callable_memory>() / 8 + 4];
-    let mut m = graphed_callable_memory_default();
-    let mut struct_err = None;
-    let mut null = false;
-    match i.below(8) {
-        0 => {
-            m.magic = i.pick(&[0, 0x6772_0012]);
-            struct_err = Some(S::BadStruct);
-        }
-        1 => {
-            m.struct_size = i.pick(&[8, 55]);
-            struct_err = Some(S::BadStruct);
-        }
-        2 => m.struct_size = size_of::<graphed_callable_memory>() + 16,
-        3 => {
-            null = true;
-            struct_err = Some(S::NullPointer);
-        }
-        _ => {}
-    }
-    // SAFETY: buf holds the struct.
-    unsafe { (buf.as_mut_ptr() as *mut graphed_callable_memory).write(m) };
-    let p: *mut graphed_callable_memory = if null {
-        null_mut()
-    } else {
-        buf.as_mut_ptr().cast()
-    };
+    let (t, model, c) = callable_target();
+    let mut out = Out::fuzzed(
+        graphed_callable_memory_default(),
+        &[0, 0x6772_0012],
+        &[8, 55],
+    );
     let mut want = t.lookup();
-    first(&mut want, struct_err);
+    first(&mut want, out.err);
     first(&mut want, t.lock());
     if let Some((_, st, n)) = model {
-        match st {
-            St::Open => first(&mut want, Some(S::WrongState)),
-            St::Reset => first(&mut want, Some(S::SessionReset)),
-            St::Captured => {}
-        }
-        first(&mut want, (c as usize >= n).then_some(S::InvalidArgument));
+        callable_refusal(&mut want, st, n, c);
     }
-    let before = buf.clone();
     mark();
     // SAFETY: NULL or a struct with spare room.
-    let r = unsafe { graphed_session_callable_memory(t.ptr(), c, p) };
+    let r = unsafe { graphed_session_callable_memory(t.ptr(), c, out.ptr()) };
     expect(
         r,
         &[want.unwrap_or(S::Ok)],
         "graphed_session_callable_memory",
         "callable memory",
     );
-    if r != S::Ok {
-        assert_eq!(buf, before, "callable memory written on failure");
+    if out.filled(r, "callable memory").is_none() {
         return;
     }
-    assert!(
-        buf[size_of::<graphed_callable_memory>() / 8..]
-            .iter()
-            .all(|&x| x == 0),
-        "callable memory written past the struct"
-    );
     if let Some((k, ..)) = model {
         check_callable_memory(k, c);
     }

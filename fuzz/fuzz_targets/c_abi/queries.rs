@@ -4,50 +4,19 @@
 use super::*;
 
 pub fn op_stats() {
-    let wd = w();
-    let i = &wd.input;
     let t = target();
-    let mut buf = vec![0u64; size_of::<graphed_session_stats>() / 8 + 4];
-    let mut st = graphed_session_stats_default();
-    let mut struct_err = None;
-    match i.below(8) {
-        0 => {
-            st.magic = 0;
-            struct_err = Some(S::BadStruct);
-        }
-        1 => {
-            st.struct_size = 100;
-            struct_err = Some(S::BadStruct);
-        }
-        2 => st.struct_size = size_of::<graphed_session_stats>() + 16,
-        3 => struct_err = Some(S::NullPointer),
-        _ => {}
-    }
-    // SAFETY: buf holds the struct.
-    unsafe { (buf.as_mut_ptr() as *mut graphed_session_stats).write(st) };
-    let p: *mut graphed_session_stats = if struct_err == Some(S::NullPointer) {
-        null_mut()
-    } else {
-        buf.as_mut_ptr().cast()
-    };
-    let want = t.lock().or(struct_err).unwrap_or(S::Ok);
-    let before = buf.clone();
+    let mut out = Out::fuzzed(graphed_session_stats_default(), &[0], &[100]);
+    let want = t.lock().or(out.err).unwrap_or(S::Ok);
     mark();
-    // SAFETY: p is NULL or a stats struct with spare room.
-    let r = unsafe { graphed_session_stats_get(t.ptr(), p) };
+    // SAFETY: NULL or a stats struct with spare room.
+    let r = unsafe { graphed_session_stats_get(t.ptr(), out.ptr()) };
     expect(r, &[want], "graphed_session_stats_get", "stats");
-    if r != S::Ok {
-        assert_eq!(buf, before, "stats written on failure");
+    let Some(got) = out.filled(r, "stats") else {
         return;
-    }
-    // SAFETY: the struct graphed filled.
-    let got = unsafe { (buf.as_ptr() as *const graphed_session_stats).read() };
-    assert_eq!(got.struct_size, st.struct_size, "stats header overwritten");
-    assert!(
-        buf[size_of::<graphed_session_stats>() / 8..]
-            .iter()
-            .all(|&x| x == 0),
-        "stats written past the struct"
+    };
+    assert_eq!(
+        got.struct_size, out.m.struct_size,
+        "stats header overwritten"
     );
     let Target::Live(k) = t else { unreachable!() };
     check_stats(k, &got);
