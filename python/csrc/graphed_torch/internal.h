@@ -9,7 +9,8 @@
 //   tensors.cpp    tensor facts (Meta), tensors over static buffers and returned refs, fresh grads, leases
 //   schedule.cpp   the pass order, shape and releases of buffer reuse (from graphed)
 //   callbacks.cpp  graphed's callbacks and hooks: the forward and backward bodies
-//   make.cpp       session setup, discovery, registration, capture, reset
+//   make.cpp       session setup, discovery, registration, capture
+//   teardown.cpp   what a session lets go of (release of one callable, reset), the memory report
 //   autograd.cpp   replays: GraphedCallable and its autograd node, GraphedBackward
 //   step.cpp       a chain of callables with its loss as one step graph: its capture and replay
 #pragma once
@@ -326,7 +327,7 @@ struct Callable {
     }
     // Lets go of every tensor kept for its graphs and of the caller's
     // objects (a module's parameter dicts): at its release and at reset
-    // (make.cpp).
+    // (teardown.cpp).
     void let_go();
 };
 
@@ -472,13 +473,13 @@ struct Shared {
     void release(const Release& r);
     // Releases callable `index` (every microbatch of it): graphed's graphs
     // and static buffers only it uses, and what the adapter keeps for it;
-    // the last one released resets the session (make.cpp).
+    // the last one released resets the session (teardown.cpp).
     void release_callable(size_t index);
     // Throws for a call of `c` after its release or the session's reset.
     void check_live(const Callable& c) const;
-    // What it holds, per callable (make.cpp).
+    // What it holds, per callable (teardown.cpp).
     SessionMemory memory();
-    // Destroys the session and lets go of everything it used (make.cpp).
+    // Destroys the session and lets go of everything it used (teardown.cpp).
     void reset();
     // Held by reset, release_callable and memory: a report on another thread
     // never reads what a reset or release is freeing.
@@ -488,7 +489,7 @@ struct Shared {
     // and what they hold (a module, whose forward attribute holds the
     // graphed callable; a parameter whose grad holds the session) would
     // otherwise be held from here, a cycle no garbage collector sees.
-    // Called once capture is over, and by reset (make.cpp).
+    // Called once capture is over, and by reset (teardown.cpp).
     void drop_callbacks();
     ~Shared();
 };
@@ -513,6 +514,10 @@ int32_t step_forward(const graphed_pass_ctx* ctx, Callable* c);
 int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c);
 
 // ---- session setup (make.cpp) ------------------------------------------------------------------
+
+// Enters a session made and captured in the registry of live sessions
+// (memory_report; teardown.cpp).
+void enroll(const std::shared_ptr<Shared>& s);
 
 // Sets up the session, discovers, registers and captures `specs`;
 // `declare` runs between registration and capture (a step's declaration)

@@ -1,8 +1,8 @@
 // graphed for libtorch: make_graphed_callables. Session setup (device, work
 // stream, pool, generators, graphed's session config), discovery (the first
 // warmup iteration, run here to learn the outputs and which inputs and
-// parameters get grads), registration of each callable with graphed,
-// capture, and reset (the session and everything it used let go).
+// parameters get grads), registration of each callable with graphed, and
+// capture. What a session lets go of, and when, is teardown.cpp.
 #include "internal.h"
 
 #include <ATen/core/grad_mode.h>
@@ -12,34 +12,10 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <unordered_set>
 
 namespace graphed_torch {
 
 namespace {
-
-// Every session this adapter made that is still alive (memory_report).
-std::mutex registry_mu;
-std::vector<std::weak_ptr<Shared>>& registry() {
-    static std::vector<std::weak_ptr<Shared>> sessions;
-    return sessions;
-}
-
-void enroll(const std::shared_ptr<Shared>& s) {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto& v = registry();
-    v.erase(std::remove_if(v.begin(), v.end(), [](const std::weak_ptr<Shared>& w) { return w.expired(); }), v.end());
-    v.push_back(s);
-}
-
-// Bytes of the distinct storages of `ts` not yet in `seen`.
-uint64_t storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<const void*>& seen) {
-    uint64_t n = 0;
-    for (const at::Tensor& t : ts)
-        if (t.defined() && t.has_storage() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
-            n += t.storage().nbytes();
-    return n;
-}
 
 // Buckets: ascending sizes from 1, a flag per input, at least one dynamic
 // input, each with the largest bucket as its first dimension.
@@ -469,179 +445,6 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
     std::vector<GraphedCallable> out;
     for (size_t i = 0; i < shared->callables.size(); ++i) out.emplace_back(shared, i);
     return out;
-}
-
-void Callable::let_go() {
-    end_watch();
-    tapes.clear();
-    ext_out.clear();
-    ext_gin.clear();
-    ext_pgrad.clear();
-    bucket_keep.clear();
-    end_pass();
-    samples.clear();
-    wgrad_keep.clear();
-    wgrad_dsts.clear();
-    // What it holds of the caller's objects (a module's parameter dicts)
-    // goes now, not with the last graphed callable.
-    param_source = nullptr;
-}
-
-void Shared::check_live(const Callable& c) const {
-    if (is_reset) throw std::runtime_error("graphed callable '" + c.name + "': its session was reset");
-    if (c.released)
-        throw std::runtime_error("graphed callable '" + c.name +
-                                 "' was released (its graphs and memory are freed): call the function it graphed, or "
-                                 "make it again");
-}
-
-void Shared::release_callable(size_t index) {
-    std::lock_guard<std::recursive_mutex> lock(teardown_mu);
-    Callable& c = *callables.at(index);
-    if (is_reset || c.released) return;
-    c10::cuda::CUDAGuard guard(device);
-    // graphed waits for the device work of its graphs, destroys them (and
-    // the steps that include it) and frees its own static buffers; then the
-    // tensors its graphs wrote may go.
-    session->release_callable(uint32_t(index));
-    c.released = true;
-    c.let_go();
-    for_each_pass_key(index, [&](size_t key) {
-        if (key < rng.passes.size()) rng.passes[key] = RngStates::PassDraws();
-    });
-    // A step includes every callable: its graphs went with this one.
-    if (step) {
-        step->data.clear();
-        step->losses = at::Tensor();
-    }
-    for (const auto& other : callables)
-        if (!other->released) return;
-    reset();
-}
-
-SessionMemory Shared::memory() {
-    std::lock_guard<std::recursive_mutex> lock(teardown_mu);
-    SessionMemory m;
-    m.reset = is_reset;
-    bool live = session && !is_reset;
-    // graphed's figures, unless a call is inside the session right now (a
-    // replay on another thread): then the adapter's alone, marked busy.
-    try {
-        if (live) {
-            const graphed_session_stats st = session->stats();
-            m.static_bytes = st.static_bytes;
-            m.scratch_bytes = st.scratch_bytes;
-            m.pool_bytes = st.pool_bytes;
-            m.graphs = st.graph_count + st.slot_graphs + st.step_graphs;
-        }
-    } catch (const graphed::Error& e) {
-        if (e.status() != GRAPHED_STATUS_BUSY) throw;
-        m.busy = true;
-        live = false;
-    }
-    std::unordered_set<const void*> seen;
-    for (size_t i = 0; i < callables.size(); ++i) {
-        const Callable& c = *callables[i];
-        CallableMemory cm;
-        cm.name = c.name;
-        cm.released = c.released;
-        graphed_callable_memory g = graphed_callable_memory_default();
-        const graphed_status st = live ? graphed_session_callable_memory(session->get(), uint32_t(i), &g)
-                                       : GRAPHED_STATUS_OK;
-        if (st == GRAPHED_STATUS_BUSY) {
-            m.busy = true;
-            live = false;
-        } else if (live) {
-            graphed::check(st);
-            cm.own_static_bytes = g.own_static_bytes;
-            cm.shared_static_bytes = g.shared_static_bytes;
-            cm.graphs = g.graphs;
-            cm.step_graphs = g.step_graphs;
-            cm.clone_bytes_outstanding = g.clone_bytes_outstanding;
-            cm.clone_bytes_cached = g.clone_bytes_cached;
-        }
-        for (const auto* per_mb : {&c.ext_out, &c.ext_gin, &c.ext_pgrad})
-            for (const auto& v : *per_mb) cm.torch_bytes += storage_bytes(v, seen);
-        cm.torch_bytes += storage_bytes(c.bucket_keep, seen);
-        for_each_pass_key(i, [&](size_t key) {
-            if (key < rng.passes.size()) cm.torch_bytes += storage_bytes({rng.passes[key].device}, seen);
-        });
-        m.callables.push_back(std::move(cm));
-    }
-    // Only PyTorch's own allocator gives its segments.
-    if (pool_refs > 0 && c10::cuda::CUDACachingAllocator::name() == "native") {
-        const auto snap = c10::cuda::CUDACachingAllocator::snapshot();
-        for (const auto& seg : snap.segments)
-            if (seg.device == device && seg.owner_private_pool_id == pool) {
-                m.torch_pool_reserved += seg.total_size;
-                m.torch_pool_allocated += seg.allocated_size;
-            }
-    }
-    return m;
-}
-
-MemoryReport memory_report() {
-    std::vector<std::shared_ptr<Shared>> live;
-    {
-        std::lock_guard<std::mutex> lock(registry_mu);
-        for (const auto& w : registry())
-            if (auto s = w.lock()) live.push_back(std::move(s));
-    }
-    MemoryReport r;
-    for (const auto& s : live) r.sessions.push_back(s->memory());
-    r.graphed = graphed_memory_stats_default();
-    graphed::check(graphed_memory_stats_get(&r.graphed));
-    return r;
-}
-
-void Shared::drop_callbacks() {
-    for (auto& c : callables) {
-        c->forward = nullptr;
-        c->hook = nullptr;
-    }
-    opts.pre_warmup_hook = nullptr;
-    opts.post_warmup_hook = nullptr;
-    if (step) step->opts.destination = nullptr;
-}
-
-void Shared::reset() {
-    std::lock_guard<std::recursive_mutex> lock(teardown_mu);
-    if (is_reset) return;
-    is_reset = true;
-    end_routing();
-    rng.abandon();
-    // Waits for the device and destroys the graphs; then the tensors they
-    // used may go, and the private pool with them. A session another call
-    // still uses is destroyed once that call returns.
-    if (session) {
-        try {
-            session->destroy();
-        } catch (const graphed::Error&) {
-        }
-        session.reset();
-    }
-    for (auto& c : callables) c->let_go();
-    drop_callbacks();
-    rng.passes.clear();
-    if (step) {
-        step->data.clear();
-        step->losses = at::Tensor();
-        step->dsts.clear();
-        step->outs.clear();
-        step->gins.clear();
-    }
-    for (; pool_refs > 0; --pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
-}
-
-Shared::~Shared() {
-    try {
-        reset();
-    } catch (...) {
-    }
-    if (ev_fork) cudaEventDestroy(ev_fork);
-    if (ev_join) cudaEventDestroy(ev_join);
-    if (ev_replay) cudaEventDestroy(ev_replay);
-    if (step && step->done) cudaEventDestroy(step->done);
 }
 
 }  // namespace graphed_torch
