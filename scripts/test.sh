@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of graphed on this machine, after installing what they need
 # (scripts/setup.sh): the check that no module of src/ imports one that
-# imports it back, the Rust unit tests, then the CMake build and the
+# imports it back, the check of the documentation's links
+# (scripts/check_docs.py), the Rust unit tests, then the CMake build and the
 # GoogleTest suite under ctest, then the host suite again under ASan, UBSan
 # and LeakSanitizer, then the C ABI fuzz target for a fixed budget
 # (GRAPHED_FUZZ_SECONDS, default 180) and the thread test under
@@ -20,6 +21,9 @@ source .venv/cuda-env.sh
 
 echo "== import circles in src/"
 python3 scripts/import_cycles.py
+
+echo "== documentation: every relative link, page name and section number resolves"
+python3 scripts/check_docs.py
 
 echo "== cargo test"
 cargo test --release --quiet
