@@ -4,8 +4,10 @@ parameter's grad added into `param.grad` (or another attribute, such as
 Megatron's `main_grad`) as eager gradient accumulation adds it.
 
     step = graphed.torch.make_graphed_step(blocks, loss_fn, (x,), (y,), microbatches=4)
-    losses = step((xs,), (ys,))     # xs: [4, *x.shape]; losses: [4]
+    losses = step(xs, ys)           # xs: [4, *x.shape]; losses: [4]
     optimizer.step(); optimizer.zero_grad()
+
+A tuple gives several inputs or targets: step(xs, ys) is step((xs,), (ys,)).
 
 The modules keep their own forward (eager); `step.callables` are their
 graphs, callable on their own, in the step's memory."""
