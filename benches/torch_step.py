@@ -1,6 +1,6 @@
 """A training step from Python in one launch (graphed.torch.make_graphed_step)
-against PyTorch, side by side in one process (docs/pytorch.md section 8,
-docs/benchmarks.md section 11), on one of two models:
+against PyTorch, side by side in one process (docs/benchmarks.md section 21;
+the C API's counterpart is section 11), on one of two models:
 
 - `--model mlp`: Linear + ReLU layers, fp32, the loss 0.5 * |y - t|^2;
 - `--model gpt`: nanoGPT (examples/torch_extension/nanogpt.py, untied):

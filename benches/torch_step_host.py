@@ -1,5 +1,5 @@
 """Where the host time of one graphed step call from Python goes
-(graphed.torch.make_graphed_step, docs/pytorch.md section 8): the 24-layer
+(graphed.torch.make_graphed_step, docs/benchmarks.md section 21): the 24-layer
 small MLP (Linear(64) + ReLU, batch 8, fp32, one microbatch,
 param_grads="set") timed with its parts taken away one at a time, all in
 this process, against torch's hand-captured whole-step graph:

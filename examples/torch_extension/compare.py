@@ -2,8 +2,8 @@
 variant in this process: the PyTorch issue 181723 reproduction, training
 equality, step times, the host time of one graphed layer call, and
 Transformer Engine's interleaved pipeline scenario. Writes the markdown
-report that docs/pytorch.md is made from. Needs the graphed package
-installed (python/README.md).
+report that docs/benchmarks.md sections 15 to 19 are made from. Needs the
+graphed package installed (python/README.md).
 
     python3 examples/torch_extension/compare.py --out report.md [--commit SHA]
 """
