@@ -53,7 +53,7 @@ std::string callable_text(const Shared& s, const Callable& c, uint32_t mb) {
     const std::string device = "cuda:" + std::to_string(s.device);
     throw ParamMoved(callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' is " +
                      (p.defined() ? "now " + layout_text(p) : std::string("gone")) + "; its graphs read " +
-                     layout_text(c.param_layout[j], device) +
+                     layout_text(c.param_info[j].layout, device) +
                      " and cannot read it as it is (nothing was replayed). Give it back that shape, dtype, device "
                      "and layout (module.to(" +
                      device + "), .contiguous()), or reset() the graphs and make them again for the new one.");
@@ -80,7 +80,7 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
                                 const graphed::Error& e) {
     const size_t j = refused_param(e.message(), to);
     std::string msg = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' moved from " +
-                      hex(c.param_at[mb][j]) + " to " + hex(to[j]) +
+                      hex(c.per_mb[mb].param_at[j]) + " to " + hex(to[j]) +
                       ", and its graphs cannot follow it (nothing was replayed).\n  " + e.what() + "\n  ";
     if (!s.opts.rebind_params)
         msg += "The callables were made with rebind_params=False: their graphs read every parameter where it was at "
@@ -101,7 +101,7 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
 std::vector<at::Tensor> accumulate_dsts(const Shared& s, const Callable& c, uint32_t mb, const ReplayOn& on) {
     std::vector<at::Tensor> dsts(c.params.size());
     for (size_t j = 0; j < c.params.size(); ++j) {
-        if (j >= c.policies.size() || c.policies[j] != GRAPHED_GRAD_POLICY_ACCUMULATE_INTO) continue;
+        if (c.param_info[j].policy != GRAPHED_GRAD_POLICY_ACCUMULATE_INTO) continue;
         if (!on.accumulate_dst)
             throw std::logic_error("graphed: accumulate_param_grads_into is set but the call gave no destinations");
         const at::Tensor& p = c.params[j];
@@ -172,12 +172,12 @@ struct GraphedBackward : public torch::autograd::Node {
                     "inputs into the graph's own buffers.");
         std::vector<at::Tensor> contiguous;
         std::vector<const void*> data;
-        contiguous.reserve(c->out.size());
+        contiguous.reserve(c->sig.out.size());
         std::vector<Meta> buf;
-        const std::vector<Meta>& outs = Callable::sized(c->out, c->out_dyn, rows, buf);
+        const std::vector<Meta>& outs = Callable::sized(c->sig.out, c->sig.out_dyn, rows, buf);
         size_t k = 0;
-        for (size_t i = 0; i < c->out.size(); ++i) {
-            if (!c->out[i].requires_grad) {
+        for (size_t i = 0; i < c->sig.out.size(); ++i) {
+            if (!c->sig.out[i].requires_grad) {
                 data.push_back(nullptr);
                 continue;
             }
@@ -206,7 +206,7 @@ struct GraphedBackward : public torch::autograd::Node {
         torch::autograd::variable_list result;
         result.reserve(g.inputs.size() + g.params.size());
         std::vector<Meta> in_buf;
-        const std::vector<Meta>& ins = Callable::sized(c->in, c->in_dyn, rows, in_buf);
+        const std::vector<Meta>& ins = Callable::sized(c->sig.in, c->sig.in_dyn, rows, in_buf);
         for (size_t i = 0; i < g.inputs.size(); ++i)
             result.push_back(g.inputs[i].kind() == GRAPHED_REF_KIND_NONE
                                  ? at::Tensor()
@@ -227,13 +227,13 @@ struct GraphedBackward : public torch::autograd::Node {
 int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
     int64_t rows = -1;
     size_t first = 0;
-    for (size_t i = 0; i < inputs.size() && i < c.in_dyn.size(); ++i) {
-        if (!c.in_dyn[i]) continue;
+    for (size_t i = 0; i < inputs.size() && i < c.sig.in_dyn.size(); ++i) {
+        if (!c.sig.in_dyn[i]) continue;
         if (!inputs[i].defined() || inputs[i].dim() == 0)
             throw std::invalid_argument("graphed callable '" + c.name + "': " + c.input_name(i) + " is " +
                                         (inputs[i].defined() ? describe(inputs[i]) : std::string("None")) +
                                         "; its first dimension is the call's size (buckets up to " +
-                                        std::to_string(c.buckets.back()) + ")");
+                                        std::to_string(c.sig.buckets.back()) + ")");
         const int64_t n = inputs[i].size(0);
         if (rows < 0) {
             rows = n;
@@ -244,9 +244,9 @@ int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
                                         std::to_string(rows) + "; its dynamic inputs give the call's size together");
         }
     }
-    if (rows < 1 || rows > c.buckets.back())
+    if (rows < 1 || rows > c.sig.buckets.back())
         throw std::invalid_argument("graphed callable '" + c.name + "': a call of " + std::to_string(rows) +
-                                    " rows; its buckets hold 1 to " + std::to_string(c.buckets.back()) +
+                                    " rows; its buckets hold 1 to " + std::to_string(c.sig.buckets.back()) +
                                     " (nothing was replayed)");
     return rows;
 }
@@ -256,12 +256,12 @@ int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
 // Declared in internal.h (also the step's replay uses it).
 bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
     if (c.params.empty()) return false;
-    if (c.param_source) c.param_source(c.params);
-    const std::vector<const void*>& bound = c.param_at[mb];
+    if (c.caller.param_source) c.caller.param_source(c.params);
+    const std::vector<const void*>& bound = c.per_mb[mb].param_at;
     bool moved = false;
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
-        const Meta& m = c.param_layout[j];
+        const Meta& m = c.param_info[j].layout;
         if (!p.defined() || !p.is_cuda() || p.device().index() != s.device || p.scalar_type() != m.dtype ||
             p.sizes() != at::IntArrayRef(m.sizes) ||
             !(m.strides.empty() ? p.is_contiguous() : p.strides() == at::IntArrayRef(m.strides)))
@@ -279,8 +279,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     Shared& s = *shared_;
     Callable* c = s.callables[index_].get();
     s.check_live(*c);
-    if (inputs.size() != c->in.size())
-        throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->in.size()) +
+    if (inputs.size() != c->sig.in.size())
+        throw std::invalid_argument("graphed callable '" + c->name + "' takes " + std::to_string(c->sig.in.size()) +
                                     " tensor inputs, got " + std::to_string(inputs.size()));
     // requires_grad matters when a backward may follow: an input that needs
     // a grad its sample did not is refused (the graphs compute none); one
@@ -294,14 +294,14 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     bool needs_grad = false;
     // With buckets: the call's rows (the first dimension of its dynamic
     // inputs), and the bucket graphed runs for them.
-    const int64_t rows = c->buckets.empty() ? 0 : call_rows(*c, inputs);
+    const int64_t rows = c->sig.buckets.empty() ? 0 : call_rows(*c, inputs);
     const size_t bucket = rows ? c->bucket_of(rows) : 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
         const at::Tensor& x = inputs[i];
-        const Meta& m = c->in[i];
+        const Meta& m = c->sig.in[i];
         if (!x.defined()) throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is None");
         const bool rg = x.requires_grad();
-        const bool dyn = rows && c->in_dyn[i];
+        const bool dyn = rows && c->sig.in_dyn[i];
         if ((dyn ? x.sizes().slice(1) != at::IntArrayRef(m.sizes).slice(1) : x.sizes() != at::IntArrayRef(m.sizes)) ||
             x.scalar_type() != m.dtype || !x.is_cuda() ||
             x.device().index() != s.device || (grad_mode && rg && !m.requires_grad))
@@ -324,8 +324,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     cudaStream_t launch = cur, side = nullptr;
     const bool other = on.stream && on.stream->stream() != cur;
     if (other && on.join_event) {
-        cuda_check(cudaEventRecord(s.ev_replay, cur), "cudaEventRecord");
-        cuda_check(cudaStreamWaitEvent(on.stream->stream(), s.ev_replay, 0), "cudaStreamWaitEvent");
+        cuda_check(cudaEventRecord(s.route.ev_replay, cur), "cudaEventRecord");
+        cuda_check(cudaStreamWaitEvent(on.stream->stream(), s.route.ev_replay, 0), "cudaStreamWaitEvent");
         launch = on.stream->stream();
     } else if (other) {
         side = on.stream->stream();
@@ -345,7 +345,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         param_refused(s, *c, microbatch_, moved_to, e);
     }
     if (moved) {
-        std::vector<const void*>& bound = c->param_at[microbatch_];
+        std::vector<const void*>& bound = c->per_mb[microbatch_].param_at;
         for (size_t j = 0; j < moved_to.size(); ++j)
             if (moved_to[j]) bound[j] = moved_to[j];
     }
@@ -353,7 +353,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
     std::vector<Meta> buf;
-    const std::vector<Meta>& outs = Callable::sized(c->out, c->out_dyn, rows, buf);
+    const std::vector<Meta>& outs = Callable::sized(c->sig.out, c->sig.out_dyn, rows, buf);
     for (size_t i = 0; i < refs.size(); ++i)
         result.push_back(s.wrap_alias(
             refs[i], outs[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));
@@ -377,7 +377,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         // alive until then, with their versions (as autograd's saved
         // tensors are).
         if (s.opts.rebind_inputs) {
-            const std::vector<bool>& rebound = c->rebound[microbatch_];
+            const std::vector<bool>& rebound = c->per_mb[microbatch_].rebound;
             for (size_t i = 0; i < read.size(); ++i)
                 node->held.emplace_back(rebound[i] ? read[i] : at::Tensor(), rebound[i] ? read[i]._version() : 0u);
         }
@@ -386,15 +386,15 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         node->params_held.reserve(c->params.size());
         for (const at::Tensor& p : c->params) node->params_held.push_back(p.storage());
         if (c->wgrad) {
-            c->wgrad_keep[microbatch_] = node->params_held;
-            c->wgrad_dsts[microbatch_] = dsts;
+            c->per_mb[microbatch_].wgrad_keep = node->params_held;
+            c->per_mb[microbatch_].wgrad_dsts = dsts;
         }
         node->dsts = std::move(dsts);
         // The current parameters (params_now refreshed them): a parameter
         // replaced since capture gets its grad, not the one registered.
         node->set_next_edges(torch::autograd::collect_next_edges(inputs, c->params));
         for (size_t i = 0; i < result.size(); ++i)
-            if (c->out[i].requires_grad) torch::autograd::set_history(result[i], node);
+            if (c->sig.out[i].requires_grad) torch::autograd::set_history(result[i], node);
     }
     return result;
 }
@@ -409,14 +409,14 @@ void GraphedCallable::backward_dw() const {
     const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Wgrad);
     s.before_replay(key, cur);
     graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
-    const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? c->wgrad_dsts[microbatch_] : fresh);
+    const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? c->per_mb[microbatch_].wgrad_dsts : fresh);
     if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
     std::vector<graphed::Ref> gp;
     s.replay_or_unwind(key, index_, microbatch_, [&](graphed::Session& session) { session.wgrad(r, gp); });
     // Enqueued: the caching allocator orders a later reuse of this memory
     // after it on the stream.
-    c->wgrad_keep[microbatch_].clear();
-    c->wgrad_dsts[microbatch_].clear();
+    c->per_mb[microbatch_].wgrad_keep.clear();
+    c->per_mb[microbatch_].wgrad_dsts.clear();
     // Accumulated into param.grad as AccumulateGrad would.
     at::NoGradGuard no_grad;
     for (size_t j = 0; j < gp.size(); ++j) {
@@ -455,7 +455,7 @@ std::vector<bool> GraphedCallable::params_movable() const {
 
 std::string GraphedCallable::input_name(size_t i) const { return shared_->callables[index_]->input_name(i); }
 
-const std::vector<int64_t>& GraphedCallable::bucket_sizes() const { return shared_->callables[index_]->buckets; }
+const std::vector<int64_t>& GraphedCallable::bucket_sizes() const { return shared_->callables[index_]->sig.buckets; }
 
 GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
     if (microbatch >= shared_->microbatches)

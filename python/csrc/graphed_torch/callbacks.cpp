@@ -16,26 +16,26 @@ namespace graphed_torch {
 
 std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins, int64_t rows) {
     at::AutoGradMode mode(shared->opts.training);
-    std::vector<at::Tensor> outs = forward(ins);
+    std::vector<at::Tensor> outs = caller.forward(ins);
     // The outputs this bucket must give (the first warmup iteration's, with
     // the bucket's rows where they follow it).
     std::vector<Meta> buf;
-    const std::vector<Meta>& want = sized(out, out_dyn, rows, buf);
-    if (outputs_known && outs.size() != out.size())
+    const std::vector<Meta>& want = sized(sig.out, sig.out_dyn, rows, buf);
+    if (sig.outputs_known && outs.size() != sig.out.size())
         throw std::runtime_error("callable '" + name + "' returned " + std::to_string(outs.size()) + " outputs; it returned " +
-                                 std::to_string(out.size()) + " in the first warmup iteration");
+                                 std::to_string(sig.out.size()) + " in the first warmup iteration");
     for (size_t i = 0; i < outs.size(); ++i) {
         if (!outs[i].defined()) throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is None");
         if (!outs[i].is_cuda() || outs[i].device().index() != shared->device)
             throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is on " +
                                      outs[i].device().str() + ", not cuda:" + std::to_string(shared->device));
-        if (outputs_known && (outs[i].sizes() != at::IntArrayRef(want[i].sizes) ||
+        if (sig.outputs_known && (outs[i].sizes() != at::IntArrayRef(want[i].sizes) ||
                               outs[i].scalar_type() != want[i].dtype || outs[i].requires_grad() != want[i].requires_grad))
             throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is " + describe(outs[i]) +
                                      (rows ? "; in bucket " + std::to_string(rows) + " it must be " : "; in the first warmup iteration it was ") +
                                      describe(want[i].sizes, want[i].dtype, outs[i].device().str(), want[i].requires_grad));
         // The first warmup iteration's layout (dense), later ones in it.
-        if (outputs_known)
+        if (sig.outputs_known)
             outs[i] = in_layout(outs[i], want[i]);
         else if (!outs[i].is_non_overlapping_and_dense())
             outs[i] = outs[i].contiguous();
@@ -48,25 +48,25 @@ std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins
 // grad. Returns one entry per input, then per parameter (undefined: none).
 std::vector<at::Tensor> Callable::run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs,
                                                bool params_too, bool retain, bool discover) {
-    std::vector<at::Tensor> result(in.size() + params.size());
+    std::vector<at::Tensor> result(sig.in.size() + params.size());
     std::vector<at::Tensor> roots, grads_in, wrt;
     std::vector<size_t> slot;
-    for (size_t i = 0; i < out.size(); ++i)
-        if (out[i].requires_grad) {
+    for (size_t i = 0; i < sig.out.size(); ++i)
+        if (sig.out[i].requires_grad) {
             roots.push_back(tape.outputs.at(i));
             grads_in.push_back(gouts.at(i));
         }
     if (inputs)
-        for (size_t i = 0; i < in.size(); ++i)
-            if (discover ? in[i].requires_grad : bool(in_grad[i])) {
+        for (size_t i = 0; i < sig.in.size(); ++i)
+            if (discover ? sig.in[i].requires_grad : bool(sig.in_grad[i])) {
                 wrt.push_back(tape.inputs.at(i));
                 slot.push_back(i);
             }
     if (params_too)
         for (size_t j = 0; j < params.size(); ++j)
-            if (discover ? params[j].requires_grad() : bool(param_grad[j])) {
+            if (discover ? params[j].requires_grad() : param_info[j].grad) {
                 wrt.push_back(params[j]);
-                slot.push_back(in.size() + j);
+                slot.push_back(sig.in.size() + j);
             }
     if (roots.empty() || wrt.empty()) {
         if (!retain) tape = Tape();
@@ -79,7 +79,7 @@ std::vector<at::Tensor> Callable::run_backward(Tape& tape, const std::vector<at:
         if (grads[k].defined()) {
             result[s] = grads[k].contiguous();
         } else if (!discover) {
-            std::string who = s < in.size() ? "input '" + input_name(s) + "'" : "parameter '" + param_name(s - in.size()) + "'";
+            std::string who = s < sig.in.size() ? "input '" + input_name(s) + "'" : "parameter '" + param_name(s - sig.in.size()) + "'";
             throw std::runtime_error("callable '" + name + "': " + who +
                                      " got no gradient in this pass, but got one in the first warmup iteration "
                                      "(the inputs and parameters that take grads must not change between iterations)");
@@ -126,37 +126,37 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
     const bool retain = (inputs && c->wgrad) || s.opts.retain_graph_in_backward;
     if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
     s.on_work_stream(ctx->stream, [&] {
-        c->pass_grads = c->run_backward(c->tapes[mb], c->pass_gouts, inputs, params, retain, false);
+        c->pass.grads = c->run_backward(c->per_mb[mb].tape, c->pass.gouts, inputs, params, retain, false);
         if (ctx->phase != GRAPHED_PHASE_CAPTURE) return;
         if (inputs)
-            for (size_t i = 0; i < c->in.size(); ++i)
-                if (c->in_grad[i]) {
-                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_GRAD_INPUT, i, c->pass_grads[i]);
-                    c->ext_gin[mb].push_back(c->pass_grads[i]);
+            for (size_t i = 0; i < c->sig.in.size(); ++i)
+                if (c->sig.in_grad[i]) {
+                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_GRAD_INPUT, i, c->pass.grads[i]);
+                    c->per_mb[mb].ext_gin.push_back(c->pass.grads[i]);
                 }
         if (params) {
             // An earlier bucket's grads stay where its graphs write them.
-            for (at::Tensor& g : c->ext_pgrad[mb])
-                if (g.defined()) c->bucket_keep.push_back(g);
-            c->ext_pgrad[mb].assign(c->params.size(), at::Tensor());
+            for (at::Tensor& g : c->per_mb[mb].ext_pgrad)
+                if (g.defined()) c->per_mb[mb].bucket_pgrad.push_back(g);
+            c->per_mb[mb].ext_pgrad.assign(c->params.size(), at::Tensor());
             // Fresh grads: which blocks of the pass each grad's memory shares.
-            const bool watched = c->watching;
+            const bool watched = c->pass.watching;
             const std::vector<Watched> seen = watched ? watched_allocations(c) : std::vector<Watched>();
-            c->watching = false;
+            c->pass.watching = false;
             for (size_t j = 0; j < c->params.size(); ++j)
-                if (c->param_grad[j]) {
-                    at::Tensor g = c->pass_grads[c->in.size() + j];
+                if (c->param_info[j].grad) {
+                    at::Tensor g = c->pass.grads[c->sig.in.size() + j];
                     // Not the grad's alone: copied (in the graph) into memory
                     // that is, which graphed then points at each replay's
                     // destination.
                     const bool whole = g.storage_offset() == 0 && g.nbytes() == g.storage().nbytes();
-                    if (j < c->spare.size() && c->spare[j].defined() &&
+                    if (j < c->pass.spare.size() && c->pass.spare[j].defined() &&
                         !(watched && whole && alone(seen, g.data_ptr(), g.nbytes()))) {
-                        c->spare[j].copy_(g);
-                        g = c->spare[j];
+                        c->pass.spare[j].copy_(g);
+                        g = c->pass.spare[j];
                     }
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_PARAM_GRADS, j, g);
-                    c->ext_pgrad[mb][j] = g;
+                    c->per_mb[mb].ext_pgrad[j] = g;
                 }
         }
     });
@@ -171,8 +171,9 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
     auto* c = static_cast<Callable*>(self);
     Shared& s = *c->shared;
     return guarded(c, [&] {
-        if (c->policies.empty() && ctx->param_policies)
-            c->policies.assign(ctx->param_policies, ctx->param_policies + ctx->num_params);
+        if (ctx->param_policies)
+            for (size_t j = 0; j < c->param_info.size() && j < ctx->num_params; ++j)
+                c->param_info[j].policy = ctx->param_policies[j];
         const Pass pass = Pass(ctx->pass);
         const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
         if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs
@@ -180,25 +181,25 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
         const int64_t rows = rows_of(ctx);
         std::vector<Meta> buf;
         if (pass == Pass::Forward) {
-            c->pass_inputs = wrap_static(ctx->inputs, Callable::sized(c->in, c->in_dyn, rows, buf), s.device, s.opts.training);
-            e.inputs = &c->pass_inputs;
+            c->pass.inputs = wrap_static(ctx->inputs, Callable::sized(c->sig.in, c->sig.in_dyn, rows, buf), s.device, s.opts.training);
+            e.inputs = &c->pass.inputs;
         } else {
-            c->pass_gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->out, c->out_dyn, rows, buf), s.device, false);
-            e.grad_outputs = &c->pass_gouts;
+            c->pass.gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->sig.out, c->sig.out_dyn, rows, buf), s.device, false);
+            e.grad_outputs = &c->pass.gouts;
         }
-        if (c->hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
+        if (c->caller.hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
         // Fresh grads, the pass that writes them: memory of its own per grad
         // (made here, outside the private pool), and what the pool hands out
         // and frees during the pass recorded, to tell which grads share it.
         const bool grads = pass == (c->wgrad ? Pass::Wgrad : Pass::Backward);
         if (capture && grads && s.fresh) {
-            c->spare.assign(c->params.size(), at::Tensor());
+            c->pass.spare.assign(c->params.size(), at::Tensor());
             for (size_t j = 0; j < c->params.size(); ++j)
-                if (c->param_grad[j] && j < c->policies.size() && c->policies[j] == GRAPHED_GRAD_POLICY_COPY_INTO) {
-                    const Meta& m = c->param_meta[j];
-                    c->spare[j] = at::empty(m.sizes, options_of(m.dtype, s.device));
+                if (c->param_info[j].grad && c->param_info[j].policy == GRAPHED_GRAD_POLICY_COPY_INTO) {
+                    const Meta& m = c->param_info[j].meta;
+                    c->pass.spare[j] = at::empty(m.sizes, options_of(m.dtype, s.device));
                 }
-            c->watching = watch_allocations(c, s.device);
+            c->pass.watching = watch_allocations(c, s.device);
         }
         if (capture) {
             s.rng.begin(s.device);
@@ -221,18 +222,18 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
             s.end_routing();
             const size_t key = pass_key(s.instance(c->index, ctx->microbatch, ctx->bucket), pass);
             s.rng.end(key);
-            if (s.opts.reuse_buffers && s.capture_position < s.releases.size())
-                for (const Release& r : s.releases[s.capture_position]) s.release(r);
-            ++s.capture_position;
+            if (s.opts.reuse_buffers && s.capture.position < s.capture.releases.size())
+                for (const Release& r : s.capture.releases[s.capture.position]) s.release(r);
+            ++s.capture.position;
         }
-        if (c->hook) {
+        if (c->caller.hook) {
             HookEvent e = hook_event(ctx, false);
             if (pass == Pass::Forward) {
-                e.inputs = &c->pass_inputs;
-                e.outputs = &c->pass_outputs;
+                e.inputs = &c->pass.inputs;
+                e.outputs = &c->pass.outputs;
             } else {
-                e.grad_outputs = &c->pass_gouts;
-                e.grads = &c->pass_grads;
+                e.grad_outputs = &c->pass.gouts;
+                e.grads = &c->pass.grads;
             }
             s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
         }
@@ -250,17 +251,17 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
         const uint32_t mb = ctx->microbatch;
         if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
         s.on_work_stream(ctx->stream, [&] {
-            std::vector<at::Tensor> outs = c->run_forward(c->pass_inputs, rows_of(ctx));
+            std::vector<at::Tensor> outs = c->run_forward(c->pass.inputs, rows_of(ctx));
             if (ctx->phase == GRAPHED_PHASE_CAPTURE) {
                 for (size_t i = 0; i < outs.size(); ++i) {
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_OUTPUT, i, outs[i]);
-                    c->ext_out[mb].push_back(outs[i].detach());
+                    c->per_mb[mb].ext_out.push_back(outs[i].detach());
                 }
             }
             // The tape is for the backward; in inference nothing reads it,
             // and the outputs go as soon as the pass ends.
-            if (s.opts.training) c->tapes[mb] = Tape{c->pass_inputs, outs};
-            c->pass_outputs = std::move(outs);
+            if (s.opts.training) c->per_mb[mb].tape = Tape{c->pass.inputs, outs};
+            c->pass.outputs = std::move(outs);
         });
     });
 }
@@ -281,11 +282,11 @@ int32_t session_hook(uint32_t when, void* self) {
     auto* s = static_cast<Shared*>(self);
     if (when != 1 || !s->opts.post_warmup_hook) return 0;
     try {
-        c10::cuda::CUDAStreamGuard guard(s->work);
+        c10::cuda::CUDAStreamGuard guard(s->route.work);
         s->opts.post_warmup_hook();
         return 0;
     } catch (const std::exception& e) {
-        s->hook_error = e.what();
+        s->capture.hook_error = e.what();
         return 1;
     }
 }

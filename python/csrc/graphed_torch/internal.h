@@ -221,70 +221,97 @@ struct Tape {
     std::vector<at::Tensor> outputs;  // what it returned
 };
 
-struct Callable {
-    Shared* shared = nullptr;
-    size_t index = 0;
-    std::string name;
-    ForwardFn forward;
-    Hook hook;
-    std::vector<at::Tensor> samples;  // until capture ends
-    std::vector<std::string> input_names, param_names;
+// One parameter of a callable: what registration and capture fixed.
+struct ParamInfo {
+    std::string name;  // empty: "parameter j" in messages
+    uint32_t flags = GRAPHED_PARAM_FLAGS_NONE;  // the caller's (DELAYED_WGRAD, ...)
+    bool grad = false;                          // registered as taking a grad
+    // Its grad's meta (shape and dtype, contiguous), and its own layout
+    // (with strides when dense but not contiguous), which every call checks.
+    Meta meta, layout;
+    // The frozen graphed_grad_policy, as graphed's callbacks and hooks
+    // receive it (graphed_pass_ctx.param_policies); DEFAULT until then.
+    uint32_t policy = GRAPHED_GRAD_POLICY_DEFAULT;
+};
+
+// A callable's inputs and outputs, as the first warmup iteration found them.
+struct Signature {
+    std::vector<std::string> input_names;
     std::vector<Meta> in, out;
-    // The parameters as the last call found them (param_source refreshes
-    // them): the autograd node's inputs and backward_dw's destinations.
-    std::vector<at::Tensor> params;
-    ParamSource param_source;
-    // Each parameter as captured: its grad's meta (shape and dtype,
-    // contiguous), and its own layout (with strides when dense but not
-    // contiguous), which every call checks.
-    std::vector<Meta> param_meta, param_layout;
-    // Per microbatch, per parameter: where that instance's graphs read it now.
-    std::vector<std::vector<const void*>> param_at;
-    // Per microbatch, with a delayed weight-grad pass: the memory of the
-    // parameters its last forward read, kept until backward_dw.
-    std::vector<std::vector<c10::Storage>> wgrad_keep;
-    // Per microbatch, with Options::accumulate_into and a delayed
-    // weight-grad pass: the destinations its last forward found.
-    std::vector<std::vector<at::Tensor>> wgrad_dsts;
-    std::vector<uint32_t> flags;
+    std::vector<bool> in_grad;  // the input is registered as taking a grad
+    bool outputs_known = false;
     // Buckets: the sizes (ascending; empty: one shape), and which inputs
     // and outputs have the bucket size as their first dimension (their
     // Meta holds the largest bucket's).
     std::vector<int64_t> buckets;
     std::vector<bool> in_dyn, out_dyn;
-    // What earlier buckets' captures handed over as parameter grads (the
-    // graphs write there), kept while the graphs exist.
-    std::vector<at::Tensor> bucket_keep;
-    std::vector<bool> in_grad;     // the input is registered as taking a grad
-    std::vector<bool> param_grad;  // the parameter is registered as taking a grad
-    bool wgrad = false;            // has a delayed weight-gradient pass
-    bool outputs_known = false;
-    bool released = false;         // GraphedCallable::release: calls throw
-    // The frozen graphed_grad_policy of each parameter, as graphed's
-    // callbacks and hooks receive it (graphed_pass_ctx.param_policies).
-    std::vector<uint32_t> policies;
-    std::vector<Tape> tapes;  // per microbatch
-    // Per microbatch, per input: the graphs read it where it is (rebound).
-    std::vector<std::vector<bool>> rebound;
-    // External buffers handed to graphed, per microbatch.
-    std::vector<std::vector<at::Tensor>> ext_out, ext_gin, ext_pgrad;
+};
+
+// What the caller gave for a callable: its functions and what they hold (a
+// module's forward, its parameter dicts), and the samples until capture
+// ends. Replays never call them; let go once capture is over.
+struct Caller {
+    ForwardFn forward;
+    Hook hook;
+    // Refreshes the parameters from where the caller keeps them.
+    ParamSource param_source;
+    std::vector<at::Tensor> samples;
+};
+
+// One (callable, microbatch) instance: what its passes keep between them.
+struct Instance {
+    Tape tape;  // what forward left for backward
+    // Per parameter: where this instance's graphs read it now.
+    std::vector<const void*> param_at;
+    // With a delayed weight-grad pass: the memory of the parameters its
+    // last forward read, kept until backward_dw, and (with
+    // Options::accumulate_into) the destinations that forward found.
+    std::vector<c10::Storage> wgrad_keep;
+    std::vector<at::Tensor> wgrad_dsts;
+    // Per input: the graphs read it where it is (rebound).
+    std::vector<bool> rebound;
+    // External buffers handed to graphed (every bucket's outputs and input
+    // grads; the last bucket's parameter grads, the earlier buckets' in
+    // `bucket_pgrad`), kept while the graphs write there.
+    std::vector<at::Tensor> ext_out, ext_gin, ext_pgrad, bucket_pgrad;
+};
+
+// Between a pass's pre-hook, callback and post-hook.
+struct PassState {
+    std::vector<at::Tensor> inputs, outputs, gouts, grads;
     // With fresh grads, while its grad pass is captured: per parameter,
     // memory of its own (outside the private pool, made before the capture)
     // that a grad sharing memory with other blocks of the pass is copied
     // into, so that the memory graphed points elsewhere is the grad's alone.
     std::vector<at::Tensor> spare;
-    bool watching = false;
-    // Between a pass's pre-hook, callback and post-hook.
-    std::vector<at::Tensor> pass_inputs, pass_outputs, pass_gouts, pass_grads;
+    bool watching = false;  // the allocator is watched for this pass
+};
+
+struct Callable {
+    Shared* shared = nullptr;
+    size_t index = 0;
+    std::string name;
+    Caller caller;
+    Signature sig;
+    // The parameters as the last call found them (the caller's
+    // param_source refreshes them): the autograd node's inputs and
+    // backward_dw's destinations.
+    std::vector<at::Tensor> params;
+    std::vector<ParamInfo> param_info;  // per parameter
+    std::vector<Instance> per_mb;       // per microbatch
+    bool wgrad = false;                 // has a delayed weight-gradient pass
+    bool released = false;              // GraphedCallable::release: calls throw
+    PassState pass;
     std::string error;
 
     std::string input_name(size_t i) const {
-        return i < input_names.size() ? input_names[i] : "input " + std::to_string(i);
+        return i < sig.input_names.size() ? sig.input_names[i] : "input " + std::to_string(i);
     }
     // "name (microbatch m): ", the start of every lease's description.
     std::string who(uint32_t mb) const { return name + " (microbatch " + std::to_string(mb) + "): "; }
     std::string param_name(size_t j) const {
-        return j < param_names.size() ? param_names[j] : "parameter " + std::to_string(j);
+        return j < param_info.size() && !param_info[j].name.empty() ? param_info[j].name
+                                                                    : "parameter " + std::to_string(j);
     }
     // `metas` (in or out) with `rows` as the first dimension of the
     // dynamic ones (`dyn`), built in `buf`; `metas` itself, not copied,
@@ -300,7 +327,7 @@ struct Callable {
     // The bucket of a call of `rows` rows: the smallest holding it.
     size_t bucket_of(int64_t rows) const {
         size_t b = 0;
-        while (b + 1 < buckets.size() && buckets[b] < rows) ++b;
+        while (b + 1 < sig.buckets.size() && sig.buckets[b] < rows) ++b;
         return b;
     }
     // The forward and backward bodies (callbacks.cpp), shared by discovery
@@ -309,21 +336,21 @@ struct Callable {
     std::vector<at::Tensor> run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs, bool params,
                                          bool retain, bool discover);
     void call_hook(const HookEvent& e) {
-        if (hook) hook(e);
+        if (caller.hook) caller.hook(e);
     }
     // Lets go of what a pass's hooks and callback shared.
     void end_pass() {
-        pass_inputs.clear();
-        pass_outputs.clear();
-        pass_gouts.clear();
-        pass_grads.clear();
+        pass.inputs.clear();
+        pass.outputs.clear();
+        pass.gouts.clear();
+        pass.grads.clear();
     }
     // Ends a watch of the allocator its grad pass started and lets go of
     // the spare memory not taken (post_hook; a failed pass).
     void end_watch() {
-        if (watching) watched_allocations(this);
-        watching = false;
-        spare.clear();
+        if (pass.watching) watched_allocations(this);
+        pass.watching = false;
+        pass.spare.clear();
     }
     // Lets go of every tensor kept for its graphs and of the caller's
     // objects (a module's parameter dicts): at its release and at reset
@@ -364,26 +391,50 @@ struct StepState {
     std::string error;  // of the capture hook
 };
 
+// The work stream callbacks run on, joined to graphed's, and the private
+// pool its allocations go to while a pass is captured (streams.cpp).
+struct Routing {
+    c10::cuda::CUDAStream work = c10::cuda::getDefaultCUDAStream();
+    cudaEvent_t ev_fork = nullptr, ev_join = nullptr, ev_replay = nullptr;
+    c10::MempoolId_t pool{0, 0};
+    int pool_refs = 0;     // beginAllocateToPool calls, each released at reset
+    bool routing = false;  // allocations go to the pool now
+};
+
+// What capture walks through: buffer reuse's releases by capture position,
+// the position, and the post-warmup hook's error.
+struct CaptureProgress {
+    std::vector<std::vector<Release>> releases;
+    size_t position = 0;
+    std::string hook_error;
+};
+
+// Strict leases: what each lease still held is, for messages. Any thread
+// (a tensor's deleter) may hold or forget one.
+class StrictLeases {
+  public:
+    void hold(uint64_t id, std::string what);
+    void forget(uint64_t id);
+    // The descriptions still held that start with `prefix`, sorted.
+    std::vector<std::string> alive(const std::string& prefix) const;
+
+  private:
+    mutable std::mutex mu_;
+    std::unordered_map<uint64_t, std::string> held_;
+};
+
 struct Shared {
     std::optional<graphed::Session> session;  // empty once reset
     c10::DeviceIndex device = 0;
     Options opts;
     uint32_t microbatches = 1;
     std::vector<std::unique_ptr<Callable>> callables;
-    c10::cuda::CUDAStream work = c10::cuda::getDefaultCUDAStream();
-    cudaEvent_t ev_fork = nullptr, ev_join = nullptr, ev_replay = nullptr;
-    c10::MempoolId_t pool{0, 0};
-    int pool_refs = 0;  // beginAllocateToPool calls, each released at reset
-    bool routing = false;
+    Routing route;
     RngStates rng;
-    std::vector<std::vector<Release>> releases;  // by capture position
-    size_t capture_position = 0;
-    std::string hook_error;
+    CaptureProgress capture;
     std::unique_ptr<StepState> step;  // make_graphed_step only
     bool is_reset = false;
-    // Strict leases: what each lease still held is, for messages.
-    std::mutex lease_mu;
-    std::unordered_map<uint64_t, std::string> held;
+    StrictLeases leases;
 
     // Owned parameter grads in fresh memory (Options::lazy_clones;
     // tensors.cpp). Each grad graphed does not alias by its own policy

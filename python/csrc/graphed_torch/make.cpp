@@ -78,10 +78,10 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
     std::vector<std::vector<std::vector<at::Tensor>>> gouts(s.callables.size(),
                                                             std::vector<std::vector<at::Tensor>>(s.microbatches));
     for (auto& c : s.callables) {
-        c->in_grad.assign(c->in.size(), false);
-        c->param_grad.assign(c->params.size(), false);
+        c->sig.in_grad.assign(c->sig.in.size(), false);
+        for (ParamInfo& p : c->param_info) p.grad = false;
     }
-    c10::cuda::CUDAStreamGuard guard(s.work);
+    c10::cuda::CUDAStreamGuard guard(s.route.work);
     for (const PassRef& p : order) {
         Callable* c = s.callables[p.callable].get();
         HookEvent e;
@@ -89,15 +89,15 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
         e.microbatch = p.microbatch;
         if (p.pass == Pass::Forward) {
             std::vector<at::Tensor> ins;
-            for (size_t i = 0; i < c->samples.size(); ++i)
-                ins.push_back(s.opts.training ? c->samples[i].clone().requires_grad_(c->in[i].requires_grad)
-                                              : c->samples[i].clone());
+            for (size_t i = 0; i < c->caller.samples.size(); ++i)
+                ins.push_back(s.opts.training ? c->caller.samples[i].clone().requires_grad_(c->sig.in[i].requires_grad)
+                                              : c->caller.samples[i].clone());
             e.inputs = &ins;
             c->call_hook(e);
             std::vector<at::Tensor> outs = c->run_forward(ins);
-            if (!c->outputs_known) {
-                for (const at::Tensor& y : outs) c->out.push_back(layout_of(y));
-                c->outputs_known = true;
+            if (!c->sig.outputs_known) {
+                for (const at::Tensor& y : outs) c->sig.out.push_back(layout_of(y));
+                c->sig.outputs_known = true;
             }
             e.before = false;
             e.outputs = &outs;
@@ -109,7 +109,7 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
         auto& go = gouts[p.callable][p.microbatch];
         if (p.pass == Pass::Backward) {
             go.clear();
-            for (const Meta& m : c->out)
+            for (const Meta& m : c->sig.out)
                 go.push_back(m.requires_grad ? in_layout(at::zeros(m.sizes, options_of(m.dtype, s.device)), m) : at::Tensor());
         }
         e.grad_outputs = &go;
@@ -118,17 +118,17 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
         const bool inputs = p.pass == Pass::Backward, params = p.pass == Pass::Wgrad || !c->wgrad;
         std::vector<at::Tensor> grads =
             c->run_backward(tape, go, inputs, params, (inputs && c->wgrad) || s.opts.retain_graph_in_backward, true);
-        for (size_t i = 0; inputs && i < c->in.size(); ++i) {
+        for (size_t i = 0; inputs && i < c->sig.in.size(); ++i) {
             if (grads[i].defined()) {
-                c->in_grad[i] = true;
-            } else if (c->in[i].requires_grad && !s.opts.allow_unused_input) {
+                c->sig.in_grad[i] = true;
+            } else if (c->sig.in[i].requires_grad && !s.opts.allow_unused_input) {
                 throw std::runtime_error("callable '" + c->name + "': " + c->input_name(i) +
                                          " requires grad but got no gradient in the first warmup iteration; pass "
                                          "allow_unused_input=True to accept that (its grad is then None)");
             }
         }
         for (size_t j = 0; params && j < c->params.size(); ++j)
-            if (grads[c->in.size() + j].defined()) c->param_grad[j] = true;
+            if (grads[c->sig.in.size() + j].defined()) c->param_info[j].grad = true;
         e.before = false;
         e.grads = &grads;
         c->call_hook(e);
@@ -140,24 +140,24 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
 // (the smallest bucket, or with one bucket one row less): an output whose
 // first dimension changes with it must be that size.
 void learn_dynamic_outputs(Shared& s, Callable& c) {
-    c.out_dyn.assign(c.out.size(), false);
-    if (c.buckets.empty()) return;
-    const int64_t largest = c.buckets.back(), probe = c.buckets.size() > 1 ? c.buckets.front() : largest - 1;
+    c.sig.out_dyn.assign(c.sig.out.size(), false);
+    if (c.sig.buckets.empty()) return;
+    const int64_t largest = c.sig.buckets.back(), probe = c.sig.buckets.size() > 1 ? c.sig.buckets.front() : largest - 1;
     std::vector<at::Tensor> ins;
-    for (size_t i = 0; i < c.samples.size(); ++i)
-        ins.push_back(c.in_dyn[i] ? c.samples[i].narrow(0, 0, probe).clone() : c.samples[i].clone());
+    for (size_t i = 0; i < c.caller.samples.size(); ++i)
+        ins.push_back(c.sig.in_dyn[i] ? c.caller.samples[i].narrow(0, 0, probe).clone() : c.caller.samples[i].clone());
     std::vector<at::Tensor> outs;
     {
-        c10::cuda::CUDAStreamGuard guard(s.work);
+        c10::cuda::CUDAStreamGuard guard(s.route.work);
         at::AutoGradMode no_grad(false);
-        outs = c.forward(ins);
+        outs = c.caller.forward(ins);
     }
-    if (outs.size() != c.out.size())
+    if (outs.size() != c.sig.out.size())
         throw std::runtime_error("callable '" + c.name + "' returned " + std::to_string(outs.size()) + " outputs at " +
-                                 std::to_string(probe) + " rows and " + std::to_string(c.out.size()) + " at " +
+                                 std::to_string(probe) + " rows and " + std::to_string(c.sig.out.size()) + " at " +
                                  std::to_string(largest));
     for (size_t i = 0; i < outs.size(); ++i) {
-        Meta& m = c.out[i];
+        Meta& m = c.sig.out[i];
         const at::IntArrayRef got = outs[i].sizes();
         if (got == at::IntArrayRef(m.sizes)) continue;
         std::vector<int64_t> want = m.sizes;
@@ -169,21 +169,17 @@ void learn_dynamic_outputs(Shared& s, Callable& c) {
                                      std::to_string(probe) +
                                      ": with buckets, an output's first dimension is the bucket size or does not "
                                      "change");
-        c.out_dyn[i] = true;
+        c.sig.out_dyn[i] = true;
         m.strides.clear();  // its rows contiguous, whatever eager's layout
     }
 }
 
 void register_callable(Shared& s, Callable& c) {
     const uint32_t m = s.microbatches;
-    c.tapes.assign(m, Tape());
-    c.ext_out.assign(m, {});
-    c.ext_gin.assign(m, {});
-    c.ext_pgrad.assign(m, {});
     graphed::Callable d;
     // The shapes the descriptors point to, until registration copies them.
     std::vector<std::vector<int64_t>> shapes;
-    shapes.reserve(c.in.size() + c.out.size());
+    shapes.reserve(c.sig.in.size() + c.sig.out.size());
     auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external, bool dyn) {
         bool exact = true;
         uint32_t code = dtype_code(meta.dtype, &exact);
@@ -203,34 +199,32 @@ void register_callable(Shared& s, Callable& c) {
     // autograd no longer keeps them. Nor with buckets, whose rows are
     // copied into each bucket's.
     const uint32_t rebind =
-        s.opts.rebind_inputs && !c.wgrad && c.buckets.empty() ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
-    for (size_t i = 0; i < c.in.size(); ++i) {
-        d.inputs.push_back(describe_tensor(c.in[i], c.in_grad[i], c.samples[i].data_ptr(), c.in_grad[i], c.in_dyn[i]));
+        s.opts.rebind_inputs && !c.wgrad && c.sig.buckets.empty() ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
+    for (size_t i = 0; i < c.sig.in.size(); ++i) {
+        d.inputs.push_back(describe_tensor(c.sig.in[i], c.sig.in_grad[i], c.caller.samples[i].data_ptr(), c.sig.in_grad[i], c.sig.in_dyn[i]));
         d.inputs.back().flags |= rebind;
     }
     // Outputs that take a grad get one at backward.
-    for (size_t o = 0; o < c.out.size(); ++o) {
-        const Meta& meta = c.out[o];
-        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true, c.out_dyn[o]));
+    for (size_t o = 0; o < c.sig.out.size(); ++o) {
+        const Meta& meta = c.sig.out[o];
+        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true, c.sig.out_dyn[o]));
         if (meta.requires_grad) d.outputs.back().flags |= rebind;
     }
-    d.buckets.assign(c.buckets.begin(), c.buckets.end());
+    d.buckets.assign(c.sig.buckets.begin(), c.sig.buckets.end());
     // Moving parameters: capture verifies, per parameter, that the graphs
     // can be pointed elsewhere; a call then follows a parameter it finds
     // at another address.
     const uint32_t movable = s.opts.rebind_params ? GRAPHED_PARAM_FLAGS_REBIND : 0u;
-    c.param_meta.clear();
-    c.param_layout.clear();
     std::vector<const void*> registered;
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
-        const bool grad = c.param_grad[j];
+        const bool grad = c.param_info[j].grad;
         // ACCUMULATE_INTO where asked (Options::accumulate_into), except
         // for parameters whose real grad is computed outside autograd
         // (DELAYED_WGRAD); else graphed decides (frozen at capture: see
-        // Callable::policies).
-        const bool own_policy = grad && !(c.flags[j] & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
+        // ParamInfo::policy).
+        const bool own_policy = grad && !(c.param_info[j].flags & GRAPHED_PARAM_FLAGS_DELAYED_WGRAD);
         const bool accumulate = own_policy && !s.opts.accumulate_into.empty();
         // Owned grads in fresh memory (Shared::fresh): written straight into
         // each replay's destination where capture verifies it.
@@ -239,19 +233,17 @@ void register_callable(Shared& s, Callable& c) {
                                                                : uint32_t(GRAPHED_GRAD_POLICY_ACCUMULATE_INTO))
                                 : fresh    ? uint32_t(GRAPHED_GRAD_POLICY_COPY_INTO)
                                            : uint32_t(GRAPHED_GRAD_POLICY_DEFAULT);
-        const uint32_t flags = c.flags[j] | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u) |
+        const uint32_t flags = c.param_info[j].flags | movable | (grad ? GRAPHED_PARAM_FLAGS_EXTERNAL_GRAD : 0u) |
                                (fresh ? GRAPHED_PARAM_FLAGS_REBIND_GRAD : 0u);
         d.params.push_back(graphed::param_desc(p.data_ptr(), size_t(p.numel()) * size_t(p.element_size()),
                                                dtype_code(p.scalar_type(), &exact), policy, flags, grad));
-        c.param_meta.push_back(Meta{p.sizes().vec(), p.scalar_type(), false});
-        Meta layout = meta_of(p);
-        if (!p.is_contiguous()) layout.strides = p.strides().vec();
-        c.param_layout.push_back(std::move(layout));
+        c.param_info[j].meta = Meta{p.sizes().vec(), p.scalar_type(), false};
+        c.param_info[j].layout = meta_of(p);
+        if (!p.is_contiguous()) c.param_info[j].layout.strides = p.strides().vec();
         registered.push_back(p.data_ptr());
     }
-    c.param_at.assign(m, registered);
-    c.wgrad_keep.assign(m, {});
-    c.wgrad_dsts.assign(m, {});
+    c.per_mb.assign(m, Instance());
+    for (Instance& in : c.per_mb) in.param_at = registered;
     d.name = c.name;
     d.forward = forward_cb;
     d.backward = backward_cb;
@@ -267,7 +259,7 @@ void register_callable(Shared& s, Callable& c) {
 void mark_rebound(Shared& s) {
     for (auto& c : s.callables)
         for (uint32_t m = 0; m < s.microbatches; ++m)
-            c->rebound[m] = s.session->rebound(uint32_t(c->index), m, GRAPHED_BUFFER_ROLE_INPUT);
+            c->per_mb[m].rebound = s.session->rebound(uint32_t(c->index), m, GRAPHED_BUFFER_ROLE_INPUT);
 }
 
 // graphed's session config for the options `o` of `s`.
@@ -291,7 +283,7 @@ graphed_session_config config_of(Shared& s, const Options& o) {
     // Warmup and capture on the work stream itself, so that the joins around
     // each callback are no-ops (the legacy default stream cannot capture:
     // then graphed's own stream, joined as before).
-    if (s.work.stream() != nullptr) cfg.capture_stream = s.work.stream();
+    if (s.route.work.stream() != nullptr) cfg.capture_stream = s.route.work.stream();
     // Clone slots capture the grad pass again without its hooks, so without
     // the private pool routed: off here (clones then copy out of the graph's
     // buffers, as with torch's allocator).
@@ -332,13 +324,13 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
         }
     validate_specs(specs, s.device);
     c10::cuda::CUDAGuard device_guard(s.device);
-    s.work = o.capture_stream ? *o.capture_stream : default_work_stream(s.device);
-    if (s.work.device_index() != s.device)
-        throw std::invalid_argument("capture_stream is on cuda:" + std::to_string(s.work.device_index()) +
+    s.route.work = o.capture_stream ? *o.capture_stream : default_work_stream(s.device);
+    if (s.route.work.device_index() != s.device)
+        throw std::invalid_argument("capture_stream is on cuda:" + std::to_string(s.route.work.device_index()) +
                                     ", the samples on cuda:" + std::to_string(s.device));
-    for (cudaEvent_t* e : {&s.ev_fork, &s.ev_join, &s.ev_replay})
+    for (cudaEvent_t* e : {&s.route.ev_fork, &s.route.ev_join, &s.route.ev_replay})
         cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-    s.pool = o.pool ? *o.pool : at::cuda::graph_pool_handle();
+    s.route.pool = o.pool ? *o.pool : at::cuda::graph_pool_handle();
     s.rng.add(at::cuda::detail::getDefaultCUDAGenerator(s.device), s.device);
     for (const at::Generator& g : o.generators) s.rng.add(g, s.device);
     // Owned grads in fresh memory of PyTorch's allocator: where grads are
@@ -351,7 +343,7 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
 
     const SchedulePlan plan = plan_schedule(specs.size(), o.schedule, o.layers_per_chunk);
     s.microbatches = plan.microbatches;
-    if (o.reuse_buffers && !o.schedule.empty()) s.releases = reuse_releases(specs.size(), o.schedule, o.layers_per_chunk);
+    if (o.reuse_buffers && !o.schedule.empty()) s.capture.releases = reuse_releases(specs.size(), o.schedule, o.layers_per_chunk);
 
     for (size_t i = 0; i < specs.size(); ++i) {
         CallableSpec& sp = specs[i];
@@ -359,25 +351,27 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
         c->shared = &s;
         c->index = i;
         c->name = sp.name.empty() ? "callable_" + std::to_string(i) : sp.name;
-        c->forward = std::move(sp.forward);
-        c->hook = std::move(sp.hook);
-        c->input_names = std::move(sp.input_names);
-        c->param_names = std::move(sp.param_names);
+        c->caller.forward = std::move(sp.forward);
+        c->caller.hook = std::move(sp.hook);
+        c->sig.input_names = std::move(sp.input_names);
         c->params = std::move(sp.params);
-        c->flags = std::move(sp.param_flags);
-        c->flags.resize(c->params.size(), GRAPHED_PARAM_FLAGS_NONE);
-        c->param_source = std::move(sp.param_source);
+        c->param_info.resize(c->params.size());
+        for (size_t j = 0; j < c->params.size(); ++j) {
+            if (j < sp.param_names.size()) c->param_info[j].name = std::move(sp.param_names[j]);
+            if (j < sp.param_flags.size()) c->param_info[j].flags = sp.param_flags[j];
+        }
+        c->caller.param_source = std::move(sp.param_source);
         for (const at::Tensor& x : sp.sample_inputs) {
-            c->samples.push_back(x.detach().contiguous());
+            c->caller.samples.push_back(x.detach().contiguous());
             Meta m = meta_of(x);
             m.requires_grad = m.requires_grad && o.training;
-            c->in.push_back(m);
+            c->sig.in.push_back(m);
         }
         c->wgrad = plan.has_wgrad[i] != 0;
-        c->buckets = std::move(sp.bucket_sizes);
-        c->in_dyn = sp.dynamic_inputs;
-        c->in_dyn.resize(c->in.size(), false);
-        s.max_buckets = std::max(s.max_buckets, c->buckets.size());
+        c->sig.buckets = std::move(sp.bucket_sizes);
+        c->sig.in_dyn = sp.dynamic_inputs;
+        c->sig.in_dyn.resize(c->sig.in.size(), false);
+        s.max_buckets = std::max(s.max_buckets, c->sig.buckets.size());
         s.callables.push_back(std::move(c));
     }
 
@@ -392,7 +386,7 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
             msg += "\n  (a callable draws random numbers from a CUDA generator graphed was not told about: pass it "
                    "in generators=, or register it with graphed.torch.register_generator, so that its numbers are "
                    "drawn afresh at every replay)";
-        if (!s.hook_error.empty()) msg += "\n  post_warmup_hook: " + s.hook_error;
+        if (!s.capture.hook_error.empty()) msg += "\n  post_warmup_hook: " + s.capture.hook_error;
         if (s.step && !s.step->error.empty()) msg += "\n  the step's capture hook: " + s.step->error;
         s.reset();
         throw std::runtime_error(msg);
@@ -400,9 +394,9 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
     try {
         // Lazy initialisation stays out of the captures, as in torch.
         c10::cuda::device_synchronize();
-        s.work.synchronize();
+        s.route.work.synchronize();
         {
-            c10::cuda::CUDAStreamGuard guard(s.work);
+            c10::cuda::CUDAStreamGuard guard(s.route.work);
             if (o.pre_warmup_hook) o.pre_warmup_hook();
         }
         discover(s, plan.order);
@@ -422,10 +416,11 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
     s.rng.abandon();
     if (!capture_error.empty()) fail(capture_error);
     for (auto& c : s.callables) {
-        c->samples.clear();
-        if (!o.retain_graph_in_backward)
-            for (Tape& t : c->tapes) t = Tape();
-        c->rebound.assign(s.microbatches, std::vector<bool>(c->in.size(), false));
+        c->caller.samples.clear();
+        for (Instance& in : c->per_mb) {
+            if (!o.retain_graph_in_backward) in.tape = Tape();
+            in.rebound.assign(c->sig.in.size(), false);
+        }
     }
     if (o.rebind_inputs) mark_rebound(s);
     if (captured) {

@@ -84,14 +84,14 @@ std::vector<std::vector<Release>> reuse_releases(size_t n, const std::vector<gra
 void Shared::release(const Release& r) {
     Callable& c = *callables.at(r.callable);
     switch (r.role) {
-        case GRAPHED_BUFFER_ROLE_OUTPUT: c.ext_out[r.microbatch].clear(); break;
-        case GRAPHED_BUFFER_ROLE_GRAD_INPUT: c.ext_gin[r.microbatch].clear(); break;
+        case GRAPHED_BUFFER_ROLE_OUTPUT: c.per_mb[r.microbatch].ext_out.clear(); break;
+        case GRAPHED_BUFFER_ROLE_GRAD_INPUT: c.per_mb[r.microbatch].ext_gin.clear(); break;
         default:
             // The grads a replay copies out: an ALIAS grad is the buffer it
             // returns (graphed_schedule_releases).
-            for (size_t j = 0; j < c.ext_pgrad[r.microbatch].size(); ++j)
-                if (j < c.policies.size() && c.policies[j] != GRAPHED_GRAD_POLICY_ALIAS)
-                    c.ext_pgrad[r.microbatch][j] = at::Tensor();
+            for (size_t j = 0; j < c.per_mb[r.microbatch].ext_pgrad.size(); ++j)
+                if (c.param_info[j].policy != GRAPHED_GRAD_POLICY_ALIAS)
+                    c.per_mb[r.microbatch].ext_pgrad[j] = at::Tensor();
     }
 }
 

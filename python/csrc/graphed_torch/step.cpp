@@ -47,7 +47,7 @@ int32_t step_hook(uint32_t when, void* self) {
             st.outs.clear();
             st.gins.clear();
             for (auto& c : s->callables)
-                for (Tape& t : c->tapes) t = Tape();
+                for (Instance& in : c->per_mb) in.tape = Tape();
         }
         return 0;
     } catch (const std::exception& e) {
@@ -65,12 +65,12 @@ std::vector<size_t> chain_of(const Shared& s) {
     for (size_t k = 1; k < s.callables.size(); ++k) {
         const Callable& prev = *s.callables[k - 1];
         const Callable& c = *s.callables[k];
-        if (c.in.size() < prev.out.size())
-            throw std::invalid_argument("make_graphed_step: callable '" + c.name + "' takes " + std::to_string(c.in.size()) +
-                                        " inputs; its first inputs must be the " + std::to_string(prev.out.size()) +
+        if (c.sig.in.size() < prev.sig.out.size())
+            throw std::invalid_argument("make_graphed_step: callable '" + c.name + "' takes " + std::to_string(c.sig.in.size()) +
+                                        " inputs; its first inputs must be the " + std::to_string(prev.sig.out.size()) +
                                         " outputs of callable '" + prev.name + "'");
-        for (size_t i = 0; i < prev.out.size(); ++i) {
-            const Meta &o = prev.out[i], &x = c.in[i];
+        for (size_t i = 0; i < prev.sig.out.size(); ++i) {
+            const Meta &o = prev.sig.out[i], &x = c.sig.in[i];
             if (o.sizes != x.sizes || o.dtype != x.dtype || o.requires_grad != x.requires_grad)
                 throw std::invalid_argument(
                     "make_graphed_step: callable '" + c.name + "': " + c.input_name(i) + " is " +
@@ -78,17 +78,17 @@ std::vector<size_t> chain_of(const Shared& s) {
                     std::to_string(i) + " of callable '" + prev.name + "', which feeds it, is " +
                     describe(o.sizes, o.dtype, "cuda:" + std::to_string(s.device), o.requires_grad));
         }
-        chained[k] = prev.out.size();
+        chained[k] = prev.sig.out.size();
     }
     const Callable& loss = *s.callables.back();
     size_t numel = 1;
-    for (int64_t d : loss.out.empty() ? std::vector<int64_t>{0} : loss.out[0].sizes) numel *= size_t(d);
-    if (loss.out.size() != 1 || numel != 1)
+    for (int64_t d : loss.sig.out.empty() ? std::vector<int64_t>{0} : loss.sig.out[0].sizes) numel *= size_t(d);
+    if (loss.sig.out.size() != 1 || numel != 1)
         throw std::invalid_argument("make_graphed_step: the last callable ('" + loss.name +
                                     "') is the loss: it must return one tensor of one element; it returns " +
-                                    std::to_string(loss.out.size()) + " outputs" +
-                                    (loss.out.empty() ? "" : ", the first of " + std::to_string(numel) + " elements"));
-    if (!loss.out[0].requires_grad)
+                                    std::to_string(loss.sig.out.size()) + " outputs" +
+                                    (loss.sig.out.empty() ? "" : ", the first of " + std::to_string(numel) + " elements"));
+    if (!loss.sig.out[0].requires_grad)
         throw std::invalid_argument("make_graphed_step: the loss ('" + loss.name + "') does not require grad");
     return chained;
 }
@@ -102,26 +102,26 @@ void declare_step(Shared& s) {
     std::vector<graphed_step_io> io;
     for (size_t k = 0; k < s.callables.size(); ++k) {
         const Callable& c = *s.callables[k];
-        for (size_t i = st.chained[k]; i < c.in.size(); ++i) {
+        for (size_t i = st.chained[k]; i < c.sig.in.size(); ++i) {
             std::vector<int64_t> shape{int64_t(n)};
-            shape.insert(shape.end(), c.in[i].sizes.begin(), c.in[i].sizes.end());
-            at::Tensor staging = at::zeros(shape, options_of(c.in[i].dtype, s.device));
+            shape.insert(shape.end(), c.sig.in[i].sizes.begin(), c.sig.in[i].sizes.end());
+            at::Tensor staging = at::zeros(shape, options_of(c.sig.in[i].dtype, s.device));
             io.push_back(graphed::Session::step_io(uint32_t(k), GRAPHED_BUFFER_ROLE_INPUT, uint32_t(i), staging.data_ptr(),
-                                                   c.in[i].bytes()));
+                                                   c.sig.in[i].bytes()));
             st.data.push_back({k, i, std::move(staging)});
         }
     }
     const Callable& loss = *s.callables.back();
-    st.losses = at::zeros({int64_t(n)}, options_of(loss.out[0].dtype, s.device));
+    st.losses = at::zeros({int64_t(n)}, options_of(loss.sig.out[0].dtype, s.device));
     io.push_back(graphed::Session::step_io(uint32_t(s.callables.size() - 1), GRAPHED_BUFFER_ROLE_OUTPUT, 0,
-                                           st.losses.data_ptr(), loss.out[0].bytes()));
+                                           st.losses.data_ptr(), loss.sig.out[0].bytes()));
     std::vector<void*> dsts;
     std::vector<uint32_t> callables;
     for (auto& c : s.callables) {
         callables.push_back(uint32_t(c->index));
         for (size_t j = 0; j < c->params.size(); ++j) {
             at::Tensor d;
-            if (c->param_grad[j]) {
+            if (c->param_info[j].grad) {
                 const at::Tensor& p = c->params[j];
                 d = st.opts.destination(p);
                 if (!d.defined() || !d.is_cuda() || d.device() != p.device() || d.scalar_type() != p.scalar_type() ||
@@ -199,25 +199,25 @@ int32_t step_forward(const graphed_pass_ctx* ctx, Callable* c) {
                 st.loop_offsets.view({-1, 2}).select(1, 1).add_(st.loop_inc);
             }
         }
-        std::vector<at::Tensor> ins = wrap_static(ctx->inputs, c->in, s.device, true);
+        std::vector<at::Tensor> ins = wrap_static(ctx->inputs, c->sig.in, s.device, true);
         for (size_t i = 0; i < st.chained[k]; ++i)
-            ins[i] = st.outs[k - 1].at(i).detach().requires_grad_(c->in[i].requires_grad);
+            ins[i] = st.outs[k - 1].at(i).detach().requires_grad_(c->sig.in[i].requires_grad);
         std::vector<at::Tensor> outs = c->run_forward(ins);
         if (k + 1 == s.callables.size()) {
             at::AutoGradMode no_grad(false);
-            over(ctx->outputs[0], c->out[0], options_of(c->out[0].dtype, s.device)).copy_(outs[0]);
+            over(ctx->outputs[0], c->sig.out[0], options_of(c->sig.out[0].dtype, s.device)).copy_(outs[0]);
         }
         st.outs[k] = outs;
-        c->tapes[0] = Tape{std::move(ins), std::move(outs)};
+        c->per_mb[0].tape = Tape{std::move(ins), std::move(outs)};
     });
 }
 
 int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c) {
     return in_step(ctx, c, [&](Shared& s, StepState& st, size_t k) {
         const bool last = k + 1 == s.callables.size();
-        std::vector<at::Tensor> gouts(c->out.size());
-        for (size_t i = 0; i < c->out.size(); ++i) {
-            const Meta& m = c->out[i];
+        std::vector<at::Tensor> gouts(c->sig.out.size());
+        for (size_t i = 0; i < c->sig.out.size(); ++i) {
+            const Meta& m = c->sig.out[i];
             if (!m.requires_grad) continue;
             at::Tensor g = last ? at::Tensor() : st.gins[k + 1].at(i);
             gouts[i] = g.defined() ? g
@@ -225,16 +225,16 @@ int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c) {
                                                      : at::zeros(m.sizes, options_of(m.dtype, s.device))),
                                                m);
         }
-        std::vector<at::Tensor> grads = c->run_backward(c->tapes[0], gouts, k > 0, true, false, false);
-        st.gins[k].assign(grads.begin(), grads.begin() + int64_t(c->in.size()));
+        std::vector<at::Tensor> grads = c->run_backward(c->per_mb[0].tape, gouts, k > 0, true, false, false);
+        st.gins[k].assign(grads.begin(), grads.begin() + int64_t(c->sig.in.size()));
         at::AutoGradMode no_grad(false);
         for (size_t j = 0; j < c->params.size(); ++j)
-            if (c->param_grad[j]) {
+            if (c->param_info[j].grad) {
                 if (!ctx->param_grads || !ctx->param_grads[j])
                     throw std::runtime_error("graphed gave no buffer for parameter '" + c->param_name(j) +
                                              "'s grad in the step's capture");
-                over(ctx->param_grads[j], c->param_meta[j], options_of(c->param_meta[j].dtype, s.device))
-                    .copy_(grads[c->in.size() + j]);
+                over(ctx->param_grads[j], c->param_info[j].meta, options_of(c->param_info[j].meta.dtype, s.device))
+                    .copy_(grads[c->sig.in.size() + j]);
             }
     });
 }
@@ -286,7 +286,7 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
     const bool flat = max == 1 && !st.opts.loop;
     for (size_t d = 0; d < data.size(); ++d) {
         const at::Tensor& x = data[d];
-        const Meta& m = s.callables[st.data[d].callable]->in[st.data[d].input];
+        const Meta& m = s.callables[st.data[d].callable]->sig.in[st.data[d].input];
         std::vector<int64_t> want{int64_t(n)};
         want.insert(want.end(), m.sizes.begin(), m.sizes.end());
         const bool shape_ok = x.defined() && (x.sizes() == at::IntArrayRef(want) || (flat && x.sizes() == at::IntArrayRef(m.sizes)));

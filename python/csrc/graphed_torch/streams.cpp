@@ -108,32 +108,32 @@ bool alone(const std::vector<Watched>& seen, const void* p, size_t bytes) {
 void Shared::begin_routing() {
     // The work stream, and while a step's graph is captured the stream its
     // callbacks run on (a looped step's body is captured on its own).
-    c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, pool, [this, s = work.stream()](cudaStream_t st) {
+    c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, route.pool, [this, s = route.work.stream()](cudaStream_t st) {
         return st == s || (step && st == step->stream.load());
     });
-    ++pool_refs;
-    routing = true;
+    ++route.pool_refs;
+    route.routing = true;
 }
 
 void Shared::end_routing() {
-    if (routing) {
-        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
-        routing = false;
+    if (route.routing) {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, route.pool);
+        route.routing = false;
     }
 }
 
 void Shared::on_work_stream(graphed_stream ext, const std::function<void()>& fn) {
     auto s = static_cast<cudaStream_t>(ext);
-    cuda_check(cudaEventRecord(ev_fork, s), "cudaEventRecord");
-    cuda_check(cudaStreamWaitEvent(work.stream(), ev_fork, 0), "cudaStreamWaitEvent");
+    cuda_check(cudaEventRecord(route.ev_fork, s), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(route.work.stream(), route.ev_fork, 0), "cudaStreamWaitEvent");
     struct Join {
         Shared* sh;
         cudaStream_t s;
         ~Join() {
-            if (cudaEventRecord(sh->ev_join, sh->work.stream()) == cudaSuccess) cudaStreamWaitEvent(s, sh->ev_join, 0);
+            if (cudaEventRecord(sh->route.ev_join, sh->route.work.stream()) == cudaSuccess) cudaStreamWaitEvent(s, sh->route.ev_join, 0);
         }
     } join{this, s};
-    c10::cuda::CUDAStreamGuard guard(work);
+    c10::cuda::CUDAStreamGuard guard(route.work);
     fn();
 }
 

@@ -46,18 +46,14 @@ uint64_t storage_bytes(const std::vector<at::Tensor>& ts, std::unordered_set<con
 
 void Callable::let_go() {
     end_watch();
-    tapes.clear();
-    ext_out.clear();
-    ext_gin.clear();
-    ext_pgrad.clear();
-    bucket_keep.clear();
+    // Every instance's tensors, the parameters' addresses with them (a
+    // released callable is never replayed).
+    per_mb.clear();
     end_pass();
-    samples.clear();
-    wgrad_keep.clear();
-    wgrad_dsts.clear();
+    caller.samples.clear();
     // What it holds of the caller's objects (a module's parameter dicts)
     // goes now, not with the last graphed callable.
-    param_source = nullptr;
+    caller.param_source = nullptr;
 }
 
 void Shared::check_live(const Callable& c) const {
@@ -133,19 +129,19 @@ SessionMemory Shared::memory() {
             cm.clone_bytes_outstanding = g.clone_bytes_outstanding;
             cm.clone_bytes_cached = g.clone_bytes_cached;
         }
-        for (const auto* per_mb : {&c.ext_out, &c.ext_gin, &c.ext_pgrad})
-            for (const auto& v : *per_mb) cm.torch_bytes += storage_bytes(v, seen);
-        cm.torch_bytes += storage_bytes(c.bucket_keep, seen);
+        for (const Instance& in : c.per_mb)
+            for (const auto* ts : {&in.ext_out, &in.ext_gin, &in.ext_pgrad, &in.bucket_pgrad})
+                cm.torch_bytes += storage_bytes(*ts, seen);
         for_each_pass_key(i, [&](size_t key) {
             if (key < rng.passes.size()) cm.torch_bytes += storage_bytes({rng.passes[key].device}, seen);
         });
         m.callables.push_back(std::move(cm));
     }
     // Only PyTorch's own allocator gives its segments.
-    if (pool_refs > 0 && c10::cuda::CUDACachingAllocator::name() == "native") {
+    if (route.pool_refs > 0 && c10::cuda::CUDACachingAllocator::name() == "native") {
         const auto snap = c10::cuda::CUDACachingAllocator::snapshot();
         for (const auto& seg : snap.segments)
-            if (seg.device == device && seg.owner_private_pool_id == pool) {
+            if (seg.device == device && seg.owner_private_pool_id == route.pool) {
                 m.torch_pool_reserved += seg.total_size;
                 m.torch_pool_allocated += seg.allocated_size;
             }
@@ -169,8 +165,8 @@ MemoryReport memory_report() {
 
 void Shared::drop_callbacks() {
     for (auto& c : callables) {
-        c->forward = nullptr;
-        c->hook = nullptr;
+        c->caller.forward = nullptr;
+        c->caller.hook = nullptr;
     }
     opts.pre_warmup_hook = nullptr;
     opts.post_warmup_hook = nullptr;
@@ -203,7 +199,7 @@ void Shared::reset() {
         step->outs.clear();
         step->gins.clear();
     }
-    for (; pool_refs > 0; --pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+    for (; route.pool_refs > 0; --route.pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, route.pool);
 }
 
 Shared::~Shared() {
@@ -211,9 +207,9 @@ Shared::~Shared() {
         reset();
     } catch (...) {
     }
-    if (ev_fork) cudaEventDestroy(ev_fork);
-    if (ev_join) cudaEventDestroy(ev_join);
-    if (ev_replay) cudaEventDestroy(ev_replay);
+    if (route.ev_fork) cudaEventDestroy(route.ev_fork);
+    if (route.ev_join) cudaEventDestroy(route.ev_join);
+    if (route.ev_replay) cudaEventDestroy(route.ev_replay);
     if (step && step->done) cudaEventDestroy(step->done);
 }
 

@@ -126,9 +126,9 @@ std::vector<at::Tensor> Shared::fresh_grads(const Callable& c) const {
     std::vector<at::Tensor> v;
     if (!fresh) return v;
     for (size_t j = 0; j < c.params.size(); ++j) {
-        if (j >= c.policies.size() || c.policies[j] != GRAPHED_GRAD_POLICY_COPY_INTO) continue;
+        if (c.param_info[j].policy != GRAPHED_GRAD_POLICY_COPY_INTO) continue;
         if (v.empty()) v.resize(c.params.size());
-        const Meta& m = c.param_meta[j];
+        const Meta& m = c.param_info[j].meta;
         v[j] = at::empty(m.sizes, options_of(m.dtype, device));
     }
     return v;
@@ -142,7 +142,7 @@ at::Tensor Shared::param_grad(const Callable& c, size_t j, uint32_t mb, graphed:
         case GRAPHED_REF_KIND_ACCUMULATE_INTO:
         case GRAPHED_REF_KIND_COPY_INTO:
         case GRAPHED_REF_KIND_NONE: return at::Tensor();
-        case GRAPHED_REF_KIND_CLONE: return wrap_clone(r, c.param_meta[j], device);
+        case GRAPHED_REF_KIND_CLONE: return wrap_clone(r, c.param_info[j].meta, device);
         default: break;
     }
     // An alias of a grad buffer the adapter provided at capture (a PyTorch
@@ -153,19 +153,15 @@ at::Tensor Shared::param_grad(const Callable& c, size_t j, uint32_t mb, graphed:
     // dropped graphs would never be freed.
     auto same = [&](const at::Tensor& t) { return t.defined() && t.data_ptr() == r.ptr(); };
     const at::Tensor* own = nullptr;
-    if (mb < c.ext_pgrad.size())
-        for (const at::Tensor& t : c.ext_pgrad[mb])
-            if (same(t)) own = &t;
-    for (const at::Tensor& t : c.bucket_keep)
-        if (!own && same(t)) own = &t;
-    const Meta& m = c.param_meta[j];
+    if (mb < c.per_mb.size())
+        for (const auto* ts : {&c.per_mb[mb].ext_pgrad, &c.per_mb[mb].bucket_pgrad})
+            for (const at::Tensor& t : *ts)
+                if (!own && same(t)) own = &t;
+    const Meta& m = c.param_info[j].meta;
     if (own && !r.lease()) return over(r.ptr(), m, options_of(m.dtype, device), [keep = *own](void*) {});
     if (own) {
         auto lease = std::make_shared<graphed::Lease>(std::move(r.lease()));
-        {
-            std::lock_guard<std::mutex> lock(lease_mu);
-            held[lease->id()] = c.who(mb) + c.param_name(j) + ".grad";
-        }
+        leases.hold(lease->id(), c.who(mb) + c.param_name(j) + ".grad");
         std::weak_ptr<Shared> weak = self;
         return over(r.ptr(), m, options_of(m.dtype, device), [keep = *own, weak, lease](void*) {
             if (auto s = weak.lock())
@@ -174,35 +170,45 @@ at::Tensor Shared::param_grad(const Callable& c, size_t j, uint32_t mb, graphed:
                 lease->reset();  // the session is gone: nothing left to release
         });
     }
-    return wrap_alias(r, c.param_meta[j], [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
+    return wrap_alias(r, c.param_info[j].meta, [&] { return c.who(mb) + c.param_name(j) + ".grad"; }, self);
 }
 
 // ---- leases ----------------------------------------------------------------------------------
 
+void StrictLeases::hold(uint64_t id, std::string what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_[id] = std::move(what);
+}
+
+void StrictLeases::forget(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.erase(id);
+}
+
+std::vector<std::string> StrictLeases::alive(const std::string& prefix) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> names;
+    for (const auto& [id, name] : held_)
+        if (name.rfind(prefix, 0) == 0) names.push_back(name);
+    std::sort(names.begin(), names.end());
+    return names;
+}
+
 at::Tensor Shared::wrap_leased(graphed::Ref& r, const Meta& m, std::string what, const std::shared_ptr<Shared>& self) {
     auto lease = std::make_shared<graphed::Lease>(std::move(r.lease()));
-    {
-        std::lock_guard<std::mutex> lock(lease_mu);
-        held[lease->id()] = std::move(what);
-    }
+    leases.hold(lease->id(), std::move(what));
     return over(r.ptr(), m, options_of(m.dtype, device), [self, lease](void*) { self->drop_lease(*lease); });
 }
 
 void Shared::drop_lease(graphed::Lease& lease) {
-    std::lock_guard<std::mutex> lock(lease_mu);
-    held.erase(lease.id());
+    leases.forget(lease.id());
     // After the session is destroyed the release has nothing left to do.
     lease.reset();
 }
 
 void Shared::alias_held(const graphed::Error& e, size_t callable, uint32_t mb) {
     std::string msg = std::string("graphed: ") + e.what();
-    std::lock_guard<std::mutex> lock(lease_mu);
-    const std::string prefix = callables[callable]->who(mb);
-    std::vector<std::string> alive;
-    for (auto& [lease, name] : held)
-        if (name.rfind(prefix, 0) == 0) alive.push_back(name);
-    std::sort(alive.begin(), alive.end());
+    const std::vector<std::string> alive = leases.alive(callables[callable]->who(mb));
     if (!alive.empty()) {
         msg += "\nStill alive:";
         for (auto& n : alive) msg += "\n  " + n;
