@@ -296,6 +296,27 @@ def test_refusals():
         step(idx[0], tgt[0])
 
 
+@pytest.mark.parametrize("param_grads", ["add", "set"])
+def test_refused_call_leaves_grads_and_generators(param_grads):
+    """A call refused after the grads set to None were re-attached (here:
+    the microbatch count, checked by the extension) leaves them None and
+    the generators where they were; the next call runs as it would have."""
+    mods = gpt(torch.float32, 0.1)
+    step = make_step(mods, 2, param_grads=param_grads)
+    idx, tgt = data(2)
+    step(idx[0], tgt[0])
+    params = [p for p in params_of(mods) if p.requires_grad]
+    for p in params:
+        p.grad = None
+    rng = torch.cuda.get_rng_state()
+    with pytest.raises(ValueError, match=r"microbatches asked"):
+        step(idx[1, :1], tgt[1, :1])
+    assert all(p.grad is None for p in params)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    step(idx[1], tgt[1])
+    assert all(p.grad is not None for p in params)
+
+
 def test_capture_refusals():
     mods = gpt(torch.float32, 0.0)
     x, _ = sample()

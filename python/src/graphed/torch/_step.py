@@ -95,12 +95,21 @@ class GraphedStep:
         if n is None:
             first = data[0] if data and isinstance(data[0], torch.Tensor) else None
             n = first.shape[0] if first is not None and self.microbatches > 1 else 0
-        self._destinations_ready()
-        return self._impl.replay(data, int(n))
+        attached = self._destinations_ready()
+        try:
+            return self._impl.replay(data, int(n))
+        except BaseException:
+            # A refused call changes nothing the caller sees: the attributes
+            # set to None are None again (the destinations, held by nothing
+            # else, may have been zeroed).
+            for p in attached:
+                setattr(p, self._attr, None)
+            raise
 
     def _destinations_ready(self):
         """Each parameter's attribute holds its destination again (zeroed
-        where it was set to None), or the call raises before anything runs."""
+        where it was set to None), or the call raises before anything runs.
+        Returns the parameters whose attribute it set."""
         attr, ext = self._attr, None
         # First every check (a refusal's traceback then holds no destination).
         none = []
@@ -133,6 +142,7 @@ class GraphedStep:
                 torch._foreach_zero_([self._dsts[k][3] for k, _ in none])
             for k, p in none:
                 setattr(p, attr, self._dsts[k][3])
+        return [p for _, p in none]
 
     @property
     def callables(self):
