@@ -15,40 +15,44 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# Each step's header says when it began; the last line, the whole time.
+SECONDS=0
+stage() { echo "== $* (at ${SECONDS} s)"; }
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 source .venv/cuda-env.sh
 
-echo "== import circles in src/"
+stage "import circles in src/"
 python3 scripts/import_cycles.py
 
-echo "== documentation: every relative link, page name and section number resolves"
+stage "documentation: every relative link, page name and section number resolves"
 python3 scripts/check_docs.py
 
-echo "== cargo test"
+stage "cargo test"
 cargo test --release --quiet
 
-echo "== cmake build"
+stage "cmake build"
 build="${GRAPHED_BUILD_DIR:-$root/build}"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$build"
 
-echo "== ctest"
+stage "ctest"
 (cd "$build" && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 
-echo "== ctest under ASan + UBSan + LeakSanitizer (host backend)"
+stage "ctest under ASan + UBSan + LeakSanitizer (host backend)"
 bash scripts/sanitize.sh | grep -E "tests passed|tests failed|sanitize:"
 
-echo "== fuzz the C ABI (libFuzzer, ASan, LeakSanitizer; a fixed budget, failing on any finding)"
+stage "fuzz the C ABI (libFuzzer, ASan, LeakSanitizer; a fixed budget, failing on any finding)"
 bash scripts/fuzz.sh "${GRAPHED_FUZZ_SECONDS:-180}"
 
-echo "== ThreadSanitizer (tests/threads.rs, std rebuilt with TSan)"
+stage "ThreadSanitizer (tests/threads.rs, std rebuilt with TSan)"
 bash scripts/tsan.sh
 
-echo "== pytest (the Python package; needs torch and a GPU for most tests)"
+stage "pytest (the Python package; needs torch and a GPU for most tests)"
 .venv/bin/python -m pytest python/tests -q -rs -p no:cacheprovider | tail -40
 
-echo "== the PyTorch extension against the oldest and the newest supported torch (CPU: builds, loads, tests without a GPU)"
+stage "the PyTorch extension against the oldest and the newest supported torch (CPU: builds, loads, tests without a GPU)"
 bash scripts/torch-compat.sh
 
 bash scripts/skip-report.sh "$build"
+echo "scripts/test.sh: every step passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
