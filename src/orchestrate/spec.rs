@@ -8,6 +8,7 @@ use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::core::schedule::ScheduleStep;
 use crate::core::PassKind;
+use crate::error::{Error, Result};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -160,9 +161,32 @@ impl CallableSpec {
         self.buckets.get(b).copied().unwrap_or(0)
     }
 
-    /// The smallest bucket holding `size` rows, if one does.
-    pub fn bucket_for(&self, size: u64) -> Option<usize> {
-        self.buckets.iter().position(|&b| b >= size)
+    /// The bucket a forward replay given `size` rows (its `args.size`,
+    /// named `what` in messages) runs: the smallest bucket holding them;
+    /// bucket 0, its one shape, for a callable without buckets given no
+    /// size. Refused, naming the callable: a size without buckets, none
+    /// (0) with buckets, a size above the largest bucket. Replays choose
+    /// by it, and the bucket query answers by it.
+    pub fn forward_bucket(&self, size: u64, what: &str) -> Result<usize> {
+        let (name, buckets) = (&self.name, &self.buckets);
+        let Some(&largest) = buckets.last() else {
+            return match size {
+                0 => Ok(0),
+                n => Err(Error::invalid(format!(
+                    "{what} is {n}, but callable '{name}' has no buckets: a replay of it names no size (0)"
+                ))),
+            };
+        };
+        if size == 0 {
+            return Err(Error::invalid(format!(
+                "callable '{name}' has buckets {buckets:?}: a forward replay names its actual size ({what})"
+            )));
+        }
+        buckets.iter().position(|&b| b >= size).ok_or_else(|| {
+            Error::invalid(format!(
+                "{what} {size} is above the largest bucket of callable '{name}' ({largest}; buckets {buckets:?})"
+            ))
+        })
     }
 }
 

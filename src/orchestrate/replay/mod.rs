@@ -169,7 +169,7 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
     };
     // Checks the callable and the microbatch; the largest bucket's.
     let largest = p.cap.instance_index(a.callable, a.microbatch)?;
-    let (name, buckets) = (&spec.name, &spec.buckets);
+    let name = &spec.name;
     if kind != PassKind::Forward {
         let last = p.cap.last_forward[a.callable as usize];
         return match last {
@@ -213,19 +213,12 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
         }
         return Ok((largest, Rows::Device));
     }
-    if a.size == 0 {
-        return Err(Error::invalid(format!(
-            "callable '{name}' has buckets {buckets:?}: a forward replay names its actual size (args.size)"
-        )));
-    }
-    let b = spec.bucket_for(a.size).ok_or_else(|| {
-        Error::invalid(format!(
-            "args.size {} is above the largest bucket of callable '{name}' ({}; buckets {buckets:?}): nothing \
-             was enqueued",
-            a.size,
-            buckets.last().copied().unwrap_or(0)
-        ))
-    })?;
+    let b = spec
+        .forward_bucket(a.size, "args.size")
+        .map_err(|e| match e {
+            Error::InvalidArgument(m) => Error::invalid(format!("{m}: nothing was enqueued")),
+            e => e,
+        })?;
     Ok((
         p.cap.by_callable[a.callable as usize][b],
         Rows::Host(a.size),
