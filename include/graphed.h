@@ -1042,6 +1042,27 @@ typedef struct graphed_pass_ctx {
    * during warmup. NULL otherwise.
    */
   const uint64_t *actual_size;
+  /**
+   * The position of this pass in the session's capture order (0-based):
+   * the order graphed_schedule_passes gives (and graphed_release.after
+   * counts in), bucket round by bucket round for callables with
+   * buckets (round b holds the passes of the callables with more than b
+   * buckets, in that order). The same in every warmup iteration (which
+   * runs the passes in that order), in the pass's own capture, and in
+   * the captures of its clone slots and of a step that repeat it.
+   */
+  uint32_t capture_position;
+  /**
+   * The instance this call records: (callable, microbatch, bucket)
+   * numbered callable by callable, microbatch by microbatch, bucket by
+   * bucket: first(c) + microbatch * buckets(c) + bucket, where
+   * buckets(c) is the callable's bucket count (1 without buckets) and
+   * first(c) the sum of microbatches * buckets(k) over the callables k
+   * before c. Dense (0 to graphed_session_stats.instances - 1), fixed
+   * for the session's captured life, and what
+   * graphed_session_instance_of answers after capture.
+   */
+  uint32_t instance;
 } graphed_pass_ctx;
 
 /**

@@ -103,6 +103,23 @@ pub struct graphed_pass_ctx {
     /// must mask or average over the actual rows. It holds bucket_size
     /// during warmup. NULL otherwise.
     pub actual_size: *const u64,
+    /// The position of this pass in the session's capture order (0-based):
+    /// the order graphed_schedule_passes gives (and graphed_release.after
+    /// counts in), bucket round by bucket round for callables with
+    /// buckets (round b holds the passes of the callables with more than b
+    /// buckets, in that order). The same in every warmup iteration (which
+    /// runs the passes in that order), in the pass's own capture, and in
+    /// the captures of its clone slots and of a step that repeat it.
+    pub capture_position: u32,
+    /// The instance this call records: (callable, microbatch, bucket)
+    /// numbered callable by callable, microbatch by microbatch, bucket by
+    /// bucket: first(c) + microbatch * buckets(c) + bucket, where
+    /// buckets(c) is the callable's bucket count (1 without buckets) and
+    /// first(c) the sum of microbatches * buckets(k) over the callables k
+    /// before c. Dense (0 to graphed_session_stats.instances - 1), fixed
+    /// for the session's captured life, and what
+    /// graphed_session_instance_of answers after capture.
+    pub instance: u32,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.
@@ -204,6 +221,8 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
         num_buckets: v.buckets,
         bucket_size: v.bucket_size,
         actual_size: v.actual_size as *const u64,
+        capture_position: v.position,
+        instance: v.instance,
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.

@@ -106,6 +106,11 @@ pub struct PassView<'a> {
     pub buckets: u32,
     pub bucket_size: u64,
     pub actual_size: DevPtr,
+    /// The pass's position in the session's capture order (the same in
+    /// every warmup iteration, in its own capture, its clone slots' and a
+    /// step's), and the instance it belongs to (`Captured::instances`).
+    pub position: u32,
+    pub instance: u32,
     pub stream: StreamRef,
     pub inputs: &'a [DevPtr],
     pub params: &'a [DevPtr],

@@ -148,7 +148,12 @@ impl Runner<'_> {
         let inst = &self.placed[p.instance];
         let spec = &self.s.callables[inst.callable];
         let bucketed = !spec.buckets.is_empty();
+        // Every pass that runs is in the order (placement numbered them).
+        let position = inst.position[p.kind.index()];
+        debug_assert!(position.is_some(), "a pass outside the capture order");
         PassView {
+            position: position.unwrap_or(0) as u32,
+            instance: p.instance as u32,
             bucket: inst.bucket,
             buckets: spec.buckets.len() as u32,
             bucket_size: spec.bucket_size(inst.bucket as usize),
