@@ -2244,6 +2244,69 @@ graphed_status graphed_session_params_movable(struct graphed_session *session,
                                               size_t count);
 
 /**
+ * Writes which bucket a forward replay of `callable` given `size` rows
+ * (graphed_replay_args.size) runs to `*bucket_out`, and that bucket's size
+ * (the first dimension of its DYNAMIC tensors, as ctx->bucket_size) to
+ * `*bucket_size_out`: the smallest bucket holding `size`, by the rule
+ * replays choose by. A callable without buckets answers 0 and 0 for a
+ * size of 0. Answered from registration: before capture too.
+ * GRAPHED_STATUS_INVALID_ARGUMENT, naming the callable: a callable that
+ * does not exist; a size on a callable without buckets; 0 on one with
+ * buckets; a size above its largest bucket (which a forward is refused,
+ * and which a device-chosen replay runs no bucket for). After a reset:
+ * GRAPHED_STATUS_SESSION_RESET.
+ *
+ * # Safety
+ * The outputs must be NULL or writable.
+ */
+graphed_status graphed_session_bucket_of(struct graphed_session *session,
+                                         uint32_t callable,
+                                         uint64_t size,
+                                         uint32_t *bucket_out,
+                                         uint64_t *bucket_size_out);
+
+/**
+ * Writes the instance number of (callable, microbatch, bucket) of a
+ * captured session to `*instance_out`: what graphed_pass_ctx.instance
+ * was in the callbacks of its passes. Instances are numbered callable by
+ * callable, microbatch by microbatch, bucket by bucket, from 0 to
+ * graphed_session_stats.instances - 1; a released callable keeps its
+ * numbers. `bucket` is 0 for a callable without buckets; a callable with
+ * buckets has one microbatch. A callable, microbatch or bucket that does
+ * not exist is GRAPHED_STATUS_INVALID_ARGUMENT.
+ *
+ * # Safety
+ * `instance_out` must be NULL or writable.
+ */
+graphed_status graphed_session_instance_of(struct graphed_session *session,
+                                           uint32_t callable,
+                                           uint32_t microbatch,
+                                           uint32_t bucket,
+                                           uint32_t *instance_out);
+
+/**
+ * Writes where the graphs of (callable, microbatch) of a captured session
+ * read each parameter now to `addresses` (`count` = its parameter count):
+ * where it was registered, until a forward replay given another address
+ * (graphed_replay_args.params, also a step replayed pass by pass) pointed
+ * them there; every bucket follows the same moves. The next forward
+ * given no address (NULL) for a parameter reads it there. A step's own
+ * graphs keep addresses of their own (where its last replay had them).
+ * NULL where the graphs do not read it at one known address (a driver
+ * error while they were pointed elsewhere: the next replay given an
+ * address points them all again). Refused for a released callable
+ * (GRAPHED_STATUS_CALLABLE_RELEASED: its graphs are gone).
+ *
+ * # Safety
+ * `addresses` must have room for `count` pointers.
+ */
+graphed_status graphed_session_param_addresses(struct graphed_session *session,
+                                               uint32_t callable,
+                                               uint32_t microbatch,
+                                               void **addresses,
+                                               size_t count);
+
+/**
  * Writes the static-buffer plan of a captured session as text (one line
  * per buffer: callable, microbatch, role, size, offset, memory slot,
  * lifetime in capture-order pass positions) into `buffer` (`capacity`

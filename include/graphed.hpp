@@ -576,6 +576,13 @@ struct DeviceMemory {
     size_t total = 0;
 };
 
+/// The bucket a forward replay of a size runs, and its size (the first
+/// dimension of its DYNAMIC tensors); 0 and 0 without buckets.
+struct Bucket {
+    uint32_t index = 0;
+    uint64_t size = 0;
+};
+
 namespace detail {
 
 /// Room for `n` C refs: on the stack for the usual few, else on the heap,
@@ -755,6 +762,31 @@ class Session {
         std::vector<uint32_t> codes(arity(callable).params);
         check(graphed_session_params_movable(raw_, callable, microbatch, codes.data(), codes.size()));
         return std::vector<bool>(codes.begin(), codes.end());
+    }
+
+    /// Which bucket a forward replay of `callable` given `size` rows runs
+    /// (graphed_session_bucket_of; before capture too).
+    Bucket bucket_of(uint32_t callable, uint64_t size) const {
+        Bucket b;
+        check(graphed_session_bucket_of(raw_, callable, size, &b.index, &b.size));
+        return b;
+    }
+
+    /// The instance number of (callable, microbatch, bucket) of a captured
+    /// session: graphed_pass_ctx.instance in its callbacks
+    /// (graphed_session_instance_of).
+    uint32_t instance_of(uint32_t callable, uint32_t microbatch = 0, uint32_t bucket = 0) const {
+        uint32_t n = 0;
+        check(graphed_session_instance_of(raw_, callable, microbatch, bucket, &n));
+        return n;
+    }
+
+    /// Where the graphs of (callable, microbatch) read each parameter now
+    /// (graphed_session_param_addresses).
+    std::vector<void*> param_addresses(uint32_t callable, uint32_t microbatch = 0) const {
+        std::vector<void*> out(arity(callable).params);
+        check(graphed_session_param_addresses(raw_, callable, microbatch, out.data(), out.size()));
+        return out;
     }
 
     /// The frozen grad policy of each parameter of a captured callable.

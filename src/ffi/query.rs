@@ -1,6 +1,7 @@
 //! What a captured session can be asked of its callables: their arity,
 //! their static buffers, which inputs and parameters replays rebind, their
-//! frozen grad policies, and the buffer plan as text.
+//! frozen grad policies, the bucket a size runs, their instance numbers,
+//! where their graphs read the parameters, and the buffer plan as text.
 
 use super::args::{arg_out, check_out_array, write_answer};
 use super::boundary::boundary;
@@ -193,6 +194,115 @@ pub unsafe extern "C" fn graphed_session_params_movable(
             "movable",
             "the callable's parameters number",
         )
+    })
+}
+
+/// Writes which bucket a forward replay of `callable` given `size` rows
+/// (graphed_replay_args.size) runs to `*bucket_out`, and that bucket's size
+/// (the first dimension of its DYNAMIC tensors, as ctx->bucket_size) to
+/// `*bucket_size_out`: the smallest bucket holding `size`, by the rule
+/// replays choose by. A callable without buckets answers 0 and 0 for a
+/// size of 0. Answered from registration: before capture too.
+/// GRAPHED_STATUS_INVALID_ARGUMENT, naming the callable: a callable that
+/// does not exist; a size on a callable without buckets; 0 on one with
+/// buckets; a size above its largest bucket (which a forward is refused,
+/// and which a device-chosen replay runs no bucket for). After a reset:
+/// GRAPHED_STATUS_SESSION_RESET.
+///
+/// # Safety
+/// The outputs must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_bucket_of(
+    session: *mut graphed_session,
+    callable: u32,
+    size: u64,
+    bucket_out: *mut u32,
+    bucket_size_out: *mut u64,
+) -> graphed_status {
+    boundary("graphed_session_bucket_of", || {
+        let cell = self::session(session)?;
+        let (b, n) = (
+            arg_out(bucket_out, "bucket_out")?,
+            arg_out(bucket_size_out, "bucket_size_out")?,
+        );
+        let (bucket, bucket_size) = cell.lock()?.bucket_of(callable, size)?;
+        // SAFETY: both checked non-NULL and aligned.
+        unsafe {
+            b.write(bucket);
+            n.write(bucket_size);
+        }
+        Ok(())
+    })
+}
+
+/// Writes the instance number of (callable, microbatch, bucket) of a
+/// captured session to `*instance_out`: what graphed_pass_ctx.instance
+/// was in the callbacks of its passes. Instances are numbered callable by
+/// callable, microbatch by microbatch, bucket by bucket, from 0 to
+/// graphed_session_stats.instances - 1; a released callable keeps its
+/// numbers. `bucket` is 0 for a callable without buckets; a callable with
+/// buckets has one microbatch. A callable, microbatch or bucket that does
+/// not exist is GRAPHED_STATUS_INVALID_ARGUMENT.
+///
+/// # Safety
+/// `instance_out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_instance_of(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    bucket: u32,
+    instance_out: *mut u32,
+) -> graphed_status {
+    boundary("graphed_session_instance_of", || {
+        let cell = self::session(session)?;
+        // SAFETY: per this function's contract.
+        unsafe {
+            write_answer(instance_out, "instance_out", || {
+                cell.lock()?.instance_of(callable, microbatch, bucket)
+            })
+        }
+    })
+}
+
+/// Writes where the graphs of (callable, microbatch) of a captured session
+/// read each parameter now to `addresses` (`count` = its parameter count):
+/// where it was registered, until a forward replay given another address
+/// (graphed_replay_args.params, also a step replayed pass by pass) pointed
+/// them there; every bucket follows the same moves. The next forward
+/// given no address (NULL) for a parameter reads it there. A step's own
+/// graphs keep addresses of their own (where its last replay had them).
+/// NULL where the graphs do not read it at one known address (a driver
+/// error while they were pointed elsewhere: the next replay given an
+/// address points them all again). Refused for a released callable
+/// (GRAPHED_STATUS_CALLABLE_RELEASED: its graphs are gone).
+///
+/// # Safety
+/// `addresses` must have room for `count` pointers.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_param_addresses(
+    session: *mut graphed_session,
+    callable: u32,
+    microbatch: u32,
+    addresses: *mut *mut c_void,
+    count: usize,
+) -> graphed_status {
+    boundary("graphed_session_param_addresses", || {
+        let cell = self::session(session)?;
+        let at = cell.lock()?.param_addresses(callable, microbatch)?;
+        if count != at.len() {
+            return Err(Error::invalid(format!(
+                "count is {count}; the callable has {} parameters",
+                at.len()
+            )));
+        }
+        let stride = size_of::<*mut c_void>();
+        check_out_array(addresses, at.len(), stride, stride, "addresses")?;
+        for (i, &p) in at.iter().enumerate() {
+            // SAFETY: checked: room for `count` aligned pointers.
+            unsafe { addresses.add(i).write(p as *mut c_void) };
+        }
+        Ok(())
     })
 }
 

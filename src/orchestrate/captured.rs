@@ -217,6 +217,40 @@ impl Captured {
         self.microbatch_index(callable, microbatch)
     }
 
+    /// The instance of (callable, microbatch, bucket): instances are
+    /// placed callable by callable, microbatch by microbatch, bucket by
+    /// bucket (`place::first_instances`), so the index is dense.
+    pub fn instance_of(&self, callable: u32, microbatch: u32, bucket: u32) -> Result<usize> {
+        let per = self.per_callable(callable)?;
+        let buckets = self.bucket_count(callable as usize);
+        if bucket as usize >= buckets {
+            let has = match buckets {
+                1 => "it has no buckets: bucket 0 is its one shape".to_string(),
+                n => format!("it has {n} buckets"),
+            };
+            return Err(Error::invalid(format!(
+                "bucket {bucket} does not exist for callable {callable} ({has})"
+            )));
+        }
+        let microbatches = per.len() / buckets;
+        if microbatch as usize >= microbatches {
+            return Err(Error::invalid(format!(
+                "microbatch {microbatch} does not exist for callable {callable} (it was captured for \
+                 {microbatches} microbatch(es))"
+            )));
+        }
+        Ok(per[microbatch as usize * buckets + bucket as usize])
+    }
+
+    /// The instances of (callable, microbatch), one per bucket.
+    pub fn bucket_instances(&self, callable: u32, microbatch: u32) -> Result<&[usize]> {
+        self.instance_index(callable, microbatch)?;
+        let per = self.per_callable(callable)?;
+        let buckets = self.bucket_count(callable as usize);
+        let first = microbatch as usize * buckets;
+        Ok(&per[first..first + buckets])
+    }
+
     /// How many buckets callable `c` was captured in (1: one shape).
     pub fn bucket_count(&self, c: usize) -> usize {
         let per = self.by_callable.get(c).map_or(&[][..], Vec::as_slice);

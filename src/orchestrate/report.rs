@@ -173,6 +173,61 @@ impl Session {
         Ok(inst.params.iter().map(|q| q.movable()).collect())
     }
 
+    /// The bucket a forward replay of callable `callable` given `size`
+    /// rows runs, and that bucket's size: the rule replays choose by
+    /// (`CallableSpec::forward_bucket`); (0, 0) for a callable without
+    /// buckets given no size. Answered from registration, before capture
+    /// too; refused once the session is reset.
+    pub fn bucket_of(&self, callable: u32, size: u64) -> Result<(u32, u64)> {
+        if let State::Reset = self.state {
+            return Err(Error::SessionReset(
+                "its graphs were released by its reset; destroy it".into(),
+            ));
+        }
+        let spec = self.callables.get(callable as usize).ok_or_else(|| {
+            Error::invalid(format!(
+                "callable {callable} does not exist (the session has {})",
+                self.callables.len()
+            ))
+        })?;
+        let b = spec.forward_bucket(size, "size")?;
+        Ok((b as u32, spec.bucket_size(b)))
+    }
+
+    /// The instance number of (callable, microbatch, bucket) in a captured
+    /// session, as callbacks saw it (`PassView::instance`); released
+    /// callables keep theirs.
+    pub fn instance_of(&self, callable: u32, microbatch: u32, bucket: u32) -> Result<u32> {
+        Ok(self.captured()?.instance_of(callable, microbatch, bucket)? as u32)
+    }
+
+    /// Where the graphs of (callable, microbatch) read each parameter now:
+    /// where it was registered until a forward replay given another
+    /// address pointed them there (every bucket follows the same moves).
+    /// 0 where its buckets' graphs do not agree on one known address (a
+    /// rebind that failed part way: the next replay given an address
+    /// points them all again). Refused once the callable is released (its
+    /// graphs are gone).
+    pub fn param_addresses(&self, callable: u32, microbatch: u32) -> Result<Vec<DevPtr>> {
+        let cap = self.captured()?;
+        let all = cap.bucket_instances(callable, microbatch)?;
+        self.check_live(callable, "asking where its graphs read its parameters")?;
+        let first = &cap.instances[all[0]].params;
+        Ok((0..first.len())
+            .map(|j| {
+                let at = first[j].bound();
+                let agree = all[1..]
+                    .iter()
+                    .all(|&n| cap.instances[n].params.get(j).map(|q| q.bound()) == Some(at));
+                if agree {
+                    at
+                } else {
+                    0
+                }
+            })
+            .collect())
+    }
+
     /// The frozen grad policy of each parameter of a callable (None where
     /// it takes no gradient).
     pub fn policies(&self, callable: u32) -> Result<&[Option<GradPolicy>]> {

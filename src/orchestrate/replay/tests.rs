@@ -349,3 +349,110 @@ fn a_parameter_moved_in_one_bucket_is_read_there_by_every_bucket() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+#[test]
+fn param_addresses_say_where_the_graphs_read_the_parameters_after_each_move() {
+    let (f, mem) = layer(true);
+    let b = f.backend.clone();
+    let one = Moved::new(&b, 1.0, 0);
+    let ten = Moved::new(&b, 10.0, 0);
+    let odd = Moved::new(&b, 5.0, 4);
+    let mut s = session(f);
+    let reg = [mem[0].ptr(), mem[1].ptr()];
+    assert_eq!(s.param_addresses(0, 0).unwrap(), reg, "registered");
+    forward(&mut s, &b, one.ptr(), Some(&[ten.ptr(), 0])).unwrap();
+    let moved = [ten.ptr(), mem[1].ptr()];
+    assert_eq!(s.param_addresses(0, 0).unwrap(), moved);
+    // A refused move changes nothing; a backward moves nothing.
+    assert!(forward(&mut s, &b, one.ptr(), Some(&[odd.ptr(), 0])).is_err());
+    let grad = [one.ptr()];
+    s.backward(&args(0, Some(&grad), None)).unwrap();
+    assert_eq!(s.param_addresses(0, 0).unwrap(), moved);
+    // What a forward given no address reads.
+    assert_eq!(forward(&mut s, &b, one.ptr(), None).unwrap(), 14.0);
+    forward(&mut s, &b, one.ptr(), Some(&reg)).unwrap();
+    assert_eq!(s.param_addresses(0, 0).unwrap(), reg, "moved back");
+    let e = s.param_addresses(0, 1).unwrap_err();
+    assert!(e.to_string().contains("microbatch 1 does not exist"), "{e}");
+    let e = s.param_addresses(1, 0).unwrap_err();
+    assert!(e.to_string().contains("callable 1 does not exist"), "{e}");
+    s.release_callable(0).unwrap();
+    let e = s.param_addresses(0, 0).unwrap_err();
+    assert!(matches!(e, Error::CallableReleased(_)), "{e}");
+    s.reset().unwrap();
+    let e = s.param_addresses(0, 0).unwrap_err();
+    assert!(matches!(e, Error::SessionReset(_)), "{e}");
+}
+
+#[test]
+fn param_addresses_of_a_step_s_callables_move_only_pass_by_pass() {
+    // The step's own graph follows: its callables' graphs stay.
+    let (mut s, b, mem) = step(false);
+    let ten = Moved::new(&b, 10.0, 0);
+    step_out(&mut s, &b, Some(&[ten.ptr(), 0])).unwrap();
+    assert_eq!(s.param_addresses(0, 0).unwrap(), [mem[0].ptr()]);
+    assert_eq!(s.param_addresses(1, 0).unwrap(), [mem[1].ptr()]);
+    // Tied parameters: the step replays pass by pass, each forward moving
+    // its callable's graphs.
+    let (mut s, b, _mem) = step(true);
+    let ten = Moved::new(&b, 10.0, 0);
+    step_out(&mut s, &b, Some(&[ten.ptr(), ten.ptr()])).unwrap();
+    assert_eq!(s.param_addresses(0, 0).unwrap(), [ten.ptr()]);
+    assert_eq!(s.param_addresses(1, 0).unwrap(), [ten.ptr()]);
+}
+
+#[test]
+fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
+    let (mut f, mem) = layer(true);
+    let c = &mut f.callables[0];
+    c.buckets = vec![2, N as u64];
+    c.inputs[0].dynamic = true;
+    c.outputs[0].dynamic = true;
+    let b = f.backend.clone();
+    let one = Moved::new(&b, 1.0, 0);
+    let ten = Moved::new(&b, 10.0, 0);
+    let other = Moved::new(&b, 7.0, 0);
+    let mut s = session(f);
+    let n = N as u64;
+    assert_eq!(s.bucket_of(0, 1).unwrap(), (0, 2));
+    assert_eq!(s.bucket_of(0, 2).unwrap(), (0, 2));
+    assert_eq!(s.bucket_of(0, 3).unwrap(), (1, n));
+    assert_eq!(s.bucket_of(0, n).unwrap(), (1, n));
+    for (size, words) in [
+        (n + 1, format!("size {} is above the largest bucket", n + 1)),
+        (0, "names its actual size (size)".to_string()),
+    ] {
+        let e = s.bucket_of(0, size).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains(&words), "{e}");
+        assert!(e.to_string().contains("callable 'a'"), "{e}");
+    }
+    assert_eq!(
+        (
+            s.instance_of(0, 0, 0).unwrap(),
+            s.instance_of(0, 0, 1).unwrap()
+        ),
+        (0, 1)
+    );
+    let e = s.instance_of(0, 0, 2).unwrap_err();
+    assert!(e.to_string().contains("it has 2 buckets"), "{e}");
+    let e = s.instance_of(0, 1, 0).unwrap_err();
+    assert!(e.to_string().contains("microbatch 1 does not exist"), "{e}");
+    // A forward in the small bucket moves every bucket's graphs.
+    let data = [one.ptr()];
+    let at = [ten.ptr(), 0];
+    s.forward(&ReplayArgs {
+        size: 2,
+        ..args(0, Some(&data), Some(&at))
+    })
+    .unwrap();
+    assert_eq!(s.param_addresses(0, 0).unwrap(), [ten.ptr(), mem[1].ptr()]);
+    // Buckets whose graphs read a parameter at different addresses (as
+    // after a rebind that failed part way): no one address to answer.
+    let super::super::session::State::Captured(cap) = &mut s.state else {
+        panic!("captured")
+    };
+    let first = cap.by_callable[0][0];
+    cap.instances[first].params[0].bind(other.ptr()).unwrap();
+    assert_eq!(s.param_addresses(0, 0).unwrap(), [0, mem[1].ptr()]);
+}
