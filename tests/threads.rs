@@ -10,7 +10,8 @@
 //! destroy a session while another thread replays it, which must give
 //! BUSY or USE_AFTER_DESTROY and never a crash; and replay with the
 //! parameters' addresses given (moved ones refused) while other threads
-//! read the stats and which parameters can move; and release one callable
+//! read the stats, which parameters can move and where the graphs read
+//! them; and release one callable
 //! of a session while threads replay both of its callables and others read
 //! the process's memory figures and the callables' memory. Every status is
 //! checked.
@@ -707,12 +708,37 @@ fn params_movable(h: H) -> (graphed_status, [u32; 2]) {
     (s, on)
 }
 
+/// Where the graphs read the parameters (graphed_session_param_addresses),
+/// the instance number and the bucket a forward runs of the one instance,
+/// into `at`: the three statuses (BUSY while another call is inside the
+/// session).
+fn answers(h: H, at: &mut [usize; 2]) -> [graphed_status; 3] {
+    let (mut inst, mut bucket, mut rows) = (7u32, 7u32, 7u64);
+    // SAFETY: room for two addresses; locals.
+    let got = unsafe {
+        [
+            graphed_session_param_addresses(h.p(), 0, 0, at.as_mut_ptr().cast(), 2),
+            graphed_session_instance_of(h.p(), 0, 0, 0, &mut inst),
+            graphed_session_bucket_of(h.p(), 0, 0, &mut bucket, &mut rows),
+        ]
+    };
+    // Instance 0; bucket 0, of size 0 (no buckets); untouched when refused.
+    let inst_want = if got[1] == S::Ok { 0 } else { 7 };
+    assert_eq!(inst, inst_want, "instance_of");
+    let bucket_want = if got[2] == S::Ok { (0, 0) } else { (7, 7) };
+    assert_eq!((bucket, rows), bucket_want, "bucket_of");
+    got
+}
+
 /// Replays given the parameters' addresses from two threads (the
 /// registered ones, NULL entries, a moved one the host backend refuses
 /// with PARAM_MOVED, a backward at another address than its forward's)
-/// while two others read the stats and graphed_session_params_movable.
-/// Every refusal names what it refused on the thread that got it; nothing
-/// a refused replay was given is ever counted as a move.
+/// while three others read the stats, graphed_session_params_movable and
+/// where the graphs read the parameters (with the instance number and the
+/// bucket a forward runs). Every refusal names what it refused on the
+/// thread that got it; nothing a refused replay was given is ever counted
+/// as a move, and the graphs read the parameters where they were
+/// registered throughout.
 #[test]
 fn params_given_while_others_query() {
     // Param 0 asks to move; the host backend refuses it at capture.
@@ -811,12 +837,31 @@ fn params_given_while_others_query() {
             }
             assert!(answered > 0, "params_movable never got through");
         });
+        sc.spawn(move || {
+            let end = Instant::now() + Duration::from_millis(300);
+            let mut answered = 0;
+            while Instant::now() < end {
+                let mut at = [0x77usize; 2];
+                let got = answers(h, &mut at);
+                for &s in &got {
+                    one_of(s, &[S::Ok, S::Busy]);
+                }
+                if got[0] == S::Ok {
+                    assert_eq!(at, reg, "the registered addresses: nothing moves");
+                    answered += 1;
+                } else {
+                    assert_eq!(at, [0x77; 2], "addresses written while BUSY");
+                }
+            }
+            assert!(answered > 0, "param_addresses never got through");
+        });
     });
     let (s, st) = stats(h);
     ok(s);
     assert_eq!((st.param_moves, st.clone_blocks_outstanding), (0, 0));
     ok(graphed_session_destroy(h.p()));
     assert_eq!(params_movable(h).0, S::UseAfterDestroy);
+    assert_eq!(answers(h, &mut [0; 2]), [S::UseAfterDestroy; 3]);
 }
 
 /// One callable of a session released (graphed_session_release_callable)
@@ -936,6 +981,21 @@ fn release_callable_while_others_replay() {
                     assert_eq!(cm.released, 0);
                     assert!(cm.own_static_bytes > 0);
                     answered += 1;
+                }
+                // Where the graphs read the parameters: refused once
+                // callable 0 is released.
+                let mut at = [0usize; 2];
+                for (c, allowed) in [
+                    (0, &[S::Ok, S::Busy, S::CallableReleased][..]),
+                    (1, &[S::Ok, S::Busy]),
+                ] {
+                    // SAFETY: room for two addresses.
+                    let s = unsafe {
+                        graphed_session_param_addresses(h.p(), c, 0, at.as_mut_ptr().cast(), 2)
+                    };
+                    if one_of(s, allowed) == S::CallableReleased {
+                        assert!(released.load(Ordering::SeqCst));
+                    }
                 }
             }
             assert!(answered > 0, "callable memory never got through");
