@@ -587,6 +587,40 @@ TEST_P(MovedParams, RefusedMovesEnqueueNothingAndTheNextReplayIsExact) {
     EXPECT_EQ(0u, s.stats().clone_bytes_outstanding);
 }
 
+// (g) graphed_session_param_addresses says where the graphs read each
+// parameter: where it was registered, then where each forward that moved
+// it pointed them (a NULL entry keeps one where it is), never where a
+// refused move asked; a backward moves nothing; a forward given no address
+// computes with the parameters there. On the host every move is refused
+// and the answer stays the registered addresses.
+TEST_P(MovedParams, ParamAddressesSayWhereTheGraphsReadThem) {
+    graphed::Session s = captured(config());
+    const std::vector<void*> registered = {reg.w.get(), reg.b.get()};
+    EXPECT_EQ(registered, s.param_addresses(0));
+    Params moved = params(11);
+    if (!movable()) {
+        EXPECT_TRUE(throws(GRAPHED_STATUS_PARAM_MOVED, [&] { replayed(s, 0, moved.at()); }, "moved from"));
+        EXPECT_EQ(registered, s.param_addresses(0)) << "after a refused move";
+        return;
+    }
+    replayed(s, 0, moved.at());
+    const std::vector<void*> both = {moved.w.get(), moved.b.get()};
+    EXPECT_EQ(both, s.param_addresses(0));
+    // The weight back, the bias where it is (a NULL entry).
+    replayed(s, 1, {reg.w.get(), nullptr});
+    const std::vector<void*> mixed = {reg.w.get(), moved.b.get()};
+    EXPECT_EQ(mixed, s.param_addresses(0));
+    // A less aligned address: refused, nothing moves.
+    Buffer big(*dev, size_t(OUT) * IN * 4 + 256);
+    const void* odd = static_cast<char*>(big.get()) + 4;
+    EXPECT_TRUE(throws(GRAPHED_STATUS_PARAM_MOVED, [&] { replayed(s, 2, {odd, nullptr}); }, "aligned to 4 bytes"));
+    EXPECT_EQ(mixed, s.param_addresses(0)) << "after a refused move";
+    // Where it says, a forward given no address reads them.
+    expect_same(eager(reg.w.get(), moved.b.get(), 2), replayed(s, 2, {}), "no address array");
+    EXPECT_EQ(mixed, s.param_addresses(0));
+    EXPECT_EQ(3u, s.stats().param_moves);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, MovedParams,
                          ::testing::Values(Kernels::Host, Kernels::Cuda, Kernels::Cublas), KernelsName());
 
