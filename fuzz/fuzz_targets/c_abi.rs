@@ -8,6 +8,7 @@
 //! fuzzed descriptors, capture, replay forward/backward/weight-grad with
 //! fuzzed arguments, release and retain clone blocks and leases (live,
 //! stale and forged), query stats, buffers, policies and the plan dump,
+//! the bucket a size runs, instance numbers and parameter addresses,
 //! release callables of captured sessions and ask what graphed holds
 //! (the process's figures, each callable's memory), declare steps (over
 //! microbatches, with io copies into harness memory,
@@ -84,6 +85,8 @@ macro_rules! trace {
     };
 }
 
+#[path = "c_abi/answers.rs"]
+mod answers;
 #[path = "c_abi/buffers.rs"]
 mod buffers;
 #[path = "c_abi/callables.rs"]
@@ -119,6 +122,7 @@ mod streams;
 #[path = "c_abi/world.rs"]
 mod world;
 
+use answers::*;
 use buffers::*;
 use callables::*;
 use callbacks::*;
@@ -266,13 +270,18 @@ fn run(data: &[u8]) {
                 // i.below(12), read as its byte: 251 (once op_misc)
                 // moves parameters in a session of its own; 248 to 250
                 // (once op_driver_version, op_release_on and
-                // op_schedule_passes) ask about and give back memory;
-                // every other byte keeps its meaning.
+                // op_schedule_passes) ask about and give back memory; 252
+                // to 254 (once op_add_step) ask which bucket a size runs,
+                // instance numbers and parameter addresses; every other
+                // byte keeps its meaning.
                 _ => match i.byte() {
                     251 => op_moving_params(),
                     248 => op_memory_stats(),
                     249 => op_release_callable(),
                     250 => op_callable_memory(),
+                    252 => op_bucket_of(),
+                    253 => op_instance_of(),
+                    254 => op_param_addresses(),
                     b => match b % 12 {
                         0..=2 => op_add_step(),
                         3..=5 => op_step_replay(),

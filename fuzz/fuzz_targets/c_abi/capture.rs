@@ -172,6 +172,7 @@ pub fn op_capture(t: Target) {
             captured: Vec::new(),
             last: None,
             in_steps: false,
+            places: Vec::new(),
         });
     }
     wd.depth.set(wd.depth.get() + 1);
@@ -419,6 +420,7 @@ pub fn after_capture(k: usize) {
     rebound_check(h, &callables, mb);
     plan_dump_check(h, true);
     params_after_capture(h, &callables, mb);
+    answers_after_capture(h, &callables, mb);
 }
 
 /// The host backend rebinds nothing (its tasks are opaque): every input and

@@ -16,10 +16,11 @@
 //! and the step's graphs read the parameters, where the step's last
 //! successful replay had them (what a replay given no address uses), the
 //! clone slots and the moves; every call's status is checked against it,
-//! and after every call `param_moves` and the clone blocks outstanding
-//! must be the model's. So a refused call changes nothing: it counts no
-//! move, and the next replay given no address runs where the last
-//! successful one had the parameters.
+//! and after every call `param_moves`, the clone blocks outstanding and
+//! where each callable's graphs read its parameters
+//! (graphed_session_param_addresses) must be the model's. So a refused
+//! call changes nothing: it counts no move, and the next replay given no
+//! address runs where the last successful one had the parameters.
 
 use super::*;
 
@@ -116,6 +117,24 @@ impl Movers {
             self.held.len() as u64,
             "stats.clone_blocks_outstanding after {after}"
         );
+        // Where each callable's graphs read its parameters.
+        for (c, now) in self.inst.iter().enumerate() {
+            let mut at = vec![0usize; now.len()];
+            // SAFETY: room for the callable's parameters.
+            let r = unsafe {
+                graphed_session_param_addresses(self.h, c as u32, 0, at.as_mut_ptr().cast(), at.len())
+            };
+            expect(
+                r,
+                &[S::Ok],
+                "graphed_session_param_addresses",
+                "moving parameters",
+            );
+            assert_eq!(
+                &at, now,
+                "where callable {c}'s graphs read its parameters after {after}"
+            );
+        }
     }
 
     /// A block a grad pass of callable 0 takes: a free slot's if there is

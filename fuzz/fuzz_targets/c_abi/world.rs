@@ -118,6 +118,52 @@ pub fn bucket_run(cl: &Callable, rows: Option<FRows>) -> u32 {
     }
 }
 
+/// Bucket count of a callable as instances count them (1 without
+/// buckets).
+pub fn bucket_count(cl: &Callable) -> u32 {
+    cl.buckets.len().max(1) as u32
+}
+
+/// The instance number of (callable `c`, microbatch `mb`, bucket `b`) in a
+/// session of `callables` captured for `microbatches`: callable by
+/// callable, microbatch by microbatch, bucket by bucket.
+pub fn instance_number(callables: &[Callable], microbatches: u32, c: usize, mb: u32, b: u32) -> u32 {
+    let first: u32 = callables[..c]
+        .iter()
+        .map(|cl| microbatches * bucket_count(cl))
+        .sum();
+    first + mb * bucket_count(&callables[c]) + b
+}
+
+/// The position of pass `pass` of (callable `c`, bucket `b`) in the default
+/// order (no schedule): every forward in registration order, then every
+/// backward in reverse, each weight-grad after its backward; bucket round
+/// by bucket round, round r holding the callables with more than r
+/// buckets. None: no such pass.
+pub fn default_position(callables: &[Callable], c: usize, b: u32, pass: u32) -> Option<u32> {
+    let n = callables.len();
+    let rounds = callables.iter().map(bucket_count).max().unwrap_or(1);
+    let forwards = (0..n).map(|k| (k, 0u32));
+    let backwards = (0..n).rev().flat_map(|k| {
+        let wgrad = callables[k].wgrad.then_some((k, 2u32));
+        std::iter::once((k, 1u32)).chain(wgrad)
+    });
+    let one: Vec<(usize, u32)> = forwards.chain(backwards).collect();
+    let mut pos = 0;
+    for r in 0..rounds {
+        for &(k, p) in &one {
+            if r >= bucket_count(&callables[k]) {
+                continue;
+            }
+            if (k, r, p) == (c, b, pass) {
+                return Some(pos);
+            }
+            pos += 1;
+        }
+    }
+    None
+}
+
 /// A declared step: its callables, one destination per parameter of
 /// theirs, in order (0: none), its microbatch count, its copies in and
 /// out (graphed_step_io, into memory of `mem`), and whether it loops on
@@ -192,6 +238,9 @@ pub struct Frame {
     pub last: Option<(usize, u32, u32)>,
     /// The steps' captures have begun (a pass ran again after another).
     pub in_steps: bool,
+    /// What each pass's calls said of its place, keyed as `captured`:
+    /// (ctx.capture_position, ctx.instance), the same in every call.
+    pub places: Vec<((usize, u32, u32), (u32, u32))>,
 }
 
 pub struct HeldBlock {

@@ -71,6 +71,24 @@ pub fn own_session_call(k: usize) {
             // SAFETY: NULL buffer.
             let r = unsafe { graphed_session_plan_dump(h, null_mut(), 0, &mut len) };
             expect(r, &[S::Busy], "graphed_session_plan_dump", "own session");
+            // The answers a callback might ask for (no input read).
+            let (mut b, mut n, mut inst) = (7u32, 7u64, 7u32);
+            let mut at = [null_mut::<c_void>(); 1];
+            // SAFETY: locals; room for the one address asked.
+            let r = unsafe { graphed_session_bucket_of(h, 0, 1, &mut b, &mut n) };
+            expect(r, &[S::Busy], "graphed_session_bucket_of", "own session");
+            // SAFETY: as above.
+            let r = unsafe { graphed_session_instance_of(h, 0, 0, 0, &mut inst) };
+            expect(r, &[S::Busy], "graphed_session_instance_of", "own session");
+            // SAFETY: as above.
+            let r = unsafe { graphed_session_param_addresses(h, 0, 0, at.as_mut_ptr(), 1) };
+            expect(
+                r,
+                &[S::Busy],
+                "graphed_session_param_addresses",
+                "own session",
+            );
+            assert_eq!((b, n, inst, at[0]), (7, 7, 7, null_mut()), "written while BUSY");
         }
         _ if !waived("lease-in-replay") => {
             let r = graphed_lease_release(h, 0x1_0000_0100_0001);

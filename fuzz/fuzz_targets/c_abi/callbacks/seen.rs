@@ -212,6 +212,7 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
             }
         }
     }
+    check_place(ctx, cb);
     // The external buffers this pass writes: all handed over (a step's
     // capture, after the pass's own) or none (its own capture).
     let mine: Vec<usize> = externals(&cl, pass)
@@ -273,6 +274,46 @@ pub(super) fn check_ctx(ctx: &graphed_pass_ctx, cb: &Cb, which: u32) -> Seen {
         data,
         in_step,
     }
+}
+
+/// Where the call's pass stands: its position in the capture order and
+/// its instance, the same in every call of the pass (each warmup
+/// iteration, its capture, its clone slots', a step's, its hooks) and
+/// another for every other pass (the instance shared by the passes of one
+/// (callable, microbatch, bucket)); the instance by its formula where the
+/// model knows the microbatches, the position by the default order where
+/// the session has no schedule.
+fn check_place(ctx: &graphed_pass_ctx, cb: &Cb) {
+    let wd = w();
+    let (pos, inst) = (ctx.capture_position, ctx.instance);
+    {
+        let ss = wd.sessions.borrow();
+        let s = &ss[cb.sess];
+        if s.mb != 0 {
+            let want = instance_number(&s.callables, s.mb, cb.callable, ctx.microbatch, ctx.bucket);
+            assert_eq!(inst, want, "ctx.instance");
+        }
+        if matches!(s.sched, Some(None)) {
+            let want = default_position(&s.callables, cb.callable, ctx.bucket, ctx.pass);
+            assert_eq!(Some(pos), want, "ctx.capture_position");
+        }
+    }
+    let key = (cb.callable, ext_key(ctx.microbatch, ctx.bucket), ctx.pass);
+    let mut fs = wd.frames.borrow_mut();
+    let f = fs.last_mut().expect("a callback outside capture");
+    for &(k, (p, i)) in &f.places {
+        if k == key {
+            assert_eq!((p, i), (pos, inst), "the place of pass {key:?} changed");
+            return;
+        }
+        assert_ne!(p, pos, "passes {k:?} and {key:?} at one position");
+        assert_eq!(
+            (k.0, k.1) == (key.0, key.1),
+            i == inst,
+            "the instances of {k:?} and {key:?}"
+        );
+    }
+    f.places.push((key, (pos, inst)));
 }
 
 /// Which WHILE step of the innermost capture's session (the k-th) the
