@@ -57,12 +57,18 @@ fn fuzzed_callable(n: usize) -> u32 {
     }
 }
 
-pub fn op_bucket_of() {
-    let wd = w();
-    let i = &wd.input;
+/// What a query asks about: a target, the model of it (for a live one),
+/// and a callable index.
+fn fuzzed_query() -> (Target, Option<(St, Vec<Callable>, u32)>, u32) {
     let t = target();
     let m = model(t);
     let c = fuzzed_callable(m.as_ref().map_or(0, |m| m.1.len()));
+    (t, m, c)
+}
+
+pub fn op_bucket_of() {
+    let i = &w().input;
+    let (t, m, c) = fuzzed_query();
     let cl = m.as_ref().and_then(|m| m.1.get(c as usize).cloned());
     let size = fuzzed_size(cl.as_ref());
     let null = if i.chance(20) { Some(i.below(2)) } else { None };
@@ -93,23 +99,22 @@ pub fn op_bucket_of() {
         )
     };
     trace!("bucket_of {t:?} callable {c} size {size} want {want:?} got {r:?}");
-    expect(r, &[want.unwrap_or(S::Ok)], "graphed_session_bucket_of", "bucket");
-    if r == S::Ok {
-        assert_eq!(Some((b, n)), answer, "the bucket of {size} rows");
-    } else {
-        assert_eq!((b, n), (0x77, 0x77), "bucket_of written on failure");
-        if want == Some(S::InvalidArgument) && cl.is_some() {
-            assert!(msg().contains("callable '"), "{}", msg());
-        }
+    expect_answer(
+        r,
+        want,
+        "graphed_session_bucket_of",
+        &format!("the bucket of {size} rows"),
+        ((b, n), (0x77, 0x77)),
+        answer,
+    );
+    if r != S::Ok && want == Some(S::InvalidArgument) && cl.is_some() {
+        assert!(msg().contains("callable '"), "{}", msg());
     }
 }
 
 pub fn op_instance_of() {
-    let wd = w();
-    let i = &wd.input;
-    let t = target();
-    let m = model(t);
-    let c = fuzzed_callable(m.as_ref().map_or(0, |m| m.1.len()));
+    let i = &w().input;
+    let (t, m, c) = fuzzed_query();
     let mb = i.pick(&[0u32, 0, 1, 2, 3, u32::MAX]);
     let bucket = i.pick(&[0u32, 0, 1, 2, 3, u32::MAX]);
     let null = i.chance(20);
@@ -119,19 +124,12 @@ pub fn op_instance_of() {
     first(&mut want, t.lock());
     let mut answer = None;
     if let Some((st, cls, mbs)) = &m {
-        first(
-            &mut want,
-            match st {
-                St::Open => Some(S::WrongState),
-                St::Reset => Some(S::SessionReset),
-                St::Captured => None,
-            },
-        );
-        match cls.get(c as usize) {
-            Some(cl) if mb < *mbs && bucket < bucket_count(cl) => {
+        match instance_at(&mut want, *st, cls, *mbs, c, mb) {
+            Some(cl) if bucket < bucket_count(cl) => {
                 answer = Some(instance_number(cls, *mbs, c as usize, mb, bucket));
             }
-            _ => first(&mut want, Some(S::InvalidArgument)),
+            Some(_) => first(&mut want, Some(S::InvalidArgument)),
+            None => {}
         }
     }
     mark();
@@ -146,20 +144,19 @@ pub fn op_instance_of() {
         )
     };
     trace!("instance_of {t:?} ({c}, {mb}, {bucket}) want {want:?} got {r:?}");
-    expect(r, &[want.unwrap_or(S::Ok)], "graphed_session_instance_of", "instance");
-    if r == S::Ok {
-        assert_eq!(Some(got), answer, "instance of ({c}, {mb}, {bucket})");
-    } else {
-        assert_eq!(got, 0x77, "instance_of written on failure");
-    }
+    expect_answer(
+        r,
+        want,
+        "graphed_session_instance_of",
+        &format!("instance of ({c}, {mb}, {bucket})"),
+        (got, 0x77),
+        answer,
+    );
 }
 
 pub fn op_param_addresses() {
-    let wd = w();
-    let i = &wd.input;
-    let t = target();
-    let m = model(t);
-    let c = fuzzed_callable(m.as_ref().map_or(0, |m| m.1.len()));
+    let i = &w().input;
+    let (t, m, c) = fuzzed_query();
     let mb = i.pick(&[0u32, 0, 1, 2, u32::MAX]);
     let np = m
         .as_ref()
@@ -181,25 +178,17 @@ pub fn op_param_addresses() {
     let mut want = t.lock();
     let mut answer = None;
     if let (Some((st, cls, mbs)), Target::Live(k)) = (&m, t) {
-        first(
-            &mut want,
-            match st {
-                St::Open => Some(S::WrongState),
-                St::Reset => Some(S::SessionReset),
-                St::Captured => None,
-            },
-        );
-        match cls.get(c as usize) {
-            Some(cl) if mb < *mbs => {
-                first(&mut want, released(k, c as usize).then_some(S::CallableReleased));
-                first(&mut want, (count != np).then_some(S::InvalidArgument));
-                if count > 0 {
-                    first(&mut want, (fault == 0).then_some(S::NullPointer));
-                    first(&mut want, (fault == 1).then_some(S::InvalidArgument));
-                }
-                answer = Some(cl.params.iter().map(|q| q.data).collect::<Vec<_>>());
+        if let Some(cl) = instance_at(&mut want, *st, cls, *mbs, c, mb) {
+            first(
+                &mut want,
+                released(k, c as usize).then_some(S::CallableReleased),
+            );
+            first(&mut want, (count != np).then_some(S::InvalidArgument));
+            if count > 0 {
+                first(&mut want, (fault == 0).then_some(S::NullPointer));
+                first(&mut want, (fault == 1).then_some(S::InvalidArgument));
             }
-            _ => first(&mut want, Some(S::InvalidArgument)),
+            answer = Some(cl.params.iter().map(|q| q.data).collect::<Vec<_>>());
         }
     }
     mark();

@@ -46,6 +46,34 @@ pub fn first(want: &mut Option<graphed_status>, e: Option<graphed_status>) {
     }
 }
 
+/// A query of a session's instances in state `st`: refused before capture
+/// and after a reset.
+pub fn state_err(st: St) -> Option<graphed_status> {
+    match st {
+        St::Open => Some(S::WrongState),
+        St::Reset => Some(S::SessionReset),
+        St::Captured => None,
+    }
+}
+
+/// A query of callable `c`'s microbatch `mb` of a session in state `st`
+/// (of callables `cls` and `mbs` microbatches), after the checks in
+/// `want`: its state, then an unknown callable or microbatch. The
+/// callable, where it and the microbatch exist.
+pub fn instance_at<'a>(
+    want: &mut Option<graphed_status>,
+    st: St,
+    cls: &'a [Callable],
+    mbs: u32,
+    c: u32,
+    mb: u32,
+) -> Option<&'a Callable> {
+    first(want, state_err(st));
+    let cl = cls.get(c as usize).filter(|_| mb < mbs);
+    first(want, cl.is_none().then_some(S::InvalidArgument));
+    cl
+}
+
 pub fn expect(st: graphed_status, want: &[graphed_status], func: &str, what: &str) {
     post(st, func);
     assert!(
@@ -53,6 +81,25 @@ pub fn expect(st: graphed_status, want: &[graphed_status], func: &str, what: &st
         "{func} ({what}) returned {st:?}, expected one of {want:?}; message: {}",
         msg()
     );
+}
+
+/// After a query that writes one value: the status `want` (OK where
+/// None); on success the value `got` is the model's `answer`, on failure
+/// it is still what it was `before` the call.
+pub fn expect_answer<T: PartialEq + std::fmt::Debug>(
+    r: graphed_status,
+    want: Option<graphed_status>,
+    func: &str,
+    what: &str,
+    (got, before): (T, T),
+    answer: Option<T>,
+) {
+    expect(r, &[want.unwrap_or(S::Ok)], func, what);
+    if r == S::Ok {
+        assert_eq!(Some(got), answer, "{func}: {what}");
+    } else {
+        assert_eq!(got, before, "{func} ({what}) written on failure");
+    }
 }
 
 /// Clones stay what they were until released, whatever ran since.

@@ -90,11 +90,6 @@ pub fn op_query() {
     } else {
         None
     };
-    let state_err = |st: St| match st {
-        St::Open => Some(S::WrongState),
-        St::Reset => Some(S::SessionReset),
-        St::Captured => None,
-    };
     match i.below(5) {
         0 => {
             let role = i.pick(&[0u32, 1, 2, 3, 4, 5, 99]);
@@ -321,23 +316,12 @@ fn buffer_count(t: Target, c: u32, m: u32, role: u32, model: Option<(St, Vec<Cal
     let mut expected = None;
     if want.is_none() {
         let (st, cls, mb) = model.unwrap();
-        first(
-            &mut want,
-            match st {
-                St::Open => Some(S::WrongState),
-                St::Reset => Some(S::SessionReset),
-                St::Captured => None,
-            },
-        );
-        match cls.get(c as usize) {
-            Some(cl) if m < mb => {
-                expected = Some(match role {
-                    0 | 3 => cl.inputs.len(),
-                    1 | 2 => cl.outputs.len(),
-                    _ => cl.params.len(),
-                })
-            }
-            _ => first(&mut want, Some(S::InvalidArgument)),
+        if let Some(cl) = instance_at(&mut want, st, &cls, mb, c, m) {
+            expected = Some(match role {
+                0 | 3 => cl.inputs.len(),
+                1 | 2 => cl.outputs.len(),
+                _ => cl.params.len(),
+            });
         }
     }
     mark();
@@ -345,17 +329,14 @@ fn buffer_count(t: Target, c: u32, m: u32, role: u32, model: Option<(St, Vec<Cal
     let r = unsafe {
         graphed_session_buffer_count(t.ptr(), c, m, role, if null { null_mut() } else { &mut n })
     };
-    expect(
+    expect_answer(
         r,
-        &[want.unwrap_or(S::Ok)],
+        want,
         "graphed_session_buffer_count",
-        "query",
+        &format!("buffer count of role {role}"),
+        (n, 0x77),
+        expected,
     );
-    if r == S::Ok {
-        assert_eq!(Some(n), expected, "buffer count of role {role}");
-    } else {
-        assert_eq!(n, 0x77, "buffer count written on failure");
-    }
 }
 
 pub fn op_misc() {

@@ -68,6 +68,18 @@ impl Moved {
     }
 }
 
+/// Memory made on `f`'s backend for each (value, offset) of `held` (as
+/// `Moved::new`), the backend, and then a captured session of `f` (bound
+/// in this order, the session is dropped first).
+fn captured<const K: usize>(
+    f: Fixture,
+    held: [(f32, u64); K],
+) -> ([Moved; K], Arc<dyn Backend>, Session) {
+    let b = f.backend.clone();
+    let held = held.map(|(v, offset)| Moved::new(&b, v, offset));
+    (held, b, session(f))
+}
+
 /// One layer with two parameters (2.0 and 3.0) that its forward adds to
 /// its input, both registered movable (or not).
 fn layer(movable: bool) -> (Fixture, Vec<DeviceMemory>) {
@@ -77,6 +89,17 @@ fn layer(movable: bool) -> (Fixture, Vec<DeviceMemory>) {
     for p in &mut f.callables[0].params {
         p.flags.rebind = movable;
     }
+    (f, mem)
+}
+
+/// `layer(true)` run in buckets of 2 and `N` rows (its input and output
+/// dynamic).
+fn bucketed_layer() -> (Fixture, Vec<DeviceMemory>) {
+    let (mut f, mem) = layer(true);
+    let c = &mut f.callables[0];
+    c.buckets = vec![2, N as u64];
+    c.inputs[0].dynamic = true;
+    c.outputs[0].dynamic = true;
     (f, mem)
 }
 
@@ -96,11 +119,8 @@ fn forward(
 #[test]
 fn a_moved_parameter_is_read_at_its_new_address_only() {
     let (f, mut old) = layer(true);
-    let b = f.backend.clone();
-    let one = Moved::new(&b, 1.0, 0);
-    let ten = Moved::new(&b, 10.0, 0);
+    let ([one, ten], b, mut s) = captured(f, [(1.0, 0), (10.0, 0)]);
     let backend = b.clone();
-    let mut s = session(f);
     let st = s.stats();
     assert_eq!((st.params_movable, st.params_move_refused), (2, 0));
     assert_eq!(s.params_movable(0, 0).unwrap(), [true, true]);
@@ -131,13 +151,7 @@ fn a_moved_parameter_is_read_at_its_new_address_only() {
 #[test]
 fn a_parameter_that_cannot_move_is_refused_with_both_addresses_and_nothing_runs() {
     let (f, mem) = layer(false);
-    let b = f.backend.clone();
-    let (one, two, ten) = (
-        Moved::new(&b, 1.0, 0),
-        Moved::new(&b, 2.0, 0),
-        Moved::new(&b, 10.0, 0),
-    );
-    let mut s = session(f);
+    let ([one, two, ten], b, mut s) = captured(f, [(1.0, 0), (2.0, 0), (10.0, 0)]);
     assert_eq!(s.params_movable(0, 0).unwrap(), [false, false]);
     assert_eq!(s.stats().params_move_refused, 0, "not asked");
     assert_eq!(forward(&mut s, &b, one.ptr(), None).unwrap(), 6.0);
@@ -165,10 +179,7 @@ fn a_parameter_that_cannot_move_is_refused_with_both_addresses_and_nothing_runs(
 #[test]
 fn a_less_aligned_address_and_a_wrong_count_are_refused() {
     let (f, _mem) = layer(true);
-    let b = f.backend.clone();
-    let one = Moved::new(&b, 1.0, 0);
-    let odd = Moved::new(&b, 10.0, 4);
-    let mut s = session(f);
+    let ([one, odd], b, mut s) = captured(f, [(1.0, 0), (10.0, 4)]);
     let e = forward(&mut s, &b, one.ptr(), Some(&[odd.ptr(), 0])).unwrap_err();
     assert!(matches!(e, Error::ParamMoved(_)), "{e}");
     assert!(e.to_string().contains("aligned to 4 bytes"), "{e}");
@@ -184,10 +195,7 @@ fn a_less_aligned_address_and_a_wrong_count_are_refused() {
 #[test]
 fn a_backward_reads_the_parameters_where_its_forward_did() {
     let (f, mem) = layer(true);
-    let b = f.backend.clone();
-    let one = Moved::new(&b, 1.0, 0);
-    let ten = Moved::new(&b, 10.0, 0);
-    let mut s = session(f);
+    let ([one, ten], b, mut s) = captured(f, [(1.0, 0), (10.0, 0)]);
     forward(&mut s, &b, one.ptr(), Some(&[ten.ptr(), 0])).unwrap();
     let grad = [one.ptr()];
     // NULL entries, and where its forward read them: accepted.
@@ -317,15 +325,8 @@ fn s_input(s: &Session) -> DevPtr {
 
 #[test]
 fn a_parameter_moved_in_one_bucket_is_read_there_by_every_bucket() {
-    let (mut f, mut old) = layer(true);
-    let c = &mut f.callables[0];
-    c.buckets = vec![2, N as u64];
-    c.inputs[0].dynamic = true;
-    c.outputs[0].dynamic = true;
-    let b = f.backend.clone();
-    let one = Moved::new(&b, 1.0, 0);
-    let ten = Moved::new(&b, 10.0, 0);
-    let mut s = session(f);
+    let (f, mut old) = bucketed_layer();
+    let ([one, ten], b, mut s) = captured(f, [(1.0, 0), (10.0, 0)]);
     let run = |s: &mut Session, size: u64, params: Option<&[DevPtr]>| {
         let data = [one.ptr()];
         let a = ReplayArgs {
@@ -353,11 +354,7 @@ fn a_parameter_moved_in_one_bucket_is_read_there_by_every_bucket() {
 #[test]
 fn param_addresses_say_where_the_graphs_read_the_parameters_after_each_move() {
     let (f, mem) = layer(true);
-    let b = f.backend.clone();
-    let one = Moved::new(&b, 1.0, 0);
-    let ten = Moved::new(&b, 10.0, 0);
-    let odd = Moved::new(&b, 5.0, 4);
-    let mut s = session(f);
+    let ([one, ten, odd], b, mut s) = captured(f, [(1.0, 0), (10.0, 0), (5.0, 4)]);
     let reg = [mem[0].ptr(), mem[1].ptr()];
     assert_eq!(s.param_addresses(0, 0).unwrap(), reg, "registered");
     forward(&mut s, &b, one.ptr(), Some(&[ten.ptr(), 0])).unwrap();
@@ -403,16 +400,8 @@ fn param_addresses_of_a_step_s_callables_move_only_pass_by_pass() {
 
 #[test]
 fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
-    let (mut f, mem) = layer(true);
-    let c = &mut f.callables[0];
-    c.buckets = vec![2, N as u64];
-    c.inputs[0].dynamic = true;
-    c.outputs[0].dynamic = true;
-    let b = f.backend.clone();
-    let one = Moved::new(&b, 1.0, 0);
-    let ten = Moved::new(&b, 10.0, 0);
-    let other = Moved::new(&b, 7.0, 0);
-    let mut s = session(f);
+    let (f, mem) = bucketed_layer();
+    let ([one, ten, other], _, mut s) = captured(f, [(1.0, 0), (10.0, 0), (7.0, 0)]);
     let n = N as u64;
     assert_eq!(s.bucket_of(0, 1).unwrap(), (0, 2));
     assert_eq!(s.bucket_of(0, 2).unwrap(), (0, 2));
