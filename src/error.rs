@@ -32,6 +32,19 @@ pub enum Error {
         description: String,
     },
 
+    /// Work that ran on a stream failed, reported by the stream's next
+    /// synchronization: the host backend's faulting kernel, the
+    /// counterpart of a CUDA kernel's asynchronous error.
+    #[error("{0}")]
+    DeviceFault(String),
+
+    /// Debug mode: an error that a replay's check found (after a graph ran,
+    /// or before the replay enqueued anything, or after its copies);
+    /// `place` names the session, callable, pass and graph, `cause` is the
+    /// error the synchronization reported. Its status is the cause's.
+    #[error("{place}: {cause}")]
+    Surfaced { place: String, cause: Box<Error> },
+
     #[error("out of memory: {0}")]
     OutOfMemory(String),
 

@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod host;
 pub mod teardown;
 
+use crate::core::dot::Nodes;
 use crate::core::dtype::DType;
 use crate::error::Result;
 use std::sync::Arc;
@@ -133,6 +134,12 @@ pub trait Graph: Send {
     /// still keeps it.
     fn release_template(&mut self) -> bool {
         false
+    }
+
+    /// Its nodes and their dependencies, as recorded when its capture
+    /// ended (so that they outlive the template), for the DOT export.
+    fn nodes(&self) -> Nodes {
+        Nodes::unknown("this graph does not list its nodes")
     }
 }
 
@@ -289,6 +296,9 @@ pub trait Backend: Send + Sync {
         self.record(event, from)?;
         self.wait(to, event)
     }
+    /// Waits for the work enqueued on `s`, and reports an error that work
+    /// met (CUDA: a kernel's asynchronous or sticky error; host: a host
+    /// kernel's fault).
     fn synchronize(&self, s: StreamRef) -> Result<()>;
     /// Waits for all work of the device (of every stream).
     fn synchronize_all(&self) -> Result<()>;

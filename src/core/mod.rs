@@ -4,10 +4,11 @@
 //! alias leases, the scratch arena, pipeline schedules, how long each
 //! buffer of a schedule is needed, the static-buffer planner (`plan/`: its
 //! lifetimes, reuse, and the split of its memory by owning callable),
-//! checked size arithmetic, strided regions of caller memory and the handle
-//! table.
+//! checked size arithmetic, strided regions of caller memory, the handle
+//! table and captured graphs as DOT text.
 
 pub mod arena;
+pub mod dot;
 pub mod dtype;
 pub mod handle;
 pub mod layout;

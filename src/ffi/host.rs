@@ -1,12 +1,14 @@
-//! Host-backend exports for callbacks: enqueue a task on a host stream, and
-//! synchronize (illegal under capture, as on a GPU).
+//! Host-backend exports for callbacks: enqueue a task or a named kernel
+//! that may fault on a host stream, and synchronize (illegal under
+//! capture, as on a GPU; it reports a kernel's fault, as on a GPU).
 
+use super::args::arg_str;
 use super::boundary::boundary;
 use super::callback::graphed_stream;
 use super::status::graphed_status;
 use crate::backend::{host, StreamRef};
 use crate::error::Error;
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 
 /// A host task: `fn(user_data)`.
@@ -54,11 +56,67 @@ pub unsafe extern "C" fn graphed_host_enqueue(
     })
 }
 
+/// A host kernel: `fn(user_data)`, returning 0, or non-zero for a fault.
+pub type graphed_host_kernel_fn = Option<unsafe extern "C" fn(user_data: *mut c_void) -> i32>;
+
+/// A C host kernel and its argument, callable from any thread that replays.
+struct CKernel {
+    f: unsafe extern "C" fn(*mut c_void) -> i32,
+    data: *mut c_void,
+}
+
+// SAFETY: as for CTask: the API contract is that a kernel may run on any
+// thread that replays the session's graphs, with the same user_data.
+unsafe impl Send for CKernel {}
+// SAFETY: as above; the library never touches `data` itself.
+unsafe impl Sync for CKernel {}
+
+impl CKernel {
+    fn run(&self) -> i32 {
+        // SAFETY: per graphed_host_enqueue_kernel's contract.
+        unsafe { (self.f)(self.data) }
+    }
+}
+
+/// Enqueues the host kernel `kernel(user_data)` named `name` on a
+/// host-backend stream, as graphed_host_enqueue does a task: it runs now
+/// (NULL stream, or a stream not capturing) or is recorded and runs at
+/// every replay. A non-zero return is a fault, as a CUDA kernel's: the
+/// call that ran it still succeeds, and the stream's next synchronization
+/// reports it, once, as GRAPHED_STATUS_CUDA_ERROR naming the kernel and
+/// its return (graphed_host_synchronize on that stream, or on NULL for the
+/// NULL stream's kernels, which run on the calling thread; a debug
+/// replay's check, which names the callable, pass and graph). The name
+/// (copied; NULL: unnamed) labels the kernel's node in
+/// graphed_session_export_dot. Not for CUDA streams.
+///
+/// # Safety
+/// `kernel` must be safe to call with `user_data` whenever the stream
+/// runs; `name` NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_host_enqueue_kernel(
+    stream: graphed_stream,
+    name: *const c_char,
+    kernel: graphed_host_kernel_fn,
+    user_data: *mut c_void,
+) -> graphed_status {
+    boundary("graphed_host_enqueue_kernel", || {
+        let f = kernel.ok_or(Error::NullPointer { what: "kernel" })?;
+        // SAFETY: per this function's contract.
+        let name = unsafe { arg_str(name, "name") }?.unwrap_or_default();
+        let k = CKernel { f, data: user_data };
+        host::enqueue_kernel(StreamRef(stream as usize), &name, Arc::new(move || k.run()))
+    })
+}
+
 /// Waits for a host stream (NULL: every host stream). Host work runs as it
-/// is enqueued, so this only enforces capture rules: called on a capturing
+/// is enqueued, so this enforces capture rules: called on a capturing
 /// stream (or with NULL while any stream captures) it invalidates that
 /// capture and returns GRAPHED_STATUS_CAPTURE_INVALIDATED, as a device
-/// synchronize does under CUDA stream capture.
+/// synchronize does under CUDA stream capture. Otherwise it reports, once,
+/// the first fault of a host kernel (graphed_host_enqueue_kernel) run on
+/// the stream since the last report (NULL: run on the NULL stream by this
+/// thread) as GRAPHED_STATUS_CUDA_ERROR.
 #[no_mangle]
 pub extern "C" fn graphed_host_synchronize(stream: graphed_stream) -> graphed_status {
     boundary("graphed_host_synchronize", || {

@@ -28,6 +28,9 @@ pub enum graphed_status {
     /// The driver is present but there is no usable CUDA device.
     NoDevice = 5,
     /// A CUDA driver call failed; the message names the call and the error.
+    /// Also an error work on a stream met, reported when the stream was
+    /// synchronized (a debug replay's check names the callable, pass and
+    /// graph; on the host backend, a host kernel that returned non-zero).
     CudaError = 6,
     /// A device or host allocation failed.
     OutOfMemory = 7,
@@ -157,7 +160,8 @@ impl From<&Error> for graphed_status {
             Error::BadStruct { .. } => graphed_status::BadStruct,
             Error::NoDriver(_) => graphed_status::NoDriver,
             Error::NoDevice(_) => graphed_status::NoDevice,
-            Error::Cuda { .. } => graphed_status::CudaError,
+            Error::Cuda { .. } | Error::DeviceFault(_) => graphed_status::CudaError,
+            Error::Surfaced { cause, .. } => graphed_status::from(&**cause),
             Error::OutOfMemory(_) => graphed_status::OutOfMemory,
             Error::WrongState(_) => graphed_status::WrongState,
             Error::SessionReset(_) => graphed_status::SessionReset,

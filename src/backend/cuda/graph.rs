@@ -1,13 +1,16 @@
 //! Captured graphs: a capture ended, instantiated and uploaded into an
-//! executable (`CudaGraph`), launched, planned for rebinding while its
-//! template is kept, and destroyed with failures reported as teardown
-//! errors; and the capture status of a stream.
+//! executable (`CudaGraph`) with the list of its nodes (`describe`),
+//! launched, planned for rebinding while its template is kept, and
+//! destroyed with failures reported as teardown errors; and the capture
+//! status of a stream.
 
+use super::describe;
 use super::device::Inner;
 use super::driver::{check, error_name};
 use super::rebind::{self, Template};
 use crate::backend::accounting::GraphMark;
 use crate::backend::{teardown, CaptureEnd, DevPtr, Graph, Made, RebindPlan, StreamRef};
+use crate::core::dot::Nodes;
 use crate::error::Result;
 use cudarc::driver::sys;
 use std::ptr::null_mut;
@@ -22,6 +25,8 @@ pub(super) struct CudaGraph {
     /// The kernel nodes rebinding plans patch, shared between the plans.
     rebound_nodes: rebind::NodeTable,
     made: Made,
+    /// Its nodes as the template held them (for the DOT export).
+    nodes: Nodes,
     /// Counted as a graph executable of the process while it lives.
     _mark: GraphMark,
 }
@@ -62,6 +67,10 @@ impl Graph for CudaGraph {
             base,
             bytes,
         )
+    }
+
+    fn nodes(&self) -> Nodes {
+        self.nodes.clone()
     }
 
     fn release_template(&mut self) -> bool {
@@ -132,6 +141,7 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
         inner: inner.clone(),
         rebound_nodes: Default::default(),
         made: Made::default(),
+        nodes: Nodes::default(),
         _mark: GraphMark::new(),
     };
     // SAFETY: exec is live; uploading prepares its first launch.
@@ -142,5 +152,8 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
         instantiate: instantiated - started,
         upload: instantiated.elapsed(),
     };
+    // Read while the template is sure to be there (it may be released
+    // after capture).
+    g.nodes = describe::describe(graph);
     Ok(CaptureEnd::Graph(Box::new(g)))
 }

@@ -4,10 +4,11 @@
 //! sessions on it (`device`: its primary context, the one the CUDA runtime
 //! and PyTorch use, and a memory pool for returned clones). Here: memory,
 //! copies, streams, events and capture as the `Backend` trait asks;
-//! graphed's kernels are in `kernels`, captured graphs in `graph`, their
-//! rebinding in `rebind`, loops inside graphs (conditional WHILE nodes) in
+//! graphed's kernels are in `kernels`, captured graphs in `graph` (what
+//! they hold in `describe`), their rebinding in `rebind`, loops inside graphs (conditional WHILE nodes) in
 //! `loops`.
 
+mod describe;
 mod device;
 pub mod driver;
 mod graph;

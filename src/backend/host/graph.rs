@@ -3,9 +3,10 @@
 
 use super::rebind;
 use super::stream::{self, submit};
-use super::task::{lock, Task, TaskList};
+use super::task::{self, lock, Task, TaskList};
 use crate::backend::accounting::GraphMark;
 use crate::backend::{CaptureEnd, DevPtr, Graph, RebindPlan, StreamRef};
+use crate::core::dot::Nodes;
 use crate::error::Result;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -55,6 +56,10 @@ impl Graph for HostGraph {
 
     fn rebinder(&self, base: DevPtr, bytes: usize) -> Result<RebindPlan> {
         rebind::plan(&self.tasks, base, bytes)
+    }
+
+    fn nodes(&self) -> Nodes {
+        task::nodes(&self.tasks())
     }
 }
 

@@ -22,8 +22,8 @@ mod stream;
 mod task;
 
 pub use memory::inject_free_failures;
-pub use stream::{check_stream, enqueue, synchronize, HostStream};
-pub use task::HostTask;
+pub use stream::{check_stream, enqueue, enqueue_kernel, synchronize, take_fault, HostStream};
+pub use task::{HostKernel, HostTask};
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
@@ -285,8 +285,10 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn synchronize(&self, _s: StreamRef) -> Result<()> {
-        Ok(())
+    // Work has run; a host kernel's fault is reported here, as CUDA's
+    // stream synchronize reports a kernel's.
+    fn synchronize(&self, s: StreamRef) -> Result<()> {
+        stream::take_fault(s)
     }
 
     fn synchronize_all(&self) -> Result<()> {

@@ -13,7 +13,7 @@ pub(super) fn plan(tasks: &TaskList, base: DevPtr, bytes: usize) -> Result<Rebin
     let mut refs = Vec::new();
     for (i, t) in lock(tasks).iter().enumerate() {
         match *t {
-            Task::User(_) => {
+            Task::User(_) | Task::Kernel { .. } => {
                 return Ok(RebindPlan::Refused(
                     "the graph runs host tasks whose data is opaque: where they \
                      read the input cannot be seen"
@@ -95,6 +95,7 @@ impl Rebinder for HostRebinder {
                 (Task::Differ { b: y, .. }, _) => *y = a,
                 (
                     Task::User(_)
+                    | Task::Kernel { .. }
                     | Task::Loop { .. }
                     | Task::CopyIndexed { .. }
                     | Task::Switch { .. },

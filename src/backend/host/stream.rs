@@ -1,9 +1,12 @@
 //! Host streams and their capture state: streams live in the handle table
 //! (the ids callbacks see as their stream); work submitted to one runs now,
 //! or is recorded while it captures; synchronizing under capture
-//! invalidates the capture.
+//! invalidates the capture. A host kernel that fails leaves its error on
+//! its stream (work on the NULL stream, which runs at once on the calling
+//! thread: on that thread), and the stream's next synchronization reports
+//! it, once, as a CUDA stream reports a kernel's asynchronous error.
 
-use super::task::{run, HostTask, Task};
+use super::task::{run, HostKernel, HostTask, Task};
 use crate::backend::StreamRef;
 use crate::core::handle::{self, Kind};
 use crate::error::{Error, Result};
@@ -13,6 +16,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 struct StreamState {
     capture: Option<Vec<Task>>,
     invalidated: Option<String>,
+    /// The first fault of work run on the stream, not yet reported.
+    fault: Option<String>,
+}
+
+thread_local! {
+    /// The first fault of work run at once (the NULL stream) on this
+    /// thread, not yet reported.
+    static NULL_STREAM_FAULT: std::cell::RefCell<Option<String>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// A host stream.
@@ -49,9 +61,19 @@ pub fn check_stream(stream: StreamRef) -> Result<()> {
 }
 
 /// Runs `task` on `stream`: now, or recorded when the stream is capturing.
+/// A fault of the work it ran is kept for the stream's next
+/// synchronization, not returned.
 pub(super) fn submit(stream: StreamRef, task: Task) -> Result<()> {
     if stream.0 == 0 {
-        return run(&task);
+        return match run(&task) {
+            Err(Error::DeviceFault(what)) => {
+                NULL_STREAM_FAULT.with(|f| {
+                    f.borrow_mut().get_or_insert(what);
+                });
+                Ok(())
+            }
+            r => r,
+        };
     }
     let s = lookup(stream)?;
     {
@@ -62,7 +84,39 @@ pub(super) fn submit(stream: StreamRef, task: Task) -> Result<()> {
         }
     }
     // Run outside the lock: a user task may enqueue more work.
-    run(&task)
+    match run(&task) {
+        Err(Error::DeviceFault(what)) => {
+            s.lock().fault.get_or_insert(what);
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// Reports, once, the first fault of the work run on `stream` (0: on this
+/// thread's NULL stream) since the last report. A stream that is not a
+/// live host stream has none.
+pub fn take_fault(stream: StreamRef) -> Result<()> {
+    let fault = if stream.0 == 0 {
+        NULL_STREAM_FAULT.with(|f| f.borrow_mut().take())
+    } else {
+        lookup(stream).ok().and_then(|s| s.lock().fault.take())
+    };
+    match fault {
+        Some(what) => Err(Error::DeviceFault(format!(
+            "{what} (a fault of work run on {}, reported at its synchronization)",
+            stream_name(stream)
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// "host stream 0x..", or "the NULL stream (this thread's)".
+fn stream_name(stream: StreamRef) -> String {
+    match stream.0 {
+        0 => "the NULL stream (run at once on this thread)".to_string(),
+        s => format!("host stream 0x{s:x}"),
+    }
 }
 
 /// User work on a host stream (0 = run now).
@@ -70,10 +124,23 @@ pub fn enqueue(stream: StreamRef, task: HostTask) -> Result<()> {
     submit(stream, Task::User(task))
 }
 
+/// A named host kernel on a host stream (0 = run now): a non-zero return is
+/// a fault, which the stream's next synchronization reports.
+pub fn enqueue_kernel(stream: StreamRef, name: &str, f: HostKernel) -> Result<()> {
+    submit(
+        stream,
+        Task::Kernel {
+            name: name.into(),
+            f,
+        },
+    )
+}
+
 /// Waits for a host stream (0 = the whole device). Host work has already
-/// run, so this only checks capture: synchronizing a capturing stream, or
+/// run, so this checks capture: synchronizing a capturing stream, or
 /// the device while any stream captures, is illegal and invalidates those
-/// captures, as under CUDA's global capture mode.
+/// captures, as under CUDA's global capture mode; then it reports the
+/// stream's fault, if any (`take_fault`; 0: this thread's NULL stream).
 pub fn synchronize(stream: StreamRef) -> Result<()> {
     let targets: Vec<Arc<HostStream>> = if stream.0 == 0 {
         handle::all::<HostStream>(Kind::HostStream)
@@ -98,7 +165,7 @@ pub fn synchronize(stream: StreamRef) -> Result<()> {
                 .into(),
         ))
     } else {
-        Ok(())
+        take_fault(stream)
     }
 }
 
@@ -123,10 +190,8 @@ pub(super) fn begin_capture(s: StreamRef) -> Result<()> {
     if st.capture.is_some() {
         return Err(Error::state("the host stream is already capturing"));
     }
-    *st = StreamState {
-        capture: Some(Vec::new()),
-        invalidated: None,
-    };
+    st.capture = Some(Vec::new());
+    st.invalidated = None;
     Ok(())
 }
 

@@ -1,12 +1,17 @@
 //! The unit of host stream work ([`Task`]) and how one runs; the task list a
 //! graph records, shared with its rebinders.
 
+use crate::core::dot::{Node, Nodes};
 use crate::core::dtype::{accumulate_host, DType};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// User work on a host stream.
 pub type HostTask = Arc<dyn Fn() + Send + Sync>;
+
+/// A host kernel: user work that may fail, as a kernel may fault (a
+/// non-zero return, which its stream reports at its next synchronization).
+pub type HostKernel = Arc<dyn Fn() -> i32 + Send + Sync>;
 
 /// One unit of stream work. Addresses are stored as integers: they are
 /// device addresses in the CUDA sense, only dereferenced when the task runs.
@@ -35,6 +40,11 @@ pub(super) enum Task {
         flag: usize,
     },
     User(HostTask),
+    /// A named host kernel; a non-zero return is a fault.
+    Kernel {
+        name: Arc<str>,
+        f: HostKernel,
+    },
     /// `count` elements of `elem` bytes set to the low bytes of `pattern`.
     Fill {
         dst: usize,
@@ -104,6 +114,15 @@ pub(super) fn run(task: &Task) -> Result<()> {
             }
         },
         Task::User(ref f) => f(),
+        Task::Kernel { ref name, ref f } => match f() {
+            0 => {}
+            code => {
+                return Err(Error::DeviceFault(match &**name {
+                    "" => format!("a host kernel returned {code}"),
+                    name => format!("host kernel '{name}' returned {code}"),
+                }))
+            }
+        },
         Task::Fill {
             dst,
             pattern,
@@ -194,6 +213,30 @@ pub(super) fn run(task: &Task) -> Result<()> {
         },
     }
     Ok(())
+}
+
+/// What `task` is, as a node of a graph's export.
+fn node(task: &Task) -> Node {
+    match task {
+        Task::Copy { bytes, .. } => Node::new("copy", format!("{bytes} bytes")),
+        Task::Zero { bytes, .. } => Node::new("zero", format!("{bytes} bytes")),
+        Task::Accumulate { count, dtype, .. } => {
+            Node::new("accumulate", format!("{count} x {}", dtype.name()))
+        }
+        Task::Differ { bytes, .. } => Node::new("compare", format!("{bytes} bytes")),
+        Task::User(_) => Node::new("host task", ""),
+        Task::Kernel { name, .. } => Node::new("host kernel", &**name),
+        Task::Fill { elem, count, .. } => Node::new("fill", format!("{count} x {elem} bytes")),
+        Task::CopyIndexed { bytes, .. } => Node::new("copy (indexed)", format!("{bytes} bytes")),
+        Task::Loop { body, .. } => Node::new("loop", format!("a body of {} tasks", body.len())),
+        Task::Switch { bodies, .. } => Node::new("switch", format!("{} bodies", bodies.len())),
+        Task::ZeroTail { bytes, .. } => Node::new("zero tail", format!("of {bytes} bytes")),
+    }
+}
+
+/// The nodes of a task list, in the order they run.
+pub(super) fn nodes(tasks: &[Task]) -> Nodes {
+    Nodes::in_order(tasks.iter().map(node).collect())
 }
 
 /// A graph's recorded tasks, shared by the graph and the rebinders made
