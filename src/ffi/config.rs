@@ -131,6 +131,28 @@ pub struct graphed_session_config {
     /// says GRAPHED_STATUS_UNSUPPORTED, with the reason, where the driver
     /// has no SWITCH nodes. 0 (default): buckets are chosen on the host.
     pub bucket_choice_on_device: u32,
+    /// Unused: the padding that ended the layout before `debug`
+    /// (struct_size 184 on 64-bit), a field so that `debug` starts a
+    /// larger layout. Ignored (a caller of that layout may leave anything
+    /// there); leave it 0.
+    pub reserved: u32,
+    /// 1: debug mode (default 0). Every replay (forward, backward,
+    /// weight-grad, step) synchronizes its stream before it enqueues
+    /// anything, after the copies of its data, right after each graph it
+    /// runs and after the copies of its grads, and an error found there is
+    /// returned (GRAPHED_STATUS_CUDA_ERROR for a driver's or a host
+    /// kernel's error) with a message naming the session, the callable
+    /// (name and index), microbatch, bucket, pass and graph (main, clone
+    /// slot, the device's bucket choice) where it surfaced. Steps replay
+    /// pass by pass where they can (not those with io copies or over
+    /// microbatches: those are checked around their one graph). Slow: for
+    /// finding a fault, not for training. GRAPHED_DEBUG=1 in the
+    /// environment when the session is created turns it on too. Off,
+    /// replays do no extra work.
+    pub debug: u32,
+    // Ends in 4 bytes of padding on 64-bit: a u32 appended next fits in
+    // them and would not change struct_size, so it comes with another
+    // field, as `reserved` came with `debug`.
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -176,6 +198,8 @@ pub extern "C" fn graphed_session_config_default() -> graphed_session_config {
         clone_slots: 2,
         capture_stream: std::ptr::null_mut(),
         bucket_choice_on_device: 0,
+        reserved: 0,
+        debug: 0,
     }
 }
 
@@ -338,6 +362,7 @@ pub(crate) fn convert(cfg: &graphed_session_config) -> Result<Config> {
                 cfg.bucket_choice_on_device,
                 "config.bucket_choice_on_device",
             )?,
+            debug: decode_bool(cfg.debug, "config.debug")?,
             clone_slots: match cfg.clone_slots {
                 n @ 0..=16 => n,
                 n => {
@@ -361,6 +386,29 @@ mod tests {
         // appended, size_of grows and this test moves to `>`.
         assert_eq!(graphed_session_config::MIN_SIZE, 176);
         assert!(size_of::<graphed_session_config>() > graphed_session_config::MIN_SIZE);
+    }
+
+    #[test]
+    fn debug_starts_a_layout_of_its_own() {
+        // The layout before `debug` was 184 bytes on 64-bit, ending in the
+        // padding that `reserved` now names: a caller of that layout
+        // passes 184 and gets debug off, whatever its padding held.
+        assert_eq!(std::mem::offset_of!(graphed_session_config, debug), 184);
+        let mut old = graphed_session_config_default();
+        old.struct_size = 184;
+        old.reserved = 7;
+        old.debug = 1;
+        // SAFETY: a full config, of which 184 bytes are read.
+        let got = unsafe { super::super::args::read_struct(&old, "config") }.unwrap();
+        assert_eq!((got.reserved, got.debug), (7, 0));
+        assert!(!convert(&got).unwrap().options.debug);
+        old.struct_size = size_of::<graphed_session_config>();
+        // SAFETY: as above, whole.
+        let got = unsafe { super::super::args::read_struct(&old, "config") }.unwrap();
+        assert!(convert(&got).unwrap().options.debug);
+        old.debug = 2;
+        let e = convert(&old).err().unwrap();
+        assert!(e.to_string().contains("config.debug is 2"), "{e}");
     }
 
     #[test]

@@ -43,12 +43,15 @@ pub struct Session {
 }
 
 impl Session {
+    /// A session of `opts`, debug mode also on when GRAPHED_DEBUG is 1
+    /// now (read once, here).
     pub fn new(
         backend: Arc<dyn Backend>,
         pool: Option<Arc<Pool>>,
-        opts: SessionOptions,
+        mut opts: SessionOptions,
     ) -> Result<Session> {
         static KEYS: AtomicU64 = AtomicU64::new(1);
+        opts.debug |= replay::debug_env_value(std::env::var_os(replay::DEBUG_ENV).as_deref())?;
         let pool = match pool {
             Some(p) => {
                 let other = p.backend();
@@ -98,6 +101,13 @@ impl Session {
             key: KEYS.fetch_add(1, Ordering::Relaxed),
             _mark: SessionMark::new(),
         };
+        if s.opts.debug {
+            s.log(LogLevel::Info, || {
+                "debug mode is on: every replay synchronizes its stream around each graph it runs, and an \
+                 error found there names the callable, pass and graph"
+                    .to_string()
+            });
+        }
         if !s.opts.clone_param_grads_on_return {
             s.log(LogLevel::Warn, || {
                 "clone_param_grads_on_return is false: parameter grads are returned as aliases of static \

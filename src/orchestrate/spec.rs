@@ -342,6 +342,11 @@ pub struct SessionOptions {
     /// Callables with buckets can also choose them on the device (a
     /// SWITCH graph per pass; replays given `device_size`).
     pub device_buckets: bool,
+    /// Debug mode: every replay synchronizes its stream around each graph
+    /// it runs and names the callable, pass and graph where an error
+    /// surfaces (`replay::debug`). Also turned on by GRAPHED_DEBUG=1 when
+    /// the session is created.
+    pub debug: bool,
 }
 
 impl SessionOptions {
@@ -373,6 +378,7 @@ impl Default for SessionOptions {
             clone_slots: 2,
             capture_stream: None,
             device_buckets: false,
+            debug: false,
         }
     }
 }

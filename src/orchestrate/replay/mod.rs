@@ -8,11 +8,13 @@
 //! replay in `step`.
 
 mod check;
+mod debug;
 mod stage;
 mod step;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use debug::{env_value as debug_env_value, ENV as DEBUG_ENV};
 pub(crate) use step::step;
 
 use super::captured::{Captured, LeaseBook, Rows, Stage};
@@ -25,6 +27,7 @@ use super::tensor::{alignment, Feed, REBIND_ALIGN};
 use crate::backend::{Backend, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
+use debug::{Point, Which};
 use stage::Taken;
 use std::sync::Arc;
 
@@ -393,9 +396,18 @@ fn launch(
     }
     // Launched: the pool's order keeps it (check_pass claimed it).
     claim.keep();
+    if p.opts.debug {
+        let which = match (slot, rows) {
+            (k, Rows::Device) => Which::Choice(k.filter(|_| slot_graph.is_some())),
+            (Some(k), _) if slot_graph.is_some() => Which::Slot(k),
+            _ => Which::Main,
+        };
+        debug::pass(p, s, (idx, rows), kind, Point::Graph(which))?;
+    }
     if !params {
         return Ok(());
     }
+    let inst = &p.cap.instances[idx];
     if let (Some(b), None) = (&block.0, slot_graph) {
         copy_clones(p.backend.as_ref(), inst, b.ptr, s)?;
     }
@@ -409,7 +421,11 @@ fn launch(
         written,
         &mut p.cap.stage.acc,
         s,
-    )
+    )?;
+    if p.opts.debug {
+        debug::pass(p, s, (idx, rows), kind, Point::Grads)?;
+    }
+    Ok(())
 }
 
 /// Parameters whose grads a replay can mark written in place (a fixed
@@ -480,6 +496,9 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             format!("callable '{name}' (bucket {})", inst.bucket)
         })?;
     }
+    if p.opts.debug {
+        debug::pass(p, a.stream, (idx, rows), kind, Point::Before)?;
+    }
     let s = match a.side_stream {
         Some(side) => {
             p.backend
@@ -504,6 +523,9 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             (a.size, a.device_size),
             s,
         )?;
+    }
+    if p.opts.debug {
+        debug::pass(p, s, (idx, rows), kind, Point::Data)?;
     }
     launch(p, (idx, rows), kind, a, &block, s, claim)?;
     if let Some(side) = a.side_stream {

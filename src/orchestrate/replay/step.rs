@@ -6,12 +6,15 @@
 //! capture verified they can; where only the callables' own graphs can
 //! follow, the step replays pass by pass, each forward moving them. A step
 //! whose graphs loop over microbatches or copy data in and out has no
-//! pass-by-pass replay: it refuses instead, naming what stops it.
+//! pass-by-pass replay: it refuses instead, naming what stops it. In debug
+//! mode a step replays pass by pass where it can, each pass checked; one
+//! that cannot is checked around its graph.
 
 use super::super::captured::{Captured, CapturedStep};
 use super::super::pool::Claim;
 use super::super::returned::{CloneBlock, Returned};
 use super::super::spec::ReplayArgs;
+use super::debug::{self, Which};
 use super::{check, run_pass, stage, Parts, Replayed};
 use crate::backend::{DevPtr, StreamRef};
 use crate::core::PassKind;
@@ -59,8 +62,9 @@ pub(crate) fn step<'a>(
         }
         None => None,
     };
-    if !follows {
-        // Only the callables' own graphs can read the parameters there.
+    // Only the callables' own graphs can read the parameters there; in
+    // debug mode, each pass is checked on its own.
+    if !follows || p.opts.debug && !st.looped {
         drop(claim);
         return by_pass(p, step as usize, stream, params);
     }
@@ -278,6 +282,9 @@ fn launch(
         (None, Some(k)) => &st.slots[k],
         (None, None) => return Err(Error::Internal("a step without a graph".into())),
     };
+    if p.opts.debug {
+        debug::step(p, stream, step, None)?;
+    }
     if let Some(state) = &st.loop_state {
         p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
     }
@@ -289,6 +296,10 @@ fn launch(
     for pp in &st.passes {
         let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
         p.pool.replayed(p.key, pos);
+    }
+    if p.opts.debug {
+        let which = chosen.map_or(Which::Main, Which::Slot);
+        debug::step(p, stream, step, Some(which))?;
     }
     Ok(())
 }
@@ -381,7 +392,7 @@ fn by_pass<'a>(
             // blocks of the passes that ran go back.
             release_leases(&p, grads.iter().flatten());
             stage::give_back(&mut blocks);
-            return Err(e);
+            return Err(debug::in_step(e, step));
         }
         // The step hands out no aliases of outputs or input grads.
         release_leases(&p, p.cap.stage.a.iter());
