@@ -125,6 +125,9 @@ enum graphed_status
   GRAPHED_STATUS_NO_DEVICE = 5,
   /**
    * A CUDA driver call failed; the message names the call and the error.
+   * Also an error work on a stream met, reported when the stream was
+   * synchronized (a debug replay's check names the callable, pass and
+   * graph; on the host backend, a host kernel that returned non-zero).
    */
   GRAPHED_STATUS_CUDA_ERROR = 6,
   /**
@@ -810,6 +813,29 @@ typedef struct graphed_session_config {
    * has no SWITCH nodes. 0 (default): buckets are chosen on the host.
    */
   uint32_t bucket_choice_on_device;
+  /**
+   * Unused: the padding that ended the layout before `debug`
+   * (struct_size 184 on 64-bit), a field so that `debug` starts a
+   * larger layout. Ignored (a caller of that layout may leave anything
+   * there); leave it 0.
+   */
+  uint32_t reserved;
+  /**
+   * 1: debug mode (default 0). Every replay (forward, backward,
+   * weight-grad, step) synchronizes its stream before it enqueues
+   * anything, after the copies of its data, right after each graph it
+   * runs and after the copies of its grads, and an error found there is
+   * returned (GRAPHED_STATUS_CUDA_ERROR for a driver's or a host
+   * kernel's error) with a message naming the session, the callable
+   * (name and index), microbatch, bucket, pass and graph (main, clone
+   * slot, the device's bucket choice) where it surfaced. Steps replay
+   * pass by pass where they can (not those with io copies or over
+   * microbatches: those are checked around their one graph). Slow: for
+   * finding a fault, not for training. GRAPHED_DEBUG=1 in the
+   * environment when the session is created turns it on too. Off,
+   * replays do no extra work.
+   */
+  uint32_t debug;
 } graphed_session_config;
 
 /**
@@ -1740,6 +1766,11 @@ typedef struct graphed_release {
  */
 typedef void (*graphed_host_task_fn)(void *user_data);
 
+/**
+ * A host kernel: `fn(user_data)`, returning 0, or non-zero for a fault.
+ */
+typedef int32_t (*graphed_host_kernel_fn)(void *user_data);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -2322,6 +2353,34 @@ graphed_status graphed_session_plan_dump(struct graphed_session *session,
                                          size_t *length_out);
 
 /**
+ * Writes the captured graphs of a session as Graphviz DOT text into
+ * `buffer` (`capacity` bytes, NUL-terminated, truncated if short) and its
+ * full length (without the NUL) to `*length_out`; pass a NULL buffer to
+ * ask for the length. One digraph, one cluster per graph the session
+ * holds now (each pass of each (callable, microbatch, bucket), its clone
+ * slots, the graphs choosing a bucket on the device, each step's graphs),
+ * labelled with the callable (name and index), pass, microbatch and
+ * bucket, or the step, and which graph it is; each node labelled with its
+ * kind and, for a kernel, its name (CUDA: as the driver names it, CUDA
+ * 12.3 drivers and newer; host backend: a host kernel's name), with the
+ * cluster's label as its tooltip; edges are the dependencies. The nodes
+ * are those recorded when the capture ended, so the text is the same
+ * after templates are released. Released callables' graphs are gone (a
+ * comment says so). Refused, writing nothing: a NULL, destroyed or forged
+ * session; `length_out` NULL (NULL_POINTER) or misaligned
+ * (INVALID_ARGUMENT); BUSY; a `buffer` whose `capacity` bytes do not fit
+ * in memory (INVALID_ARGUMENT); not captured (WRONG_STATE) or reset
+ * (SESSION_RESET).
+ *
+ * # Safety
+ * `buffer` must be NULL or have room for `capacity` bytes.
+ */
+graphed_status graphed_session_export_dot(struct graphed_session *session,
+                                          char *buffer,
+                                          size_t capacity,
+                                          size_t *length_out);
+
+/**
  * How many errors the process's teardowns met (a free, a destroy or a
  * synchronize that failed while a session, a graph or a buffer was
  * released), and the last one's text into `buffer` (`capacity` bytes,
@@ -2542,11 +2601,36 @@ graphed_status graphed_host_enqueue(graphed_stream stream,
                                     void *user_data);
 
 /**
+ * Enqueues the host kernel `kernel(user_data)` named `name` on a
+ * host-backend stream, as graphed_host_enqueue does a task: it runs now
+ * (NULL stream, or a stream not capturing) or is recorded and runs at
+ * every replay. A non-zero return is a fault, as a CUDA kernel's: the
+ * call that ran it still succeeds, and the stream's next synchronization
+ * reports it, once, as GRAPHED_STATUS_CUDA_ERROR naming the kernel and
+ * its return (graphed_host_synchronize on that stream, or on NULL for the
+ * NULL stream's kernels, which run on the calling thread; a debug
+ * replay's check, which names the callable, pass and graph). The name
+ * (copied; NULL: unnamed) labels the kernel's node in
+ * graphed_session_export_dot. Not for CUDA streams.
+ *
+ * # Safety
+ * `kernel` must be safe to call with `user_data` whenever the stream
+ * runs; `name` NULL or a NUL-terminated string.
+ */
+graphed_status graphed_host_enqueue_kernel(graphed_stream stream,
+                                           const char *name,
+                                           graphed_host_kernel_fn kernel,
+                                           void *user_data);
+
+/**
  * Waits for a host stream (NULL: every host stream). Host work runs as it
- * is enqueued, so this only enforces capture rules: called on a capturing
+ * is enqueued, so this enforces capture rules: called on a capturing
  * stream (or with NULL while any stream captures) it invalidates that
  * capture and returns GRAPHED_STATUS_CAPTURE_INVALIDATED, as a device
- * synchronize does under CUDA stream capture.
+ * synchronize does under CUDA stream capture. Otherwise it reports, once,
+ * the first fault of a host kernel (graphed_host_enqueue_kernel) run on
+ * the stream since the last report (NULL: run on the NULL stream by this
+ * thread) as GRAPHED_STATUS_CUDA_ERROR.
  */
 graphed_status graphed_host_synchronize(graphed_stream stream);
 

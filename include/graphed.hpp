@@ -869,6 +869,19 @@ class Session {
         return text;
     }
 
+    /// The captured graphs as Graphviz DOT text
+    /// (graphed_session_export_dot): one cluster per graph, labelled with
+    /// its callable, pass, microbatch and bucket (or step) and which graph
+    /// it is; each node with its kind and kernel name.
+    std::string export_dot() const {
+        size_t len = 0;
+        check(graphed_session_export_dot(raw_, nullptr, 0, &len));
+        std::string text(len + 1, '\0');
+        check(graphed_session_export_dot(raw_, &text[0], text.size(), &len));
+        text.resize(len < text.size() ? len : text.size() - 1);
+        return text;
+    }
+
     /// The driver's free and total memory (UNSUPPORTED on the host backend).
     DeviceMemory device_memory() const {
         DeviceMemory m;

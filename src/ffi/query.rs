@@ -1,7 +1,8 @@
 //! What a captured session can be asked of its callables: their arity,
 //! their static buffers, which inputs and parameters replays rebind, their
 //! frozen grad policies, the bucket a size runs, their instance numbers,
-//! where their graphs read the parameters, and the buffer plan as text.
+//! where their graphs read the parameters, the buffer plan as text, and the
+//! captured graphs as DOT text.
 
 use super::args::{arg_out, check_out_array, write_answer};
 use super::boundary::boundary;
@@ -347,6 +348,43 @@ pub unsafe extern "C" fn graphed_session_plan_dump(
         let cell = self::session(session)?;
         let len_out = arg_out(length_out, "length_out")?;
         let text = cell.lock()?.plan_dump()?;
+        // SAFETY: per this function's contract.
+        unsafe { write_text(&text, buffer, capacity, len_out) }
+    })
+}
+
+/// Writes the captured graphs of a session as Graphviz DOT text into
+/// `buffer` (`capacity` bytes, NUL-terminated, truncated if short) and its
+/// full length (without the NUL) to `*length_out`; pass a NULL buffer to
+/// ask for the length. One digraph, one cluster per graph the session
+/// holds now (each pass of each (callable, microbatch, bucket), its clone
+/// slots, the graphs choosing a bucket on the device, each step's graphs),
+/// labelled with the callable (name and index), pass, microbatch and
+/// bucket, or the step, and which graph it is; each node labelled with its
+/// kind and, for a kernel, its name (CUDA: as the driver names it, CUDA
+/// 12.3 drivers and newer; host backend: a host kernel's name), with the
+/// cluster's label as its tooltip; edges are the dependencies. The nodes
+/// are those recorded when the capture ended, so the text is the same
+/// after templates are released. Released callables' graphs are gone (a
+/// comment says so). Refused, writing nothing: a NULL, destroyed or forged
+/// session; `length_out` NULL (NULL_POINTER) or misaligned
+/// (INVALID_ARGUMENT); BUSY; a `buffer` whose `capacity` bytes do not fit
+/// in memory (INVALID_ARGUMENT); not captured (WRONG_STATE) or reset
+/// (SESSION_RESET).
+///
+/// # Safety
+/// `buffer` must be NULL or have room for `capacity` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_export_dot(
+    session: *mut graphed_session,
+    buffer: *mut c_char,
+    capacity: usize,
+    length_out: *mut usize,
+) -> graphed_status {
+    boundary("graphed_session_export_dot", || {
+        let cell = self::session(session)?;
+        let len_out = arg_out(length_out, "length_out")?;
+        let text = cell.lock()?.export_dot()?;
         // SAFETY: per this function's contract.
         unsafe { write_text(&text, buffer, capacity, len_out) }
     })

@@ -5,13 +5,13 @@
 //! | module | room |
 //! |---|---|
 //! | `spec`, `steps`, `context` | what callers register, declare and configure; what a capture reads of a session |
-//! | `session`, `registration`, `lifecycle`, `cell`, `report` | the session's states and replays' entry; what callers register; capture, releasing one callable, reset and drop; how callers reach it, what it reports |
+//! | `session`, `registration`, `lifecycle`, `cell`, `report`, `dot` | the session's states and replays' entry; what callers register; capture, releasing one callable, reset and drop; how callers reach it, what it reports; its graphs as DOT text |
 //! | `tensor`, `instance` | one captured tensor with all its facts; a placed instance and its graphs |
 //! | `place`, `leases`, `statics` | capture step 1: static buffers planned and placed, lease slots; the static allocations and their owners |
 //! | `capture` | capture steps 2 and 3: warmup, the passes, clone slots, steps; the transaction |
 //! | `rebind` | capture step 4: rebinding planned and verified on the device |
 //! | `captured`, `released` | the captured state, built whole; one callable released from it, and what each holds |
-//! | `replay` | replay: checks, feed, launch, grads, staging; step replays |
+//! | `replay` | replay: checks, feed, launch, grads, staging; step replays; debug mode's checks |
 //! | `grads`, `returned` | parameter grads out of the static buffers; clone blocks and rings |
 //! | `scratch`, `pool`, `external` | the scratch allocator, shared pools, buffers callbacks provide |
 //! | `buckets` | the device's sizes of bucketed callables; the graphs that choose a bucket on the device |
@@ -23,6 +23,7 @@ pub mod captured;
 pub mod cell;
 pub mod clock;
 mod context;
+mod dot;
 pub mod external;
 mod grads;
 mod instance;
