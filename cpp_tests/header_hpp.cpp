@@ -97,6 +97,10 @@ int main() {
         expect(s.rebound(0, 0, GRAPHED_BUFFER_ROLE_GRAD_OUTPUT).size() == 1, "one grad-output");
         expect(s.param_policies(0).at(0) == GRAPHED_GRAD_POLICY_CLONE, "the policy is CLONE");
         expect(!s.plan_dump().empty(), "a plan");
+        const std::string dot = s.export_dot();
+        expect(dot.find("label=\"callable 'copy' (index 0), forward, microbatch 0, no buckets, main graph\"") !=
+                   std::string::npos,
+               "the graphs as DOT");
         std::vector<graphed_schedule_step> steps = graphed::schedule_from_te_order({1, 2, -2, -2.5, -1, -1.5});
         graphed::ScheduleShape shape = graphed::schedule_shape(steps, 2);
         expect(shape.chunks == 2 && shape.microbatches == 1 && shape.chunk_first.at(1) == 1, "the schedule's shape");
