@@ -79,8 +79,9 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
 [[noreturn]] void param_refused(const Shared& s, const Callable& c, uint32_t mb, const std::vector<const void*>& to,
                                 const graphed::Error& e) {
     const size_t j = refused_param(e.message(), to);
+    const std::vector<void*> from = s.session->param_addresses(uint32_t(c.index), mb);
     std::string msg = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' moved from " +
-                      hex(c.per_mb[mb].param_at[j]) + " to " + hex(to[j]) +
+                      hex(j < from.size() ? from[j] : nullptr) + " to " + hex(to[j]) +
                       ", and its graphs cannot follow it (nothing was replayed).\n  " + e.what() + "\n  ";
     if (!s.opts.rebind_params)
         msg += "The callables were made with rebind_params=False: their graphs read every parameter where it was at "
@@ -194,7 +195,7 @@ struct GraphedBackward : public torch::autograd::Node {
         // generators advance.
         std::vector<at::Tensor> fresh;
         if (!c->wgrad) fresh = s.fresh_grads(*c);
-        const size_t key = pass_key(s.instance(index, microbatch, bucket), Pass::Backward);
+        const size_t key = pass_key(c->per_mb[microbatch].ids.at(bucket), Pass::Backward);
         s.before_replay(key, cur);
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
         // graphed refuses it when the callable's last forward ran other rows.
@@ -254,11 +255,8 @@ int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
 }  // namespace
 
 // Declared in internal.h (also the step's replay uses it).
-bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
-    if (c.params.empty()) return false;
+void check_params(const Shared& s, Callable& c, uint32_t mb) {
     if (c.caller.param_source) c.caller.param_source(c.params);
-    const std::vector<const void*>& bound = c.per_mb[mb].param_at;
-    bool moved = false;
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
         const Meta& m = c.param_info[j].layout;
@@ -266,7 +264,17 @@ bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const voi
             p.sizes() != at::IntArrayRef(m.sizes) ||
             !(m.strides.empty() ? p.is_contiguous() : p.strides() == at::IntArrayRef(m.strides)))
             param_changed(s, c, mb, j);
-        const void* ptr = p.data_ptr();
+    }
+}
+
+bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
+    if (c.params.empty()) return false;
+    check_params(s, c, mb);
+    // Where graphed's graphs of the instance read each parameter now.
+    const std::vector<void*> bound = s.session->param_addresses(uint32_t(c.index), mb);
+    bool moved = false;
+    for (size_t j = 0; j < c.params.size(); ++j) {
+        const void* ptr = c.params[j].data_ptr();
         if (ptr == bound[j]) continue;
         if (!moved) to.assign(c.params.size(), nullptr);
         moved = true;
@@ -295,7 +303,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     // With buckets: the call's rows (the first dimension of its dynamic
     // inputs), and the bucket graphed runs for them.
     const int64_t rows = c->sig.buckets.empty() ? 0 : call_rows(*c, inputs);
-    const size_t bucket = rows ? c->bucket_of(rows) : 0;
+    const size_t bucket = rows ? s.session->bucket_of(uint32_t(index_), uint64_t(rows)).index : 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
         const at::Tensor& x = inputs[i];
         const Meta& m = c->sig.in[i];
@@ -330,7 +338,7 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     } else if (other) {
         side = on.stream->stream();
     }
-    const size_t key = pass_key(s.instance(index_, microbatch_, bucket), Pass::Forward);
+    const size_t key = pass_key(c->per_mb[microbatch_].ids.at(bucket), Pass::Forward);
     s.before_replay(key, launch);
     graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
     if (moved) r.params(moved_to);
@@ -343,11 +351,6 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         // Nothing was enqueued: the generators go back to where they were.
         s.rng.unwind(key);
         param_refused(s, *c, microbatch_, moved_to, e);
-    }
-    if (moved) {
-        std::vector<const void*>& bound = c->per_mb[microbatch_].param_at;
-        for (size_t j = 0; j < moved_to.size(); ++j)
-            if (moved_to[j]) bound[j] = moved_to[j];
     }
     if (launch != cur) cuda_check(cudaStreamWaitEvent(cur, on.join_event, 0), "cudaStreamWaitEvent (cuda_graph_event)");
     std::vector<at::Tensor> result;
@@ -406,7 +409,7 @@ void GraphedCallable::backward_dw() const {
     s.check_live(*c);
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();
     std::vector<at::Tensor> fresh = s.fresh_grads(*c);
-    const size_t key = pass_key(s.instance(index_, microbatch_), Pass::Wgrad);
+    const size_t key = pass_key(c->per_mb[microbatch_].ids.at(0), Pass::Wgrad);
     s.before_replay(key, cur);
     graphed::Replay r = replay_of(index_, microbatch_, cur, nullptr, nullptr);
     const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? c->per_mb[microbatch_].wgrad_dsts : fresh);

@@ -128,11 +128,12 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
     s.on_work_stream(ctx->stream, [&] {
         c->pass.grads = c->run_backward(c->per_mb[mb].tape, c->pass.gouts, inputs, params, retain, false);
         if (ctx->phase != GRAPHED_PHASE_CAPTURE) return;
+        Instance& inst = c->per_mb[mb];
         if (inputs)
             for (size_t i = 0; i < c->sig.in.size(); ++i)
                 if (c->sig.in_grad[i]) {
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_GRAD_INPUT, i, c->pass.grads[i]);
-                    c->per_mb[mb].ext_gin.push_back(c->pass.grads[i]);
+                    inst.ext_gin.push_back(c->pass.grads[i]);
                 }
         if (params) {
             // An earlier bucket's grads stay where its graphs write them.
@@ -156,7 +157,7 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
                         g = c->pass.spare[j];
                     }
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_PARAM_GRADS, j, g);
-                    c->per_mb[mb].ext_pgrad[j] = g;
+                    inst.ext_pgrad[j] = g;
                 }
         }
     });
@@ -220,11 +221,14 @@ int32_t post_hook(const graphed_pass_ctx* ctx, void* self) {
         if (!s.opts.training && pass != Pass::Forward) return;
         if (capture) {
             s.end_routing();
-            const size_t key = pass_key(s.instance(c->index, ctx->microbatch, ctx->bucket), pass);
-            s.rng.end(key);
-            if (s.opts.reuse_buffers && s.capture.position < s.capture.releases.size())
-                for (const Release& r : s.capture.releases[s.capture.position]) s.release(r);
-            ++s.capture.position;
+            // graphed's numbering of the instance and of the pass's place
+            // in the capture order (the same for its clone slots' captures).
+            std::vector<uint32_t>& ids = c->per_mb.at(ctx->microbatch).ids;
+            if (ids.size() <= ctx->bucket) ids.resize(ctx->bucket + 1, ctx->instance);
+            ids[ctx->bucket] = ctx->instance;
+            s.rng.end(pass_key(ctx->instance, pass));
+            if (s.opts.reuse_buffers && ctx->capture_position < s.capture.releases.size())
+                for (const Release& r : s.capture.releases[ctx->capture_position]) s.release(r);
         }
         if (c->caller.hook) {
             HookEvent e = hook_event(ctx, false);

@@ -261,8 +261,10 @@ struct Caller {
 // One (callable, microbatch) instance: what its passes keep between them.
 struct Instance {
     Tape tape;  // what forward left for backward
-    // Per parameter: where this instance's graphs read it now.
-    std::vector<const void*> param_at;
+    // Per bucket (one without buckets): graphed's number of the instance
+    // (graphed_pass_ctx.instance), recorded as its passes are captured;
+    // it keys the passes' random draws (pass_key).
+    std::vector<uint32_t> ids;
     // With a delayed weight-grad pass: the memory of the parameters its
     // last forward read, kept until backward_dw, and (with
     // Options::accumulate_into) the destinations that forward found.
@@ -323,12 +325,6 @@ struct Callable {
         for (size_t i = 0; i < buf.size() && i < dyn.size(); ++i)
             if (dyn[i]) buf[i].sizes[0] = rows;
         return buf;
-    }
-    // The bucket of a call of `rows` rows: the smallest holding it.
-    size_t bucket_of(int64_t rows) const {
-        size_t b = 0;
-        while (b + 1 < sig.buckets.size() && sig.buckets[b] < rows) ++b;
-        return b;
     }
     // The forward and backward bodies (callbacks.cpp), shared by discovery
     // and graphed's callbacks; `rows`: the bucket's size (0: no buckets).
@@ -401,11 +397,10 @@ struct Routing {
     bool routing = false;  // allocations go to the pool now
 };
 
-// What capture walks through: buffer reuse's releases by capture position,
-// the position, and the post-warmup hook's error.
+// What capture walks through: buffer reuse's releases by capture position
+// (graphed_pass_ctx.capture_position), and the post-warmup hook's error.
 struct CaptureProgress {
     std::vector<std::vector<Release>> releases;
-    size_t position = 0;
     std::string hook_error;
 };
 
@@ -458,19 +453,21 @@ struct Shared {
     at::Tensor param_grad(const Callable& c, size_t j, uint32_t mb, graphed::Ref& r,
                           const std::shared_ptr<Shared>& self);
 
-    // Buckets of the callable with the most (1 without buckets): the
-    // stride of instance().
-    size_t max_buckets = 1;
-    // Every pass key of callable `index` (each microbatch, bucket and pass).
+    // Every pass key of callable `index` (each microbatch, bucket and pass
+    // it was captured in).
     template <class F>
     void for_each_pass_key(size_t index, F&& f) const {
-        for (uint32_t mb = 0; mb < microbatches; ++mb)
-            for (size_t b = 0; b < max_buckets; ++b)
-                for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) f(pass_key(instance(index, mb, b), p));
+        for (const Instance& in : callables[index]->per_mb)
+            for (uint32_t id : in.ids)
+                for (Pass p : {Pass::Forward, Pass::Backward, Pass::Wgrad}) f(pass_key(id, p));
     }
-    // A captured (callable, microbatch, bucket): keys its passes' draws.
-    size_t instance(size_t callable, uint32_t mb, size_t bucket = 0) const {
-        return (callable * microbatches + mb) * max_buckets + bucket;
+    // One past the largest pass key of the callables' captures.
+    size_t pass_keys_end() const {
+        size_t end = 0;
+        for (const auto& c : callables)
+            for (const Instance& in : c->per_mb)
+                for (uint32_t id : in.ids) end = std::max(end, pass_key(id, Pass::Wgrad) + 1);
+        return end;
     }
 
     // The private pool and the work stream (streams.cpp).
@@ -578,10 +575,14 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
                                      const std::function<void(Shared&)>& declare,
                                      const std::function<void(Shared&)>& captured);
 
-// The parameters of `c` where they are now, against what the graphs of
-// microbatch `mb` read (autograd.cpp): whether any moved, `to` then
+// The parameters of `c` where they are now (check_params), against where
+// graphed's graphs of microbatch `mb` read them (autograd.cpp): whether any moved, `to` then
 // holding the new addresses (NULL where unchanged). One the graphs cannot
 // read as it is throws ParamMoved naming it.
 bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to);
+// The parameters of `c` refreshed from the caller and checked against what
+// its graphs read (shape, dtype, device, layout), their addresses aside:
+// one that changed throws ParamMoved naming it.
+void check_params(const Shared& s, Callable& c, uint32_t mb);
 
 }  // namespace graphed_torch

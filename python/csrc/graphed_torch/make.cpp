@@ -215,7 +215,6 @@ void register_callable(Shared& s, Callable& c) {
     // can be pointed elsewhere; a call then follows a parameter it finds
     // at another address.
     const uint32_t movable = s.opts.rebind_params ? GRAPHED_PARAM_FLAGS_REBIND : 0u;
-    std::vector<const void*> registered;
     for (size_t j = 0; j < c.params.size(); ++j) {
         const at::Tensor& p = c.params[j];
         bool exact = true;
@@ -240,10 +239,8 @@ void register_callable(Shared& s, Callable& c) {
         c.param_info[j].meta = Meta{p.sizes().vec(), p.scalar_type(), false};
         c.param_info[j].layout = meta_of(p);
         if (!p.is_contiguous()) c.param_info[j].layout.strides = p.strides().vec();
-        registered.push_back(p.data_ptr());
     }
     c.per_mb.assign(m, Instance());
-    for (Instance& in : c.per_mb) in.param_at = registered;
     d.name = c.name;
     d.forward = forward_cb;
     d.backward = backward_cb;
@@ -371,7 +368,6 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
         c->sig.buckets = std::move(sp.bucket_sizes);
         c->sig.in_dyn = sp.dynamic_inputs;
         c->sig.in_dyn.resize(c->sig.in.size(), false);
-        s.max_buckets = std::max(s.max_buckets, c->sig.buckets.size());
         s.callables.push_back(std::move(c));
     }
 

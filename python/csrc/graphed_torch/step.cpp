@@ -34,6 +34,9 @@ int32_t step_hook(uint32_t when, void* self) {
     StepState& st = *s->step;
     try {
         if (when == 0) {
+            // The key after every captured pass's (the callables' passes
+            // were captured before the step).
+            st.rng_key = s->pass_keys_end();
             st.outs.assign(s->callables.size(), {});
             st.gins.assign(s->callables.size(), {});
             s->rng.begin(s->device);
@@ -136,8 +139,6 @@ void declare_step(Shared& s) {
             st.dsts.push_back(std::move(d));
         }
     }
-    // The key after every instance's passes (buckets included).
-    st.rng_key = pass_key(s.instance(s.callables.size(), 0), Pass::Forward);
     // Before any capture: the graph reads it, the capture may not allocate.
     if (st.opts.loop)
         st.loop_inc = at::zeros({int64_t(std::max<size_t>(s.rng.entries.size(), 1))}, options_of(at::kLong, s.device));
@@ -299,8 +300,7 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
     // The parameters where they are now (each checked as a call checks it).
     std::vector<const void*> where;
     for (auto& c : s.callables) {
-        std::vector<const void*> moved;
-        params_now(s, *c, 0, moved);
+        check_params(s, *c, 0);
         for (const at::Tensor& p : c->params) where.push_back(p.data_ptr());
     }
     cudaStream_t cur = c10::cuda::getCurrentCUDAStream(s.device).stream();

@@ -74,10 +74,10 @@ void Shared::release_callable(size_t index) {
     // tensors its graphs wrote may go.
     session->release_callable(uint32_t(index));
     c.released = true;
-    c.let_go();
     for_each_pass_key(index, [&](size_t key) {
         if (key < rng.passes.size()) rng.passes[key] = RngStates::PassDraws();
     });
+    c.let_go();
     // A step includes every callable: its graphs went with this one.
     if (step) {
         step->data.clear();
