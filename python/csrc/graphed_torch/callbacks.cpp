@@ -116,6 +116,28 @@ HookEvent hook_event(const graphed_pass_ctx* ctx, bool before) {
 // The rows of the pass's bucket (0 without buckets).
 int64_t rows_of(const graphed_pass_ctx* ctx) { return ctx->num_buckets ? int64_t(ctx->bucket_size) : 0; }
 
+// Buckets at the memory of one shape: what a bucket's capture hands graphed
+// as an external buffer (`t`, of that bucket's shape) goes into `home`, one
+// buffer of `largest` shape that every bucket's graphs write (its first
+// rows), made by the first capture; the graph copies `t` there (one copy
+// per pass), and `t` itself goes back to the private pool with the pass's
+// other temporaries. Returns what to hand over. Where `largest` is empty
+// the first capture's `t` is the home (parameter grads: every bucket's
+// have one shape) and later ones are copied into it.
+at::Tensor bucket_home(at::Tensor& home, const at::Tensor& t, const std::vector<int64_t>& largest) {
+    if (!home.defined()) {
+        if (largest.empty()) return home = t;
+        home = at::empty(largest, t.options());
+    }
+    (largest.empty() ? home : home.narrow(0, 0, t.size(0))).copy_(t);
+    return home;
+}
+
+// Whether a bucketed callable's outputs and input grads share one buffer
+// across its buckets: not under strict leases, which refuse a replay per
+// bucket (docs/pytorch.md, "Shapes that change").
+bool homes_io(const Shared& s, const graphed_pass_ctx* ctx) { return ctx->num_buckets > 1 && !s.opts.strict_leases; }
+
 void set_buffer(const graphed_pass_ctx* ctx, graphed_buffer_role role, size_t index, const at::Tensor& t) {
     graphed::set_buffer(*ctx, role, index, t.data_ptr());
 }
@@ -132,8 +154,13 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
         if (inputs)
             for (size_t i = 0; i < c->sig.in.size(); ++i)
                 if (c->sig.in_grad[i]) {
-                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_GRAD_INPUT, i, c->pass.grads[i]);
-                    inst.ext_gin.push_back(c->pass.grads[i]);
+                    at::Tensor g = c->pass.grads[i];
+                    if (homes_io(s, ctx) && c->sig.in_dyn[i] && g.is_contiguous()) {
+                        inst.home_gin.resize(c->sig.in.size());
+                        g = bucket_home(inst.home_gin[i], g, c->sig.in[i].sizes);
+                    }
+                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_GRAD_INPUT, i, g);
+                    inst.ext_gin.push_back(g);
                 }
         if (params) {
             // An earlier bucket's grads stay where its graphs write them.
@@ -147,15 +174,23 @@ void backward_body(const graphed_pass_ctx* ctx, Callable* c, bool inputs, bool p
             for (size_t j = 0; j < c->params.size(); ++j)
                 if (c->param_info[j].grad) {
                     at::Tensor g = c->pass.grads[c->sig.in.size() + j];
+                    // With buckets, every bucket's graphs write one buffer
+                    // per grad (the first capture's; alive since, it is the
+                    // grad's alone in every later pass), except aliased
+                    // grads, which a replay hands out.
+                    const bool home = ctx->num_buckets > 1 && c->param_info[j].policy != GRAPHED_GRAD_POLICY_ALIAS;
+                    inst.home_pgrad.resize(c->params.size());
+                    const bool later = home && inst.home_pgrad[j].defined();
                     // Not the grad's alone: copied (in the graph) into memory
                     // that is, which graphed then points at each replay's
                     // destination.
                     const bool whole = g.storage_offset() == 0 && g.nbytes() == g.storage().nbytes();
-                    if (j < c->pass.spare.size() && c->pass.spare[j].defined() &&
+                    if (!later && j < c->pass.spare.size() && c->pass.spare[j].defined() &&
                         !(watched && whole && alone(seen, g.data_ptr(), g.nbytes()))) {
                         c->pass.spare[j].copy_(g);
                         g = c->pass.spare[j];
                     }
+                    if (home) g = bucket_home(inst.home_pgrad[j], g, {});
                     set_buffer(ctx, GRAPHED_BUFFER_ROLE_PARAM_GRADS, j, g);
                     inst.ext_pgrad[j] = g;
                 }
@@ -257,9 +292,15 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
         s.on_work_stream(ctx->stream, [&] {
             std::vector<at::Tensor> outs = c->run_forward(c->pass.inputs, rows_of(ctx));
             if (ctx->phase == GRAPHED_PHASE_CAPTURE) {
+                Instance& inst = c->per_mb[mb];
                 for (size_t i = 0; i < outs.size(); ++i) {
-                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_OUTPUT, i, outs[i]);
-                    c->per_mb[mb].ext_out.push_back(outs[i].detach());
+                    at::Tensor y = outs[i].detach();
+                    if (homes_io(s, ctx) && c->sig.out_dyn[i] && c->sig.out[i].strides.empty() && y.is_contiguous()) {
+                        inst.home_out.resize(outs.size());
+                        y = bucket_home(inst.home_out[i], y, c->sig.out[i].sizes);
+                    }
+                    set_buffer(ctx, GRAPHED_BUFFER_ROLE_OUTPUT, i, y);
+                    inst.ext_out.push_back(y);
                 }
             }
             // The tape is for the backward; in inference nothing reads it,

@@ -276,6 +276,10 @@ struct Instance {
     // grads; the last bucket's parameter grads, the earlier buckets' in
     // `bucket_pgrad`), kept while the graphs write there.
     std::vector<at::Tensor> ext_out, ext_gin, ext_pgrad, bucket_pgrad;
+    // With buckets: the one buffer per output, input grad and parameter
+    // grad that every bucket's graphs write (bucket_home), at the largest
+    // bucket's shape; undefined where each bucket keeps its own.
+    std::vector<at::Tensor> home_out, home_gin, home_pgrad;
 };
 
 // Between a pass's pre-hook, callback and post-hook.
