@@ -822,18 +822,18 @@ typedef struct graphed_session_config {
   uint32_t reserved;
   /**
    * 1: debug mode (default 0). Every replay (forward, backward,
-   * weight-grad, step) synchronizes its stream before it enqueues
-   * anything, after the copies of its data, right after each graph it
-   * runs and after the copies of its grads, and an error found there is
-   * returned (GRAPHED_STATUS_CUDA_ERROR for a driver's or a host
-   * kernel's error) with a message naming the session, the callable
-   * (name and index), microbatch, bucket, pass and graph (main, clone
-   * slot, the device's bucket choice) where it surfaced. Steps replay
-   * pass by pass where they can (not those with io copies or over
-   * microbatches: those are checked around their one graph). Slow: for
-   * finding a fault, not for training. GRAPHED_DEBUG=1 in the
-   * environment when the session is created turns it on too. Off,
-   * replays do no extra work.
+   * weight-grad, step) synchronizes the caller's stream before it
+   * enqueues anything and right after its pass (its graph and the copies
+   * around it), and an error found there is returned
+   * (GRAPHED_STATUS_CUDA_ERROR for a driver's or a host kernel's error)
+   * with a message naming the session, the callable (name and index),
+   * microbatch, bucket, pass and graph (main, clone slot, the device's
+   * bucket choice) where it surfaced, or that it was pending from
+   * earlier work. Steps replay pass by pass where they can (not those
+   * with io copies or over microbatches: those are checked around their
+   * one graph). Slow: for finding a fault, not for training.
+   * GRAPHED_DEBUG=1 in the environment when the session is created
+   * turns it on too. Off, a replay tests this flag once, nothing more.
    */
   uint32_t debug;
 } graphed_session_config;

@@ -20,6 +20,15 @@ use graphed_status as S;
 mod common;
 use common::{create, empty_ref, host_config, msg, ok, stats};
 
+/// Held by each test: graphed_host_synchronize(NULL) synchronizes the
+/// whole host device, which invalidates a capture running on another
+/// thread, as a device synchronize does under CUDA's global capture mode.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 const COLS: usize = 4;
 const ROWS: usize = 4;
 const BYTES: usize = ROWS * COLS * 4;
@@ -185,6 +194,7 @@ fn says(m: &str, parts: &[&str]) {
 /// backend's faults are not sticky).
 #[test]
 fn a_fault_is_named_by_its_callable_pass_and_graph() {
+    let _one = one_at_a_time();
     let (a, b) = (layer("first"), layer("second"));
     let s = create(&config(true, 2));
     add(s, a, Shape::default());
@@ -200,7 +210,7 @@ fn a_fault_is_named_by_its_callable_pass_and_graph() {
         &[
             "graphed_backward: debug check in session 'net': an error surfaced right after the backward \
              pass of callable 'second' (index 1), microbatch 0, no buckets ran its clone slot ",
-            " graph: host kernel 'second.backward' returned 7",
+            " graph and the copies around it: host kernel 'second.backward' returned 7",
             "the NULL stream",
         ],
     );
@@ -245,6 +255,7 @@ fn a_fault_is_named_by_its_callable_pass_and_graph() {
 /// the kernel only, once.
 #[test]
 fn without_debug_mode_the_fault_surfaces_at_the_next_synchronize() {
+    let _one = one_at_a_time();
     let a = layer("plain");
     let s = create(&config(false, 2));
     add(s, a, Shape::default());
@@ -269,6 +280,7 @@ fn without_debug_mode_the_fault_surfaces_at_the_next_synchronize() {
 /// anything (its kernel does not run, nothing changes).
 #[test]
 fn an_error_pending_before_the_replay_is_not_blamed_on_it() {
+    let _one = one_at_a_time();
     let a = layer("layer");
     let s = create(&config(true, 2));
     add(s, a, Shape::default());
@@ -320,6 +332,7 @@ fn an_error_pending_before_the_replay_is_not_blamed_on_it() {
 /// device, are named.
 #[test]
 fn weight_grad_passes_and_buckets_are_named() {
+    let _one = one_at_a_time();
     let (a, b) = (layer("delayed"), layer("bucketed"));
     let mut cfg = config(true, 1);
     cfg.bucket_choice_on_device = 1;
@@ -402,6 +415,7 @@ fn step(s: *mut graphed_session, n: usize) -> (S, String) {
 /// one graph, and names the step, its callables and its graph.
 #[test]
 fn steps_name_the_pass_or_their_graph() {
+    let _one = one_at_a_time();
     let (a, b) = (layer("s.first"), layer("s.second"));
     let s = create(&config(true, 1));
     add(s, a, Shape::default());
@@ -422,8 +436,8 @@ fn steps_name_the_pass_or_their_graph() {
         &m,
         &[
             "graphed_step_replay: debug check in session 'net': an error surfaced right after the backward \
-             pass of callable 's.first' (index 0), microbatch 0, no buckets ran its clone slot 0 graph, in \
-             step 0 (replayed pass by pass in debug mode): ",
+             pass of callable 's.first' (index 0), microbatch 0, no buckets ran its clone slot 0 graph and \
+             the copies around it, in step 0 (replayed pass by pass in debug mode): ",
             "host kernel 's.first.backward' returned 7",
         ],
     );
@@ -509,6 +523,7 @@ fn dot(s: *mut graphed_session) -> String {
 /// cluster's label as its tooltip; the tasks of a graph run in order.
 #[test]
 fn export_dot_shows_every_graph_and_names_its_kernels() {
+    let _one = one_at_a_time();
     let (a, b) = (layer("dot.first"), layer("dot.second"));
     let s = create(&config(false, 1));
     add(s, a, Shape::default());
@@ -569,6 +584,7 @@ fn export_dot_shows_every_graph_and_names_its_kernels() {
 /// bytes and a NUL, and the full length; every refusal writes nothing.
 #[test]
 fn export_dot_lengths_truncation_and_refusals() {
+    let _one = one_at_a_time();
     let a = layer("refusals");
     let s = create(&config(false, 2));
     add(s, a, Shape::default());
@@ -618,6 +634,7 @@ fn export_dot_lengths_truncation_and_refusals() {
 /// nothing written.
 #[test]
 fn export_dot_inside_a_capture_is_busy() {
+    let _one = one_at_a_time();
     static SESSION: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     static SEEN: AtomicU32 = AtomicU32::new(0);
     unsafe extern "C" fn ask(_: *const graphed_pass_ctx, _: *mut c_void) -> i32 {

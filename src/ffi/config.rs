@@ -137,18 +137,18 @@ pub struct graphed_session_config {
     /// there); leave it 0.
     pub reserved: u32,
     /// 1: debug mode (default 0). Every replay (forward, backward,
-    /// weight-grad, step) synchronizes its stream before it enqueues
-    /// anything, after the copies of its data, right after each graph it
-    /// runs and after the copies of its grads, and an error found there is
-    /// returned (GRAPHED_STATUS_CUDA_ERROR for a driver's or a host
-    /// kernel's error) with a message naming the session, the callable
-    /// (name and index), microbatch, bucket, pass and graph (main, clone
-    /// slot, the device's bucket choice) where it surfaced. Steps replay
-    /// pass by pass where they can (not those with io copies or over
-    /// microbatches: those are checked around their one graph). Slow: for
-    /// finding a fault, not for training. GRAPHED_DEBUG=1 in the
-    /// environment when the session is created turns it on too. Off,
-    /// replays do no extra work.
+    /// weight-grad, step) synchronizes the caller's stream before it
+    /// enqueues anything and right after its pass (its graph and the copies
+    /// around it), and an error found there is returned
+    /// (GRAPHED_STATUS_CUDA_ERROR for a driver's or a host kernel's error)
+    /// with a message naming the session, the callable (name and index),
+    /// microbatch, bucket, pass and graph (main, clone slot, the device's
+    /// bucket choice) where it surfaced, or that it was pending from
+    /// earlier work. Steps replay pass by pass where they can (not those
+    /// with io copies or over microbatches: those are checked around their
+    /// one graph). Slow: for finding a fault, not for training.
+    /// GRAPHED_DEBUG=1 in the environment when the session is created
+    /// turns it on too. Off, a replay tests this flag once, nothing more.
     pub debug: u32,
     // Ends in 4 bytes of padding on 64-bit: a u32 appended next fits in
     // them and would not change struct_size, so it comes with another

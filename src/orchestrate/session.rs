@@ -217,6 +217,9 @@ impl Session {
                 ));
             }
         }
+        if self.opts.debug {
+            return replay::debug_step(self.parts()?, step, stream, params, microbatches);
+        }
         replay::step(self.parts()?, step, stream, params, microbatches)
     }
 }

@@ -1,19 +1,21 @@
 //! Debug mode (`SessionOptions::debug`, or GRAPHED_DEBUG=1 when the
 //! session is created): a replay synchronizes its stream before it
-//! enqueues anything, after the copies of its data, right after each graph
-//! it runs and after the copies of its grads, and an error found there is
-//! returned naming where it surfaced: the session, the callable (name and
-//! index), microbatch, bucket, pass and graph (main, clone slot, the
-//! device's bucket choice), or the step and its graph. A step replays pass
-//! by pass where it can, so that each pass is checked on its own. Off,
-//! replays test the one bool at each point and do nothing else: the
-//! places are written only once an error is found.
+//! enqueues anything and right after its pass (its graph and the copies
+//! around it), and an error found there is returned naming where it
+//! surfaced: the session, the callable (name and index), microbatch,
+//! bucket, pass and graph (main, clone slot, the device's bucket choice),
+//! or the step and its graph. A step replays pass by pass where it can, so
+//! that each pass is checked on its own. The checks wrap the replay from
+//! outside, out of line: without debug mode a replay runs the code it ran
+//! before debug mode existed, after one test of the flag; the places are
+//! written only once an error is found.
 
-use super::Parts;
-use crate::backend::StreamRef;
+use super::super::captured::Rows;
+use super::super::spec::ReplayArgs;
+use super::{resolve, run_pass as replay_pass, step as steps, Parts, Replayed};
+use crate::backend::{DevPtr, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
-use crate::orchestrate::captured::Rows;
 use std::ffi::OsStr;
 
 /// The variable that turns debug mode on for every session created while
@@ -34,24 +36,9 @@ pub(crate) fn env_value(v: Option<&OsStr>) -> Result<bool> {
     }
 }
 
-/// Where in a pass's replay a check stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Point {
-    /// Before the replay enqueued anything.
-    Before,
-    /// After the copies of its data into the static buffers (and the
-    /// bucket's size), before its graph.
-    Data,
-    /// Right after its graph ran.
-    Graph(Which),
-    /// After the copies of its parameter grads (a clone block, COPY_INTO
-    /// and ACCUMULATE_INTO destinations).
-    Grads,
-}
-
 /// Which graph of a pass (or a step) ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Which {
+enum Which {
     Main,
     Slot(usize),
     /// The graph choosing the bucket on the device (with clone slot k's
@@ -74,46 +61,64 @@ impl std::fmt::Display for Which {
 }
 
 /// Synchronizes `s` and turns an error it reports into one naming `place`.
-pub(super) fn check(p: &Parts, s: StreamRef, place: impl FnOnce() -> String) -> Result<()> {
+fn check(p: &Parts, s: StreamRef, place: impl FnOnce() -> String) -> Result<()> {
     p.backend.synchronize(s).map_err(|cause| Error::Surfaced {
         place: format!("debug check in session '{}': {}", p.opts.name, place()),
         cause: Box::new(cause),
     })
 }
 
-/// The check at `point` of the `kind` replay of instance `idx`, running
-/// `rows`.
-pub(super) fn pass(
-    p: &Parts,
-    s: StreamRef,
-    (idx, rows): (usize, Rows),
-    kind: PassKind,
-    point: Point,
-) -> Result<()> {
+/// Checks `s` for an error pending from earlier work, unless it is
+/// capturing (synchronizing it would invalidate that capture; the replay
+/// refuses it) or cannot be asked.
+fn before(p: &Parts, s: StreamRef, what: impl FnOnce() -> String) -> Result<()> {
+    if p.backend.is_capturing(s).unwrap_or(true) {
+        return Ok(());
+    }
     check(p, s, || {
-        let what = describe(p, idx, rows);
-        match point {
-            Point::Before => format!(
-                "an error was pending before the {kind} replay of {what} enqueued anything (it came from \
-                 work enqueued earlier, on this stream or elsewhere on the device)"
-            ),
-            Point::Data => format!(
-                "an error surfaced after the {kind} replay of {what} copied its data into the static \
-                 buffers, before its graph ran"
-            ),
-            Point::Graph(which) => format!(
-                "an error surfaced right after the {kind} pass of {what} ran {which}"
-            ),
-            Point::Grads => format!(
-                "an error surfaced after the {kind} pass of {what} ran and its parameter grads were \
-                 copied out (into a clone block or their destinations)"
-            ),
-        }
+        format!(
+            "an error was pending before {} enqueued anything (it came from work enqueued earlier, on \
+             this stream or elsewhere on the device)",
+            what()
+        )
     })
 }
 
-/// "callable 'fc' (index 0), microbatch 0, bucket 1 (8 of 16 rows)".
-fn describe(p: &Parts, idx: usize, rows: Rows) -> String {
+/// A pass's replay in debug mode (see the module comment): the pending
+/// error checked first, then the replay as without debug mode (its
+/// refusals unchanged), then the error its pass met.
+#[cold]
+#[inline(never)]
+pub(super) fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
+    let _ctx = p.backend.bind()?;
+    // What the replay will run, to name it (None: the replay refuses).
+    let run = resolve(p, a, kind).ok();
+    before(p, a.stream, || {
+        format!("the {kind} replay of {}", describe(p, a, run))
+    })?;
+    replay_pass(p, a, kind)?;
+    // A side stream was joined back: the caller's stream waits for it.
+    check(p, a.stream, || {
+        format!(
+            "an error surfaced right after the {kind} pass of {} ran {} and the copies around it",
+            describe(p, a, run),
+            which(p, run)
+        )
+    })
+}
+
+/// "callable 'fc' (index 0), microbatch 0, bucket 1 (8 of its 16 rows)".
+fn describe(p: &Parts, a: &ReplayArgs, run: Option<(usize, Rows)>) -> String {
+    let Some((idx, rows)) = run else {
+        let name = p
+            .callables
+            .get(a.callable as usize)
+            .map_or("?", |c| &c.name);
+        return format!(
+            "callable '{name}' (index {}), microbatch {}",
+            a.callable, a.microbatch
+        );
+    };
     let inst = &p.cap.instances[idx];
     let spec = &p.callables[inst.callable];
     let bucket = match rows {
@@ -131,31 +136,84 @@ fn describe(p: &Parts, idx: usize, rows: Rows) -> String {
     )
 }
 
-/// The check before (`graph` None) or right after a step's graph ran.
-pub(super) fn step(p: &Parts, s: StreamRef, step: usize, graph: Option<Which>) -> Result<()> {
-    check(p, s, || {
-        let st = &p.cap.steps[step];
-        let names: Vec<String> = st
-            .instances
-            .iter()
-            .map(|&i| format!("'{}'", p.callables[p.cap.instances[i].callable].name))
-            .collect();
-        let of = format!(
-            "step {step} (callables {}; {} microbatch(es))",
-            names.join(", "),
-            st.microbatches
-        );
-        match graph {
-            None => format!(
-                "an error was pending before the replay of {of} enqueued anything (it came from work \
-                 enqueued earlier, on this stream or elsewhere on the device)"
-            ),
-            Some(which) => format!(
-                "an error surfaced right after {of} ran {which}; the step runs its microbatches or its \
-                 copies in one graph and has no pass-by-pass replay, so the pass is not known"
-            ),
-        }
-    })
+/// The graph the pass that just ran launched: a clone slot's when the
+/// block it returned its CLONE grads in (the stage's last) is a slot's
+/// that has a graph, the device's choice when its rows were, else its main
+/// graph (as `launch` chooses).
+fn which(p: &Parts, run: Option<(usize, Rows)>) -> Which {
+    let Some((idx, rows)) = run else {
+        return Which::Main;
+    };
+    let c = p.cap.instances[idx].callable;
+    let slot = p.cap.stage.blocks.last().and_then(|b| b.slot);
+    let slot = slot.filter(|&k| match rows {
+        Rows::Device => p.cap.switches[c].slot(k).is_some(),
+        _ => p.cap.instances[idx].slot_graph(k).is_some(),
+    });
+    match (rows, slot) {
+        (Rows::Device, k) => Which::Choice(k),
+        (_, Some(k)) => Which::Slot(k),
+        _ => Which::Main,
+    }
+}
+
+/// A step's replay in debug mode: the pending error checked first; then
+/// pass by pass where the step can be (each pass checked by `run_pass`),
+/// else its one graph, checked right after.
+#[cold]
+#[inline(never)]
+pub(crate) fn step<'a>(
+    p: Parts<'a>,
+    step: u32,
+    stream: StreamRef,
+    params: Option<&[DevPtr]>,
+    microbatches: u32,
+) -> Result<Replayed<'a>> {
+    let _ctx = p.backend.bind()?;
+    let looped = p.cap.steps.get(step as usize).map(|st| st.looped);
+    before(&p, stream, || {
+        format!("the replay of {}", of_step(&p, step))
+    })?;
+    if looped != Some(true) {
+        return steps::step(p, step, stream, params, microbatches);
+    }
+    let name = p.opts.name.clone();
+    let of = of_step(&p, step);
+    let backend = p.backend.clone();
+    let st = &p.cap.steps[step as usize];
+    let main = st.graph.is_some();
+    let r = steps::step(p, step, stream, params, microbatches)?;
+    // The slot blocks the replay returned name the slot whose graph ran.
+    let which = match r.blocks.last().and_then(|b| b.slot) {
+        Some(k) if !main => Which::Slot(k),
+        _ => Which::Main,
+    };
+    backend.synchronize(stream).map_err(|cause| Error::Surfaced {
+        place: format!(
+            "debug check in session '{name}': an error surfaced right after {of} ran {which}; the step \
+             runs its microbatches or its copies in one graph and has no pass-by-pass replay, so the pass \
+             is not known"
+        ),
+        cause: Box::new(cause),
+    })?;
+    Ok(r)
+}
+
+/// "step 0 (callables 'a', 'b'; 2 microbatch(es))".
+fn of_step(p: &Parts, step: u32) -> String {
+    let Some(st) = p.cap.steps.get(step as usize) else {
+        return format!("step {step}");
+    };
+    let names: Vec<String> = st
+        .instances
+        .iter()
+        .map(|&i| format!("'{}'", p.callables[p.cap.instances[i].callable].name))
+        .collect();
+    format!(
+        "step {step} (callables {}; {} microbatch(es))",
+        names.join(", "),
+        st.microbatches
+    )
 }
 
 /// `e`, when debug mode found it, also saying that the pass ran in step

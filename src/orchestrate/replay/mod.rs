@@ -14,7 +14,7 @@ mod step;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use debug::{env_value as debug_env_value, ENV as DEBUG_ENV};
+pub(crate) use debug::{env_value as debug_env_value, step as debug_step, ENV as DEBUG_ENV};
 pub(crate) use step::step;
 
 use super::captured::{Captured, LeaseBook, Rows, Stage};
@@ -27,7 +27,6 @@ use super::tensor::{alignment, Feed, REBIND_ALIGN};
 use crate::backend::{Backend, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
-use debug::{Point, Which};
 use stage::Taken;
 use std::sync::Arc;
 
@@ -71,7 +70,7 @@ pub(crate) struct Parts<'a> {
 /// the parameter grads per the return plan (all NONE when the callable has
 /// a weight-grad graph, whose replay returns them).
 pub(crate) fn pass<'a>(mut p: Parts<'a>, a: &ReplayArgs, kind: PassKind) -> Result<Replayed<'a>> {
-    run_pass(&mut p, a, kind)?;
+    run(&mut p, a, kind)?;
     Ok(Replayed::of(&mut p.cap.stage))
 }
 
@@ -396,18 +395,9 @@ fn launch(
     }
     // Launched: the pool's order keeps it (check_pass claimed it).
     claim.keep();
-    if p.opts.debug {
-        let which = match (slot, rows) {
-            (k, Rows::Device) => Which::Choice(k.filter(|_| slot_graph.is_some())),
-            (Some(k), _) if slot_graph.is_some() => Which::Slot(k),
-            _ => Which::Main,
-        };
-        debug::pass(p, s, (idx, rows), kind, Point::Graph(which))?;
-    }
     if !params {
         return Ok(());
     }
-    let inst = &p.cap.instances[idx];
     if let (Some(b), None) = (&block.0, slot_graph) {
         copy_clones(p.backend.as_ref(), inst, b.ptr, s)?;
     }
@@ -421,11 +411,7 @@ fn launch(
         written,
         &mut p.cap.stage.acc,
         s,
-    )?;
-    if p.opts.debug {
-        debug::pass(p, s, (idx, rows), kind, Point::Grads)?;
-    }
-    Ok(())
+    )
 }
 
 /// Parameters whose grads a replay can mark written in place (a fixed
@@ -470,6 +456,17 @@ fn buckets_beside(p: &Parts, idx: usize, kind: PassKind, a: &ReplayArgs) -> std:
     }
 }
 
+/// `run_pass`, with debug mode's checks around it when the session has
+/// it on (`debug::run_pass`, out of line: without it the replay runs
+/// `run_pass` as it is).
+fn run(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
+    if p.opts.debug {
+        debug::run_pass(p, a, kind)
+    } else {
+        run_pass(p, a, kind)
+    }
+}
+
 /// Enqueues one pass and leaves its results in the stage. Every refusal
 /// (`resolve`, the device's choice, `check_pass`, the other buckets'
 /// parameters) comes before anything changes: no parameter is pointed
@@ -496,9 +493,6 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             format!("callable '{name}' (bucket {})", inst.bucket)
         })?;
     }
-    if p.opts.debug {
-        debug::pass(p, a.stream, (idx, rows), kind, Point::Before)?;
-    }
     let s = match a.side_stream {
         Some(side) => {
             p.backend
@@ -523,9 +517,6 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
             (a.size, a.device_size),
             s,
         )?;
-    }
-    if p.opts.debug {
-        debug::pass(p, s, (idx, rows), kind, Point::Data)?;
     }
     launch(p, (idx, rows), kind, a, &block, s, claim)?;
     if let Some(side) = a.side_stream {

@@ -8,14 +8,13 @@
 //! whose graphs loop over microbatches or copy data in and out has no
 //! pass-by-pass replay: it refuses instead, naming what stops it. In debug
 //! mode a step replays pass by pass where it can, each pass checked; one
-//! that cannot is checked around its graph.
+//! that cannot is checked around its graph (`debug::step`).
 
 use super::super::captured::{Captured, CapturedStep};
 use super::super::pool::Claim;
 use super::super::returned::{CloneBlock, Returned};
 use super::super::spec::ReplayArgs;
-use super::debug::{self, Which};
-use super::{check, run_pass, stage, Parts, Replayed};
+use super::{check, debug, run, stage, Parts, Replayed};
 use crate::backend::{DevPtr, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
@@ -28,7 +27,9 @@ use std::sync::Arc;
 /// then, without a free clone slot, a step that cannot replay pass by
 /// pass): a refused replay points no graph elsewhere, counts no move,
 /// keeps no block and leaves the addresses a later replay given none
-/// reads where the last successful replay had them.
+/// reads where the last successful replay had them. In debug mode (which
+/// `Session::step` sends to `debug::step` first), it replays pass by pass
+/// wherever it can.
 pub(crate) fn step<'a>(
     p: Parts<'a>,
     step: u32,
@@ -282,9 +283,6 @@ fn launch(
         (None, Some(k)) => &st.slots[k],
         (None, None) => return Err(Error::Internal("a step without a graph".into())),
     };
-    if p.opts.debug {
-        debug::step(p, stream, step, None)?;
-    }
     if let Some(state) = &st.loop_state {
         p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
     }
@@ -296,10 +294,6 @@ fn launch(
     for pp in &st.passes {
         let pos = p.cap.instances[pp.instance].position[pp.kind.index()].unwrap_or(0);
         p.pool.replayed(p.key, pos);
-    }
-    if p.opts.debug {
-        let which = chosen.map_or(Which::Main, Which::Slot);
-        debug::step(p, stream, step, Some(which))?;
     }
     Ok(())
 }
@@ -387,7 +381,7 @@ fn by_pass<'a>(
             size: 0,
             device_size: 0,
         };
-        if let Err(e) = run_pass(&mut p, &a, pp.kind) {
+        if let Err(e) = run(&mut p, &a, pp.kind) {
             // Nothing of a failed step reaches the caller: the leases and
             // blocks of the passes that ran go back.
             release_leases(&p, grads.iter().flatten());
