@@ -13,12 +13,13 @@
 // backend's tools in tools_*.
 //
 //   graphed_bench [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches]
-//                 [--buckets] [--out FILE]
+//                 [--buckets] [--host-cost] [--out FILE]
 //
-// --capture-only, --param-guard, --microbatches and --buckets run one table
-// alone (capture time; the cost of giving replays the parameters'
-// addresses, and of moving them; N microbatches in one step graph,
-// microbatch_bench.cpp; shapes that change, bucket_bench.cpp).
+// --capture-only, --param-guard, --microbatches, --buckets and --host-cost
+// run one table alone (capture time; the cost of giving replays the
+// parameters' addresses, and of moving them; N microbatches in one step
+// graph, microbatch_bench.cpp; shapes that change, bucket_bench.cpp; the
+// host cost of replay, with debug mode off and on, host_cost_bench.cpp).
 //
 // On CUDA, device times come from CUDA events (medians after warm-up); on
 // the host backend (the ctest, small sizes) from wall clocks. Every
@@ -49,7 +50,8 @@ namespace {
 // What the command line asks for.
 struct Args {
     std::string backend = "cuda", out, torch_json;
-    bool quick = false, capture_only = false, param_guard = false, microbatches = false, buckets = false;
+    bool quick = false, capture_only = false, param_guard = false, microbatches = false, buckets = false,
+         host_cost = false;
     std::vector<uint32_t> counts = {1, 4, 16, 64};  // --microbatches: the N of the table
 };
 
@@ -64,6 +66,7 @@ bool parse_args(int argc, char** argv, Args& a) {
         else if (s == "--param-guard") a.param_guard = true;
         else if (s == "--microbatches") a.microbatches = true;
         else if (s == "--buckets") a.buckets = true;
+        else if (s == "--host-cost") a.host_cost = true;
         else if (s == "--out" && i + 1 < argc) a.out = argv[++i];
         else if (s == "--torch-json" && i + 1 < argc) a.torch_json = argv[++i];
         else if (s == "--counts" && i + 1 < argc) {
@@ -72,7 +75,7 @@ bool parse_args(int argc, char** argv, Args& a) {
             for (std::string n; std::getline(list, n, ',');) a.counts.push_back(uint32_t(std::stoul(n)));
         } else {
             std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches] [--buckets] "
-                         "[--counts N,N,...] [--out FILE] "
+                         "[--host-cost] [--counts N,N,...] [--out FILE] "
                          "[--torch-json FILE]\n",
                          argv[0]);
             return false;
@@ -110,7 +113,7 @@ bool open_devices(const std::string& backend, Devices& d) {
 }
 
 // Writes the tables the arguments ask for to `report`: one table alone
-// (--buckets, --microbatches, --param-guard, --capture-only), every table
+// (--buckets, --microbatches, --param-guard, --capture-only, --host-cost), every table
 // at full size (CUDA), or every table small (--quick, or the host
 // backend). Returns the number of failed correctness checks.
 int run_tables(const Args& a, Devices& d, std::ostream& report) {
@@ -119,7 +122,9 @@ int run_tables(const Args& a, Devices& d, std::ostream& report) {
     bench::Tools *tools = d.tools.get(), *btools = d.btools.get();
     const std::string &backend = a.backend, &torch_json = a.torch_json;
     const bool quick = a.quick;
-    if (a.buckets) {
+    if (a.host_cost) {
+        bench::host_cost_table(*dev, *tools, report, quick ? 200 : 2000);
+    } else if (a.buckets) {
         const std::vector<uint64_t> sizes = {32, 64, 96, 128, 160, 192, 224, 256};
         if (blas && !quick)
             failures += bench::bucket_table(*blas, *btools, report, 8, 1024, sizes, 200, 50);
