@@ -13,8 +13,10 @@
 //! read the stats, which parameters can move and where the graphs read
 //! them; and release one callable
 //! of a session while threads replay both of its callables and others read
-//! the process's memory figures and the callables' memory. Every status is
-//! checked.
+//! the process's memory figures and the callables' memory; and replay a
+//! session in debug mode while another thread writes its graphs as DOT
+//! text and a third makes host kernels fault before its own debug
+//! replays. Every status is checked.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
@@ -1014,4 +1016,115 @@ fn release_callable_while_others_replay() {
     ok(s);
     assert!(holds(&out, 5.0));
     ok(graphed_session_destroy(h.p()));
+}
+
+/// A host kernel that faults (returns 5).
+unsafe extern "C" fn fault(_: *mut c_void) -> i32 {
+    5
+}
+
+/// A session in debug mode replayed from two threads while a third writes
+/// its graphs as DOT text (graphed_session_export_dot) and a fourth, in a
+/// debug session of its own, makes a host kernel fault on its NULL stream
+/// before each of its replays: that fault is its thread's, so its replay
+/// names it as pending from earlier work and the others' debug checks
+/// never see it; the export answers or is BUSY, and what it writes is
+/// whole and the same every time.
+#[test]
+fn debug_replays_and_the_dot_export_while_a_thread_faults() {
+    let debug_session = || {
+        let mut cfg = host_config();
+        cfg.debug = 1;
+        let h = H(create(&cfg) as usize);
+        add_callable(h, None);
+        ok(graphed_session_capture(h.p()));
+        h
+    };
+    let (h, own) = (debug_session(), debug_session());
+    let dot = |h: H| -> (graphed_status, String) {
+        let (mut len, mut buf) = (0usize, vec![0u8; 1 << 16]);
+        // SAFETY: room for the buffer's bytes.
+        let s = unsafe {
+            graphed_session_export_dot(h.p(), buf.as_mut_ptr().cast(), buf.len(), &mut len)
+        };
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(0);
+        if s == S::Ok {
+            assert_eq!(end, len, "the whole text, NUL-terminated");
+        }
+        (s, String::from_utf8_lossy(&buf[..end]).into_owned())
+    };
+    let (s, want) = dot(h);
+    ok(s);
+    assert!(
+        want.contains("(index 0), forward, microbatch 0, no buckets, main graph"),
+        "{want}"
+    );
+    thread::scope(|sc| {
+        for t in 0..2 {
+            sc.spawn(move || {
+                let end = deadline();
+                let mut done = 0;
+                while done < 200 && Instant::now() < end {
+                    let v = (t * 1000 + done) as f32;
+                    // The output is an alias the other thread's forward
+                    // may overwrite at once: only the owned grads are read.
+                    let (s, _) = forward(h, v);
+                    if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
+                        thread::yield_now();
+                        continue;
+                    }
+                    let (s, _, gp) = backward(h, v);
+                    if one_of(s, &[S::Ok, S::Busy]) == S::Busy {
+                        continue;
+                    }
+                    assert!(holds(&gp[0], v) && holds(&gp[1], v));
+                    ok(graphed_buffer_release(gp[0].owner));
+                    ok(graphed_buffer_release(gp[1].owner));
+                    done += 1;
+                }
+                assert!(done > 0, "thread {t}: no replay got through");
+            });
+        }
+        let want = &want;
+        sc.spawn(move || {
+            let end = Instant::now() + Duration::from_millis(300);
+            let mut answered = 0;
+            while Instant::now() < end {
+                let (s, text) = dot(h);
+                if one_of(s, &[S::Ok, S::Busy]) == S::Ok {
+                    assert_eq!(&text, want, "the same text every time");
+                    answered += 1;
+                } else {
+                    assert!(text.is_empty(), "written while BUSY");
+                }
+            }
+            assert!(answered > 0, "the export never got through");
+        });
+        sc.spawn(move || {
+            for k in 0..50 {
+                // SAFETY: a kernel that ignores its data; NULL runs it now.
+                ok(unsafe {
+                    graphed_host_enqueue_kernel(
+                        null_mut(),
+                        c"oops".as_ptr(),
+                        Some(fault),
+                        null_mut(),
+                    )
+                });
+                let (s, _) = forward(own, k as f32);
+                assert_eq!(s, S::CudaError, "{}", msg());
+                let m = msg();
+                assert!(
+                    m.contains("pending before the forward replay")
+                        && m.contains("host kernel 'oops' returned 5"),
+                    "{m}"
+                );
+                let (s, out) = forward(own, k as f32);
+                ok(s);
+                assert!(holds(&out, k as f32));
+            }
+        });
+    });
+    ok(graphed_session_destroy(h.p()));
+    ok(graphed_session_destroy(own.p()));
 }
