@@ -201,16 +201,18 @@ fn edges(
     nodes: &[sys::CUgraphNode],
 ) -> std::result::Result<Vec<(u32, u32)>, String> {
     let e = entries();
-    let get = |from: *mut sys::CUgraphNode, to: *mut sys::CUgraphNode, n: &mut usize| {
-        // SAFETY: a live graph, and room for `*n` edges in `from` and
-        // `to` (or NULL to ask for the count); the edge data is not asked
-        // for (NULL).
+    // `data`: room for each edge's CUgraphEdgeData (8 bytes), which
+    // cuGraphGetEdges_v2 fills (asked without it, edges with data other
+    // than the default are a lossy query); NULL with the count.
+    let get = |from: *mut sys::CUgraphNode,
+               to: *mut sys::CUgraphNode,
+               data: *mut std::ffi::c_void,
+               n: &mut usize| {
+        // SAFETY: a live graph, and room for `*n` edges in `from`, `to`
+        // and `data` (or all NULL to ask for the count).
         unsafe {
             match (e.edges_v2, e.edges) {
-                (Some(f), _) => Some(check(
-                    "cuGraphGetEdges_v2",
-                    f(graph, from, to, null_mut(), n),
-                )),
+                (Some(f), _) => Some(check("cuGraphGetEdges_v2", f(graph, from, to, data, n))),
                 (None, Some(f)) => Some(check("cuGraphGetEdges", f(graph, from, to, n))),
                 (None, None) => None,
             }
@@ -219,12 +221,14 @@ fn edges(
     let no_entry = || "dependencies: the CUDA driver has no cuGraphGetEdges".to_string();
     let failed = |r: Result<()>| r.map_err(|e| format!("dependencies: {e}"));
     let mut n = 0usize;
-    failed(get(null_mut(), null_mut(), &mut n).ok_or_else(no_entry)?)?;
+    failed(get(null_mut(), null_mut(), null_mut(), &mut n).ok_or_else(no_entry)?)?;
     if n == 0 {
         return Ok(Vec::new());
     }
     let (mut from, mut to) = (vec![null_mut(); n], vec![null_mut(); n]);
-    failed(get(from.as_mut_ptr(), to.as_mut_ptr(), &mut n).ok_or_else(no_entry)?)?;
+    let mut data = vec![0u64; n];
+    let (f, t, d) = (from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr().cast());
+    failed(get(f, t, d, &mut n).ok_or_else(no_entry)?)?;
     let index: HashMap<usize, u32> = nodes
         .iter()
         .enumerate()
