@@ -340,10 +340,14 @@ def test_buckets_share_one_memory_plan():
 def test_buckets_take_the_memory_of_one_shape():
     """8 buckets (32 to 256 rows) of a 4-layer MLP of width 1024 keep at
     most 1.10x the PyTorch tensors (outputs, input grads, parameter grads)
-    and the private pool of the largest bucket alone: every bucket's graphs
-    write one buffer each, of the largest bucket's shape. Also the device
-    memory the make took, both ways (cuMemGetInfo; written to $OUT when set,
-    not asserted: the graph executables are the driver's)."""
+    of the largest bucket alone: every bucket's graphs write one buffer
+    each, of the largest bucket's shape. The private pool holds at most
+    1.10x the largest bucket's and one more set of parameter grads (a
+    later bucket's capture computes its grads into tensors of its own while
+    the shared ones live), rounded up to one of the pool's 20 MiB segments.
+    Also the device memory the make took, both ways (cuMemGetInfo; written
+    to $OUT when set, not asserted: the graph executables are the
+    driver's)."""
     import os
 
     sizes = [32 * k for k in range(1, 9)]
@@ -373,7 +377,8 @@ def test_buckets_take_the_memory_of_one_shape():
             f.write(f"torch_bytes, pool reserved, device: one shape {one}, 8 buckets {many}, "
                     f"ratios {[round(b / a, 3) for a, b in zip(one, many)]}\n")
     assert many[0] <= 1.10 * one[0], (one, many)
-    assert many[1] <= 1.10 * one[1], (one, many)
+    grads = sum(p.numel() * p.element_size() for p in model().parameters())
+    assert many[1] <= 1.10 * one[1] + grads + (20 << 20), (one, many, grads)
 
 
 # ---- without a GPU: the samples and options -----------------------------------------------------

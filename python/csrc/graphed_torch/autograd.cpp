@@ -79,9 +79,15 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
 [[noreturn]] void param_refused(const Shared& s, const Callable& c, uint32_t mb, const std::vector<const void*>& to,
                                 const graphed::Error& e) {
     const size_t j = refused_param(e.message(), to);
-    const std::vector<void*> from = s.session->param_addresses(uint32_t(c.index), mb);
-    std::string msg = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' moved from " +
-                      hex(j < from.size() ? from[j] : nullptr) + " to " + hex(to[j]) +
+    // Where the graphs read it: best effort, the refusal stands either way.
+    const void* from = nullptr;
+    try {
+        const std::vector<void*> at = s.session->param_addresses(uint32_t(c.index), mb);
+        if (j < at.size()) from = at[j];
+    } catch (const graphed::Error&) {
+    }
+    std::string msg = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' moved from " + hex(from) +
+                      " to " + hex(to[j]) +
                       ", and its graphs cannot follow it (nothing was replayed).\n  " + e.what() + "\n  ";
     if (!s.opts.rebind_params)
         msg += "The callables were made with rebind_params=False: their graphs read every parameter where it was at "
