@@ -164,6 +164,7 @@ graphed_torch::Options options_of(const py::dict& d) {
     o.clones_from_torch_allocator = get<bool>(d, "clones_from_torch_allocator", o.clones_from_torch_allocator);
     o.lazy_clones = get<bool>(d, "lazy_clones", o.lazy_clones);
     o.strict_leases = get<bool>(d, "strict_leases", o.strict_leases);
+    o.debug = get<bool>(d, "debug", o.debug);
     o.rebind_inputs = get<bool>(d, "rebind_inputs", o.rebind_inputs);
     o.rebind_params = get<bool>(d, "rebind_params", o.rebind_params);
     o.schedule = steps_of(get<std::vector<std::pair<uint32_t, uint32_t>>>(d, "steps", {}));
@@ -202,6 +203,7 @@ py::dict default_options() {
     d["clones_from_torch_allocator"] = o.clones_from_torch_allocator;
     d["lazy_clones"] = o.lazy_clones;
     d["strict_leases"] = o.strict_leases;
+    d["debug"] = o.debug;
     d["rebind_inputs"] = o.rebind_inputs;
     d["rebind_params"] = o.rebind_params;
     d["_reuse_graph_input_output_buffers"] = o.reuse_buffers;
@@ -477,10 +479,13 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def_property_readonly("bucket_sizes", &graphed_torch::GraphedCallable::bucket_sizes)
         .def("session_stats", &stats_of)
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
+        .def("export_dot", &graphed_torch::GraphedCallable::export_dot)
         .def("params_movable", &graphed_torch::GraphedCallable::params_movable);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
     m.def("default_options", &default_options,
           "graphed_torch::Options' defaults of make_graphed_callables' keyword options, by keyword.");
+    m.def("export_dot", &graphed_torch::export_dot,
+          "Every live session's captured graphs as Graphviz DOT text, one digraph per session.");
     m.def("memory_report", &memory_report,
           "What graphed holds: per live session and callable, and graphed's process-wide accounting.");
     py::class_<graphed_torch::GraphedStep>(m, "GraphedStep")

@@ -127,6 +127,11 @@ struct Options {
     // A replay that would overwrite an alias still held (an output, an input
     // grad, an aliased parameter grad) throws AliasHeld instead.
     bool strict_leases = false;
+    // Debug mode (graphed_session_config.debug; also on with GRAPHED_DEBUG=1
+    // in the environment): every replay runs pass by pass, checking for a
+    // device error after each, so that an error names the callable and
+    // pass that surfaced it. Slower; off by default.
+    bool debug = false;
     // On by default: inputs and incoming grads read where they are instead of copied into
     // static buffers, where capture verifies that the graphs can be pointed
     // at them (GRAPHED_TENSOR_FLAGS_REBIND); not for callables with a
@@ -260,6 +265,11 @@ class GraphedCallable {
     graphed_session_stats stats() const;
     // graphed's plan of the session's static buffers and inputs, as text.
     std::string plan() const;
+    // The session's captured graphs as Graphviz DOT text
+    // (graphed_session_export_dot): a cluster per graph, labelled by
+    // callable, pass, microbatch and bucket, its nodes by kind and kernel.
+    // Empty after a reset.
+    std::string export_dot() const;
     // Whether the session's owned grads are written into fresh memory at
     // each replay (Options::lazy_clones in force); stats() counts those
     // written there straight (grads_in_place) and those copied there
@@ -317,6 +327,10 @@ struct MemoryReport {
     graphed_memory_stats graphed;
 };
 MemoryReport memory_report();
+// Every live session's graphs as DOT text (GraphedCallable::export_dot),
+// one digraph per session, in the order they were made; sessions busy
+// with a call on another thread, or reset, are left out (a comment says so).
+std::string export_dot();
 
 // Warms up and captures every callable into one graphed session sharing one
 // private memory pool; throws std::runtime_error with graphed's message (and

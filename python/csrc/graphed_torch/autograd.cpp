@@ -484,6 +484,9 @@ graphed_session_stats GraphedCallable::stats() const {
 bool GraphedCallable::lazy_clones() const { return shared_->fresh; }
 
 std::string GraphedCallable::plan() const { return shared_->is_reset ? std::string() : shared_->session->plan_dump(); }
+std::string GraphedCallable::export_dot() const {
+    return shared_->is_reset ? std::string() : shared_->session->export_dot();
+}
 
 std::string library_version() { return graphed::version(); }
 std::string header_version() { return GRAPHED_VERSION_STRING; }

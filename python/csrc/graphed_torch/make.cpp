@@ -277,6 +277,7 @@ graphed_session_config config_of(Shared& s, const Options& o) {
     // Fresh grads are COPY_INTO by their own policy (register_callable).
     cfg.clone_param_grads_on_return = o.clone_param_grads_on_return ? 1u : 0u;
     cfg.strict_leases = o.strict_leases ? 1u : 0u;
+    cfg.debug = o.debug ? 1u : 0u;
     // Warmup and capture on the work stream itself, so that the joins around
     // each callback are no-ops (the legacy default stream cannot capture:
     // then graphed's own stream, joined as before).

@@ -163,6 +163,28 @@ MemoryReport memory_report() {
     return r;
 }
 
+std::string export_dot() {
+    std::vector<std::shared_ptr<Shared>> live;
+    {
+        std::lock_guard<std::mutex> lock(registry_mu);
+        for (const auto& w : registry())
+            if (auto s = w.lock()) live.push_back(std::move(s));
+    }
+    std::string out;
+    for (const auto& s : live) {
+        std::lock_guard<std::recursive_mutex> lock(s->teardown_mu);
+        if (s->is_reset || !s->session) continue;
+        try {
+            out += s->session->export_dot();
+            out += "\n";
+        } catch (const graphed::Error& e) {
+            if (e.status() != GRAPHED_STATUS_BUSY) throw;
+            out += "// a session busy with a call on another thread was left out\n";
+        }
+    }
+    return out;
+}
+
 void Shared::drop_callbacks() {
     for (auto& c : callables) {
         c->caller.forward = nullptr;

@@ -71,7 +71,7 @@ def _restore(module, previous):
         module.__dict__.pop("forward", None)
     else:
         module.forward = previous
-    for name in ("backward_dw", "session_stats", "session_plan", "params_movable"):
+    for name in ("backward_dw", "session_stats", "session_plan", "export_dot", "params_movable"):
         module.__dict__.pop(name, None)
     # A second reset is a no-op that holds nothing: the module must not
     # keep this session (whose extension objects hold the module's
@@ -161,6 +161,17 @@ class GraphedCallable:
         """graphed's plan of the session's static buffers, and for each input
         asked to be rebound whether it is (or why it is copied), as text."""
         return self._impl.session_plan()
+
+    def export_dot(self, path=None):
+        """The session's captured graphs as Graphviz DOT text (a cluster per
+        graph, labelled by callable, pass, microbatch and bucket; each node
+        by its kind and kernel name), written to `path` when given; "" once
+        reset."""
+        text = self._impl.export_dot()
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
 
     def params_movable(self):
         """Per parameter of the module, in named_parameters() order: whether

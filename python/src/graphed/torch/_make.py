@@ -54,6 +54,19 @@ def memory_report():
     return extension().memory_report()
 
 
+def export_dot(path=None):
+    """Every live session's captured graphs as Graphviz DOT text, one
+    digraph per session: a cluster per graph labelled by callable, pass,
+    microbatch and bucket (or step), each node by its kind and, for a
+    kernel, the kernel's name. Written to `path` when given; returned
+    either way. A graphed callable's `export_dot()` gives its own session's."""
+    text = extension().export_dot()
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text)
+    return text
+
+
 def graph_pool_handle():
     """A new graph memory pool id, to share between make_graphed_callables
     calls (and torch.cuda.graph captures) through `pool`."""
@@ -190,6 +203,7 @@ def make_graphed_callables(
     *,
     _clone_param_grads_on_return=None,
     strict_leases=False,
+    debug=False,
     rebind_inputs=True,
     rebind_params=True,
     clones_from_torch_allocator=True,
@@ -211,6 +225,9 @@ def make_graphed_callables(
     the sample in shape, dtype, device or requires_grad raises ValueError
     naming the argument. graphed's own options: `strict_leases` (a replay
     that would overwrite an alias still held raises AliasHeldError),
+    `debug` (every replay runs pass by pass and checks for a device error
+    after each, naming the callable and pass that surfaced it; slower; also
+    on with GRAPHED_DEBUG=1 in the environment),
     `clones_from_torch_allocator` (clones from PyTorch's caching allocator,
     the default, or graphed's pool), `lazy_clones` (True, the default:
     every backward writes the parameter grads straight into fresh memory of
@@ -386,6 +403,7 @@ def make_graphed_callables(
         clones_from_torch_allocator=bool(clones_from_torch_allocator),
         lazy_clones=bool(lazy_clones),
         strict_leases=bool(strict_leases),
+        debug=bool(debug),
         rebind_inputs=bool(rebind_inputs),
         rebind_params=bool(rebind_params),
         steps=schedule.steps if schedule else [],
@@ -433,6 +451,7 @@ def make_graphed_callables(
             fn.backward_dw = g.backward_dw
             fn.session_stats = g.session_stats
             fn.session_plan = g.session_plan
+            fn.export_dot = g.export_dot
             fn.params_movable = g.params_movable
             results.append(fn)
         else:
