@@ -60,8 +60,9 @@ std::string callable_text(const Shared& s, const Callable& c, uint32_t mb) {
 }
 
 // Which parameter graphed refused: the index its message names ("param j
-// of ..."), else the first that moved.
-size_t refused_param(const std::string& msg, const std::vector<const void*>& to) {
+// of ..."), else the first that moved from `from` (where the graphs read
+// them; empty when unknown) to `to`.
+size_t refused_param(const std::string& msg, const std::vector<const void*>& to, const std::vector<void*>& from) {
     const std::string key = "param ";
     for (size_t pos = msg.find(key); pos != std::string::npos; pos = msg.find(key, pos + 1)) {
         size_t k = pos + key.size(), j = 0;
@@ -70,7 +71,7 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
         if (digits && j < to.size() && to[j]) return j;
     }
     for (size_t j = 0; j < to.size(); ++j)
-        if (to[j]) return j;
+        if (to[j] && (j >= from.size() || from[j] != to[j])) return j;
     return 0;
 }
 
@@ -78,14 +79,14 @@ size_t refused_param(const std::string& msg, const std::vector<const void*>& to)
 // ParamMoved naming the parameter by its qualified name.
 [[noreturn]] void param_refused(const Shared& s, const Callable& c, uint32_t mb, const std::vector<const void*>& to,
                                 const graphed::Error& e) {
-    const size_t j = refused_param(e.message(), to);
-    // Where the graphs read it: best effort, the refusal stands either way.
-    const void* from = nullptr;
+    // Where the graphs read them: best effort, the refusal stands either way.
+    std::vector<void*> at;
     try {
-        const std::vector<void*> at = s.session->param_addresses(uint32_t(c.index), mb);
-        if (j < at.size()) from = at[j];
+        at = s.session->param_addresses(uint32_t(c.index), mb);
     } catch (const graphed::Error&) {
     }
+    const size_t j = refused_param(e.message(), to, at);
+    const void* from = j < at.size() ? at[j] : nullptr;
     std::string msg = callable_text(s, c, mb) + ": parameter '" + c.param_name(j) + "' moved from " + hex(from) +
                       " to " + hex(to[j]) +
                       ", and its graphs cannot follow it (nothing was replayed).\n  " + e.what() + "\n  ";
@@ -276,17 +277,11 @@ void check_params(const Shared& s, Callable& c, uint32_t mb) {
 bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to) {
     if (c.params.empty()) return false;
     check_params(s, c, mb);
-    // Where graphed's graphs of the instance read each parameter now.
-    const std::vector<void*> bound = s.session->param_addresses(uint32_t(c.index), mb);
-    bool moved = false;
-    for (size_t j = 0; j < c.params.size(); ++j) {
-        const void* ptr = c.params[j].data_ptr();
-        if (ptr == bound[j]) continue;
-        if (!moved) to.assign(c.params.size(), nullptr);
-        moved = true;
-        to[j] = ptr;
-    }
-    return moved;
+    // Every parameter's address: graphed compares each with where its
+    // graphs read it and points them only at those that moved.
+    to.resize(c.params.size());
+    for (size_t j = 0; j < c.params.size(); ++j) to[j] = c.params[j].data_ptr();
+    return true;
 }
 
 std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor>& inputs, const ReplayOn& on) const {

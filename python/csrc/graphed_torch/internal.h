@@ -579,10 +579,11 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
                                      const std::function<void(Shared&)>& declare,
                                      const std::function<void(Shared&)>& captured);
 
-// The parameters of `c` where they are now (check_params), against where
-// graphed's graphs of microbatch `mb` read them (autograd.cpp): whether any moved, `to` then
-// holding the new addresses (NULL where unchanged). One the graphs cannot
-// read as it is throws ParamMoved naming it.
+// The parameters of `c` where they are now, checked (check_params;
+// autograd.cpp): `to` holds every parameter's address, for the replay of
+// microbatch `mb` to give graphed, which points its graphs at those that
+// moved; false when `c` has none. One the graphs cannot read as it is
+// throws ParamMoved naming it.
 bool params_now(const Shared& s, Callable& c, uint32_t mb, std::vector<const void*>& to);
 // The parameters of `c` refreshed from the caller and checked against what
 // its graphs read (shape, dtype, device, layout), their addresses aside:
