@@ -517,15 +517,17 @@ fn dot(s: *mut graphed_session) -> String {
     text
 }
 
-/// Every graph the session holds is one cluster, labelled with its
-/// callable, index, pass, microbatch and bucket, or its step, and which
-/// graph it is; each kernel is a node named by the kernel, with the
+/// Every graph the session holds is one cluster (the graphs choosing a
+/// bucket on the device too), labelled with its callable, index, pass,
+/// microbatch and bucket, or its step, and which graph it is; each kernel is a node named by the kernel, with the
 /// cluster's label as its tooltip; the tasks of a graph run in order.
 #[test]
 fn export_dot_shows_every_graph_and_names_its_kernels() {
     let _one = one_at_a_time();
     let (a, b) = (layer("dot.first"), layer("dot.second"));
-    let s = create(&config(false, 1));
+    let mut cfg = config(false, 1);
+    cfg.bucket_choice_on_device = 1;
+    let s = create(&cfg);
     add(s, a, Shape::default());
     add(
         s,
@@ -557,6 +559,8 @@ fn export_dot_shows_every_graph_and_names_its_kernels() {
         "label=\"callable 'dot.second' (index 1), forward, microbatch 0, bucket 0 (2 rows), main graph\";",
         "label=\"callable 'dot.second' (index 1), backward, microbatch 0, bucket 1 (4 rows), clone slot 0 graph\";",
         "label=\"step 0 (callables 'dot.first'; 1 microbatch(es)), clone slot 0 graph\";",
+        "label=\"callable 'dot.second' (index 1), forward, microbatch 0, the bucket chosen on the device (of 2), choosing graph\";",
+        "label=\"callable 'dot.second' (index 1), backward, microbatch 0, the bucket chosen on the device (of 2), choosing graph of clone slot 0\";",
     ] {
         assert!(text.contains(label), "no cluster {label}\n{text}");
     }
