@@ -10,7 +10,9 @@
 //! stale and forged), query stats, buffers, policies and the plan dump,
 //! the bucket a size runs, instance numbers and parameter addresses,
 //! release callables of captured sessions and ask what graphed holds
-//! (the process's figures, each callable's memory), declare steps (over
+//! (the process's figures, each callable's memory), write the captured
+//! graphs as DOT text, make host kernels fault before replays of sessions
+//! in debug mode and before synchronizes, declare steps (over
 //! microbatches, with io copies into harness memory,
 //! unrolled or looping on the device, over callables with external
 //! buffers, with a capture hook that may fail, in descriptors of every
@@ -97,6 +99,8 @@ mod callbacks;
 mod capture;
 #[path = "c_abi/checks.rs"]
 mod checks;
+#[path = "c_abi/debug.rs"]
+mod debug;
 #[path = "c_abi/handles.rs"]
 mod handles;
 #[path = "c_abi/input.rs"]
@@ -128,6 +132,7 @@ use callables::*;
 use callbacks::*;
 use capture::*;
 use checks::*;
+use debug::*;
 use handles::*;
 use input::*;
 use memory::*;
@@ -246,7 +251,9 @@ fn run(data: &[u8]) {
                 249 => op_add_step_io(),
                 251 => op_replay_params(1),
                 252 => op_replay_params(2),
-                253 | 254 => op_step_replay_params(),
+                253 => op_step_replay_params(),
+                // Once op_step_replay_params too.
+                254 => op_debug(),
                 _ => op_params_movable(),
             }
         } else {

@@ -1,5 +1,5 @@
 //! Sessions and their config: create from fuzzed configs (magics, sizes,
-//! flags, schedules, shared pools, allocators, hooks, log), the callbacks a
+//! flags, schedules, shared pools, allocators, hooks, log, debug mode), the callbacks a
 //! config carries, reset, destroy, destroy when idle.
 
 use super::*;
@@ -274,6 +274,15 @@ pub fn op_create() {
             cfg.capture_stream =
                 wd.kept_streams.borrow().first().map_or(0x1000, |k| k.h) as graphed_stream
         }
+        // Debug mode; a flag of 2 (refused as the config is read); the
+        // layout before it (184 bytes), whose padding held anything: off.
+        10 => cfg.debug = 1,
+        11 => cfg.debug = 2,
+        12 => {
+            cfg.struct_size = 184;
+            cfg.reserved = 0xdead_beef;
+            cfg.debug = 1;
+        }
         _ => {}
     }
     if shape == 0 || shape == 1 {
@@ -317,6 +326,7 @@ pub fn op_create() {
         || cfg.log_level > 3
         || cfg.clone_slots > 16
         || cfg.bucket_choice_on_device > 1
+        || shape == 11
         || shape == 7
         || shape == 8
     {
@@ -416,6 +426,7 @@ pub fn op_create() {
         last_fwd: Vec::new(),
         released: Vec::new(),
         overflows: 0,
+        debug: shape == 10,
     });
 }
 

@@ -97,6 +97,10 @@ pub struct Sess {
     /// Passes run since capture that chose on the device a size above the
     /// largest bucket (stats.bucket_overflows).
     pub overflows: u64,
+    /// Debug mode (graphed_session_config.debug): replays check for an
+    /// error before and after each pass; steps replay pass by pass where
+    /// they can.
+    pub debug: bool,
 }
 
 /// The rows a replay of a bucketed callable runs: chosen on the host (its
