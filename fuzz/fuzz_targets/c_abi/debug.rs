@@ -111,7 +111,10 @@ fn op_export_dot() {
     }
     let n = full.min(cap - 1);
     assert_eq!(buf[n], 0, "export not NUL-terminated");
-    assert!(buf[cap..].iter().all(|&b| b == 0xa5), "export wrote past its capacity");
+    assert!(
+        buf[cap..].iter().all(|&b| b == 0xa5),
+        "export wrote past its capacity"
+    );
     assert!(!buf[..n].contains(&0));
     if n < full {
         return;
@@ -127,7 +130,10 @@ fn op_export_dot() {
         "one cluster per graph the stats count:\n{text}"
     );
     let released = model.map_or(0, |(_, r)| r);
-    assert_eq!(text.matches(") was released: its graphs are gone").count(), released);
+    assert_eq!(
+        text.matches(") was released: its graphs are gone").count(),
+        released
+    );
 }
 
 /// A host kernel that faults.
@@ -145,7 +151,12 @@ fn fault_now() {
     mark();
     // SAFETY: a kernel that ignores its data; the name is NUL-terminated.
     let r = unsafe {
-        graphed_host_enqueue_kernel(null_mut(), c"fuzz.fault".as_ptr(), Some(faulting), null_mut())
+        graphed_host_enqueue_kernel(
+            null_mut(),
+            c"fuzz.fault".as_ptr(),
+            Some(faulting),
+            null_mut(),
+        )
     };
     expect(r, &[S::Ok], "graphed_host_enqueue_kernel", "a fault");
 }
@@ -154,7 +165,12 @@ fn fault_now() {
 fn synchronize_reports_it() {
     mark();
     let r = graphed_host_synchronize(null_mut());
-    expect(r, &[S::CudaError], "graphed_host_synchronize", "a pending fault");
+    expect(
+        r,
+        &[S::CudaError],
+        "graphed_host_synchronize",
+        "a pending fault",
+    );
     assert!(
         msg().contains("host kernel 'fuzz.fault' returned 7"),
         "{}",
@@ -237,10 +253,18 @@ fn op_fault_then_replay() {
                 "{m}"
             );
             let r = graphed_host_synchronize(null_mut());
-            expect(r, &[S::Ok], "graphed_host_synchronize", "the replay took it");
+            expect(
+                r,
+                &[S::Ok],
+                "graphed_host_synchronize",
+                "the replay took it",
+            );
         }
     }
-    assert!(refs.iter().all(|r| r.ptr.is_null()), "refs written on failure");
+    assert!(
+        refs.iter().all(|r| r.ptr.is_null()),
+        "refs written on failure"
+    );
 }
 
 /// Host kernels on the NULL stream, forged and gone streams, with a NULL
