@@ -216,18 +216,6 @@ fn of_step(p: &Parts, step: u32) -> String {
     )
 }
 
-/// `e`, when debug mode found it, also saying that the pass ran in step
-/// `step`, replayed pass by pass.
-pub(super) fn in_step(e: Error, step: usize) -> Error {
-    match e {
-        Error::Surfaced { place, cause } => Error::Surfaced {
-            place: format!("{place}, in step {step} (replayed pass by pass in debug mode)"),
-            cause,
-        },
-        e => e,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,7 +14,7 @@ use super::super::captured::{Captured, CapturedStep};
 use super::super::pool::Claim;
 use super::super::returned::{CloneBlock, Returned};
 use super::super::spec::ReplayArgs;
-use super::{check, debug, run, stage, Parts, Replayed};
+use super::{check, run, stage, Parts, Replayed};
 use crate::backend::{DevPtr, StreamRef};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
@@ -386,7 +386,7 @@ fn by_pass<'a>(
             // blocks of the passes that ran go back.
             release_leases(&p, grads.iter().flatten());
             stage::give_back(&mut blocks);
-            return Err(debug::in_step(e, step));
+            return Err(in_step(e, step));
         }
         // The step hands out no aliases of outputs or input grads.
         release_leases(&p, p.cap.stage.a.iter());
@@ -423,5 +423,17 @@ fn release_leases<'r>(p: &Parts, returned: impl Iterator<Item = &'r Returned>) {
     for r in returned.filter(|r| r.lease != 0) {
         // A lease acquired by this call is held: releasing it cannot fail.
         let _ = l.release(r.lease);
+    }
+}
+
+/// `e`, when debug mode found it, also saying that the pass ran in step
+/// `step`, replayed pass by pass.
+fn in_step(e: Error, step: usize) -> Error {
+    match e {
+        Error::Surfaced { place, cause } => Error::Surfaced {
+            place: format!("{place}, in step {step} (replayed pass by pass in debug mode)"),
+            cause,
+        },
+        e => e,
     }
 }
