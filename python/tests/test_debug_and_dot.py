@@ -46,7 +46,9 @@ def test_export_dot_labels_every_graph(tmp_path):
     model = block(1)
     graphed = gt.make_graphed_callables(model, (torch.randn(16, 64, device="cuda", requires_grad=True),))
     text = graphed.export_dot()
-    assert text.startswith("digraph"), text[:200]
+    # One comment line naming the library and the session, then the graph.
+    first, second = text.splitlines()[:2]
+    assert first.startswith("// graphed ") and second.startswith("digraph"), text[:200]
     for want in ("callable 'Sequential_0' (index 0), forward, microbatch 0, no buckets, main graph",
                  "callable 'Sequential_0' (index 0), backward, microbatch 0"):
         assert want in text, text[:2000]
