@@ -13,6 +13,7 @@
 #include "support.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace {
@@ -135,6 +136,96 @@ TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
         }
         expect_step(eager, want, gy, elems, grads);
     }
+}
+
+// On CUDA every bucket's graph of a pass (and clone slot) launches the
+// largest bucket's executable, loaded with its own parameters when another
+// bucket's are there; the process holds one executable per pass of the
+// largest bucket. Parameters that move before every replay, in buckets
+// that change every replay, are followed by each bucket's graph: the
+// memory they were registered at and the previous replay's copy hold NaN,
+// and the results are eager's of that size, bit for bit. On the host no
+// graph shares, and parameters stay (its graphs run host tasks, which
+// cannot be pointed elsewhere).
+TEST_P(Buckets, EveryBucketOfAPassLaunchesOneExecutable) {
+    kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
+    kit::Mlp graphed(*dev, kLayers, kMax, kWidth, 41);
+    const bool cuda = GetParam() == kit::Backend::Cuda;
+    if (cuda)
+        for (int i = 0; i < kLayers; ++i) graphed.layer(i).param_flags = GRAPHED_PARAM_FLAGS_REBIND;
+    const uint64_t alive = graphed::memory_stats().graphs;
+    graphed::Session s = mlp_session(graphed, sample);
+    const graphed_session_stats st = s.stats();
+    SCOPED_TRACE(figures(st));
+    const uint32_t graphs = st.graph_count + st.slot_graphs;
+    EXPECT_EQ(st.executables_shared, cuda ? graphs - graphs / uint32_t(kSizes.size()) : 0u)
+        << "every bucket but the largest launches the largest's executables";
+    EXPECT_EQ(graphed::memory_stats().graphs - alive, graphs - st.executables_shared) << "executables alive";
+    EXPECT_EQ(st.params_move_refused, 0u);
+
+    // Two homes per parameter, used in turn; the one not in use and the
+    // registered memory hold NaN.
+    std::vector<kit::Buffer> home[2];
+    std::vector<size_t> bytes;
+    for (int i = 0; i < kLayers; ++i) {
+        bytes.push_back(size_t(kWidth) * kWidth * 4);
+        bytes.push_back(size_t(kWidth) * 4);
+    }
+    for (auto& h : home)
+        for (size_t b : bytes) h.emplace_back(*dev, b);
+    auto poison = [&](void* p, size_t b) {
+        std::vector<float> nan(b / 4, std::nanf(""));
+        dev->upload(p, nan.data(), b);
+    };
+    kit::Mlp eager_weights(*dev, kLayers, kMax, kWidth, 41);
+    for (int i = 0; i < kLayers && cuda; ++i) {
+        poison(graphed.layer(i).w, bytes[2 * size_t(i)]);
+        poison(graphed.layer(i).b, bytes[2 * size_t(i) + 1]);
+    }
+    std::vector<graphed::Ref> outs;
+    std::vector<graphed::Grads> grads(kLayers);
+    int turn = 0;
+    for (uint64_t n : {5u, 32u, 13u, 8u, 32u, 1u, 16u, 9u}) {
+        SCOPED_TRACE(testing::Message() << n << " rows");
+        auto& use = home[turn % 2];
+        auto& other = home[(turn + 1) % 2];
+        ++turn;
+        for (int i = 0; i < kLayers; ++i) {
+            for (size_t j : {2 * size_t(i), 2 * size_t(i) + 1})
+                ASSERT_EQ(0, dev->copy(dev->stream(), use[j].get(), j % 2 ? eager_weights.layer(i).b : eager_weights.layer(i).w,
+                                       bytes[j]));
+        }
+        dev->sync();
+        for (size_t j = 0; j < bytes.size() && cuda; ++j) poison(other[j].get(), bytes[j]);
+        const size_t elems = size_t(n) * kWidth;
+        kit::Buffer x = floats(elems, 100 + uint32_t(n)), t = floats(elems, 200 + uint32_t(n));
+        kit::Mlp eager(*dev, kLayers, int(n), kWidth, 41);
+        kit::StepGrads want = eager.eager_step(x.get(), t.get(), 0.0f);
+        const void* in = x.get();
+        for (int i = 0; i < kLayers; ++i) {
+            graphed::Replay r;
+            r.stream(dev->stream()).callable(uint32_t(i)).size(n);
+            if (cuda) r.params({use[2 * size_t(i)].get(), use[2 * size_t(i) + 1].get()});
+            s.forward(r.data(in), outs);
+            ASSERT_EQ(outs[0].bytes(), elems * 4) << "the actual rows of layer " << i;
+            in = outs[0].ptr();
+        }
+        kit::Buffer gy(*dev, elems * 4);
+        dev->sub(dev->stream(), GRAPHED_DTYPE_F32, in, t.get(), gy.get(), elems);
+        const void* g = gy.get();
+        for (int i = kLayers - 1; i >= 0; --i) {
+            graphed::Replay r;
+            r.stream(dev->stream()).callable(uint32_t(i));
+            s.backward(r.data(g), grads[i]);
+            if (i > 0) g = grads[i].inputs[0].ptr();
+        }
+        expect_step(eager, want, gy, elems, grads);
+    }
+    const graphed_session_stats end = s.stats();
+    if (cuda)
+        EXPECT_GT(end.executable_loads, st.executable_loads) << "buckets that change load their parameters";
+    else
+        EXPECT_EQ(end.executable_loads, 0u);
 }
 
 // Layers chained in place (each reads the previous one's output buffer and

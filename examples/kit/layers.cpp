@@ -262,7 +262,7 @@ void Mlp::register_layers(graphed::Session& session, const void* sample_x, const
             c.inputs[0].chain_callable = static_cast<uint32_t>(i - 1);
             c.inputs[0].chain_output = 0;
         }
-        if (i == 0 && wiring.rebind_input) c.inputs[0].flags = GRAPHED_TENSOR_FLAGS_REBIND;
+        if (i == 0 && wiring.rebind_input) c.inputs[0].flags |= GRAPHED_TENSOR_FLAGS_REBIND;
         if (i + 1 == layers() && wiring.rebind_grad_output) c.outputs[0].flags |= GRAPHED_TENSOR_FLAGS_REBIND;
         if (session.add_callable(c) != static_cast<uint32_t>(i)) throw std::runtime_error("unexpected callable index");
     }

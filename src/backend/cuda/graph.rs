@@ -1,8 +1,10 @@
 //! Captured graphs: a capture ended, instantiated and uploaded into an
 //! executable (`CudaGraph`) with the list of its nodes (`describe`),
 //! launched, planned for rebinding while its template is kept, and
-//! destroyed with failures reported as teardown errors; and the capture
-//! status of a stream.
+//! destroyed with failures reported as teardown errors; executables shared
+//! by the graphs of one pass in every bucket (`Exec`: a graph loads its
+//! parameters with cuGraphExecUpdate before it launches, when the
+//! executable holds another's); and the capture status of a stream.
 
 use super::describe;
 use super::device::Inner;
@@ -13,13 +15,103 @@ use crate::backend::{teardown, CaptureEnd, DevPtr, Graph, Made, RebindPlan, Stre
 use crate::core::dot::Nodes;
 use crate::error::Result;
 use cudarc::driver::sys;
+use std::collections::HashMap;
 use std::ptr::null_mut;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// An executable graph: one graph's own, or shared by the graphs of one
+/// pass in every bucket of a callable (`CudaGraph::share_executable_of`).
+/// Dropped with its last graph (and rebinding plan).
+pub(super) struct Exec {
+    pub raw: sys::CUgraphExec,
+    inner: Arc<Inner>,
+    /// Which graph's parameters it holds (`CudaGraph::id`; 0: unknown),
+    /// and the lock under which graphs load, patch and launch it once it
+    /// is shared.
+    loaded: Mutex<u64>,
+    /// Set when a second graph shares it: launches load first from then on.
+    shared: AtomicBool,
+    /// While shared: the template it was instantiated from, whose nodes
+    /// name its nodes in `cuGraphExec*SetParams`.
+    origin: Mutex<Option<Arc<Template>>>,
+    /// Counted as a graph executable of the process while it lives.
+    _mark: GraphMark,
+}
+
+// SAFETY: a CUgraphExec may be launched, updated and destroyed from any
+// thread; every change of what it holds is made under `loaded`.
+unsafe impl Send for Exec {}
+// SAFETY: as above.
+unsafe impl Sync for Exec {}
+
+impl Exec {
+    pub fn is_shared(&self) -> bool {
+        self.shared.load(Ordering::Acquire)
+    }
+
+    /// The lock under which it is loaded, patched and launched; what it
+    /// guards is the id of the graph whose parameters it holds.
+    pub fn lock(&self) -> MutexGuard<'_, u64> {
+        // Every change under the lock is complete before it is released.
+        self.loaded.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Exec {
+    fn drop(&mut self) {
+        let _g = self.inner.bind();
+        // SAFETY: destroyed exactly once, with its last holder; callers
+        // synchronize before dropping graphs.
+        let r = unsafe { sys::cuGraphExecDestroy(self.raw) };
+        teardown::check(
+            "destroying an executable graph",
+            check("cuGraphExecDestroy", r),
+        );
+    }
+}
+
+/// Ids of graphs, for `Exec::loaded` (0 is never one).
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Where a graph's rebinding patches go: the executable, the graph's id,
+/// and, when the executable was instantiated from another graph's
+/// template, that template's node for each of this graph's nodes.
+#[derive(Clone)]
+pub(super) struct Target {
+    pub exec: Arc<Exec>,
+    pub id: u64,
+    pub exec_nodes: Arc<HashMap<usize, usize>>,
+}
+
+impl Target {
+    /// The node of the executable's own template that stands for `node`
+    /// of this graph.
+    pub fn exec_node(&self, node: sys::CUgraphNode) -> sys::CUgraphNode {
+        // Node handles are kept as addresses (usize), so that the map is
+        // Send and Sync; they are the driver's handles of live templates.
+        self.exec_nodes
+            .get(&(node as usize))
+            .map_or(node, |&n| n as sys::CUgraphNode)
+    }
+}
 
 /// An instantiated, uploaded graph and, until released, its template.
 pub(super) struct CudaGraph {
-    exec: sys::CUgraphExec,
-    /// The captured template, while rebinding may need it.
+    exec: Arc<Exec>,
+    id: u64,
+    /// With a shared executable made from another graph: that graph's
+    /// template node for each node of this one.
+    exec_nodes: Arc<HashMap<usize, usize>>,
+    /// Launches that loaded its parameters into the shared executable.
+    loads: AtomicU64,
+    /// It launches another graph's executable.
+    follows: bool,
+    /// The captured template, while rebinding may need it (always, once
+    /// the executable is shared: loading reads it).
     template: Option<Arc<Template>>,
     inner: Arc<Inner>,
     /// The kernel nodes rebinding plans patch, shared between the plans.
@@ -27,11 +119,10 @@ pub(super) struct CudaGraph {
     made: Made,
     /// Its nodes as the template held them (for the DOT export).
     nodes: Nodes,
-    /// Counted as a graph executable of the process while it lives.
-    _mark: GraphMark,
 }
 
-// SAFETY: a CUgraphExec may be launched and destroyed from any thread.
+// SAFETY: the executable and the node handles may be used from any
+// thread; see `Exec`.
 unsafe impl Send for CudaGraph {}
 
 impl CudaGraph {
@@ -39,6 +130,89 @@ impl CudaGraph {
     pub(super) fn template(&self) -> Option<sys::CUgraph> {
         self.template.as_ref().map(|t| t.graph)
     }
+
+    fn target(&self) -> Target {
+        Target {
+            exec: self.exec.clone(),
+            id: self.id,
+            exec_nodes: self.exec_nodes.clone(),
+        }
+    }
+
+    /// Loads its template's parameters into the shared executable (the
+    /// caller holds the executable's lock).
+    fn load(&self, loaded: &mut u64) -> Result<()> {
+        let template = self.template.as_ref().ok_or_else(rebind::no_template)?;
+        update(&self.exec, template.graph).map_err(|why| {
+            crate::error::Error::Internal(format!(
+                "loading a bucket's graph into the executable it shares failed: {why}"
+            ))
+        })?;
+        *loaded = self.id;
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// `cuGraphExecUpdate_v2` of `exec` with `graph`; the driver's reason on
+/// failure.
+fn update(exec: &Exec, graph: sys::CUgraph) -> std::result::Result<(), String> {
+    let _ctx = exec.inner.bind().map_err(|e| e.to_string())?;
+    // SAFETY: the struct holds an enum whose zero is SUCCESS and two
+    // node handles, for which zero (NULL) is valid.
+    let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+    // SAFETY: a live executable and a live graph of the same context;
+    // the caller holds the executable's lock, so no launch or patch of it
+    // runs meanwhile. Launches already enqueued are not affected.
+    let r = unsafe { sys::cuGraphExecUpdate_v2(exec.raw, graph, &mut info) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        _ => Err(format!(
+            "cuGraphExecUpdate returned {} ({:?})",
+            error_name(r),
+            info.result
+        )),
+    }
+}
+
+/// The nodes of `graph`, in the driver's order (the order of capture).
+fn graph_nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>> {
+    let mut n = 0usize;
+    // SAFETY: a live graph; NULL nodes asks for the count.
+    check("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, null_mut(), &mut n)
+    })?;
+    let mut nodes = vec![null_mut(); n];
+    if n > 0 {
+        // SAFETY: room for `n` nodes.
+        check("cuGraphGetNodes", unsafe {
+            sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n)
+        })?;
+    }
+    nodes.truncate(n);
+    Ok(nodes)
+}
+
+/// The type of `node`, as the integer the driver writes.
+pub(super) fn node_type(node: sys::CUgraphNode) -> Result<u32> {
+    let mut ty: u32 = 0;
+    // SAFETY: a node of a live graph; the driver writes one
+    // CUgraphNodeType, a 32-bit enum, read as a u32 so that types newer
+    // than cudarc's enum stay defined values.
+    check("cuGraphNodeGetType", unsafe {
+        sys::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast())
+    })?;
+    Ok(ty)
+}
+
+/// Whether two node lists are the same graph shape: node types and
+/// dependencies, index by index.
+fn same_shape(a: &Nodes, b: &Nodes) -> bool {
+    a.note.is_none()
+        && b.note.is_none()
+        && a.edges == b.edges
+        && a.nodes.len() == b.nodes.len()
+        && a.nodes.iter().zip(&b.nodes).all(|(x, y)| x.kind == y.kind)
 }
 
 impl Graph for CudaGraph {
@@ -47,10 +221,22 @@ impl Graph for CudaGraph {
     }
 
     fn launch(&self, stream: StreamRef) -> Result<()> {
-        // SAFETY: exec is a live instantiated graph; the stream is the caller's.
-        check("cuGraphLaunch", unsafe {
-            sys::cuGraphLaunch(self.exec, stream.0 as sys::CUstream)
-        })
+        let launch = || {
+            // SAFETY: a live instantiated graph; the stream is the caller's.
+            check("cuGraphLaunch", unsafe {
+                sys::cuGraphLaunch(self.exec.raw, stream.0 as sys::CUstream)
+            })
+        };
+        if !self.exec.is_shared() {
+            return launch();
+        }
+        // Loaded and launched under the lock: no other graph loads its
+        // parameters between the two.
+        let mut loaded = self.exec.lock();
+        if *loaded != self.id {
+            self.load(&mut loaded)?;
+        }
+        launch()
     }
 
     fn made(&self) -> Made {
@@ -61,7 +247,7 @@ impl Graph for CudaGraph {
         let template = self.template.as_ref().ok_or_else(rebind::no_template)?;
         rebind::plan(
             template,
-            self.exec,
+            self.target(),
             &self.inner,
             &self.rebound_nodes,
             base,
@@ -74,21 +260,83 @@ impl Graph for CudaGraph {
     }
 
     fn release_template(&mut self) -> bool {
+        // A shared executable is loaded from the template of whichever
+        // graph launches.
+        if self.exec.is_shared() {
+            return self.template.is_some();
+        }
         self.template
             .take()
             .is_some_and(|t| Arc::strong_count(&t) > 1)
     }
-}
 
-impl Drop for CudaGraph {
-    fn drop(&mut self) {
-        let _g = self.inner.bind();
-        // SAFETY: destroyed exactly once; callers synchronize before dropping.
-        let r = unsafe { sys::cuGraphExecDestroy(self.exec) };
-        teardown::check(
-            "destroying an executable graph",
-            check("cuGraphExecDestroy", r),
+    fn share_executable_of(&mut self, leader: &dyn Graph) -> Result<bool> {
+        let Some(leader) = leader.as_any().downcast_ref::<CudaGraph>() else {
+            return Ok(false);
+        };
+        if Arc::ptr_eq(&self.exec, &leader.exec) {
+            return Ok(true);
+        }
+        // Only the owner of an executable leads (its nodes name the
+        // executable's), and only a graph of the same shape follows:
+        // the node lists pair index by index, as the driver pairs them.
+        let (Some(mine), Some(theirs)) = (self.template.clone(), leader.template.clone()) else {
+            return Ok(false);
+        };
+        if leader.follows || !same_shape(&self.nodes, &leader.nodes) {
+            return Ok(false);
+        }
+        let (own, origin) = (graph_nodes(mine.graph)?, graph_nodes(theirs.graph)?);
+        if own.len() != origin.len() {
+            return Ok(false);
+        }
+        for (a, b) in own.iter().zip(&origin) {
+            if node_type(*a)? != node_type(*b)? {
+                return Ok(false);
+            }
+        }
+        let exec = leader.exec.clone();
+        let mut loaded = exec.lock();
+        if update(&exec, mine.graph).is_err() {
+            // The driver refused (a change it cannot make in place): the
+            // executable is put back to what it held, or marked unknown
+            // so that the next launch loads.
+            *loaded = match *loaded == leader.id && update(&exec, theirs.graph).is_ok() {
+                true => leader.id,
+                false => 0,
+            };
+            if *loaded == 0 && !exec.is_shared() {
+                return Err(crate::error::Error::Internal(
+                    "an executable graph could not be put back after a refused update".into(),
+                ));
+            }
+            return Ok(false);
+        }
+        *loaded = self.id;
+        exec.origin
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(theirs);
+        exec.shared.store(true, Ordering::Release);
+        drop(loaded);
+        self.exec_nodes = Arc::new(
+            own.iter()
+                .zip(&origin)
+                .map(|(&a, &b)| (a as usize, b as usize))
+                .collect(),
         );
+        // Its own executable goes with the last reference to it.
+        self.exec = exec;
+        self.follows = true;
+        Ok(true)
+    }
+
+    fn shares_executable(&self) -> bool {
+        self.follows
+    }
+
+    fn executable_loads(&self) -> u64 {
+        self.loads.load(Ordering::Relaxed)
     }
 }
 
@@ -136,14 +384,25 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
         inner: inner.clone(),
     });
     let mut g = CudaGraph {
-        exec,
+        exec: Arc::new(Exec {
+            raw: exec,
+            inner: inner.clone(),
+            loaded: Mutex::new(0),
+            shared: AtomicBool::new(false),
+            origin: Mutex::new(None),
+            _mark: GraphMark::new(),
+        }),
+        id: next_id(),
+        exec_nodes: Default::default(),
+        loads: AtomicU64::new(0),
+        follows: false,
         template: Some(template),
         inner: inner.clone(),
         rebound_nodes: Default::default(),
         made: Made::default(),
         nodes: Nodes::default(),
-        _mark: GraphMark::new(),
     };
+    *g.exec.lock() = g.id;
     // SAFETY: exec is live; uploading prepares its first launch.
     check("cuGraphUpload", unsafe {
         sys::cuGraphUpload(exec, s.0 as sys::CUstream)

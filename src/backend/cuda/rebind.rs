@@ -4,12 +4,16 @@
 //! `cuFuncGetParamInfo`, CUDA 12.4 drivers and newer; kernels launched with
 //! one packed argument buffer, as cuBLAS launches its own, are read word by
 //! word), and update those nodes of the executable graph in place when the
-//! range moves. Graphs with nodes whose addresses cannot be seen (host
+//! range moves. A graph whose executable is shared with other buckets'
+//! graphs (`graph::Exec`) patches its template too, so that loading it
+//! into the executable brings its current addresses, and patches the
+//! executable only while it holds this graph's parameters. Graphs with nodes whose addresses cannot be seen (host
 //! nodes, child graphs) are refused with the reason; a word that only looks
 //! like an address is caught by capture's verification replay.
 
 use super::device::Inner;
 use super::driver::check;
+use super::graph::Target;
 use crate::backend::teardown;
 use crate::backend::{DevPtr, RebindPlan, Rebinder};
 use crate::error::{Error, Result};
@@ -93,11 +97,13 @@ unsafe impl Send for NodeArgs {}
 /// The kernel nodes of one executable graph that plans patch, by node.
 pub(super) type NodeTable = Mutex<HashMap<usize, Arc<Mutex<NodeArgs>>>>;
 
-/// A kernel node to patch: its shared arguments and the words of the range,
-/// as (argument, word, offset from the base).
+/// A kernel node to patch: its shared arguments, the words of the range,
+/// as (argument, word, offset from the base), and the executable's node
+/// that stands for it.
 struct KernelPatch {
     args: Arc<Mutex<NodeArgs>>,
     words: Vec<(usize, usize, u64)>,
+    exec_node: sys::CUgraphNode,
 }
 
 /// A node's arguments read from the template, and the words of the range.
@@ -202,23 +208,26 @@ fn packed_patch(
 
 enum Patch {
     Kernel(KernelPatch),
-    /// A copy node: its parameters, and the offsets of its source and
-    /// destination from the base (None: outside the range).
+    /// A copy node (and the executable's node for it): its parameters,
+    /// and the offsets of its source and destination from the base (None:
+    /// outside the range).
     Memcpy {
         node: sys::CUgraphNode,
+        exec_node: sys::CUgraphNode,
         params: sys::CUDA_MEMCPY3D,
         src: Option<u64>,
         dst: Option<u64>,
     },
     Memset {
         node: sys::CUgraphNode,
+        exec_node: sys::CUgraphNode,
         params: sys::CUDA_MEMSET_NODE_PARAMS,
         dst: u64,
     },
 }
 
 pub(super) struct CudaRebinder {
-    exec: sys::CUgraphExec,
+    target: Target,
     inner: Arc<Inner>,
     /// The nodes patched are the template's: it lives as long as the plan.
     _template: Arc<Template>,
@@ -342,12 +351,12 @@ fn memcpy_params(
     Ok(Ok(unsafe { raw.assume_init() }))
 }
 
-/// The rebinding plan of executable `exec` (instantiated from `graph`) for
-/// the range `[base, base + bytes)`; `nodes`: the graph's kernel nodes that
-/// earlier plans patch.
+/// The rebinding plan of the graph captured as `template`, launched as
+/// `target`, for the range `[base, base + bytes)`; `nodes`: the graph's
+/// kernel nodes that earlier plans patch.
 pub(super) fn plan(
     template: &Arc<Template>,
-    exec: sys::CUgraphExec,
+    target: Target,
     inner: &Arc<Inner>,
     nodes_table: &NodeTable,
     base: DevPtr,
@@ -393,7 +402,12 @@ pub(super) fn plan(
                         .entry(node as usize)
                         .or_insert_with(|| Arc::new(Mutex::new(fresh)))
                         .clone();
-                    patches.push(Patch::Kernel(KernelPatch { args, words }));
+                    let exec_node = target.exec_node(node);
+                    patches.push(Patch::Kernel(KernelPatch {
+                        args,
+                        words,
+                        exec_node,
+                    }));
                 }
                 Ok(None) => {}
                 Err(why) => return Ok(RebindPlan::Refused(why)),
@@ -411,6 +425,7 @@ pub(super) fn plan(
                 if src.is_some() || dst.is_some() {
                     patches.push(Patch::Memcpy {
                         node,
+                        exec_node: target.exec_node(node),
                         params,
                         src,
                         dst,
@@ -427,7 +442,12 @@ pub(super) fn plan(
                 })?;
                 if inside(params.dst) {
                     let dst = params.dst - lo;
-                    patches.push(Patch::Memset { node, params, dst });
+                    patches.push(Patch::Memset {
+                        node,
+                        exec_node: target.exec_node(node),
+                        params,
+                        dst,
+                    });
                 }
             }
             NODE_HOST => {
@@ -455,7 +475,7 @@ pub(super) fn plan(
         return Ok(RebindPlan::Unreferenced);
     }
     Ok(RebindPlan::Plan(Box::new(CudaRebinder {
-        exec,
+        target,
         inner: inner.clone(),
         _template: template.clone(),
         patches,
@@ -479,6 +499,13 @@ impl Rebinder for CudaRebinder {
     fn rebind(&mut self, base: DevPtr) -> Result<()> {
         let _ctx = self.inner.bind()?;
         let ctx = self.inner.ctx;
+        let exec = self.target.exec.clone();
+        // A shared executable: the template is patched too (loading it
+        // brings these addresses), and the executable only while it holds
+        // this graph's parameters, under its lock.
+        let shared = exec.is_shared();
+        let guard = shared.then(|| exec.lock());
+        let live = guard.as_deref().map_or(true, |&id| id == self.target.id);
         for p in &mut self.patches {
             match p {
                 Patch::Kernel(p) => {
@@ -496,17 +523,29 @@ impl Rebinder for CudaRebinder {
                         }
                         None => params.kernelParams = k.pointers.as_mut_ptr(),
                     }
-                    // SAFETY: a node of the graph `exec` was instantiated
-                    // from, with the same function and either one pointer
-                    // per argument to a buffer of its size or one packed
-                    // buffer of the captured size (`extra`, whose size
-                    // entry points at the boxed size this patch owns).
-                    check("cuGraphExecKernelNodeSetParams", unsafe {
-                        sys::cuGraphExecKernelNodeSetParams_v2(self.exec, k.node, &params)
-                    })?;
+                    if shared {
+                        // SAFETY: a kernel node of the live template, the
+                        // same function, its arguments as below; the
+                        // driver copies them.
+                        check("cuGraphKernelNodeSetParams", unsafe {
+                            sys::cuGraphKernelNodeSetParams_v2(k.node, &params)
+                        })?;
+                    }
+                    if live {
+                        // SAFETY: the node of the graph `exec` was
+                        // instantiated from that stands for this one, with
+                        // the same function and either one pointer per
+                        // argument to a buffer of its size or one packed
+                        // buffer of the captured size (`extra`, whose size
+                        // entry points at the boxed size this patch owns).
+                        check("cuGraphExecKernelNodeSetParams", unsafe {
+                            sys::cuGraphExecKernelNodeSetParams_v2(exec.raw, p.exec_node, &params)
+                        })?;
+                    }
                 }
                 Patch::Memcpy {
                     node,
+                    exec_node,
                     params,
                     src,
                     dst,
@@ -517,20 +556,46 @@ impl Rebinder for CudaRebinder {
                     if let Some(o) = dst {
                         params.dstDevice = base + *o;
                     }
-                    // SAFETY: a copy node of the graph, same shape of copy.
-                    check("cuGraphExecMemcpyNodeSetParams", unsafe {
-                        sys::cuGraphExecMemcpyNodeSetParams(self.exec, *node, params, ctx)
-                    })?;
+                    if shared {
+                        // SAFETY: a copy node of the live template, same
+                        // shape of copy.
+                        check("cuGraphMemcpyNodeSetParams", unsafe {
+                            sys::cuGraphMemcpyNodeSetParams(*node, params)
+                        })?;
+                    }
+                    if live {
+                        // SAFETY: the executable's copy node for it, same
+                        // shape of copy.
+                        check("cuGraphExecMemcpyNodeSetParams", unsafe {
+                            sys::cuGraphExecMemcpyNodeSetParams(exec.raw, *exec_node, params, ctx)
+                        })?;
+                    }
                 }
-                Patch::Memset { node, params, dst } => {
+                Patch::Memset {
+                    node,
+                    exec_node,
+                    params,
+                    dst,
+                } => {
                     params.dst = base + *dst;
-                    // SAFETY: a set node of the graph, same shape of set.
-                    check("cuGraphExecMemsetNodeSetParams", unsafe {
-                        sys::cuGraphExecMemsetNodeSetParams(self.exec, *node, params, ctx)
-                    })?;
+                    if shared {
+                        // SAFETY: a set node of the live template, same
+                        // shape of set.
+                        check("cuGraphMemsetNodeSetParams", unsafe {
+                            sys::cuGraphMemsetNodeSetParams(*node, params)
+                        })?;
+                    }
+                    if live {
+                        // SAFETY: the executable's set node for it, same
+                        // shape of set.
+                        check("cuGraphExecMemsetNodeSetParams", unsafe {
+                            sys::cuGraphExecMemsetNodeSetParams(exec.raw, *exec_node, params, ctx)
+                        })?;
+                    }
                 }
             }
         }
+        drop(guard);
         Ok(())
     }
 }
