@@ -1725,9 +1725,10 @@ typedef struct graphed_callable_memory {
    */
   uint64_t shared_static_bytes;
   /**
-   * Graph executables of its instances: every pass of every microbatch
-   * and bucket, clone slots, the graphs choosing its bucket on the
-   * device. 0 once released.
+   * Graphs of its instances: every pass of every microbatch and bucket,
+   * clone slots, the graphs choosing its bucket on the device (on CUDA
+   * the buckets' graphs of one pass launch one executable:
+   * graphed_session_stats.executables_shared). 0 once released.
    */
   uint32_t graphs;
   /**
