@@ -4,12 +4,12 @@
 # imports it back, the check of the documentation's links
 # (scripts/check_docs.py), the Rust unit tests, then the CMake build and the
 # GoogleTest suite under ctest, then the host suite again under ASan, UBSan
-# and LeakSanitizer, then the C ABI fuzz target for a fixed budget
-# (GRAPHED_FUZZ_SECONDS, default 180) and the thread test under
-# ThreadSanitizer (both on the pinned nightly Rust, installed through
-# rustup), then the Python package's tests, then the PyTorch extension
-# built and tested against the oldest and the newest supported torch
-# (scripts/torch-compat.sh). Without a GPU, the CUDA
+# and LeakSanitizer, then the thread test under ThreadSanitizer, then the
+# Python package's tests and the PyTorch extension built and tested against
+# the oldest and the newest supported torch (scripts/torch-compat.sh), with
+# the C ABI fuzz target running beside them for a fixed budget
+# (GRAPHED_FUZZ_SECONDS, default 180; it and TSan on the pinned nightly
+# Rust, installed through rustup). Without a GPU, the CUDA
 # tests are compiled and skip at run time with their reason, which this
 # script prints at the end.
 set -euo pipefail
@@ -42,17 +42,31 @@ stage "ctest"
 stage "ctest under ASan + UBSan + LeakSanitizer (host backend)"
 bash scripts/sanitize.sh | grep -E "tests passed|tests failed|sanitize:"
 
-stage "fuzz the C ABI (libFuzzer, ASan, LeakSanitizer; a fixed budget, failing on any finding)"
-bash scripts/fuzz.sh "${GRAPHED_FUZZ_SECONDS:-180}"
-
 stage "ThreadSanitizer (tests/threads.rs, std rebuilt with TSan)"
 bash scripts/tsan.sh
+
+# The fuzz target runs for a fixed time on one core: it runs beside the
+# Python steps, whose extension builds take the other, and its output is
+# printed (and its status checked) when they are done.
+stage "fuzz the C ABI (libFuzzer, ASan, LeakSanitizer; a fixed budget, failing on any finding), in the background"
+fuzz_log="$(mktemp)"
+bash scripts/fuzz.sh "${GRAPHED_FUZZ_SECONDS:-180}" >"$fuzz_log" 2>&1 &
+fuzz_pid=$!
 
 stage "pytest (the Python package; needs torch and a GPU for most tests)"
 .venv/bin/python -m pytest python/tests -q -rs -p no:cacheprovider | tail -40
 
 stage "the PyTorch extension against the oldest and the newest supported torch (CPU: builds, loads, tests without a GPU)"
 bash scripts/torch-compat.sh
+
+stage "the fuzz target's result"
+if ! wait "$fuzz_pid"; then
+  cat "$fuzz_log"
+  echo "scripts/test.sh: the fuzz target failed" >&2
+  exit 1
+fi
+tail -5 "$fuzz_log"
+rm -f "$fuzz_log"
 
 bash scripts/skip-report.sh "$build"
 echo "scripts/test.sh: every step passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
