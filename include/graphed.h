@@ -2634,6 +2634,22 @@ graphed_status graphed_host_enqueue_kernel(graphed_stream stream,
  */
 graphed_status graphed_host_synchronize(graphed_stream stream);
 
+/**
+ * The host counterpart of an operation the CUDA driver does not allow
+ * under stream capture (an allocation outside the graph's pool, work on
+ * a stream the capture does not know, a CUDA library call that cannot be
+ * captured), for tests of failed captures without a GPU. On a capturing
+ * host stream (NULL: every capturing host stream, as work on the legacy
+ * default stream under CUDA) it invalidates the capture, naming
+ * `operation` (NULL: "an operation") as what broke it, and returns
+ * GRAPHED_STATUS_CAPTURE_INVALIDATED, as CUDA fails the call; on a
+ * stream that is not capturing it does nothing and returns OK.
+ *
+ * # Safety
+ * `operation` must be NULL or a NUL-terminated string.
+ */
+graphed_status graphed_host_invalidate_capture(graphed_stream stream, const char *operation);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus
