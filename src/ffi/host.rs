@@ -1,6 +1,7 @@
 //! Host-backend exports for callbacks: enqueue a task or a named kernel
-//! that may fault on a host stream, and synchronize (illegal under
-//! capture, as on a GPU; it reports a kernel's fault, as on a GPU).
+//! that may fault on a host stream, synchronize (illegal under capture, as
+//! on a GPU; it reports a kernel's fault, as on a GPU), and the host
+//! counterpart of any other operation CUDA refuses under capture.
 
 use super::args::arg_str;
 use super::boundary::boundary;
