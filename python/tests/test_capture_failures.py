@@ -82,11 +82,13 @@ def held():
 
 
 def assert_released(before):
-    """Nothing of the failed capture is held: torch's allocations and
-    graphed's device bytes as before."""
+    """Nothing of the failed capture is held: torch's allocations, and
+    graphed's accounting (memory_report) as before."""
     after = held()
     assert after[0] <= before[0], f"torch holds {after[0] - before[0]} bytes more after the failed capture"
-    assert str(after[1]).count("session") <= str(before[1]).count("session"), after[1]
+    for key in ("total_bytes", "allocations", "live_sessions", "graphs", "torch_bytes"):
+        assert after[1][key] == before[1][key], f"{key}: {before[1][key]} before, {after[1][key]} after"
+    assert len(after[1]["sessions"]) == len(before[1]["sessions"]), after[1]
 
 
 def where(module_forward_marker):
