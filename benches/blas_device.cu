@@ -80,6 +80,9 @@ class BlasDevice final : public kit::Device {
         return in_->dropout(s, dt, x, y, n, p, seed, mb_host, mb_at);
     }
     int illegal(graphed_stream s) override { return in_->illegal(s); }
+    int alloc_outside_pool(graphed_stream s) override { return in_->alloc_outside_pool(s); }
+    int unjoined_work(graphed_stream s) override { return in_->unjoined_work(s); }
+    int uncapturable_call(graphed_stream s) override { return in_->uncapturable_call(s); }
     int copy(graphed_stream s, void* d, const void* src, size_t b) override { return in_->copy(s, d, src, b); }
 
     // Row-major tensors, as column-major transposes.

@@ -1856,8 +1856,11 @@ graphed_status graphed_session_destroy_when_idle(struct graphed_session *session
  * warmup iterations eagerly on a side stream, then one graph per pass,
  * instantiated and uploaded. On failure (a callback's non-zero return, an
  * illegal call under capture, a driver error) everything the attempt
- * made is released, the message names the callable and pass, and the
- * session can be captured again.
+ * made is released, the message names the session, the callable (name
+ * and index), the pass, the microbatch, the bucket and what broke it (the
+ * driver's answer, the first failing call graphed saw, what the callback
+ * said with graphed_callback_fail_message: docs/c-api.md, "When a
+ * capture fails"), and the session can be captured again.
  */
 graphed_status graphed_session_capture(struct graphed_session *session);
 
@@ -2651,6 +2654,22 @@ graphed_status graphed_host_enqueue_kernel(graphed_stream stream,
  * thread) as GRAPHED_STATUS_CUDA_ERROR.
  */
 graphed_status graphed_host_synchronize(graphed_stream stream);
+
+/**
+ * The host counterpart of an operation the CUDA driver does not allow
+ * under stream capture (an allocation outside the graph's pool, work on
+ * a stream the capture does not know, a CUDA library call that cannot be
+ * captured), for tests of failed captures without a GPU. On a capturing
+ * host stream (NULL: every capturing host stream, as work on the legacy
+ * default stream under CUDA) it invalidates the capture, naming
+ * `operation` (NULL: "an operation") as what broke it, and returns
+ * GRAPHED_STATUS_CAPTURE_INVALIDATED, as CUDA fails the call; on a
+ * stream that is not capturing it does nothing and returns OK.
+ *
+ * # Safety
+ * `operation` must be NULL or a NUL-terminated string.
+ */
+graphed_status graphed_host_invalidate_capture(graphed_stream stream, const char *operation);
 
 #ifdef __cplusplus
 }  // extern "C"

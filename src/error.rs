@@ -38,10 +38,12 @@ pub enum Error {
     #[error("{0}")]
     DeviceFault(String),
 
-    /// Debug mode: an error that a replay's check found (after a graph ran,
-    /// or before the replay enqueued anything, or after its copies);
+    /// An error and where it struck. Debug mode: an error that a replay's
+    /// check found (after a graph ran, or before the replay enqueued
+    /// anything, or after its copies). Capture: a driver error ending or
+    /// beginning the capture of a pass (instantiating its graph, say).
     /// `place` names the session, callable, pass and graph, `cause` is the
-    /// error the synchronization reported. Its status is the cause's.
+    /// error. Its status is the cause's.
     #[error("{place}: {cause}")]
     Surfaced { place: String, cause: Box<Error> },
 
@@ -54,14 +56,15 @@ pub enum Error {
     #[error("the session was reset: {0}")]
     SessionReset(String),
 
-    #[error("the {pass} callback of callable '{callable}' (microbatch {microbatch}) returned {code} during {phase}{said}")]
+    #[error("the {pass} callback of {place}, returned {code} during {phase}{said}")]
     CallbackFailed {
-        callable: String,
+        place: Box<CapturePlace>,
         pass: PassKind,
-        microbatch: u32,
         phase: &'static str,
         code: i32,
-        /// What the callback said about it ("": nothing).
+        /// What the callback said about it (the operation that failed,
+        /// from `graphed_callback_fail_message`), then the first error
+        /// graphed saw under the capture; "": nothing.
         said: String,
     },
 
@@ -70,11 +73,14 @@ pub enum Error {
     #[error("{hook} returned {code}")]
     HookFailed { hook: String, code: i32 },
 
-    #[error("capture of the {pass} pass of callable '{callable}' (microbatch {microbatch}) was invalidated: {detail}")]
+    /// The capture of a pass ended without a graph: `detail` says what
+    /// the driver (or the host backend) returned, what that means, the
+    /// first error graphed saw under the capture and what the callback
+    /// said.
+    #[error("capture of the {pass} pass of {place} was invalidated: {detail}")]
     CaptureInvalidated {
-        callable: String,
+        place: Box<CapturePlace>,
         pass: PassKind,
-        microbatch: u32,
         detail: String,
     },
 
@@ -122,6 +128,38 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Where a capture failed: "callable 'fc' (index 0) in session 'net',
+/// microbatch 0, bucket 1 (16 rows)", then the graph when it is not the
+/// pass's own (", clone slot 1", ", in the capture of step 0 (its
+/// microbatch 2)").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CapturePlace {
+    pub session: String,
+    pub callable: String,
+    pub index: u32,
+    pub microbatch: u32,
+    /// The bucket's index and rows; None: the callable has no buckets.
+    pub bucket: Option<(u32, u64)>,
+    /// ", clone slot 1", ", in the capture of step 0"; "": the pass's own
+    /// graph.
+    pub graph: String,
+}
+
+impl std::fmt::Display for CapturePlace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "callable '{}' (index {}) in session '{}', microbatch {}, ",
+            self.callable, self.index, self.session, self.microbatch
+        )?;
+        match self.bucket {
+            None => f.write_str("no buckets")?,
+            Some((b, rows)) => write!(f, "bucket {b} ({rows} rows)")?,
+        }
+        f.write_str(&self.graph)
+    }
+}
 
 impl Error {
     pub fn invalid(msg: impl Into<String>) -> Self {

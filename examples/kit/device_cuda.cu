@@ -26,6 +26,8 @@ __device__ __forceinline__ void st(float* p, size_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(__half* p, size_t i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ void st(__nv_bfloat16* p, size_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 
+__global__ void k_nothing() {}
+
 template <class T>
 __global__ void k_linear_fwd(const T* x, const T* w, const T* b, T* z, int B, int In, int Out) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -132,11 +134,15 @@ class CudaDevice final : public Device {
     CudaDevice() {
         cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
         cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
+        cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
+        cudaMalloc(&word_, 4);
     }
     ~CudaDevice() override {
         cudaStreamSynchronize(stream_);
         cudaStreamDestroy(stream_);
         cudaStreamDestroy(side_);
+        cudaEventDestroy(fork_);
+        cudaFree(word_);
     }
     Backend backend() const override { return Backend::Cuda; }
     void* alloc(size_t bytes) override {
@@ -241,6 +247,33 @@ class CudaDevice final : public Device {
         (void)cudaGetLastError();
         return 0;
     }
+    int alloc_outside_pool(graphed_stream) override {
+        void* p = nullptr;
+        const cudaError_t e = cudaMalloc(&p, 256);
+        if (e == cudaSuccess) return err(cudaFree(p));
+        return refused("cudaMalloc (an allocation outside the graph's pool)", e);
+    }
+    int unjoined_work(graphed_stream s) override {
+        // Careless: each call succeeds, and the capture's end reports
+        // CUDA_ERROR_STREAM_CAPTURE_UNJOINED.
+        (void)cudaEventRecord(fork_, cs(s));
+        (void)cudaStreamWaitEvent(side_, fork_, 0);
+        k_nothing<<<1, 1, 0, side_>>>();
+        (void)cudaGetLastError();
+        return 0;
+    }
+    int uncapturable_call(graphed_stream) override {
+        uint32_t host = 0;
+        const cudaError_t e = cudaMemcpy(&host, word_, sizeof host, cudaMemcpyDeviceToHost);
+        if (e == cudaSuccess) return 0;
+        return refused("cudaMemcpy (a CUDA library call that cannot be captured)", e);
+    }
+    static int refused(const char* operation, cudaError_t e) {
+        (void)cudaGetLastError();
+        const std::string said = std::string(operation) + " returned " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+        (void)graphed_callback_fail_message(said.c_str());
+        return err(e);
+    }
     int copy(graphed_stream s, void* dst, const void* src, size_t bytes) override {
         return err(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cs(s)));
     }
@@ -248,6 +281,8 @@ class CudaDevice final : public Device {
   private:
     cudaStream_t stream_ = nullptr;
     cudaStream_t side_ = nullptr;
+    cudaEvent_t fork_ = nullptr;  // unjoined_work's fork
+    void* word_ = nullptr;        // uncapturable_call's source
 };
 
 }  // namespace

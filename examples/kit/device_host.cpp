@@ -163,6 +163,24 @@ class HostDevice final : public Device {
     int copy(graphed_stream s, void* dst, const void* src, size_t bytes) override {
         return enqueue(s, [=] { std::memcpy(dst, src, bytes); });
     }
+    int alloc_outside_pool(graphed_stream s) override {
+        return refused(s, "cudaMalloc (an allocation outside the graph's pool)");
+    }
+    int unjoined_work(graphed_stream s) override {
+        // Careless, as the CUDA kit's: the capture's end reports it.
+        (void)graphed_host_invalidate_capture(s, "work on a stream the capture does not know (never joined back)");
+        return 0;
+    }
+    int uncapturable_call(graphed_stream s) override {
+        return refused(s, "cudaMemcpy (a CUDA library call that cannot be captured)");
+    }
+    // The host counterpart of a CUDA call refused under capture.
+    static int refused(graphed_stream s, const char* operation) {
+        if (graphed_host_invalidate_capture(s, operation) == GRAPHED_STATUS_OK) return 0;
+        const std::string said = std::string(operation) + " failed: " + graphed_last_error_message();
+        (void)graphed_callback_fail_message(said.c_str());
+        return 1;
+    }
 
   private:
     // Captured tasks are replayed later, so their closures must live as long

@@ -108,6 +108,21 @@ class Device {
                         uint32_t mb_host, const uint32_t* mb_at) = 0;
     // Something illegal under stream capture (a synchronize of the stream).
     virtual int illegal(graphed_stream s) = 0;
+    // Other operations stream capture does not allow, as a callback may
+    // meet them (tests of failed captures). Each returns 0 where the
+    // operation succeeded (not under capture); where it failed, it names
+    // the operation and its error with graphed_callback_fail_message and
+    // returns non-zero, as a careful callback does. On the host backend
+    // each is graphed_host_invalidate_capture naming the CUDA call.
+    // An allocation outside the graph's pool (cudaMalloc).
+    virtual int alloc_outside_pool(graphed_stream s) = 0;
+    // Work forked onto a stream the capture does not know (side_stream(),
+    // after waiting for `s`), never joined back: careless, it returns 0,
+    // and the capture's end reports it.
+    virtual int unjoined_work(graphed_stream s) = 0;
+    // A CUDA library call that cannot be captured (a synchronous
+    // cudaMemcpy to the host, as a library's setup issues).
+    virtual int uncapturable_call(graphed_stream s) = 0;
     // Copy on a stream.
     virtual int copy(graphed_stream s, void* dst, const void* src, size_t bytes) = 0;
 };

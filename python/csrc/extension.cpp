@@ -4,6 +4,7 @@
 // make(); replays go through GraphedCallable.replay. Python callables are
 // called from graphed's callbacks with the GIL taken, on whichever thread
 // runs them.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 #include <torch/headeronly/version.h>
@@ -20,6 +21,30 @@
 namespace py = pybind11;
 
 namespace {
+
+// Where the Python code that raised `e` issued it (graphed_torch's
+// FailureSite): the traceback's last frame outside torch and graphed, as
+// graphed.torch._errors.failure_site writes it; "" for an exception that
+// did not come through Python (or a traceback that cannot be read).
+std::string python_site(const std::exception_ptr& e) {
+    py::gil_scoped_acquire gil;
+    try {
+        py::object tb;
+        try {
+            std::rethrow_exception(e);
+        } catch (py::error_already_set& err) {
+            tb = err.trace();
+        } catch (python_error& err) {
+            if (err.traceback) tb = py::reinterpret_borrow<py::object>(err.traceback);
+        } catch (...) {
+        }
+        if (!tb || tb.is_none()) return "";
+        return py::module_::import("graphed.torch._errors").attr("failure_site")(tb).cast<std::string>();
+    } catch (py::error_already_set& err) {
+        err.discard_as_unraisable("graphed: reading the traceback of a failed callback");
+        return "";
+    }
+}
 
 // A Python object that may be released on any thread: the GIL is taken then.
 std::shared_ptr<py::object> hold(py::object o) {
@@ -481,7 +506,14 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
         .def("export_dot", &graphed_torch::GraphedCallable::export_dot)
         .def("params_movable", &graphed_torch::GraphedCallable::params_movable);
+    graphed_torch::set_failure_site(&python_site);
     m.def("make", &make, py::arg("specs"), py::arg("options"));
+    // What a capture error says broke a callback (graphed_torch's
+    // failure_report): `fn` runs under the same watch of torch operators.
+    m.def(
+        "_failure_report",
+        [](const py::function& fn) { return graphed_torch::failure_report([&] { fn(); }); },
+        py::arg("fn"));
     m.def("default_options", &default_options,
           "graphed_torch::Options' defaults of make_graphed_callables' keyword options, by keyword.");
     m.def("export_dot", &graphed_torch::export_dot,

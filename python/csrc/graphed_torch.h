@@ -332,6 +332,20 @@ MemoryReport memory_report();
 // with a call on another thread, or reset, are left out (a comment says so).
 std::string export_dot();
 
+// What broke a callback, for capture errors (docs/pytorch.md, "When a
+// capture fails"): every callback runs under a watch of torch's operators,
+// and an exception it raises reaches graphed as "torch operator
+// aten::_local_scalar_dense (called by aten::item) at model.py:12 in
+// forward: y.item(): CUDA error: ...", which graphed's message carries
+// after the callable, pass, microbatch and bucket. `FailureSite` finds
+// where the caller's code issued what raised `e` ("file:line in function:
+// source"; "" when unknown): the Python extension sets one that reads the
+// traceback. failure_report runs `body` under the same watch and returns
+// the report of the exception it raised ("" when it returned).
+using FailureSite = std::string (*)(const std::exception_ptr& e);
+void set_failure_site(FailureSite finder);
+std::string failure_report(const std::function<void()>& body);
+
 // Warms up and captures every callable into one graphed session sharing one
 // private memory pool; throws std::runtime_error with graphed's message (and
 // the callbacks' errors). Returns the callables' graphs for microbatch 0

@@ -7,6 +7,7 @@
 pub mod accounting;
 pub mod cuda;
 pub mod host;
+pub mod journal;
 pub mod teardown;
 
 use crate::core::dot::Nodes;

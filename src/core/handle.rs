@@ -250,6 +250,15 @@ pub fn all<T: Any + Send + Sync>(kind: Kind) -> Vec<Arc<T>> {
         .collect()
 }
 
+/// Every live object of `kind` with its id.
+pub fn all_with_ids<T: Any + Send + Sync>(kind: Kind) -> Vec<(u64, Arc<T>)> {
+    table()
+        .iter()
+        .filter(|(&id, _)| (id >> SERIAL_BITS) & 0xFF == kind as u64)
+        .filter_map(|(&id, e)| e.obj.clone().downcast::<T>().ok().map(|o| (id, o)))
+        .collect()
+}
+
 /// Live handles of `kind`, for tests and leak checks.
 pub fn count(kind: Kind) -> usize {
     table()

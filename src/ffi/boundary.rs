@@ -37,7 +37,9 @@ pub(crate) fn boundary(func: &'static str, f: impl FnOnce() -> Result<()>) -> gr
         Ok(Ok(())) => graphed_status::Ok,
         Ok(Err(e)) => {
             let status = graphed_status::from(&e);
-            set_last_error(format!("{func}: {e}"));
+            let msg = format!("{func}: {e}");
+            crate::backend::journal::note(|| msg.clone());
+            set_last_error(msg);
             status
         }
         Err(payload) => {

@@ -1,6 +1,7 @@
 //! Host-backend exports for callbacks: enqueue a task or a named kernel
-//! that may fault on a host stream, and synchronize (illegal under
-//! capture, as on a GPU; it reports a kernel's fault, as on a GPU).
+//! that may fault on a host stream, synchronize (illegal under capture, as
+//! on a GPU; it reports a kernel's fault, as on a GPU), and the host
+//! counterpart of any other operation CUDA refuses under capture.
 
 use super::args::arg_str;
 use super::boundary::boundary;
@@ -121,5 +122,32 @@ pub unsafe extern "C" fn graphed_host_enqueue_kernel(
 pub extern "C" fn graphed_host_synchronize(stream: graphed_stream) -> graphed_status {
     boundary("graphed_host_synchronize", || {
         host::synchronize(StreamRef(stream as usize))
+    })
+}
+
+/// The host counterpart of an operation the CUDA driver does not allow
+/// under stream capture (an allocation outside the graph's pool, work on
+/// a stream the capture does not know, a CUDA library call that cannot be
+/// captured), for tests of failed captures without a GPU. On a capturing
+/// host stream (NULL: every capturing host stream, as work on the legacy
+/// default stream under CUDA) it invalidates the capture, naming
+/// `operation` (NULL: "an operation") as what broke it, and returns
+/// GRAPHED_STATUS_CAPTURE_INVALIDATED, as CUDA fails the call; on a
+/// stream that is not capturing it does nothing and returns OK.
+///
+/// # Safety
+/// `operation` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_host_invalidate_capture(
+    stream: graphed_stream,
+    operation: *const c_char,
+) -> graphed_status {
+    boundary("graphed_host_invalidate_capture", || {
+        // SAFETY: per this function's contract.
+        let op = unsafe { arg_str(operation, "operation") }?;
+        host::invalidate(
+            StreamRef(stream as usize),
+            op.as_deref().unwrap_or("an operation"),
+        )
     })
 }

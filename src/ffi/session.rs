@@ -94,8 +94,11 @@ pub extern "C" fn graphed_session_destroy_when_idle(
 /// warmup iterations eagerly on a side stream, then one graph per pass,
 /// instantiated and uploaded. On failure (a callback's non-zero return, an
 /// illegal call under capture, a driver error) everything the attempt
-/// made is released, the message names the callable and pass, and the
-/// session can be captured again.
+/// made is released, the message names the session, the callable (name
+/// and index), the pass, the microbatch, the bucket and what broke it (the
+/// driver's answer, the first failing call graphed saw, what the callback
+/// said with graphed_callback_fail_message: docs/c-api.md, "When a
+/// capture fails"), and the session can be captured again.
 #[no_mangle]
 pub extern "C" fn graphed_session_capture(session: *mut graphed_session) -> graphed_status {
     boundary("graphed_session_capture", || {

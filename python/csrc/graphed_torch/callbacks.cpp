@@ -92,11 +92,14 @@ std::vector<at::Tensor> Callable::run_backward(Tape& tape, const std::vector<at:
 // ---- graphed's callbacks ---------------------------------------------------------------------
 
 int32_t guarded(Callable* c, const std::function<void()>& body) {
+    OperatorWatch watch;
     try {
         body();
         return 0;
     } catch (const std::exception& e) {
         c->error = e.what();
+        const std::string said = watch.report(std::current_exception(), e.what());
+        (void)graphed_callback_fail_message(said.c_str());
         return 1;
     }
 }

@@ -546,10 +546,31 @@ struct Shared {
     ~Shared();
 };
 
+// ---- what broke a callback (failure.cpp) -----------------------------------------------------
+
+// While it lives, notes the torch operators an exception unwinds (on any
+// thread; one watch at a time in the process: a watch made while another
+// lives notes nothing); `report` names the innermost, where the caller's
+// code issued it (set_failure_site) and the exception's first line.
+class OperatorWatch {
+  public:
+    OperatorWatch();
+    ~OperatorWatch();
+    OperatorWatch(const OperatorWatch&) = delete;
+    OperatorWatch& operator=(const OperatorWatch&) = delete;
+    std::string report(const std::exception_ptr& e, const char* what) const;
+
+  private:
+    void* unwound_ = nullptr;
+    uint64_t handle_ = 0;
+};
+
 // ---- graphed's callbacks (callbacks.cpp) -----------------------------------------------------
 
-// `body` for a callback of `c`: an exception becomes a non-zero return and
-// its message is kept for the capture error.
+// `body` for a callback of `c`: an exception becomes a non-zero return, its
+// message is kept for the capture error, and what broke it (the torch
+// operator, the caller's line, the exception's first line) goes to graphed
+// (graphed_callback_fail_message), which names it in the capture error.
 int32_t guarded(Callable* c, const std::function<void()>& body);
 int32_t pre_hook(const graphed_pass_ctx* ctx, void* self);
 int32_t post_hook(const graphed_pass_ctx* ctx, void* self);

@@ -158,7 +158,9 @@ pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(cuda_error(call, r))
+        let e = cuda_error(call, r);
+        crate::backend::journal::note(|| e.to_string());
+        Err(e)
     }
 }
 

@@ -350,6 +350,39 @@ pub(super) fn capture_status(s: StreamRef) -> Result<sys::CUstreamCaptureStatus>
     Ok(status)
 }
 
+/// What an error of `cuStreamEndCapture` means for the capture it ended.
+fn why_invalidated(r: sys::CUresult) -> &'static str {
+    use sys::CUresult as R;
+    match r {
+        R::CUDA_ERROR_STREAM_CAPTURE_UNJOINED => {
+            "work forked from the capture onto another stream was not joined back into the capturing \
+             stream (record an event on that stream and wait for it on the capturing stream before the \
+             callback returns)"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED => {
+            "an operation that cannot be captured was called under capture (a synchronous copy or \
+             allocation, a query of the stream, a library call that is not capturable)"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => {
+            "work on the legacy default stream, which synchronizes implicitly with the capturing stream"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_ISOLATION => {
+            "the capture waited for an event recorded outside it, or another stream waited for an \
+             event recorded inside it"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD => {
+            "the capture was ended on another thread than the one that began it"
+        }
+        R::CUDA_ERROR_CAPTURED_EVENT => {
+            "an event recorded under capture was queried or synchronized"
+        }
+        _ => {
+            "the capture was invalidated by an operation that is not allowed under capture (a host \
+             synchronisation, an allocation outside the graph's pool, work on another stream)"
+        }
+    }
+}
+
 /// Ends the capture on `s`: a valid capture is instantiated and uploaded
 /// (see `Backend::end_capture`).
 pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd> {
@@ -362,9 +395,9 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
             unsafe { sys::cuGraphDestroy(graph) };
         }
         return Ok(CaptureEnd::Invalidated(format!(
-            "cuStreamEndCapture returned {} (something enqueued under capture was not capturable: \
-             a synchronize, a plain allocation, or work on another stream that was not joined back)",
-            error_name(r)
+            "cuStreamEndCapture returned {}: {}",
+            error_name(r),
+            why_invalidated(r)
         )));
     }
     let mut exec: sys::CUgraphExec = null_mut();

@@ -22,7 +22,9 @@ mod stream;
 mod task;
 
 pub use memory::inject_free_failures;
-pub use stream::{check_stream, enqueue, enqueue_kernel, synchronize, take_fault, HostStream};
+pub use stream::{
+    check_stream, enqueue, enqueue_kernel, invalidate, synchronize, take_fault, HostStream,
+};
 pub use task::{HostKernel, HostTask};
 
 use super::{

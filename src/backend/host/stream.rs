@@ -136,37 +136,70 @@ pub fn enqueue_kernel(stream: StreamRef, name: &str, f: HostKernel) -> Result<()
     )
 }
 
+/// What every invalidated host capture says, as CUDA's
+/// CUDA_ERROR_STREAM_CAPTURE_INVALIDATED does.
+const NOT_ALLOWED: &str = "the capture was invalidated by an operation that is not allowed under \
+     capture (a host synchronisation, an allocation outside the graph's pool, work on another stream)";
+
+/// Marks the captures of `stream` (0: of every host stream, as an
+/// operation of the legacy default stream does on CUDA) invalidated by
+/// `operation`; returns the streams it invalidated, by name.
+fn invalidate_captures(stream: StreamRef, operation: &dyn Fn() -> String) -> Result<Vec<String>> {
+    let targets: Vec<(StreamRef, Arc<HostStream>)> = if stream.0 == 0 {
+        handle::all_with_ids::<HostStream>(Kind::HostStream)
+            .into_iter()
+            .map(|(id, s)| (StreamRef(id as usize), s))
+            .collect()
+    } else {
+        vec![(stream, lookup(stream)?)]
+    };
+    let mut hit = Vec::new();
+    for (id, s) in targets {
+        let mut st = s.lock();
+        if st.capture.is_some() {
+            hit.push(stream_name(id));
+            st.invalidated.get_or_insert_with(operation);
+        }
+    }
+    Ok(hit)
+}
+
 /// Waits for a host stream (0 = the whole device). Host work has already
 /// run, so this checks capture: synchronizing a capturing stream, or
 /// the device while any stream captures, is illegal and invalidates those
 /// captures, as under CUDA's global capture mode; then it reports the
 /// stream's fault, if any (`take_fault`; 0: this thread's NULL stream).
 pub fn synchronize(stream: StreamRef) -> Result<()> {
-    let targets: Vec<Arc<HostStream>> = if stream.0 == 0 {
-        handle::all::<HostStream>(Kind::HostStream)
-    } else {
-        vec![lookup(stream)?]
+    let op = || {
+        format!(
+            "graphed_host_synchronize({}), a host synchronisation, while the stream was capturing",
+            stream_name(stream)
+        )
     };
-    let mut hit = false;
-    for s in targets {
-        let mut st = s.lock();
-        if st.capture.is_some() {
-            hit = true;
-            st.invalidated.get_or_insert_with(|| {
-                "the stream was synchronized while it was capturing \
-                 (the host counterpart of a device synchronize under stream capture)"
-                    .to_string()
-            });
-        }
+    let hit = invalidate_captures(stream, &op)?;
+    if hit.is_empty() {
+        return take_fault(stream);
     }
-    if hit {
-        Err(Error::IllegalUnderCapture(
-            "synchronizing is not allowed while a stream is capturing; the capture is invalidated"
-                .into(),
-        ))
-    } else {
-        take_fault(stream)
+    Err(Error::IllegalUnderCapture(format!(
+        "synchronizing is not allowed while a stream is capturing; the capture on {} is invalidated",
+        hit.join(", ")
+    )))
+}
+
+/// The host counterpart of an operation CUDA does not allow under capture
+/// (`operation` names it): the captures of `stream` (0: every capturing
+/// host stream) are invalidated naming it, and the call is refused as
+/// CUDA refuses it; on a stream that is not capturing it does nothing.
+pub fn invalidate(stream: StreamRef, operation: &str) -> Result<()> {
+    let op = || format!("{operation}, not allowed under capture");
+    let hit = invalidate_captures(stream, &op)?;
+    if hit.is_empty() {
+        return Ok(());
     }
+    Err(Error::IllegalUnderCapture(format!(
+        "{operation} is not allowed while a stream is capturing; the capture on {} is invalidated",
+        hit.join(", ")
+    )))
 }
 
 pub(super) fn create() -> StreamRef {
@@ -204,7 +237,7 @@ pub(super) fn end_capture(s: StreamRef) -> Result<std::result::Result<Vec<Task>,
         return Err(Error::state("the host stream is not capturing"));
     };
     Ok(match st.invalidated.take() {
-        Some(why) => Err(why),
+        Some(op) => Err(format!("{NOT_ALLOWED}; the host backend saw {op}")),
         None => Ok(tasks),
     })
 }

@@ -10,10 +10,10 @@
 use super::super::external::Provided;
 use super::super::grads::enqueue_sums;
 use super::super::instance::PassRef;
-use super::run::{Call, Runner, ViewBuffers};
+use super::run::{Call, GraphOf, Runner, ViewBuffers};
 use super::step_io::summable;
 use super::steps::Sequence;
-use crate::backend::{AccItem, CaptureEnd, DevPtr, Graph, StreamRef};
+use crate::backend::{journal, AccItem, CaptureEnd, DevPtr, Graph, StreamRef};
 use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
 
@@ -41,7 +41,8 @@ impl Runner<'_> {
         let backend = self.s.backend.clone();
         let mode = self.s.opts.capture_mode;
         let main = self.stream;
-        backend.begin_capture(main, mode)?;
+        let graph = GraphOf::Step(seq.step, None);
+        self.begin(seq.passes[0], graph)?;
         let mut prologue = backend.fill(state, 0, 4, 1, main);
         if prologue.is_ok() {
             prologue = self.start_sums(seq, block);
@@ -70,7 +71,7 @@ impl Runner<'_> {
                 return Err(e);
             }
         }
-        let g = self.finish(last, ran, ended)?;
+        let g = self.finish(last, graph, ran, ended)?;
         prologue?;
         body?;
         Ok(g)
@@ -119,7 +120,7 @@ impl Runner<'_> {
     ) -> Result<()> {
         let backend = self.s.backend.clone();
         let s: StreamRef = self.stream;
-        let call = Call::in_step(iteration, (0, seq.microbatches), state);
+        let call = Call::in_step(seq.step, iteration, (0, seq.microbatches), state);
         for &p in seq.passes {
             *last = p;
             let inst = &self.placed[p.instance];
@@ -142,13 +143,17 @@ impl Runner<'_> {
                      holds kernels, copies and sets only: no events, no forked work, no \
                      synchronisation)"
                     .to_string();
+                if let Some(seen) = journal::take() {
+                    detail.push_str(&format!(
+                        "; the first call that failed under this capture: {seen}"
+                    ));
+                }
                 if let Err(code) = ran {
                     detail.push_str(&format!("; the callback then returned {code}"));
                 }
                 return Err(Error::CaptureInvalidated {
-                    callable: self.s.callables[inst.callable].name.clone(),
+                    place: Box::new(self.place(p, call.graph)),
                     pass: p.kind,
-                    microbatch: inst.microbatch,
                     detail,
                 });
             }

@@ -237,6 +237,7 @@ mod tests {
     use super::super::testing::{host_inputs, Fixture, BYTES};
     use super::*;
     use crate::core::PassKind;
+    use crate::error::Error;
     use std::cell::Cell;
 
     fn captured(f: &Fixture) -> Result<Captured> {
@@ -339,6 +340,51 @@ mod tests {
         // The same callables capture once the flag is gone.
         f.callables[1].inputs[0].external = false;
         assert!(captured(&f).is_ok());
+    }
+
+    /// A layer whose backward, under capture, synchronizes its stream (a
+    /// host synchronisation) and carries on, as careless code does.
+    struct Syncing;
+
+    impl crate::orchestrate::PassCallbacks for Syncing {
+        fn run(&self, v: &crate::orchestrate::PassView) -> std::result::Result<(), i32> {
+            if v.pass == PassKind::Backward && v.phase == super::super::spec::Phase::Capture {
+                let _ = crate::backend::host::synchronize(v.stream);
+            }
+            Ok(())
+        }
+        fn has_wgrad(&self) -> bool {
+            false
+        }
+        fn hook(
+            &self,
+            _: crate::orchestrate::HookPoint,
+            _: &crate::orchestrate::PassView,
+        ) -> std::result::Result<(), i32> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_invalidated_capture_names_its_place_and_the_operation() {
+        let mut f = host_inputs(&[("a", 1, false), ("b", 1, false)]);
+        f.opts.name = "net".into();
+        f.callables[1].callbacks = Box::new(Syncing);
+        let err = match captured(&f) {
+            Err(e) => e,
+            Ok(_) => panic!("a synchronize under capture invalidates it"),
+        };
+        assert!(matches!(err, Error::CaptureInvalidated { .. }), "{err}");
+        let msg = err.to_string();
+        for part in [
+            "capture of the backward pass of callable 'b' (index 1) in session 'net', microbatch 0, no buckets was invalidated",
+            "not allowed under capture (a host synchronisation, an allocation outside the graph's pool, work on another stream)",
+            "graphed_host_synchronize(host stream",
+        ] {
+            assert!(msg.contains(part), "{part} missing from: {msg}");
+        }
+        assert_eq!(MemCounters::get(&f.counters.static_bytes), 0);
+        assert_eq!(f.pool.bytes(), 0);
     }
 
     #[test]

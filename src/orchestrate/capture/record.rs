@@ -11,7 +11,7 @@ use super::super::instance::{PassGraphs, PassRef, Placed};
 use super::super::pool::Arena;
 use super::super::scratch::Scratch;
 use super::super::spec::Phase;
-use super::run::{Call, Runner};
+use super::run::{Call, GraphOf, Runner};
 use super::warmup::warmup;
 use crate::backend::StreamRef;
 use crate::core::PassKind;
@@ -65,6 +65,7 @@ pub(super) fn record(
             param_grads: None,
             step_microbatch: (0, 1),
             step_index: 0,
+            graph: GraphOf::Pass,
         };
         let graph = r.spent(Span::Capture, |r| r.call(p, call))?;
         graphs[p.instance].passes[p.kind.index()] = graph;

@@ -11,9 +11,9 @@ use super::super::instance::{PassRef, Placed};
 use super::super::scratch::Scratch;
 use super::super::spec::{HookPoint, PassView, Phase};
 use super::super::tensor::{ptrs, Feed};
-use crate::backend::{CaptureEnd, DevPtr, Graph, StreamRef, Tail};
+use crate::backend::{journal, CaptureEnd, DevPtr, Graph, StreamRef, Tail};
 use crate::core::policy::GradPolicy;
-use crate::error::{Error, Result};
+use crate::error::{CapturePlace, Error, Result};
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -56,6 +56,31 @@ fn phase_label(phase: Phase, hook: Option<HookPoint>) -> &'static str {
     }
 }
 
+/// Which graph a capture records, for the messages of its failures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GraphOf {
+    /// The pass's own graph (and warmup, which records none).
+    Pass,
+    /// Clone slot k's graph of the pass.
+    Slot(usize),
+    /// A step's graph: the step, and the microbatch of the step the pass
+    /// was recorded for (None: the body of a loop on the device).
+    Step(usize, Option<u32>),
+}
+
+impl GraphOf {
+    fn label(self) -> String {
+        match self {
+            GraphOf::Pass => String::new(),
+            GraphOf::Slot(k) => format!(", clone slot {k}"),
+            GraphOf::Step(s, Some(mb)) => {
+                format!(", in the capture of step {s} (its microbatch {mb})")
+            }
+            GraphOf::Step(s, None) => format!(", in the capture of step {s} (its loop's body)"),
+        }
+    }
+}
+
 /// How one pass is run.
 #[derive(Clone, Copy)]
 pub(super) struct Call<'a> {
@@ -72,14 +97,17 @@ pub(super) struct Call<'a> {
     pub step_microbatch: (u32, u32),
     /// In a loop's body: where the device holds the running microbatch.
     pub step_index: DevPtr,
+    /// The graph it records (named in failures).
+    pub graph: GraphOf,
 }
 
 impl Call<'_> {
-    /// A pass in a step's capture: no per-callable hooks, nothing
+    /// A pass in step `step`'s capture: no per-callable hooks, nothing
     /// provided; microbatch `mb` of `n` (the loop's `index` on the device
     /// in a looped body, else 0).
-    pub fn in_step(iteration: u32, (mb, n): (u32, u32), index: DevPtr) -> Self {
+    pub fn in_step(step: usize, iteration: u32, (mb, n): (u32, u32), index: DevPtr) -> Self {
         Call {
+            graph: GraphOf::Step(step, (index == 0).then_some(mb)),
             phase: Phase::Capture,
             iteration,
             hooks: false,
@@ -119,19 +147,56 @@ impl Runner<'_> {
         out
     }
 
-    fn failed(&self, p: PassRef, phase: Phase, hook: Option<HookPoint>, code: i32) -> Error {
+    /// Where pass `p` is, recording `graph`: the session, the callable
+    /// (name and index), the microbatch, the bucket.
+    pub fn place(&self, p: PassRef, graph: GraphOf) -> CapturePlace {
         let inst = &self.placed[p.instance];
         let spec = &self.s.callables[inst.callable];
-        Error::CallbackFailed {
+        CapturePlace {
+            session: self.s.opts.name.clone(),
             callable: spec.name.clone(),
-            pass: p.kind,
+            index: inst.callable as u32,
             microbatch: inst.microbatch,
-            phase: phase_label(phase, hook),
+            bucket: (!spec.buckets.is_empty())
+                .then(|| (inst.bucket, spec.bucket_size(inst.bucket as usize))),
+            graph: graph.label(),
+        }
+    }
+
+    /// What the callback of pass `p` said about its failure (from
+    /// `graphed_callback_fail_message`), then under capture the first
+    /// failing call graphed saw (`journal`): ": ..." or "".
+    fn said(&self, p: PassRef, seen: Option<String>) -> String {
+        let spec = &self.s.callables[self.placed[p.instance].callable];
+        let mut said = spec
+            .callbacks
+            .failure_message()
+            .map_or(String::new(), |m| format!(": {m}"));
+        if let Some(seen) = seen {
+            said.push_str(&format!(
+                "{}the first call that failed under this capture: {seen}",
+                if said.is_empty() { ": " } else { "; " }
+            ));
+        }
+        said
+    }
+
+    fn failed(
+        &self,
+        p: PassRef,
+        call: (Phase, GraphOf),
+        hook: Option<HookPoint>,
+        code: i32,
+    ) -> Error {
+        let seen = (call.0 == Phase::Capture && hook.is_none())
+            .then(journal::take)
+            .flatten();
+        Error::CallbackFailed {
+            place: Box::new(self.place(p, call.1)),
+            pass: p.kind,
+            phase: phase_label(call.0, hook),
             code,
-            said: spec
-                .callbacks
-                .failure_message()
-                .map_or(String::new(), |m| format!(": {m}")),
+            said: self.said(p, seen),
         }
     }
 
@@ -250,7 +315,7 @@ impl Runner<'_> {
         let spec = &self.s.callables[self.placed[p.instance].callable];
         spec.callbacks
             .hook(point, &view)
-            .map_err(|c| self.failed(p, call.phase, Some(point), c))
+            .map_err(|c| self.failed(p, (call.phase, call.graph), Some(point), c))
     }
 
     /// Runs the hooks and the callback of pass `p` once; under capture the
@@ -273,16 +338,17 @@ impl Runner<'_> {
             let view = self.view(&bufs, p, &call, Some(self.scratch), provided.as_ref());
             let spec = &self.s.callables[inst.callable];
             if capture {
-                let backend = self.s.backend;
-                backend.begin_capture(self.stream, self.s.opts.capture_mode)?;
+                self.begin(p, call.graph)?;
                 let ran = spec.callbacks.run(&view);
-                let ended = backend.end_capture(self.stream);
-                Some(self.finish(p, ran, ended)?)
+                let ended = self.s.backend.end_capture(self.stream);
+                Some(self.finish(p, call.graph, ran, ended)?)
             } else {
                 self.zero_tails(p)?;
                 let ran = spec.callbacks.run(&view);
                 let refused = self.scratch.take_failure();
-                ran.map_err(|c| refused.unwrap_or_else(|| self.failed(p, call.phase, None, c)))?;
+                ran.map_err(|c| {
+                    refused.unwrap_or_else(|| self.failed(p, (call.phase, call.graph), None, c))
+                })?;
                 None
             }
         };
@@ -296,37 +362,79 @@ impl Runner<'_> {
         Ok(graph)
     }
 
-    /// The graph of a capture that ended with `ended`, whose last callback
-    /// (of pass `p`) returned `ran`; or why there is none.
+    /// Begins the capture of pass `p` into `graph` on the runner's stream,
+    /// watching for the first call that fails under it (`journal`).
+    pub fn begin(&self, p: PassRef, graph: GraphOf) -> Result<()> {
+        journal::arm();
+        let mode = self.s.opts.capture_mode;
+        self.s
+            .backend
+            .begin_capture(self.stream, mode)
+            .map_err(|cause| {
+                journal::take();
+                Error::Surfaced {
+                    place: format!(
+                        "beginning the capture of the {} pass of {}",
+                        p.kind,
+                        self.place(p, graph)
+                    ),
+                    cause: Box::new(cause),
+                }
+            })
+    }
+
+    /// The graph of a capture (into `graph`) that ended with `ended`, whose
+    /// last callback (of pass `p`) returned `ran`; or why there is none,
+    /// naming where it was and what broke it.
     pub fn finish(
         &mut self,
         p: PassRef,
+        graph: GraphOf,
         ran: std::result::Result<(), i32>,
         ended: Result<CaptureEnd>,
     ) -> Result<Box<dyn Graph>> {
         // A refused scratch request explains a failed callback better than
         // its code; a callback that carried on without it is fine.
         let refused = self.scratch.take_failure();
-        let inst = &self.placed[p.instance];
         // An invalidated capture is the root cause even when the callback
         // also failed (its next launch fails because of it).
         match (ran, ended) {
             (ran, Ok(CaptureEnd::Invalidated(mut detail))) => {
+                if let Some(seen) = journal::take() {
+                    detail.push_str(&format!(
+                        "; the first call that failed under this capture: {seen}"
+                    ));
+                }
                 if let Err(code) = ran {
-                    detail.push_str(&format!("; the callback then returned {code}"));
+                    let said = self.said(p, None);
+                    detail.push_str(&format!("; the callback then returned {code}{said}"));
                 }
                 Err(Error::CaptureInvalidated {
-                    callable: self.s.callables[inst.callable].name.clone(),
+                    place: Box::new(self.place(p, graph)),
                     pass: p.kind,
-                    microbatch: inst.microbatch,
                     detail,
                 })
             }
-            (Err(code), _) => {
-                Err(refused.unwrap_or_else(|| self.failed(p, Phase::Capture, None, code)))
+            (Err(code), _) => match refused {
+                Some(e) => {
+                    journal::take();
+                    Err(e)
+                }
+                None => Err(self.failed(p, (Phase::Capture, graph), None, code)),
+            },
+            (Ok(()), Err(cause)) => {
+                journal::take();
+                Err(Error::Surfaced {
+                    place: format!(
+                        "ending the capture of the {} pass of {}",
+                        p.kind,
+                        self.place(p, graph)
+                    ),
+                    cause: Box::new(cause),
+                })
             }
-            (Ok(()), Err(e)) => Err(e),
             (Ok(()), Ok(CaptureEnd::Graph(g))) => {
+                journal::take();
                 let made = g.made();
                 self.times.add(Span::Instantiate, made.instantiate);
                 self.times.add(Span::Upload, made.upload);

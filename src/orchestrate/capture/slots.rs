@@ -6,7 +6,7 @@
 use super::super::instance::{PassRef, SlotGraph};
 use super::super::scratch::Snapshot;
 use super::super::spec::Phase;
-use super::run::{Call, Runner};
+use super::run::{Call, GraphOf, Runner};
 use crate::error::Result;
 
 /// Where a pass's capture started: the scratch arena and its tape.
@@ -57,7 +57,7 @@ impl Runner<'_> {
         let after = (self.scratch.snapshot(), self.tapes[p.instance].get());
         let blocks = ring.add_slots(n, self.stream)?;
         let mut slots = Vec::with_capacity(n);
-        for block in blocks {
+        for (k, block) in blocks.into_iter().enumerate() {
             let grads = self.placed[p.instance].param_grads_into(block);
             self.scratch.restore(start.arena.clone());
             self.tapes[p.instance].set(start.tape);
@@ -70,6 +70,7 @@ impl Runner<'_> {
                 param_grads: Some(&grads),
                 step_microbatch: (0, 1),
                 step_index: 0,
+                graph: GraphOf::Slot(k),
             };
             if let Some(graph) = self.call(p, call)? {
                 slots.push(SlotGraph { block, graph });

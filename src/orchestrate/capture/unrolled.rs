@@ -9,7 +9,7 @@
 
 use super::super::external::Provided;
 use super::super::grads::{enqueue_destinations, enqueue_sums};
-use super::run::{Call, Runner, ViewBuffers};
+use super::run::{Call, GraphOf, Runner, ViewBuffers};
 use super::steps::Sequence;
 use crate::backend::{DevPtr, Graph};
 use crate::error::Result;
@@ -31,17 +31,18 @@ impl Runner<'_> {
     ) -> Result<Box<dyn Graph>> {
         self.scratch.restart();
         let backend = self.s.backend.clone();
-        backend.begin_capture(self.stream, self.s.opts.capture_mode)?;
+        let first = GraphOf::Step(seq.step, Some(0));
+        self.begin(seq.passes[0], first)?;
         let (mut ran, mut enqueued) = (Ok(()), Ok(()));
-        let mut last = seq.passes[0];
+        let (mut last, mut graph) = (seq.passes[0], first);
         let mut acc = Vec::new();
         'microbatches: for mb in 0..seq.microbatches {
             if mb > 0 {
                 self.scratch.restart();
             }
-            let call = Call::in_step(iteration, (mb, seq.microbatches), 0);
+            let call = Call::in_step(seq.step, iteration, (mb, seq.microbatches), 0);
             for &p in seq.passes {
-                last = p;
+                (last, graph) = (p, call.graph);
                 let inst = &self.placed[p.instance];
                 let copies = |before: bool| -> Result<()> {
                     for c in seq.io {
@@ -97,7 +98,7 @@ impl Runner<'_> {
             }
         }
         let ended = backend.end_capture(self.stream);
-        let g = self.finish(last, ran, ended)?;
+        let g = self.finish(last, graph, ran, ended)?;
         enqueued?;
         Ok(g)
     }

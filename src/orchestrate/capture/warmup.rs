@@ -8,9 +8,8 @@ use super::super::instance::PassRef;
 use super::super::pool::Arena;
 use super::super::scratch::Scratch;
 use super::super::spec::{HookPoint, LogLevel, Phase};
-use super::run::{Call, Runner};
+use super::run::{Call, GraphOf, Runner};
 use crate::backend::StreamRef;
-use crate::core::PassKind;
 use crate::error::{Error, Result};
 
 /// The warmup iterations, with the session's hooks around them; returns
@@ -21,15 +20,15 @@ pub(super) fn warmup(r: &mut Runner, order: &[PassRef]) -> Result<Option<Arena>>
         let Some(h) = &s.opts.warmup_hook else {
             return Ok(());
         };
-        h(point).map_err(|code| Error::CallbackFailed {
-            said: String::new(),
-            callable: "(session)".into(),
-            pass: PassKind::Forward,
-            microbatch: 0,
-            phase: match point {
-                HookPoint::Pre => "the pre-warmup hook",
-                HookPoint::Post => "the post-warmup hook",
-            },
+        h(point).map_err(|code| Error::HookFailed {
+            hook: format!(
+                "the {} hook of session '{}'",
+                match point {
+                    HookPoint::Pre => "pre-warmup",
+                    HookPoint::Post => "post-warmup",
+                },
+                s.opts.name
+            ),
             code,
         })
     };
@@ -49,6 +48,7 @@ pub(super) fn warmup(r: &mut Runner, order: &[PassRef]) -> Result<Option<Arena>>
                 param_grads: None,
                 step_microbatch: (0, 1),
                 step_index: 0,
+                graph: GraphOf::Pass,
             };
             r.call(p, call)?;
         }

@@ -1,4 +1,40 @@
-"""Exceptions of graphed.torch, importable without the compiled extension."""
+"""Exceptions of graphed.torch, importable without the compiled extension,
+and where the code that raised one in a callback was issued."""
+
+import os
+import traceback
+
+# Frames in these folders are the libraries', not the caller's.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (os.path.dirname(os.path.abspath(__file__)),)
+)
+
+
+def _library_frame(filename):
+    dirs = _LIBRARY_DIRS
+    try:
+        import torch
+
+        dirs = dirs + (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+    except ImportError:
+        pass
+    return os.path.abspath(filename).startswith(dirs)
+
+
+def failure_site(tb):
+    """Where the caller's code issued what raised the exception whose
+    traceback is `tb`: "model.py:12 in forward: y = x.item()", from the
+    last frame outside torch and graphed (the last frame when every one is
+    theirs); "" for no frame. A capture error names it (docs/pytorch.md,
+    "When a capture fails")."""
+    frames = traceback.extract_tb(tb)
+    if not frames:
+        return ""
+    user = [f for f in frames if not _library_frame(f.filename)]
+    f = (user or frames)[-1]
+    where = f"{f.filename}:{f.lineno} in {f.name}"
+    return f"{where}: {f.line}" if f.line else where
 
 
 class AliasHeldError(RuntimeError):
