@@ -9,95 +9,17 @@
 use super::describe;
 use super::device::Inner;
 use super::driver::{check, error_name};
-use super::rebind::{self, Template};
-use crate::backend::accounting::GraphMark;
-use crate::backend::{teardown, CaptureEnd, DevPtr, Graph, Made, RebindPlan, StreamRef};
+use super::exec::{next_id, Exec, Target, Template};
+use super::rebind;
+
+use crate::backend::{CaptureEnd, DevPtr, Graph, Made, RebindPlan, StreamRef};
 use crate::core::dot::Nodes;
 use crate::error::Result;
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-
-/// An executable graph: one graph's own, or shared by the graphs of one
-/// pass in every bucket of a callable (`CudaGraph::share_executable_of`).
-/// Dropped with its last graph (and rebinding plan).
-pub(super) struct Exec {
-    pub raw: sys::CUgraphExec,
-    inner: Arc<Inner>,
-    /// Which graph's parameters it holds (`CudaGraph::id`; 0: unknown),
-    /// and the lock under which graphs load, patch and launch it once it
-    /// is shared.
-    loaded: Mutex<u64>,
-    /// Set when a second graph shares it: launches load first from then on.
-    shared: AtomicBool,
-    /// While shared: the template it was instantiated from, whose nodes
-    /// name its nodes in `cuGraphExec*SetParams`.
-    origin: Mutex<Option<Arc<Template>>>,
-    /// Counted as a graph executable of the process while it lives.
-    _mark: GraphMark,
-}
-
-// SAFETY: a CUgraphExec may be launched, updated and destroyed from any
-// thread; every change of what it holds is made under `loaded`.
-unsafe impl Send for Exec {}
-// SAFETY: as above.
-unsafe impl Sync for Exec {}
-
-impl Exec {
-    pub fn is_shared(&self) -> bool {
-        self.shared.load(Ordering::Acquire)
-    }
-
-    /// The lock under which it is loaded, patched and launched; what it
-    /// guards is the id of the graph whose parameters it holds.
-    pub fn lock(&self) -> MutexGuard<'_, u64> {
-        // Every change under the lock is complete before it is released.
-        self.loaded.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-impl Drop for Exec {
-    fn drop(&mut self) {
-        let _g = self.inner.bind();
-        // SAFETY: destroyed exactly once, with its last holder; callers
-        // synchronize before dropping graphs.
-        let r = unsafe { sys::cuGraphExecDestroy(self.raw) };
-        teardown::check(
-            "destroying an executable graph",
-            check("cuGraphExecDestroy", r),
-        );
-    }
-}
-
-/// Ids of graphs, for `Exec::loaded` (0 is never one).
-fn next_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Where a graph's rebinding patches go: the executable, the graph's id,
-/// and, when the executable was instantiated from another graph's
-/// template, that template's node for each of this graph's nodes.
-#[derive(Clone)]
-pub(super) struct Target {
-    pub exec: Arc<Exec>,
-    pub id: u64,
-    pub exec_nodes: Arc<HashMap<usize, usize>>,
-}
-
-impl Target {
-    /// The node of the executable's own template that stands for `node`
-    /// of this graph.
-    pub fn exec_node(&self, node: sys::CUgraphNode) -> sys::CUgraphNode {
-        // Node handles are kept as addresses (usize), so that the map is
-        // Send and Sync; they are the driver's handles of live templates.
-        self.exec_nodes
-            .get(&(node as usize))
-            .map_or(node, |&n| n as sys::CUgraphNode)
-    }
-}
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// An instantiated, uploaded graph and, until released, its template.
 pub(super) struct CudaGraph {
@@ -157,7 +79,7 @@ impl CudaGraph {
 /// `cuGraphExecUpdate_v2` of `exec` with `graph`; the driver's reason on
 /// failure.
 fn update(exec: &Exec, graph: sys::CUgraph) -> std::result::Result<(), String> {
-    let _ctx = exec.inner.bind().map_err(|e| e.to_string())?;
+    let _ctx = exec.bind().map_err(|e| e.to_string())?;
     // SAFETY: the struct holds an enum whose zero is SUCCESS and two
     // node handles, for which zero (NULL) is valid.
     let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
@@ -313,11 +235,7 @@ impl Graph for CudaGraph {
             return Ok(false);
         }
         *loaded = self.id;
-        exec.origin
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert(theirs);
-        exec.shared.store(true, Ordering::Release);
+        exec.share(theirs);
         drop(loaded);
         self.exec_nodes = Arc::new(
             own.iter()
@@ -416,16 +334,10 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
         graph,
         inner: inner.clone(),
     });
+    let id = next_id();
     let mut g = CudaGraph {
-        exec: Arc::new(Exec {
-            raw: exec,
-            inner: inner.clone(),
-            loaded: Mutex::new(0),
-            shared: AtomicBool::new(false),
-            origin: Mutex::new(None),
-            _mark: GraphMark::new(),
-        }),
-        id: next_id(),
+        exec: Arc::new(Exec::new(exec, inner.clone(), id)),
+        id,
         exec_nodes: Default::default(),
         loads: AtomicU64::new(0),
         follows: false,
@@ -435,7 +347,6 @@ pub(super) fn end_capture(inner: &Arc<Inner>, s: StreamRef) -> Result<CaptureEnd
         made: Made::default(),
         nodes: Nodes::default(),
     };
-    *g.exec.lock() = g.id;
     // SAFETY: exec is live; uploading prepares its first launch.
     check("cuGraphUpload", unsafe {
         sys::cuGraphUpload(exec, s.0 as sys::CUstream)

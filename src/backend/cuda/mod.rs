@@ -11,6 +11,7 @@
 mod describe;
 mod device;
 pub mod driver;
+mod exec;
 mod graph;
 mod kernels;
 mod loops;

@@ -13,8 +13,7 @@
 
 use super::device::Inner;
 use super::driver::check;
-use super::graph::Target;
-use crate::backend::teardown;
+use super::exec::{Target, Template};
 use crate::backend::{DevPtr, RebindPlan, Rebinder};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -48,29 +47,6 @@ fn param_fns() -> Option<(ParamInfoFn, Option<ParamCountFn>)> {
             Some((info, count))
         }
     })
-}
-
-/// A captured graph's template. Rebinding plans read its nodes and update
-/// the executable through them, so it lives while the graph keeps it or a
-/// plan needs it.
-pub(super) struct Template {
-    pub graph: sys::CUgraph,
-    pub inner: Arc<Inner>,
-}
-
-// SAFETY: a CUgraph may be used and destroyed from any thread; it is only
-// read after capture.
-unsafe impl Send for Template {}
-// SAFETY: as above: nothing writes the template after capture.
-unsafe impl Sync for Template {}
-
-impl Drop for Template {
-    fn drop(&mut self) {
-        let _g = self.inner.bind();
-        // SAFETY: destroyed exactly once, when the last holder goes.
-        let r = check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(self.graph) });
-        teardown::check("destroying a graph template", r);
-    }
 }
 
 /// One kernel node's arguments as the executable graph has them now. One
