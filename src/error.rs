@@ -70,6 +70,16 @@ pub enum Error {
     #[error("{hook} returned {code}")]
     HookFailed { hook: String, code: i32 },
 
+    /// A step's update callback returned non-zero under capture.
+    #[error("the update's {phase} callback of step {step} returned {code} during capture{said}")]
+    UpdateFailed {
+        step: usize,
+        phase: &'static str,
+        code: i32,
+        /// What the callback said about it ("": nothing).
+        said: String,
+    },
+
     #[error("capture of the {pass} pass of callable '{callable}' (microbatch {microbatch}) was invalidated: {detail}")]
     CaptureInvalidated {
         callable: String,

@@ -3,7 +3,7 @@
 //! parameters followed, refused, and checked, end to end.
 
 use super::super::session::Session;
-use super::super::spec::ReplayArgs;
+use super::super::spec::{ReplayArgs, StepCall};
 use super::super::steps::StepRequest;
 use super::super::testing::{floats, host_inputs, read_floats, Fixture, BYTES, N};
 use crate::backend::{Backend, DevPtr, DeviceMemory, StreamRef};
@@ -25,6 +25,7 @@ fn session(f: Fixture) -> Session {
             io: st.io,
             looping: st.looping,
             capture_hook: st.capture_hook,
+            update: st.update,
         })
         .unwrap();
     }
@@ -267,7 +268,10 @@ fn step_out(
     b: &Arc<dyn Backend>,
     at: Option<&[DevPtr]>,
 ) -> crate::error::Result<f32> {
-    s.step(0, StreamRef(0), at, 0)?;
+    s.step(&StepCall {
+        params: at,
+        ..StepCall::of(0, StreamRef(0))
+    })?;
     let out = s.buffers(1, 0, Role::Output).unwrap()[0];
     Ok(read_floats(b.as_ref(), out)[0])
 }
@@ -287,12 +291,13 @@ fn a_step_follows_moved_parameters_in_its_own_graph() {
     // the registered memory.
     let input = s_input(&s);
     assert_eq!(forward(&mut s, &b, input, None).unwrap(), 1.0 + 2.0);
-    let e = s.step(0, StreamRef(0), Some(&[0]), 0).err().unwrap();
+    let call = |params| StepCall {
+        params: Some(params),
+        ..StepCall::of(0, StreamRef(0))
+    };
+    let e = s.step(&call(&[0])).err().unwrap();
     assert!(e.to_string().contains("passed to step 0"), "{e}");
-    let e = s
-        .step(0, StreamRef(0), Some(&[odd.ptr(), 0]), 0)
-        .err()
-        .unwrap();
+    let e = s.step(&call(&[odd.ptr(), 0])).err().unwrap();
     assert!(matches!(e, Error::ParamMoved(_)), "{e}");
     assert!(e.to_string().contains("callable 'a'"), "{e}");
     // Back where it was registered.
