@@ -422,8 +422,9 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
 /// parameters where the last successful one had them. Where several
 /// refusals apply, the first of these answers: the session handle and
 /// args; BUSY; the step, the refs array, then the pointer and count of
-/// args->params; the session's state (not captured, reset) and a
-/// released callable of the step; the microbatch count; the stream
+/// args->params and of args->scalars; the session's state (not captured,
+/// reset) and a released callable of the step; the microbatch count; the
+/// scalars' size against the step's scalar block; the stream
 /// (capturing); strict leases; the parameters' addresses (their count,
 /// then moves neither the step's graphs nor its callables' can follow);
 /// the order of sessions sharing a pool; and, with every clone slot held,
