@@ -251,6 +251,8 @@ struct Setup {
     loop_mode: graphed_step_loop,
     check: bool,
     slots: u32,
+    /// The parameter is registered with GRAPHED_PARAM_FLAGS_REBIND.
+    rebind: bool,
 }
 
 const PLAIN: Setup = Setup {
@@ -258,6 +260,7 @@ const PLAIN: Setup = Setup {
     loop_mode: graphed_step_loop::Unrolled,
     check: true,
     slots: 2,
+    rebind: false,
 };
 
 /// The session with the layer and the step over `m.mbs` microbatches
@@ -283,6 +286,11 @@ fn build(m: &mut Model, setup: Setup) -> (Built, graphed_status) {
         data: m.w.as_mut_ptr().cast(),
         bytes: BYTES,
         policy: setup.policy as u32,
+        flags: if setup.rebind {
+            graphed_param_flags::Rebind as u32
+        } else {
+            0
+        },
         ..graphed_param_desc_default()
     }];
     let desc = layer_desc(&t, &out, &params, Some(forward), Some(backward));
@@ -466,7 +474,13 @@ fn clone_grads_are_read_in_each_slots_block() {
 fn refused_declarations_and_replays_change_nothing() {
     let mut m = Model::new(1);
     // A check without an apply; scalars without an update; too many.
-    let (b, _) = build(&mut m, PLAIN);
+    let (b, _) = build(
+        &mut m,
+        Setup {
+            rebind: true,
+            ..PLAIN
+        },
+    );
     let s = b.0;
     let callables = [0u32];
     let dsts = [m.dst.as_mut_ptr().cast::<c_void>()];
@@ -525,7 +539,8 @@ fn refused_declarations_and_replays_change_nothing() {
     // SAFETY: a NULL session.
     let st = unsafe { graphed_step_skipped(null_mut(), 0, &mut last, null_mut()) };
     assert_eq!(st, graphed_status::NullPointer);
-    // A moved parameter: the update writes where capture had it.
+    // A moved parameter: the update writes where capture had it (its
+    // callable's own graphs could follow it; the step's cannot).
     let mut other = vec![0.0f32; N];
     let params = [other.as_mut_ptr() as *const c_void];
     let mut a = graphed_step_args_default();
@@ -534,6 +549,9 @@ fn refused_declarations_and_replays_change_nothing() {
     // SAFETY: valid args and room for a ref.
     let st = unsafe { graphed_step_replay(s, &a, r.as_mut_ptr(), 1) };
     assert_eq!(st, graphed_status::ParamMoved, "{}", msg());
+    // (Host tasks are opaque: the callable's own graphs cannot follow it
+    // either; orchestrate/replay/tests.rs covers a step whose callables' graphs can.)
+    assert!(msg().contains("moved from"), "{}", msg());
     assert_eq!(m.w, w0);
     // A reset session answers SESSION_RESET.
     ok(graphed_session_reset(s));

@@ -82,10 +82,16 @@ pub(crate) fn step<'a>(mut p: Parts<'a>, call: &StepCall) -> Result<Replayed<'a>
             Ok(Some(k)) => Some(k),
             Ok(None) if st.looped => {
                 p.cap.stage.taken = taken;
+                let what = match st.update.is_some() {
+                    true => {
+                        "runs its update in one graph with its passes and returns their CLONE \
+                             grads from"
+                    }
+                    false => "runs its microbatches in one graph and sums their CLONE grads in",
+                };
                 return Err(Error::AliasHeld(format!(
-                    "step {step} runs its microbatches in one graph and sums their CLONE grads in a \
-                     clone slot; all {} are held (grads of earlier replays not yet released): release \
-                     them first; nothing was replayed",
+                    "step {step} {what} a clone slot; all {} are held (grads of earlier replays not yet \
+                     released): release them first; nothing was replayed",
                     st.slots.len()
                 )));
             }
@@ -200,10 +206,14 @@ fn unfollowed(p: &Parts, step: usize, params: Option<&[DevPtr]>) -> Error {
         if let Some(why) = q.refusal(to) {
             return Error::ParamMoved(format!(
                 "step {step}: param {j} of callable '{}' moved from 0x{:x} to 0x{to:x}; the step runs its \
-                 microbatches in one graph, which cannot follow it ({why}), and replaying its callables \
-                 pass by pass would not give the step's results",
+                 {} in one graph, which cannot follow it ({why}), and replaying its callables pass by \
+                 pass would not give the step's results",
                 p.callables[c].name,
-                q.bound()
+                q.bound(),
+                match st.update.is_some() {
+                    true => "passes and its update",
+                    false => "microbatches",
+                }
             ));
         }
     }

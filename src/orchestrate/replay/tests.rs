@@ -450,3 +450,56 @@ fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
     cap.instances[first].params[0].bind(other.ptr()).unwrap();
     assert_eq!(s.param_addresses(0, 0).unwrap(), [0, mem[1].ptr()]);
 }
+
+#[test]
+fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
+    use super::super::spec::{UpdateSpec, UpdateView};
+    let mut f = host_inputs(&[("a", 1, false)]);
+    let mem = f.reading_params(0, 2.0);
+    f.callables[0].params[0].flags.rebind = true;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let mut st = super::super::spec::StepSpec::plain(vec![0], vec![0]);
+    st.update = Some(UpdateSpec {
+        callback: Arc::new(move |v: &UpdateView| {
+            log.lock().unwrap().push((v.phase, v.params[0], v.grads[0]));
+            Ok(())
+        }),
+        check: false,
+        scalar_bytes: 0,
+    });
+    f.steps.push(st);
+    let backend = f.backend.clone();
+    let mut s = session(f);
+    // One apply per clone slot's graph, each told where its block is.
+    let calls = seen.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls.iter().all(|c| c.1 == mem[0].ptr()));
+    assert_ne!(calls[0].2, calls[1].2, "each slot's own block");
+    let moved = Moved::new(&backend, 7.0, 0);
+    // The callable's own forward follows the move...
+    let input = s_input(&s);
+    assert_eq!(
+        forward(&mut s, &backend, input, Some(&[moved.ptr()])).unwrap(),
+        7.0
+    );
+    // ... the step with an update does not, and says why.
+    let e = s
+        .step(&StepCall {
+            params: Some(&[moved.ptr()]),
+            ..StepCall::of(0, StreamRef(0))
+        })
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("runs its passes and its update in one graph"),
+        "{text}"
+    );
+    assert!(
+        text.contains("the step updates its parameters in its graph"),
+        "{text}"
+    );
+    assert_eq!(s.stats().param_moves, 1, "the forward's move only");
+}
