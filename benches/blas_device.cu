@@ -79,6 +79,13 @@ class BlasDevice final : public kit::Device {
                 uint32_t mb_host, const uint32_t* mb_at) override {
         return in_->dropout(s, dt, x, y, n, p, seed, mb_host, mb_at);
     }
+    int sgd_momentum(graphed_stream s, float* w, const float* g, float* m, const float* scalars,
+                     size_t n) override {
+        return in_->sgd_momentum(s, w, g, m, scalars, n);
+    }
+    int flag_nonfinite(graphed_stream s, const float* g, size_t n, uint32_t* flag) override {
+        return in_->flag_nonfinite(s, g, n, flag);
+    }
     int illegal(graphed_stream s) override { return in_->illegal(s); }
     int alloc_outside_pool(graphed_stream s) override { return in_->alloc_outside_pool(s); }
     int unjoined_work(graphed_stream s) override { return in_->unjoined_work(s); }

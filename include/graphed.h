@@ -72,6 +72,11 @@
 #define GRAPHED_STEP_MAX_MICROBATCHES 4096
 
 /**
+ * The most bytes of a step's scalar block (graphed_step_desc.scalar_bytes).
+ */
+#define GRAPHED_STEP_MAX_SCALAR_BYTES 4096
+
+/**
  * The magic graphed_session_stats_default() sets.
  */
 #define GRAPHED_SESSION_STATS_MAGIC 1735524358
@@ -1341,6 +1346,123 @@ typedef struct graphed_step_io {
 } graphed_step_io;
 
 /**
+ * What a step's update callback receives. Every array and pointer is
+ * valid during the call only; the device memory they point to is valid
+ * while the session's graphs exist.
+ *
+ * The callback is called only under stream capture, once per phase in
+ * each capture of the step's graph (one graph, or one per clone slot when
+ * the step returns CLONE grads: `slot` says which, and `grads` point into
+ * that slot's block), after the last microbatch's grads are where the
+ * step puts them; never eagerly, so warmup does not update the weights.
+ * What it may do there:
+ * - enqueue kernels, copies and sets on `stream`, reading `params`,
+ *   `grads`, `scalars` and memory of its own (optimizer state), and
+ *   writing the parameters, its state and the scalars;
+ * - the check phase writes a non-zero uint32_t to `*skip_flag` (device
+ *   memory, 0 when the check begins) to skip the apply phase this
+ *   replay, as loss scalers skip a step whose grads are not finite; it
+ *   may also do work that must run either way (update a loss scale);
+ * - the apply phase is recorded, with a check, as the body of a
+ *   conditional IF node: kernels, copies and sets only (no event records
+ *   or waits, so no work forked to other streams, and no memory allocated
+ *   or freed under capture), as in a WHILE step's body.
+ *
+ * It may not synchronize, allocate device memory (cudaMalloc, or
+ * cudaMallocAsync outside a graph's pool), call back into its own session
+ * (GRAPHED_STATUS_BUSY), nor launch a kernel its module loads lazily for
+ * the first time: run the optimizer once eagerly (on scratch copies)
+ * before capture so that its kernels are loaded.
+ */
+typedef struct graphed_update_ctx {
+  /**
+   * sizeof(graphed_update_ctx) as the library was built: fields past a
+   * caller's own sizeof are new to it.
+   */
+  size_t struct_size;
+  /**
+   * The step, as graphed_session_add_step returned it.
+   */
+  uint32_t step;
+  /**
+   * A graphed_update_phase value: CHECK or APPLY.
+   */
+  uint32_t phase;
+  /**
+   * Enqueue all work here (a CUstream being captured on CUDA, a host
+   * stream on the host backend).
+   */
+  graphed_stream stream;
+  /**
+   * The clone slot whose graph is captured (0 for a step without
+   * CLONE grads, whose one graph this is).
+   */
+  uint32_t slot;
+  /**
+   * The microbatches the step was declared with.
+   */
+  uint32_t microbatches;
+  /**
+   * A step looping on the device (GRAPHED_STEP_LOOP_WHILE): device
+   * memory holding the count the replay runs (a uint32_t), for an
+   * average over microbatches; NULL otherwise (the count is
+   * `microbatches`).
+   */
+  const uint32_t *microbatch_count;
+  /**
+   * The parameters of the step's callables, in order (as
+   * graphed_step_param_count counts them): where the step's graph reads
+   * them (as registered).
+   */
+  size_t num_params;
+  void *const *params;
+  /**
+   * [num_params] where each parameter's grad is, summed over the
+   * microbatches, when the update runs: COPY_INTO and ACCUMULATE_INTO
+   * destinations (an ACCUMULATE_INTO destination holds what it held
+   * plus the sum), CLONE grads in this graph's clone slot block, ALIAS
+   * grads in their static buffer; NULL for a parameter without a grad.
+   */
+  void *const *grads;
+  /**
+   * [num_params] each parameter's bytes.
+   */
+  const size_t *bytes;
+  /**
+   * [num_params] each parameter's graphed_dtype.
+   */
+  const uint32_t *dtypes;
+  /**
+   * [num_params] each parameter's frozen graphed_grad_policy
+   * (GRAPHED_GRAD_POLICY_DEFAULT for a parameter without a grad).
+   */
+  const uint32_t *policies;
+  /**
+   * The step's scalar block (graphed_step_desc.scalar_bytes bytes,
+   * 256-byte aligned, zeroed at capture): what a replay was given in
+   * graphed_step_args.scalars, copied in before its graph runs; the
+   * update may also change it on the device (a step count). NULL when
+   * the step declared none.
+   */
+  void *scalars;
+  size_t scalar_bytes;
+  /**
+   * The check's flag (a uint32_t of device memory, set to 0 before the
+   * check runs at each replay): non-zero skips the apply phase. NULL
+   * for a step without update_check.
+   */
+  uint32_t *skip_flag;
+} graphed_update_ctx;
+
+/**
+ * A step's update callback (graphed_step_desc.update_check and
+ * update_apply). Return 0 on success; any other value fails the capture
+ * with GRAPHED_STATUS_CALLBACK_FAILED, naming the step, the phase and the
+ * value (and what graphed_callback_fail_message said).
+ */
+typedef int32_t (*graphed_update_fn)(const struct graphed_update_ctx *ctx, void *user_data);
+
+/**
  * A step to declare. Initialise with graphed_step_desc_default().
  */
 typedef struct graphed_step_desc {
@@ -1445,6 +1567,45 @@ typedef struct graphed_step_desc {
    * Passed to capture_hook as `user_data`.
    */
   void *capture_hook_data;
+  /**
+   * Optional update stage (an optimizer step), captured once into each
+   * of the step's graphs after the last microbatch's backward (after
+   * the loop, for GRAPHED_STEP_LOOP_WHILE), reading the accumulated
+   * grads where the step put them (graphed_update_ctx.grads): the whole
+   * iteration in one launch. update_apply is the parameter update
+   * (NULL: no update stage). update_check, optional, is recorded before
+   * it and writes the skip flag (graphed_update_ctx.skip_flag, zeroed at
+   * each replay before the check): with it, the apply part is the body
+   * of a conditional IF node that runs only when the flag is 0 (skipping
+   * the update of an iteration whose grads are not finite, as loss
+   * scalers do, decided on the device); graphed_step_skipped reads the
+   * flag when asked. The IF node needs a CUDA 12.4 driver
+   * (GRAPHED_STATUS_UNSUPPORTED here otherwise; the host backend
+   * emulates it). Both are called under capture only, never eagerly
+   * (graphed_update_ctx says what they may do). A step with an update
+   * has no pass-by-pass replay: its CLONE grads need a clone slot
+   * (GRAPHED_STATUS_INCOMPATIBLE at capture without one, ALIAS_HELD
+   * with every slot held), and a parameter given at another address is
+   * GRAPHED_STATUS_PARAM_MOVED (the update writes the parameters where
+   * capture had them). update_check without update_apply is
+   * GRAPHED_STATUS_INVALID_ARGUMENT.
+   */
+  graphed_update_fn update_check;
+  graphed_update_fn update_apply;
+  /**
+   * Passed to update_check and update_apply as `user_data`.
+   */
+  void *update_data;
+  /**
+   * Bytes of the step's scalar block (0: none; at most
+   * GRAPHED_STEP_MAX_SCALAR_BYTES; only with update_apply): device
+   * memory the step owns, zeroed at capture and freed with its graphs,
+   * that the update reads (graphed_update_ctx.scalars): learning rate,
+   * step count, loss scale, clip threshold. A replay given
+   * graphed_step_args.scalars copies them in before its graph runs, in
+   * stream order, with no recapture.
+   */
+  size_t scalar_bytes;
 } graphed_step_desc;
 
 /**
@@ -1493,6 +1654,17 @@ typedef struct graphed_step_args {
    * GRAPHED_STATUS_INVALID_ARGUMENT, before anything is enqueued.
    */
   uint32_t microbatches;
+  /**
+   * New values for the step's scalar block (graphed_step_desc
+   * .scalar_bytes), copied in before its graph runs, in stream order:
+   * host memory, read before the call returns. `scalar_bytes` must be
+   * the block's whole size. NULL with 0 (default): the block keeps what
+   * it holds (the last values given, or what the update wrote there).
+   * Scalars for a step without a block, or another size, are
+   * GRAPHED_STATUS_INVALID_ARGUMENT, before anything is enqueued.
+   */
+  const void *scalars;
+  size_t scalar_bytes;
 } graphed_step_args;
 
 /**
@@ -2145,8 +2317,9 @@ struct graphed_step_args graphed_step_args_default(void);
  * parameters where the last successful one had them. Where several
  * refusals apply, the first of these answers: the session handle and
  * args; BUSY; the step, the refs array, then the pointer and count of
- * args->params; the session's state (not captured, reset) and a
- * released callable of the step; the microbatch count; the stream
+ * args->params and of args->scalars; the session's state (not captured,
+ * reset) and a released callable of the step; the microbatch count; the
+ * scalars' size against the step's scalar block; the stream
  * (capturing); strict leases; the parameters' addresses (their count,
  * then moves neither the step's graphs nor its callables' can follow);
  * the order of sessions sharing a pool; and, with every clone slot held,
@@ -2161,6 +2334,32 @@ graphed_status graphed_step_replay(struct graphed_session *session,
                                    const struct graphed_step_args *args,
                                    struct graphed_ref *param_grads,
                                    size_t num_param_grads);
+
+/**
+ * Whether the last replay of `step` skipped its update's apply part
+ * (its check set the flag): `*skipped_out` 1 or 0 (0 before any
+ * replay); and, where `skipped_total_out` is not NULL, how many replays
+ * since capture skipped it, counted on the device. Waits for the step's
+ * last replay to finish first (the host reads the flag only here, never
+ * on the replay path), so that it answers for that replay.
+ *
+ * Checks, in this order: the session (NULL, destroyed, forged);
+ * `skipped_out` NULL (GRAPHED_STATUS_NULL_POINTER) or misaligned, then
+ * `skipped_total_out` misaligned (INVALID_ARGUMENT); BUSY; not captured
+ * (WRONG_STATE) or reset (SESSION_RESET); a step that does not exist
+ * (INVALID_ARGUMENT); a released callable of the step
+ * (CALLABLE_RELEASED); a step without update_check (INVALID_ARGUMENT:
+ * nothing is ever skipped); the wait failing (CUDA_ERROR, with the
+ * error the step's work met). A refusal writes nothing.
+ *
+ * # Safety
+ * `skipped_out` must be NULL or writable; `skipped_total_out` NULL or
+ * writable.
+ */
+graphed_status graphed_step_skipped(struct graphed_session *session,
+                                    uint32_t step,
+                                    uint32_t *skipped_out,
+                                    uint64_t *skipped_total_out);
 
 /**
  * Drops one reference to a block of returned clones; the last one gives

@@ -219,6 +219,28 @@ struct Callable {
     }
 };
 
+/// A step's update stage (graphed_step_desc.update_check, update_apply,
+/// update_data, scalar_bytes): the optimizer captured into the step's graph
+/// after the last microbatch's backward, so that one replay runs the whole
+/// iteration. `apply` updates the parameters from graphed_update_ctx.grads;
+/// `check`, optional, writes *ctx->skip_flag (non-zero skips `apply` on
+/// the device this replay); `scalar_bytes` sizes the step's device scalar
+/// block (Session::step's `scalars`). C functions, like a Callable's: wrap
+/// their bodies in graphed::guard.
+struct StepUpdate {
+    graphed_update_fn check = nullptr;
+    graphed_update_fn apply = nullptr;
+    void* data = nullptr;
+    size_t scalar_bytes = 0;
+};
+
+/// What graphed_step_skipped answers: whether the step's last replay
+/// skipped its update, and how many replays did since capture.
+struct Skipped {
+    bool last = false;
+    uint64_t total = 0;
+};
+
 // ---- inside callbacks -------------------------------------------------------------
 
 /// Scratch memory for the running callback (graphed_scratch_alloc on
@@ -808,10 +830,12 @@ class Session {
     /// conditional WHILE node, and a replay names how many to run.
     /// `capture_hook` (with `capture_hook_data`) runs before (0) and after
     /// (1) each capture of the step's graph (graphed_step_desc.capture_hook).
+    /// `update`: the optimizer the step's graph runs after the backward
+    /// passes (see StepUpdate; none by default).
     uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {},
                       uint32_t microbatches = 1, const std::vector<graphed_step_io>& io = {},
                       uint32_t loop_mode = GRAPHED_STEP_LOOP_UNROLLED, graphed_session_hook_fn capture_hook = nullptr,
-                      void* capture_hook_data = nullptr) {
+                      void* capture_hook_data = nullptr, const StepUpdate& update = {}) {
         graphed_step_desc d = graphed_step_desc_default();
         d.callables = callables.data();
         d.num_callables = callables.size();
@@ -823,6 +847,10 @@ class Session {
         d.loop_mode = loop_mode;
         d.capture_hook = capture_hook;
         d.capture_hook_data = capture_hook_data;
+        d.update_check = update.check;
+        d.update_apply = update.apply;
+        d.update_data = update.data;
+        d.scalar_bytes = update.scalar_bytes;
         uint32_t index = 0;
         check(graphed_session_add_step(raw_, &d, &index));
         step_params(index);
@@ -844,9 +872,12 @@ class Session {
     /// Replays a step on `stream`; `params` gets one Ref per parameter of
     /// its callables, in order (its capacity reused). `at`, when not empty,
     /// holds the parameters' current addresses (graphed_step_args.params).
-    /// `microbatches`: how many this replay runs (0: all).
+    /// `microbatches`: how many this replay runs (0: all). `scalars` (with
+    /// `scalar_bytes`, the whole block): new values of the step's scalar
+    /// block, copied in before its graph runs (NULL: it keeps its values).
     void step(uint32_t step, graphed_stream stream, std::vector<Ref>& params,
-              const std::vector<const void*>& at = {}, uint32_t microbatches = 0) {
+              const std::vector<const void*>& at = {}, uint32_t microbatches = 0, const void* scalars = nullptr,
+              size_t scalar_bytes = 0) {
         const size_t n = step_params(step);
         graphed_step_args a = graphed_step_args_default();
         a.step = step;
@@ -854,9 +885,30 @@ class Session {
         a.params = at.empty() ? nullptr : at.data();
         a.num_params = at.size();
         a.microbatches = microbatches;
+        a.scalars = scalars;
+        a.scalar_bytes = scalar_bytes;
         detail::RefArray refs(n);
         check(graphed_step_replay(raw_, &a, refs.data(), n));
         detail::adopt_refs(raw_, refs.data(), n, params);
+    }
+
+    /// A step replay given new scalars: `scalars` is the whole block, as a
+    /// trivially copyable struct (its sizeof the step's scalar_bytes).
+    template <class Scalars>
+    void step_with(uint32_t step, graphed_stream stream, std::vector<Ref>& params, const Scalars& scalars,
+                   uint32_t microbatches = 0) {
+        static_assert(std::is_trivially_copyable<Scalars>::value, "scalars are copied as bytes");
+        this->step(step, stream, params, {}, microbatches, &scalars, sizeof(Scalars));
+    }
+
+    /// Whether the last replay of `step` skipped its update, and how many
+    /// did (graphed_step_skipped: waits for that replay to finish).
+    Skipped skipped(uint32_t step) const {
+        uint32_t last = 0;
+        Skipped out;
+        check(graphed_step_skipped(raw_, step, &last, &out.total));
+        out.last = last != 0;
+        return out;
     }
 
     /// The static-buffer plan as text (graphed_session_plan_dump).

@@ -381,6 +381,9 @@ LOOPS = """//
 // graphed_bucket_select(u64 size, u64 table, u64 count, u64 overflows,
 //   u64 handle): the handle's value is the first i < count with
 //   *size <= table[i], else count (and *overflows += 1). One thread.
+// graphed_skip_select(u64 flag, u64 counter, u64 handle): the handle's
+//   value is 1 when the u32 at flag is 0, else 0 (and *counter += 1, a
+//   u64). One thread.
 //
 .version 7.0
 .target sm_52
@@ -505,6 +508,40 @@ SET:
     cvt.u32.u64 %r1, %rd7;
     st.param.b64 [call_handle], %rd5;
     st.param.b32 [call_value], %r1;
+    call.uni cudaGraphSetConditional, (call_handle, call_value);
+DONE:
+    ret;
+}
+
+.visible .entry graphed_skip_select(
+    .param .u64 p_flag,
+    .param .u64 p_counter,
+    .param .u64 p_handle
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<6>;
+    .reg .b64 %rd<6>;
+    .param .b64 call_handle;
+    .param .b32 call_value;
+    mov.u32 %r2, %tid.x;
+    mov.u32 %r3, %ctaid.x;
+    or.b32 %r2, %r2, %r3;
+    setp.ne.u32 %p3, %r2, 0;
+    @%p3 bra DONE;
+    ld.param.u64 %rd1, [p_flag];
+    ld.param.u64 %rd2, [p_counter];
+    ld.param.u64 %rd3, [p_handle];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    ld.global.u32 %r1, [%rd1];
+    setp.eq.u32 %p1, %r1, 0;
+    @%p1 bra SET;
+    atom.global.add.u64 %rd4, [%rd2], 1;
+SET:
+    selp.u32 %r4, 1, 0, %p1;
+    st.param.b64 [call_handle], %rd3;
+    st.param.b32 [call_value], %r4;
     call.uni cudaGraphSetConditional, (call_handle, call_value);
 DONE:
     ret;

@@ -73,6 +73,16 @@ pub enum Error {
     #[error("{hook} returned {code}")]
     HookFailed { hook: String, code: i32 },
 
+    /// A step's update callback returned non-zero under capture.
+    #[error("the update's {phase} callback of step {step} returned {code} during capture{said}")]
+    UpdateFailed {
+        step: usize,
+        phase: &'static str,
+        code: i32,
+        /// What the callback said about it ("": nothing).
+        said: String,
+    },
+
     /// The capture of a pass ended without a graph: `detail` says what
     /// the driver (or the host backend) returned, what that means, the
     /// first error graphed saw under the capture and what the callback

@@ -16,7 +16,9 @@
 //! the process's memory figures and the callables' memory; and replay a
 //! session in debug mode while another thread writes its graphs as DOT
 //! text and a third makes host kernels fault before its own debug
-//! replays. Every status is checked.
+//! replays; and replay a step with an update stage, giving it scalars,
+//! while other threads read its skip flag and the stats. Every status is
+//! checked.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
@@ -1127,4 +1129,156 @@ fn debug_replays_and_the_dot_export_while_a_thread_faults() {
     });
     ok(graphed_session_destroy(h.p()));
     ok(graphed_session_destroy(own.p()));
+}
+
+/// A step's update task: the check (`flag` set when the grad's first
+/// element is negative) or the apply (`w -= lr * g`, lr at `scalars`).
+struct UpdateTask {
+    w: usize,
+    g: usize,
+    flag: usize,
+    scalars: usize,
+}
+
+unsafe extern "C" fn update_check_task(data: *mut c_void) {
+    // SAFETY: a leaked UpdateTask over the step's memory.
+    unsafe {
+        let t = &*(data as *const UpdateTask);
+        if *(t.g as *const f32) < 0.0 {
+            *(t.flag as *mut u32) = 1;
+        }
+    }
+}
+
+unsafe extern "C" fn update_apply_task(data: *mut c_void) {
+    // SAFETY: as above; N floats at w and g.
+    unsafe {
+        let t = &*(data as *const UpdateTask);
+        let lr = *(t.scalars as *const f32);
+        for k in 0..N {
+            *(t.w as *mut f32).add(k) -= lr * *(t.g as *const f32).add(k);
+        }
+    }
+}
+
+/// The update callbacks: one task per parameter (check: the first only).
+unsafe extern "C" fn update_cb(ctx: *const graphed_update_ctx, _: *mut c_void) -> i32 {
+    // SAFETY: valid during the call, arrays of num_params.
+    let c = unsafe { &*ctx };
+    let (check, n) = (c.phase == graphed_update_phase::Check as u32, c.num_params);
+    for p in 0..if check { 1 } else { n } {
+        // SAFETY: p < num_params.
+        let (w, g) = unsafe { (*c.params.add(p) as usize, *c.grads.add(p) as usize) };
+        let t = Box::leak(Box::new(UpdateTask {
+            w,
+            g,
+            flag: c.skip_flag as usize,
+            scalars: c.scalars as usize,
+        }));
+        let f = if check {
+            update_check_task
+        } else {
+            update_apply_task
+        };
+        // SAFETY: the leaked task lives for the test.
+        let st = unsafe { graphed_host_enqueue(c.stream, Some(f), (t as *mut UpdateTask).cast()) };
+        if st != S::Ok {
+            return st as i32;
+        }
+    }
+    0
+}
+
+/// One thread replays a step with an update, giving it new scalars each
+/// time and reading its skip flag after each replay (which must answer for
+/// that replay); another reads the flag's count at the same time (BUSY or
+/// a count that never goes down), a third the stats.
+#[test]
+fn a_step_update_replayed_while_others_read_its_flag() {
+    let mut cfg = host_config();
+    cfg.clone_param_grads_on_return = 0;
+    let h = H(create(&cfg) as usize);
+    let params = add_callable_with(h, None, [0, 0]);
+    let gy: &'static mut [f32] = Box::leak(vec![0f32; N].into_boxed_slice());
+    let gy_at = gy.as_mut_ptr() as usize;
+    let io = [graphed_step_io {
+        role: graphed_buffer_role::GradOutput as u32,
+        ptr: gy_at as *mut c_void,
+        stride: BYTES,
+        ..graphed_step_io_default()
+    }];
+    let callables = [0u32];
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = 1;
+    d.io = io.as_ptr();
+    d.num_io = 1;
+    d.update_check = Some(update_cb);
+    d.update_apply = Some(update_cb);
+    d.scalar_bytes = 4;
+    let mut step = 0;
+    // SAFETY: the descriptor's arrays hold the stated counts.
+    ok(unsafe { graphed_session_add_step(h.p(), &d, &mut step) });
+    ok(graphed_session_capture(h.p()));
+    let done = Arc::new(AtomicBool::new(false));
+    let query = move || {
+        let (mut last, mut total) = (0u32, 0u64);
+        // SAFETY: valid out pointers.
+        let st = unsafe { graphed_step_skipped(h.p(), 0, &mut last, &mut total) };
+        (one_of(st, &[S::Ok, S::Busy]), last, total)
+    };
+    let reader = {
+        let done = done.clone();
+        thread::spawn(move || {
+            let mut seen = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                let (st, _, total) = query();
+                if st == S::Ok {
+                    assert!(total >= seen, "the count went down: {total} < {seen}");
+                    seen = total;
+                }
+                one_of(stats(h).0, &[S::Ok, S::Busy]);
+            }
+        })
+    };
+    let (mut w, mut skips, lr) = (0f32, 0u64, 0.001f32);
+    let end = deadline();
+    for it in 0..200 {
+        let v = if it % 5 == 0 { -1.0 } else { 0.5 };
+        // SAFETY: the io buffer, read only by this thread's replays.
+        unsafe { std::slice::from_raw_parts_mut(gy_at as *mut f32, N) }.fill(v);
+        let scalars = [lr];
+        let mut a = graphed_step_args_default();
+        a.scalars = scalars.as_ptr().cast();
+        a.scalar_bytes = 4;
+        let mut refs = [empty_ref(), empty_ref()];
+        // SAFETY: valid args and room for two refs.
+        while one_of(
+            unsafe { graphed_step_replay(h.p(), &a, refs.as_mut_ptr(), 2) },
+            &[S::Ok, S::Busy],
+        ) == S::Busy
+        {
+            assert!(Instant::now() < end, "BUSY for too long");
+        }
+        if v < 0.0 {
+            skips += 1;
+        } else {
+            w -= lr * v;
+        }
+        let (last, total) = loop {
+            if let (S::Ok, last, total) = query() {
+                break (last, total);
+            }
+            assert!(Instant::now() < end, "BUSY for too long");
+        };
+        assert_eq!((last, total), ((v < 0.0) as u32, skips), "replay {it}");
+    }
+    done.store(true, Ordering::SeqCst);
+    reader.join().unwrap();
+    for p in params {
+        // SAFETY: the registered parameter memory (N floats).
+        let got = unsafe { std::slice::from_raw_parts(p as *const f32, N) };
+        assert!(got.iter().all(|&x| x == w), "{} vs {w}", got[0]);
+    }
+    ok(graphed_session_destroy(h.p()));
 }

@@ -97,6 +97,20 @@ __global__ void k_sgd(T* w, const T* g, float lr, size_t n) {
     if (i < n) st(w, i, __fsub_rn(ld(w, i), __fmul_rn(lr, ld(g, i))));
 }
 
+__global__ void k_sgd_momentum(float* w, const float* g, float* m, const float* scalars, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float lr = scalars[0], mu = scalars[1];
+    const float mm = __fadd_rn(__fmul_rn(mu, m[i]), g[i]);
+    m[i] = mm;
+    w[i] = __fsub_rn(w[i], __fmul_rn(lr, mm));
+}
+
+__global__ void k_flag_nonfinite(const float* g, size_t n, uint32_t* flag) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n && !isfinite(g[i])) *flag = 1;
+}
+
 template <class T>
 __global__ void k_mul(const T* a, const T* b, T* o, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -273,6 +287,15 @@ class CudaDevice final : public Device {
         const std::string said = std::string(operation) + " returned " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
         (void)graphed_callback_fail_message(said.c_str());
         return err(e);
+    }
+    int sgd_momentum(graphed_stream s, float* w, const float* g, float* m, const float* scalars,
+                     size_t n) override {
+        k_sgd_momentum<<<blocks(n), 256, 0, cs(s)>>>(w, g, m, scalars, n);
+        return launched();
+    }
+    int flag_nonfinite(graphed_stream s, const float* g, size_t n, uint32_t* flag) override {
+        k_flag_nonfinite<<<blocks(n), 256, 0, cs(s)>>>(g, n, flag);
+        return launched();
     }
     int copy(graphed_stream s, void* dst, const void* src, size_t bytes) override {
         return err(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cs(s)));

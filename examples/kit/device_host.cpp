@@ -5,6 +5,7 @@
 #include "half.hpp"
 #include "kit.hpp"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -152,6 +153,24 @@ class HostDevice final : public Device {
             const uint32_t mb = mb_at ? *mb_at : mb_host;
             const float scale = 1.0f / (1.0f - p);
             for (size_t i = 0; i < n; ++i) e.set(y, i, dropout_keeps(seed, mb, i, p) ? e.get(x, i) * scale : 0.0f);
+        });
+    }
+    int sgd_momentum(graphed_stream s, float* w, const float* g, float* m, const float* scalars,
+                     size_t n) override {
+        return enqueue(s, [=] {
+            const float lr = scalars[0], mu = scalars[1];
+            for (size_t i = 0; i < n; ++i) {
+                const volatile float mm = mu * m[i];
+                m[i] = mm + g[i];
+                const volatile float step = lr * m[i];
+                w[i] = w[i] - step;
+            }
+        });
+    }
+    int flag_nonfinite(graphed_stream s, const float* g, size_t n, uint32_t* flag) override {
+        return enqueue(s, [=] {
+            for (size_t i = 0; i < n; ++i)
+                if (!std::isfinite(g[i])) *flag = 1;
         });
     }
     int illegal(graphed_stream s) override {

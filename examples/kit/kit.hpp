@@ -106,6 +106,16 @@ class Device {
     // NULL, else it is `mb_host`. Backward is the same call on the grad.
     virtual int dropout(graphed_stream s, uint32_t dt, const void* x, void* y, size_t n, float p, uint64_t seed,
                         uint32_t mb_host, const uint32_t* mb_at) = 0;
+    // The optimizer of a whole-iteration step (f32): SGD with momentum
+    // whose learning rate and momentum are read from device memory when
+    // the kernel runs (`scalars[0]` and `scalars[1]`, a step's scalar
+    // block): m = mu * m + g, then w -= lr * m, each product and sum
+    // rounded on its own.
+    virtual int sgd_momentum(graphed_stream s, float* w, const float* g, float* m, const float* scalars,
+                             size_t n) = 0;
+    // Sets the uint32_t at `flag` (device memory) to 1 when an element of
+    // g is not finite; leaves it alone otherwise (a loss scaler's check).
+    virtual int flag_nonfinite(graphed_stream s, const float* g, size_t n, uint32_t* flag) = 0;
     // Something illegal under stream capture (a synchronize of the stream).
     virtual int illegal(graphed_stream s) = 0;
     // Other operations stream capture does not allow, as a callback may

@@ -16,7 +16,11 @@
 //! microbatches, with io copies into harness memory,
 //! unrolled or looping on the device, over callables with external
 //! buffers, with a capture hook that may fail, in descriptors of every
-//! layout) and replay them (with a microbatch count), reset and destroy in
+//! layout) and replay them (with a microbatch count); in a session of its
+//! own (`steps/update.rs`), a step with an update stage (an optimizer
+//! checked bit for bit against a model, a check that skips it, scalars of
+//! every size, update callbacks that fail or break the capture, the skip
+//! flag's query), reset and destroy in
 //! any order; replays and step replays are given the
 //! parameters' addresses (registered, NULL, moved, aligned or not, wrong
 //! counts), which the host backend never follows here (PARAM_MOVED, and a
@@ -289,6 +293,8 @@ fn run(data: &[u8]) {
                     252 => op_bucket_of(),
                     253 => op_instance_of(),
                     254 => op_param_addresses(),
+                    // Once op_step_replay (255 % 12) too.
+                    255 => op_step_update(),
                     b => match b % 12 {
                         0..=2 => op_add_step(),
                         3..=5 => op_step_replay(),

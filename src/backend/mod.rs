@@ -265,6 +265,27 @@ pub trait Backend: Send + Sync {
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()>;
+    /// Records, into the capture running on `stream`, work that runs only
+    /// when the u32 at `flag` is 0 when the graph runs: the body `body`
+    /// records into the stream it is given (kernels, copies and sets only,
+    /// as a loop's). When the flag is not 0, the body does not run and the
+    /// u64 at `counter` is incremented. Needs what `loops` needs
+    /// (conditional nodes that kernels set). The capture goes on after it.
+    fn capture_unless(
+        &self,
+        stream: StreamRef,
+        flag: DevPtr,
+        counter: DevPtr,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()>;
+    /// Enqueues a copy of `src` (host memory, read before this returns)
+    /// to device memory at `dst`, in stream order on `stream` (not
+    /// capturing).
+    fn upload_async(&self, dst: DevPtr, src: &[u8], stream: StreamRef) -> Result<()>;
+    /// Waits for the work before the last record of `event`, and reports
+    /// an error that work met.
+    fn event_synchronize(&self, event: EventRef) -> Result<()>;
     /// Whether graphs can choose one of several bodies on the device
     /// (conditional SWITCH nodes): None, or why not.
     fn switches(&self) -> Option<String>;

@@ -178,6 +178,20 @@ pub unsafe extern "C" fn graphed_callback_fail_message(
     })
 }
 
+/// Forgets what an earlier callback on this thread said about its failure
+/// (before a callback starts).
+pub(super) fn clear_failure() {
+    FAILURE.with(|m| m.borrow_mut().take());
+}
+
+/// What the callback that just failed on this thread said about it ("":
+/// nothing), in the form capture errors append it.
+pub(super) fn take_failure() -> String {
+    FAILURE
+        .with(|m| m.borrow_mut().take())
+        .map_or(String::new(), |m| format!(": {m}"))
+}
+
 /// Calls `f` with the context of `v`; the in-callback handles live for the
 /// call only.
 fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<(), i32> {

@@ -239,7 +239,7 @@ impl CloneAllocator for CAllocator {
 }
 
 /// The caller's context pointer for a callback.
-struct SendPtr(*mut c_void);
+pub(super) struct SendPtr(pub(super) *mut c_void);
 // SAFETY: the caller's log/hook context; the API contract allows calling
 // its callbacks from any thread that uses the session.
 unsafe impl Send for SendPtr {}
@@ -249,7 +249,7 @@ unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
     // A method, so that closures capture the whole (Send) wrapper.
-    fn get(&self) -> *mut c_void {
+    pub(super) fn get(&self) -> *mut c_void {
         self.0
     }
 }

@@ -15,7 +15,7 @@ use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamFlags};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
-use crate::orchestrate::spec::Looping;
+use crate::orchestrate::spec::{Looping, UpdatePhase};
 use crate::orchestrate::{LogLevel, Phase, RefKind};
 
 /// Declares the conversions between C enum `$c` and Rust enum `$rust`.
@@ -224,6 +224,24 @@ pub enum graphed_step_loop {
 c_enum!(graphed_step_loop <=> Looping {
     Unrolled <=> Looping::Unrolled,
     While <=> Looping::Device,
+});
+
+/// Which part of a step's update a call of its update callback records
+/// (graphed_update_ctx.phase).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_update_phase {
+    /// graphed_step_desc.update_check: reads the grads and writes the skip
+    /// flag (ctx->skip_flag), into the step's graph itself.
+    Check = 0,
+    /// graphed_step_desc.update_apply: the parameter update; with a check,
+    /// the body of a conditional IF node that runs only when the flag is 0.
+    Apply = 1,
+}
+
+c_enum!(graphed_update_phase <=> UpdatePhase {
+    Check <=> UpdatePhase::Check,
+    Apply <=> UpdatePhase::Apply,
 });
 
 /// The static buffers of a role (graphed_session_buffers,

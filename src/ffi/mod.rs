@@ -33,6 +33,8 @@ mod callback;
 mod replay;
 // Steps: callables replayed as one graph.
 mod step;
+// A step's update stage: its callback's context, the skip flag's query.
+mod update;
 // Returned clone blocks.
 mod buffer;
 // A session's figures (graphed_session_stats).
@@ -66,3 +68,4 @@ pub use session::*;
 pub use stats::*;
 pub use status::*;
 pub use step::*;
+pub use update::*;

@@ -165,9 +165,9 @@ impl From<&Error> for graphed_status {
             Error::OutOfMemory(_) => graphed_status::OutOfMemory,
             Error::WrongState(_) => graphed_status::WrongState,
             Error::SessionReset(_) => graphed_status::SessionReset,
-            Error::CallbackFailed { .. } | Error::HookFailed { .. } => {
-                graphed_status::CallbackFailed
-            }
+            Error::CallbackFailed { .. }
+            | Error::HookFailed { .. }
+            | Error::UpdateFailed { .. } => graphed_status::CallbackFailed,
             Error::CaptureInvalidated { .. } | Error::IllegalUnderCapture(_) => {
                 graphed_status::CaptureInvalidated
             }

@@ -13,10 +13,12 @@ use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
 use super::session::session;
 use super::status::graphed_status;
+use super::update::{graphed_update_fn, update_of};
 use crate::backend::{DevPtr, StreamRef};
 use crate::error::Result;
 use crate::orchestrate::spec::{CaptureHook, StepIo};
 use crate::orchestrate::steps::StepRequest;
+use crate::orchestrate::StepCall;
 use std::ffi::c_void;
 use std::mem::size_of;
 use std::sync::Arc;
@@ -29,6 +31,9 @@ pub const GRAPHED_STEP_IO_MAGIC: u32 = 0x6772_0011;
 /// The most microbatches one step holds (graphed_step_desc.microbatches):
 /// each is captured into its graph.
 pub const GRAPHED_STEP_MAX_MICROBATCHES: u32 = 4096;
+
+/// The most bytes of a step's scalar block (graphed_step_desc.scalar_bytes).
+pub const GRAPHED_STEP_MAX_SCALAR_BYTES: usize = 4096;
 
 /// A step to declare. Initialise with graphed_step_desc_default().
 #[repr(C)]
@@ -117,6 +122,39 @@ pub struct graphed_step_desc {
     pub capture_hook: graphed_session_hook_fn,
     /// Passed to capture_hook as `user_data`.
     pub capture_hook_data: *mut c_void,
+    /// Optional update stage (an optimizer step), captured once into each
+    /// of the step's graphs after the last microbatch's backward (after
+    /// the loop, for GRAPHED_STEP_LOOP_WHILE), reading the accumulated
+    /// grads where the step put them (graphed_update_ctx.grads): the whole
+    /// iteration in one launch. update_apply is the parameter update
+    /// (NULL: no update stage). update_check, optional, is recorded before
+    /// it and writes the skip flag (graphed_update_ctx.skip_flag, zeroed at
+    /// each replay before the check): with it, the apply part is the body
+    /// of a conditional IF node that runs only when the flag is 0 (skipping
+    /// the update of an iteration whose grads are not finite, as loss
+    /// scalers do, decided on the device); graphed_step_skipped reads the
+    /// flag when asked. The IF node needs a CUDA 12.4 driver
+    /// (GRAPHED_STATUS_UNSUPPORTED here otherwise; the host backend
+    /// emulates it). Both are called under capture only, never eagerly
+    /// (graphed_update_ctx says what they may do). A step with an update
+    /// has no pass-by-pass replay: its CLONE grads need a clone slot
+    /// (GRAPHED_STATUS_INCOMPATIBLE at capture without one, ALIAS_HELD
+    /// with every slot held), and a parameter given at another address is
+    /// GRAPHED_STATUS_PARAM_MOVED (the update writes the parameters where
+    /// capture had them). update_check without update_apply is
+    /// GRAPHED_STATUS_INVALID_ARGUMENT.
+    pub update_check: graphed_update_fn,
+    pub update_apply: graphed_update_fn,
+    /// Passed to update_check and update_apply as `user_data`.
+    pub update_data: *mut c_void,
+    /// Bytes of the step's scalar block (0: none; at most
+    /// GRAPHED_STEP_MAX_SCALAR_BYTES; only with update_apply): device
+    /// memory the step owns, zeroed at capture and freed with its graphs,
+    /// that the update reads (graphed_update_ctx.scalars): learning rate,
+    /// step count, loss scale, clip threshold. A replay given
+    /// graphed_step_args.scalars copies them in before its graph runs, in
+    /// stream order, with no recapture.
+    pub scalar_bytes: usize,
 }
 
 /// One copy of a step over microbatches: a static buffer of one of the
@@ -206,6 +244,10 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
         loop_mode: graphed_step_loop::Unrolled as u32,
         capture_hook: None,
         capture_hook_data: std::ptr::null_mut(),
+        update_check: None,
+        update_apply: None,
+        update_data: std::ptr::null_mut(),
+        scalar_bytes: 0,
     }
 }
 
@@ -259,6 +301,12 @@ pub unsafe extern "C" fn graphed_session_add_step(
             looping: graphed_step_loop::decode(d.loop_mode, "desc.loop_mode")?,
             capture_hook: hook_of(d.capture_hook, d.capture_hook_data)
                 .map(|h| CaptureHook(Arc::new(h))),
+            update: update_of(
+                d.update_check,
+                d.update_apply,
+                d.update_data,
+                d.scalar_bytes,
+            )?,
         })?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
@@ -317,6 +365,15 @@ pub struct graphed_step_args {
     /// unrolled step only its own. Others are
     /// GRAPHED_STATUS_INVALID_ARGUMENT, before anything is enqueued.
     pub microbatches: u32,
+    /// New values for the step's scalar block (graphed_step_desc
+    /// .scalar_bytes), copied in before its graph runs, in stream order:
+    /// host memory, read before the call returns. `scalar_bytes` must be
+    /// the block's whole size. NULL with 0 (default): the block keeps what
+    /// it holds (the last values given, or what the update wrote there).
+    /// Scalars for a step without a block, or another size, are
+    /// GRAPHED_STATUS_INVALID_ARGUMENT, before anything is enqueued.
+    pub scalars: *const c_void,
+    pub scalar_bytes: usize,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -342,6 +399,8 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
         params: std::ptr::null(),
         num_params: 0,
         microbatches: 0,
+        scalars: std::ptr::null(),
+        scalar_bytes: 0,
     }
 }
 
@@ -363,8 +422,9 @@ pub extern "C" fn graphed_step_args_default() -> graphed_step_args {
 /// parameters where the last successful one had them. Where several
 /// refusals apply, the first of these answers: the session handle and
 /// args; BUSY; the step, the refs array, then the pointer and count of
-/// args->params; the session's state (not captured, reset) and a
-/// released callable of the step; the microbatch count; the stream
+/// args->params and of args->scalars; the session's state (not captured,
+/// reset) and a released callable of the step; the microbatch count; the
+/// scalars' size against the step's scalar block; the stream
 /// (capturing); strict leases; the parameters' addresses (their count,
 /// then moves neither the step's graphs nor its callables' can follow);
 /// the order of sessions sharing a pool; and, with every clone slot held,
@@ -389,7 +449,21 @@ pub unsafe extern "C" fn graphed_step_replay(
         let n = s.step_params(a.step)?;
         let out = check_out(param_grads, num_param_grads, n, a.ref_size, "param_grads")?;
         let params = ptrs(a.params, a.num_params, "args.params")?;
-        let mut r = s.step(a.step, StreamRef(a.stream as usize), params, a.microbatches)?;
+        let scalars = match a.scalars.is_null() && a.scalar_bytes == 0 {
+            true => None,
+            // SAFETY: per this function's contract.
+            false => {
+                Some(unsafe { arg_slice(a.scalars.cast::<u8>(), a.scalar_bytes, "args.scalars") }?)
+            }
+        };
+        let call = StepCall {
+            step: a.step,
+            stream: StreamRef(a.stream as usize),
+            params,
+            microbatches: a.microbatches,
+            scalars,
+        };
+        let mut r = s.step(&call)?;
         let owners = publish(&mut r);
         write_refs(&out, a.ref_size, r.second, &owners);
         Ok(())
@@ -404,9 +478,14 @@ mod tests {
     fn the_first_released_layouts_are_todays() {
         // Since the first release: copies in and out, microbatches, loop.
         // Then the capture hook and its data.
+        // Then the update stage and its scalar block.
         assert_eq!(
             size_of::<graphed_step_desc>(),
-            graphed_step_desc::MIN_SIZE + 24 + 16
+            graphed_step_desc::MIN_SIZE + 24 + 16 + 32
+        );
+        assert_eq!(
+            GRAPHED_STEP_MAX_SCALAR_BYTES,
+            crate::orchestrate::steps::MAX_SCALAR_BYTES
         );
         assert_eq!(size_of::<graphed_step_io>(), graphed_step_io::MIN_SIZE);
         assert_eq!(
@@ -415,9 +494,10 @@ mod tests {
         );
         // Since the first release: the parameters' addresses.
         // Then the microbatch count.
+        // Then the scalars.
         assert_eq!(
             size_of::<graphed_step_args>(),
-            graphed_step_args::MIN_SIZE + 24
+            graphed_step_args::MIN_SIZE + 24 + 16
         );
     }
 }

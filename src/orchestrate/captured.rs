@@ -13,6 +13,7 @@ use super::returned::{CloneBlock, Returned};
 use super::spec::MemCounters;
 use super::statics::Statics;
 use super::tensor::Param;
+use super::update::StepUpdate;
 use crate::backend::{teardown, AccItem, Backend, DevPtr, DeviceMemory, Event, Graph, Stream};
 use crate::core::layout::BufferDesc;
 use crate::core::lease::Leases;
@@ -46,8 +47,8 @@ pub(crate) struct CapturedStep {
     /// Where the last replay had them (a replay given no address for one
     /// keeps it there, in its graphs or, pass by pass, in its callables').
     pub at: Vec<DevPtr>,
-    /// Its graphs run several microbatches or copy data in and out: no
-    /// pass-by-pass replay gives its results.
+    /// Its graphs run several microbatches, copy data in and out or run
+    /// an update: no pass-by-pass replay gives its results.
     pub looped: bool,
     /// The microbatches it was declared with (a replay runs them all, or,
     /// looping on the device, up to that many).
@@ -55,6 +56,8 @@ pub(crate) struct CapturedStep {
     /// Looping on the device: the loop's index and count (two u32), the
     /// count written before each launch.
     pub loop_state: Option<DeviceMemory>,
+    /// Its update stage's memory (flag, skipped count, scalars) and event.
+    pub update: Option<StepUpdate>,
 }
 
 impl CapturedStep {

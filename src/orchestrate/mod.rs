@@ -45,6 +45,7 @@ pub mod steps;
 mod tensor;
 #[cfg(test)]
 mod testing;
+pub(crate) mod update;
 
 pub use captured::LeaseBook;
 pub use cell::SessionCell;

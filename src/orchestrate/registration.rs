@@ -241,6 +241,14 @@ impl Session {
                 )));
             }
         }
+        if step.update.as_ref().is_some_and(|u| u.check) {
+            if let Some(why) = self.backend.loops() {
+                return Err(Error::Unsupported(format!(
+                    "a step whose update checks its grads cannot be declared: skipping the update on \
+                     the device needs a conditional IF node ({why}); declare it without update_check"
+                )));
+            }
+        }
         if self.steps.len() >= u32::MAX as usize {
             return Err(Error::invalid("a session holds at most 2^32 - 1 steps"));
         }

@@ -88,6 +88,7 @@ impl Captured {
             st.graph = None;
             st.slots.clear();
             st.loop_state = None;
+            st.update = None;
             for q in &mut st.params {
                 q.feed = ParamFeed::Fixed("a callable of the step was released".into());
             }

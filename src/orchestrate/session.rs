@@ -12,9 +12,11 @@ use super::captured::{Captured, LeaseBook};
 use super::pool::Pool;
 use super::released::released_error;
 use super::replay::{self, Replayed};
-use super::spec::{CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepSpec};
+use super::spec::{
+    CallableSpec, LogLevel, MemCounters, ReplayArgs, SessionOptions, StepCall, StepSpec,
+};
 use crate::backend::accounting::SessionMark;
-use crate::backend::{Backend, BackendKind, DevPtr, StreamRef};
+use crate::backend::{Backend, BackendKind};
 use crate::core::schedule::check_steps;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
@@ -202,13 +204,16 @@ impl Session {
 
     /// Replays a step on `stream`; returns the parameter grads of its
     /// callables, in order, per their return plans.
-    pub fn step(
-        &mut self,
-        step: u32,
-        stream: StreamRef,
-        params: Option<&[DevPtr]>,
-        microbatches: u32,
-    ) -> Result<Replayed<'_>> {
+    pub fn step(&mut self, call: &StepCall) -> Result<Replayed<'_>> {
+        self.step_live(call.step)?;
+        if self.opts.debug {
+            return replay::debug_step(self.parts()?, call);
+        }
+        replay::step(self.parts()?, call)
+    }
+
+    /// Refuses a step that includes a released callable.
+    fn step_live(&self, step: u32) -> Result<()> {
         if let State::Captured(cap) = &self.state {
             if let Some(c) = cap.step_released(step as usize) {
                 return Err(released_error(
@@ -217,9 +222,27 @@ impl Session {
                 ));
             }
         }
-        if self.opts.debug {
-            return replay::debug_step(self.parts()?, step, stream, params, microbatches);
-        }
-        replay::step(self.parts()?, step, stream, params, microbatches)
+        Ok(())
+    }
+
+    /// Whether the last replay of `step` skipped its update (its check set
+    /// the flag) and how many replays did, once that replay finished.
+    pub fn step_skipped(&self, step: u32) -> Result<(bool, u64)> {
+        let cap = self.captured()?;
+        let n = cap.steps.len();
+        let st = cap.steps.get(step as usize).ok_or_else(|| {
+            Error::invalid(format!("step {step} does not exist (the session has {n})"))
+        })?;
+        self.step_live(step)?;
+        let answer = match &st.update {
+            Some(u) => u.skipped(self.backend.as_ref())?,
+            None => None,
+        };
+        answer.ok_or_else(|| {
+            Error::invalid(format!(
+                "step {step} has no update_check: nothing is ever skipped (graphed_step_skipped reads \
+                 the flag its check writes)"
+            ))
+        })
     }
 }

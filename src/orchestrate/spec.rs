@@ -237,6 +237,114 @@ impl PartialEq for CaptureHook {
 
 impl Eq for CaptureHook {}
 
+/// Which part of a step's update a call of its update callback records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpdatePhase {
+    /// Reads the grads and decides: writes the skip flag (non-zero: skip
+    /// the apply part this replay). Recorded into the step's graph itself.
+    Check,
+    /// The parameter update. With a check, the body of a conditional node
+    /// that runs it only when the flag is 0.
+    Apply,
+}
+
+impl UpdatePhase {
+    pub fn name(self) -> &'static str {
+        match self {
+            UpdatePhase::Check => "check",
+            UpdatePhase::Apply => "apply",
+        }
+    }
+}
+
+/// What a step's update callback sees: the stream to enqueue on, each
+/// parameter of the step's callables (in order) with where the step's
+/// graph being captured puts its accumulated grad, and the step's device
+/// scalars and skip flag.
+pub struct UpdateView<'a> {
+    pub step: u32,
+    pub phase: UpdatePhase,
+    pub stream: StreamRef,
+    /// The clone slot whose graph is being captured (0 without slots).
+    pub slot: u32,
+    pub params: &'a [DevPtr],
+    /// Where each grad is when the update runs (0: the parameter takes no
+    /// gradient): COPY_INTO and ACCUMULATE_INTO destinations, CLONE grads
+    /// in this graph's clone slot block, ALIAS grads in their static buffer.
+    pub grads: &'a [DevPtr],
+    pub bytes: &'a [usize],
+    pub dtypes: &'a [DType],
+    pub policies: &'a [Option<GradPolicy>],
+    /// The step's scalar block (0 when it declared none) and its bytes.
+    pub scalars: DevPtr,
+    pub scalar_bytes: usize,
+    /// The u32 the check writes (0 without a check).
+    pub skip_flag: DevPtr,
+    /// The microbatches the step was declared with, and, looping on the
+    /// device, the u32 holding the count the replay runs (0 otherwise).
+    pub microbatches: u32,
+    pub microbatch_count: DevPtr,
+}
+
+/// A step's update callback: called once per phase under each capture of
+/// the step's graph, never eagerly. Its error is the callback's code and
+/// what it said about it ("": nothing).
+pub type UpdateFn =
+    Arc<dyn Fn(&UpdateView) -> std::result::Result<(), (i32, String)> + Send + Sync>;
+
+/// A step's update stage, as declared: the callback, whether it has a
+/// check part (then the apply part runs under a conditional node the check
+/// drives), and the bytes of the step's device scalar block.
+#[derive(Clone)]
+pub struct UpdateSpec {
+    pub callback: UpdateFn,
+    pub check: bool,
+    pub scalar_bytes: usize,
+}
+
+impl std::fmt::Debug for UpdateSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpdateSpec")
+            .field("check", &self.check)
+            .field("scalar_bytes", &self.scalar_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for UpdateSpec {
+    /// The same update: the same closure, check and block.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.callback, &other.callback)
+            && (self.check, self.scalar_bytes) == (other.check, other.scalar_bytes)
+    }
+}
+
+impl Eq for UpdateSpec {}
+
+/// A step replay's arguments: the step, the caller's stream, its
+/// parameters' addresses (None: where the graphs read them now), the
+/// microbatches to run (0: all), and new values for its scalar block
+/// (None: it keeps what it holds).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepCall<'a> {
+    pub step: u32,
+    pub stream: StreamRef,
+    pub params: Option<&'a [DevPtr]>,
+    pub microbatches: u32,
+    pub scalars: Option<&'a [u8]>,
+}
+
+impl StepCall<'_> {
+    /// Step `step` on `stream`, everything else as it is.
+    pub fn of(step: u32, stream: StreamRef) -> Self {
+        StepCall {
+            step,
+            stream,
+            ..Default::default()
+        }
+    }
+}
+
 /// A pipeline schedule as configured (validated against the callables at
 /// capture).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -261,6 +369,9 @@ pub struct StepSpec {
     pub looping: Looping,
     /// Called around each capture of the step's graph (None: nothing).
     pub capture_hook: Option<CaptureHook>,
+    /// Captured once into each of the step's graphs after the last
+    /// microbatch's grads are where the step puts them (None: no update).
+    pub update: Option<UpdateSpec>,
 }
 
 /// How a step's graph holds its microbatches.
@@ -283,13 +394,18 @@ impl StepSpec {
             io: Vec::new(),
             looping: Looping::Unrolled,
             capture_hook: None,
+            update: None,
         }
     }
 
     /// Whether its graphs do more than the passes (several microbatches,
-    /// or copies): then no pass-by-pass replay gives the same results.
+    /// copies, or an update): then no pass-by-pass replay gives the same
+    /// results.
     pub fn looped(&self) -> bool {
-        self.microbatches > 1 || !self.io.is_empty() || self.looping == Looping::Device
+        self.microbatches > 1
+            || !self.io.is_empty()
+            || self.looping == Looping::Device
+            || self.update.is_some()
     }
 }
 

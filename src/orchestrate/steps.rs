@@ -3,7 +3,7 @@
 //! the copies of each microbatch's data in and out). Capture checks the
 //! rest, where placement and policies are known (capture/steps.rs).
 
-use super::spec::{CallableSpec, CaptureHook, Looping, StepIo, StepSpec};
+use super::spec::{CallableSpec, CaptureHook, Looping, StepIo, StepSpec, UpdateSpec};
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
 use crate::core::strided::Strided;
@@ -13,6 +13,11 @@ use crate::error::{Error, Result};
 /// (unrolled), so capture time and graph size grow with the count.
 pub(crate) const MAX_MICROBATCHES: u32 = 4096;
 
+/// The most bytes of a step's device scalar block (learning rate, step
+/// count, loss scale, clip threshold: a few words; a replay copies them
+/// all when it is given them).
+pub(crate) const MAX_SCALAR_BYTES: usize = 4096;
+
 /// A step's declaration, as the caller gave it.
 pub struct StepRequest<'a> {
     pub callables: Vec<u32>,
@@ -21,6 +26,7 @@ pub struct StepRequest<'a> {
     pub io: Vec<StepIo>,
     pub looping: Looping,
     pub capture_hook: Option<CaptureHook>,
+    pub update: Option<UpdateSpec>,
 }
 
 /// Checks a step's declaration against the session's callables and makes
@@ -33,6 +39,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         io,
         looping,
         capture_hook,
+        update,
     } = r;
     if callables.is_empty() {
         return Err(Error::invalid("a step needs at least one callable"));
@@ -75,6 +82,14 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         }
     };
     check_io(all, &callables, microbatches, &io)?;
+    if let Some(u) = &update {
+        if u.scalar_bytes > MAX_SCALAR_BYTES {
+            return Err(Error::invalid(format!(
+                "scalar_bytes is {}: a step's scalar block holds at most {MAX_SCALAR_BYTES} bytes",
+                u.scalar_bytes
+            )));
+        }
+    }
     Ok(StepSpec {
         callables,
         param_dsts,
@@ -82,6 +97,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         io,
         looping,
         capture_hook,
+        update,
     })
 }
 

@@ -56,6 +56,7 @@ const NODE_TYPE_CONDITIONAL: u32 = 13;
 /// CUgraphNodeType values of memory allocation and free nodes.
 const NODE_MEM_ALLOC: u32 = 10;
 const NODE_MEM_FREE: u32 = 11;
+const CONDITIONAL_IF: u32 = 0;
 const CONDITIONAL_WHILE: u32 = 1;
 const CONDITIONAL_SWITCH: u32 = 2;
 /// The first CUDA version with conditional SWITCH nodes.
@@ -71,6 +72,7 @@ pub(super) struct Loops {
     copy_indexed: sys::CUfunction,
     next: sys::CUfunction,
     select: sys::CUfunction,
+    unless: sys::CUfunction,
     handle_create: HandleCreate,
     add_node: AddNode,
 }
@@ -119,6 +121,7 @@ pub(super) fn load_loops() -> Result<Loops> {
             copy_indexed,
             next: get(b"graphed_loop_next\0")?,
             select: get(b"graphed_bucket_select\0")?,
+            unless: get(b"graphed_skip_select\0")?,
             handle_create,
             add_node,
         })
@@ -348,18 +351,58 @@ impl Loops {
         let handle = self.handle(ctx, stream, 1)?;
         let bodies = self.add_conditional(ctx, stream, handle, (CONDITIONAL_WHILE, 1))?;
         let body_graph = bodies[0];
-        self.capture_body(body_graph, state, handle, mode, body)
+        let next = self.next;
+        let mut tail = move |ls: StreamRef| {
+            let mut args = [state, handle];
+            // SAFETY: the step kernel takes (state, handle); state holds two u32.
+            unsafe { launch(next, &mut args, 1, ls) }
+        };
+        self.capture_body(
+            body_graph,
+            mode,
+            body,
+            &mut tail,
+            "the loop's body as a WHILE node's body",
+        )
     }
 
-    /// Captures the body on a stream of its own into a graph, then adds
-    /// that graph to the WHILE node's body as a child graph.
+    /// Records, into the capture running on `stream`, the skip kernel and
+    /// an IF node after it whose body `body` records (into the stream it is
+    /// given): the body runs when the u32 at `flag` is 0; otherwise the
+    /// kernel increments the u64 at `counter` (see
+    /// `Backend::capture_unless`). The handle is 0 at each launch, so that
+    /// nothing runs unless the kernel said so. `ctx` is the device's
+    /// context, bound.
+    pub fn capture_unless(
+        &self,
+        ctx: sys::CUcontext,
+        stream: StreamRef,
+        flag: DevPtr,
+        counter: DevPtr,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        let handle = self.handle(ctx, stream, 0)?;
+        let mut args = [flag, counter, handle];
+        // SAFETY: the kernel takes these three u64; `flag` is a u32 and
+        // `counter` a u64 of device memory; one thread acts.
+        unsafe { launch(self.unless, &mut args, 1, stream) }?;
+        let bodies = self.add_conditional(ctx, stream, handle, (CONDITIONAL_IF, 1))?;
+        let mut tail = |_: StreamRef| Ok(());
+        let what = "the update's apply part as an IF node's body";
+        self.capture_body(bodies[0], mode, body, &mut tail, what)
+    }
+
+    /// Captures the body, then `tail`, on a stream of its own into a graph,
+    /// then adds that graph to a conditional node's body (`what`) as a
+    /// child graph.
     fn capture_body(
         &self,
         body_graph: sys::CUgraph,
-        state: DevPtr,
-        handle: u64,
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
+        tail: &mut dyn FnMut(StreamRef) -> Result<()>,
+        what: &str,
     ) -> Result<()> {
         let mut ls: sys::CUstream = null_mut();
         // SAFETY: valid out pointer, context bound.
@@ -378,11 +421,9 @@ impl Loops {
         let begun = check("cuStreamBeginCapture(loop body)", unsafe {
             sys::cuStreamBeginCapture_v2(ls, mode)
         });
-        let ran = begun.and_then(|_| body(loop_stream)).and_then(|_| {
-            let mut args = [state, handle];
-            // SAFETY: the step kernel takes (state, handle); state holds two u32.
-            unsafe { launch(self.next, &mut args, 1, loop_stream) }
-        });
+        let ran = begun
+            .and_then(|_| body(loop_stream))
+            .and_then(|_| tail(loop_stream));
         let mut captured: sys::CUgraph = null_mut();
         // SAFETY: ends the capture begun above (an error if it was not).
         let ended = check("cuStreamEndCapture(loop body)", unsafe {
@@ -402,7 +443,7 @@ impl Loops {
                         captured,
                     )
                 })
-                .map_err(|e| refused(e, "the loop's body as a WHILE node's body", captured))
+                .map_err(|e| refused(e, what, captured))
             }
             _ => Ok(()),
         };

@@ -174,6 +174,43 @@ impl Backend for CudaBackend {
             .capture(self.inner.ctx, stream, state, mode, body)
     }
 
+    fn capture_unless(
+        &self,
+        stream: StreamRef,
+        flag: DevPtr,
+        counter: DevPtr,
+        mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        self.inner
+            .loops()?
+            .capture_unless(self.inner.ctx, stream, flag, counter, mode, body)
+    }
+
+    fn upload_async(&self, dst: DevPtr, src: &[u8], stream: StreamRef) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        // SAFETY: `dst` is device memory of at least src.len() bytes. From
+        // pageable memory the driver stages `src` before it returns, so the
+        // slice need not outlive the call.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                src.as_ptr().cast(),
+                src.len(),
+                stream.0 as sys::CUstream,
+            )
+        })
+    }
+
+    fn event_synchronize(&self, event: EventRef) -> Result<()> {
+        let _ctx = self.inner.bind()?;
+        // SAFETY: a live event.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(event.0 as sys::CUevent)
+        })
+    }
+
     fn switches(&self) -> Option<String> {
         let v = match driver_version() {
             Ok(v) => v,

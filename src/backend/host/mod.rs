@@ -147,6 +147,49 @@ impl Backend for HostBackend {
         )
     }
 
+    fn capture_unless(
+        &self,
+        stream: StreamRef,
+        flag: DevPtr,
+        counter: DevPtr,
+        _mode: CaptureMode,
+        body: &mut dyn FnMut(StreamRef) -> Result<()>,
+    ) -> Result<()> {
+        if !stream::is_capturing(stream)? {
+            return Err(Error::state(
+                "a condition is recorded only into an active capture",
+            ));
+        }
+        // The body is recorded on a stream of its own, as on CUDA.
+        let cs = stream::create();
+        let ran = stream::begin_capture(cs).and_then(|_| body(cs));
+        let ended = stream::end_capture(cs);
+        stream::destroy(cs)?;
+        ran?;
+        let tasks = ended?.map_err(Error::IllegalUnderCapture)?;
+        submit(
+            stream,
+            Task::Unless {
+                body: Arc::new(tasks),
+                flag: flag as usize,
+                counter: counter as usize,
+            },
+        )
+    }
+
+    fn upload_async(&self, dst: DevPtr, src: &[u8], stream: StreamRef) -> Result<()> {
+        if stream::is_capturing(stream)? {
+            return Err(Error::state("an upload is not recorded into a capture"));
+        }
+        // Stream work runs as it is enqueued.
+        memory::upload(dst, src)
+    }
+
+    // Work has run when it was enqueued.
+    fn event_synchronize(&self, _event: EventRef) -> Result<()> {
+        Ok(())
+    }
+
     fn switches(&self) -> Option<String> {
         None
     }

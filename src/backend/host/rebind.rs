@@ -44,6 +44,12 @@ pub(super) fn plan(tasks: &TaskList, base: DevPtr, bytes: usize) -> Result<Rebin
                     }
                 }
             }
+            Task::Unless { .. } => {
+                return Ok(RebindPlan::Refused(
+                    "the graph runs an update under a condition: its body is not looked into"
+                        .into(),
+                ))
+            }
             Task::Switch { .. } => {
                 return Ok(RebindPlan::Refused(
                     "the graph chooses a bucket on the device: its bodies are not looked into"
@@ -98,7 +104,8 @@ impl Rebinder for HostRebinder {
                     | Task::Kernel { .. }
                     | Task::Loop { .. }
                     | Task::CopyIndexed { .. }
-                    | Task::Switch { .. },
+                    | Task::Switch { .. }
+                    | Task::Unless { .. },
                     _,
                 ) => {}
             }

@@ -77,6 +77,13 @@ pub(super) enum Task {
         overflows: usize,
         zeros: Arc<Vec<(usize, usize)>>,
     },
+    /// `body` runs when the u32 at `flag` is 0; otherwise the u64 at
+    /// `counter` is incremented.
+    Unless {
+        body: Arc<Vec<Task>>,
+        flag: usize,
+        counter: usize,
+    },
     /// Zeroes `[dst + min(*size * row, bytes), dst + bytes)`.
     ZeroTail {
         dst: usize,
@@ -197,6 +204,21 @@ pub(super) fn run(task: &Task) -> Result<()> {
             let start = n.saturating_mul(row).min(bytes);
             unsafe { std::ptr::write_bytes((dst + start) as *mut u8, 0, bytes - start) }
         }
+        Task::Unless {
+            ref body,
+            flag,
+            counter,
+        } => {
+            // SAFETY: `flag` is a u32 and `counter` a u64 of memory the
+            // graph's owner keeps.
+            if unsafe { *(flag as *const u32) } != 0 {
+                unsafe { *(counter as *mut u64) += 1 };
+            } else {
+                for t in body.iter() {
+                    run(t)?;
+                }
+            }
+        }
         Task::Loop { ref body, state } => loop {
             for t in body.iter() {
                 run(t)?;
@@ -230,6 +252,7 @@ fn node(task: &Task) -> Node {
         Task::CopyIndexed { bytes, .. } => Node::new("copy (indexed)", format!("{bytes} bytes")),
         Task::Loop { body, .. } => Node::new("loop", format!("a body of {} tasks", body.len())),
         Task::Switch { bodies, .. } => Node::new("switch", format!("{} bodies", bodies.len())),
+        Task::Unless { body, .. } => Node::new("if", format!("a body of {} tasks", body.len())),
         Task::ZeroTail { bytes, .. } => Node::new("zero tail", format!("of {bytes} bytes")),
     }
 }

@@ -5,7 +5,8 @@
 //! out, every grad added to its sum). The graph is the same size whatever
 //! the count, and a replay names the count. Adding to -0.0 gives each sum's
 //! first grad exactly (-0.0 + x is x for every x), so the sums equal eager
-//! accumulation bit for bit, as the unrolled capture's do.
+//! accumulation bit for bit, as the unrolled capture's do. The step's
+//! update, if it has one, follows the loop (update.rs).
 
 use super::super::external::Provided;
 use super::super::grads::enqueue_sums;
@@ -35,6 +36,7 @@ impl Runner<'_> {
         seq: &Sequence,
         state: DevPtr,
         block: &dyn Fn(usize) -> Option<DevPtr>,
+        slot: u32,
         iteration: u32,
     ) -> Result<Box<dyn Graph>> {
         self.scratch.restart();
@@ -60,7 +62,18 @@ impl Runner<'_> {
                 out
             });
         }
+        // The update after the loop, on the capture around it.
+        let attempted = seq.update.is_some()
+            && prologue.is_ok()
+            && body.is_ok()
+            && ran.is_ok()
+            && matches!(backend.capture_invalidated(main), Ok(false));
+        let updated = match attempted {
+            true => self.record_update(seq, block, slot),
+            false => Ok(()),
+        };
         let ended = backend.end_capture(main);
+        let ended = self.update_ended(seq, attempted, updated, ended)?;
         // A body that broke the loop's own capture (the enclosing one
         // still valid) is the root cause, also when its callback failed
         // after.

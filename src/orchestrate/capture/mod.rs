@@ -28,6 +28,7 @@ mod slots;
 mod step_io;
 mod steps;
 mod unrolled;
+mod update;
 mod warmup;
 
 use super::buckets::{SizeBlock, Zeroed};

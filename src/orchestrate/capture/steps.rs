@@ -8,8 +8,9 @@
 
 use super::super::captured::CapturedStep;
 use super::super::instance::{PassRef, Placed};
-use super::super::spec::{CaptureHook, HookPoint, LogLevel, Looping};
+use super::super::spec::{CaptureHook, HookPoint, LogLevel, Looping, UpdateSpec};
 use super::super::tensor::Param;
+use super::super::update::StepUpdate;
 use super::run::Runner;
 use super::step_io::{self, IoCopy};
 use crate::backend::{DevPtr, DeviceMemory, Graph};
@@ -79,6 +80,18 @@ pub(super) struct Sequence<'a> {
     pub io: &'a [IoCopy],
     /// Looping on the device: the loop's index and count.
     pub state: Option<DevPtr>,
+    /// The update stage, recorded after the last microbatch.
+    pub update: Option<UpdateRef<'a>>,
+}
+
+/// A step's update as its capture records it: the callback and the
+/// device memory of the step's update.
+#[derive(Clone, Copy)]
+pub(super) struct UpdateRef<'a> {
+    pub spec: &'a UpdateSpec,
+    pub flag: DevPtr,
+    pub counter: DevPtr,
+    pub scalars: DevPtr,
 }
 
 impl Sequence<'_> {
@@ -177,6 +190,10 @@ impl Runner<'_> {
                 Some(m)
             }
         };
+        let update = match &step.update {
+            Some(spec) => Some(StepUpdate::new(self.s.backend, spec)?),
+            None => None,
+        };
         let seq = Sequence {
             step: si,
             hook: step.capture_hook.as_ref(),
@@ -187,15 +204,29 @@ impl Runner<'_> {
             microbatches: step.microbatches,
             io: &io,
             state: loop_state.as_ref().map(|m| m.ptr()),
+            update: step
+                .update
+                .as_ref()
+                .zip(update.as_ref())
+                .map(|(spec, u)| UpdateRef {
+                    spec,
+                    flag: u.flag(),
+                    counter: u.counter(),
+                    scalars: u.scalars(),
+                }),
         };
         let looped = step.looped();
         let (mut graph, mut slot_graphs) = (None, Vec::new());
         if cloned.is_empty() {
-            graph = Some(self.capture_sequence(&seq, |_| None, iteration)?);
+            graph = Some(self.capture_sequence(&seq, |_| None, 0, iteration)?);
         } else if slots == 0 && looped {
+            let what = match step.update.is_some() {
+                true => "runs an update in its graph",
+                false => "copies data in or out",
+            };
             return Err(Error::Incompatible(format!(
-                "step {si} copies data in or out and returns CLONE grads, which need a clone slot; it \
-                 has none ({no_slots})"
+                "step {si} {what} and returns CLONE grads, which need a clone slot; it has none \
+                 ({no_slots})"
             )));
         } else if slots == 0 {
             self.s.log(LogLevel::Warn, || {
@@ -207,7 +238,7 @@ impl Runner<'_> {
         } else {
             for k in 0..slots {
                 let block = |i: usize| slot_blocks[i].get(k).copied();
-                slot_graphs.push(self.capture_sequence(&seq, block, iteration)?);
+                slot_graphs.push(self.capture_sequence(&seq, block, k as u32, iteration)?);
             }
         }
         let params = step_params(self.placed, &instances);
@@ -224,6 +255,7 @@ impl Runner<'_> {
             looped,
             microbatches: step.microbatches,
             loop_state,
+            update,
         })
     }
 
@@ -236,6 +268,7 @@ impl Runner<'_> {
         &mut self,
         seq: &Sequence,
         block: impl Fn(usize) -> Option<DevPtr>,
+        slot: u32,
         iteration: u32,
     ) -> Result<Box<dyn Graph>> {
         let hook = |point: HookPoint| -> Result<()> {
@@ -256,8 +289,8 @@ impl Runner<'_> {
         };
         hook(HookPoint::Pre)?;
         let captured = match seq.state {
-            Some(state) => self.capture_looped(seq, state, &block, iteration),
-            None => self.record_unrolled(seq, &block, iteration),
+            Some(state) => self.capture_looped(seq, state, &block, slot, iteration),
+            None => self.record_unrolled(seq, &block, slot, iteration),
         };
         let after = hook(HookPoint::Post);
         let graph = captured?;

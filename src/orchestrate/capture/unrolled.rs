@@ -4,8 +4,9 @@
 //! them and out after the pass that writes them, and every grad pass
 //! followed by its returns: COPY_INTO and ACCUMULATE_INTO into the step's
 //! destinations, CLONE grads into a clone slot's block, the grads of later
-//! microbatches added to the first's. The passes see their external
-//! buffers where their own captures provided them.
+//! microbatches added to the first's; then the step's update, if it has
+//! one (update.rs). The passes see their external buffers where their own
+//! captures provided them.
 
 use super::super::external::Provided;
 use super::super::grads::{enqueue_destinations, enqueue_sums};
@@ -27,6 +28,7 @@ impl Runner<'_> {
         &mut self,
         seq: &Sequence,
         block: &dyn Fn(usize) -> Option<DevPtr>,
+        slot: u32,
         iteration: u32,
     ) -> Result<Box<dyn Graph>> {
         self.scratch.restart();
@@ -97,7 +99,17 @@ impl Runner<'_> {
                 }
             }
         }
+        // The update, once every pass is recorded and the capture intact.
+        let attempted = seq.update.is_some()
+            && ran.is_ok()
+            && enqueued.is_ok()
+            && matches!(backend.capture_invalidated(self.stream), Ok(false));
+        let updated = match attempted {
+            true => self.record_update(seq, block, slot),
+            false => Ok(()),
+        };
         let ended = backend.end_capture(self.stream);
+        let ended = self.update_ended(seq, attempted, updated, ended)?;
         let g = self.finish(last, graph, ran, ended)?;
         enqueued?;
         Ok(g)

@@ -41,7 +41,16 @@ pub(crate) fn resolve_steps(
             })
             .map(|(k, _)| k)
             .collect();
-        if !wanted.is_empty() && st.graph_count() > 0 {
+        if !wanted.is_empty() && st.update.is_some() {
+            // Verifying would replay the update on the caller's weights
+            // and optimizer state; the update writes the parameters where
+            // capture had them, so they stay there.
+            for &k in &wanted {
+                st.params[k].feed = ParamFeed::Fixed(
+                    "the step updates its parameters in its graph, where capture had them".into(),
+                );
+            }
+        } else if !wanted.is_empty() && st.graph_count() > 0 {
             let name = |w: What| match w {
                 What::Param(k) => {
                     let (i, j) = owners[k];

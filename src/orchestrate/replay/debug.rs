@@ -11,9 +11,9 @@
 //! written only once an error is found.
 
 use super::super::captured::Rows;
-use super::super::spec::ReplayArgs;
+use super::super::spec::{ReplayArgs, StepCall};
 use super::{resolve, run_pass as replay_pass, step as steps, Parts, Replayed};
-use crate::backend::{DevPtr, StreamRef};
+use crate::backend::StreamRef;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 use std::ffi::OsStr;
@@ -162,27 +162,26 @@ fn which(p: &Parts, run: Option<(usize, Rows)>) -> Which {
 /// else its one graph, checked right after.
 #[cold]
 #[inline(never)]
-pub(crate) fn step<'a>(
-    p: Parts<'a>,
-    step: u32,
-    stream: StreamRef,
-    params: Option<&[DevPtr]>,
-    microbatches: u32,
-) -> Result<Replayed<'a>> {
+pub(crate) fn step<'a>(p: Parts<'a>, call: &StepCall) -> Result<Replayed<'a>> {
+    let (step, stream) = (call.step, call.stream);
     let _ctx = p.backend.bind()?;
     let looped = p.cap.steps.get(step as usize).map(|st| st.looped);
     before(&p, stream, || {
         format!("the replay of {}", of_step(&p, step))
     })?;
     if looped != Some(true) {
-        return steps::step(p, step, stream, params, microbatches);
+        return steps::step(p, call);
     }
     let name = p.opts.name.clone();
     let of = of_step(&p, step);
     let backend = p.backend.clone();
     let st = &p.cap.steps[step as usize];
     let main = st.graph.is_some();
-    let r = steps::step(p, step, stream, params, microbatches)?;
+    let what = match st.update.is_some() {
+        true => "its microbatches, its copies and its update",
+        false => "its microbatches or its copies",
+    };
+    let r = steps::step(p, call)?;
     // The slot blocks the replay returned name the slot whose graph ran.
     let which = match r.blocks.last().and_then(|b| b.slot) {
         Some(k) if !main => Which::Slot(k),
@@ -191,8 +190,7 @@ pub(crate) fn step<'a>(
     backend.synchronize(stream).map_err(|cause| Error::Surfaced {
         place: format!(
             "debug check in session '{name}': an error surfaced right after {of} ran {which}; the step \
-             runs its microbatches or its copies in one graph and has no pass-by-pass replay, so the pass \
-             is not known"
+             runs {what} in one graph and has no pass-by-pass replay, so the pass is not known"
         ),
         cause: Box::new(cause),
     })?;

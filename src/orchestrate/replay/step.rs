@@ -13,7 +13,8 @@
 use super::super::captured::{Captured, CapturedStep};
 use super::super::pool::Claim;
 use super::super::returned::{CloneBlock, Returned};
-use super::super::spec::ReplayArgs;
+use super::super::spec::{ReplayArgs, StepCall};
+use super::super::update::StepUpdate;
 use super::{check, run, stage, Parts, Replayed};
 use crate::backend::{DevPtr, StreamRef};
 use crate::core::PassKind;
@@ -30,19 +31,21 @@ use std::sync::Arc;
 /// reads where the last successful replay had them. In debug mode (which
 /// `Session::step` sends to `debug::step` first), it replays pass by pass
 /// wherever it can.
-pub(crate) fn step<'a>(
-    p: Parts<'a>,
-    step: u32,
-    stream: StreamRef,
-    params: Option<&[DevPtr]>,
-    microbatches: u32,
-) -> Result<Replayed<'a>> {
+pub(crate) fn step<'a>(mut p: Parts<'a>, call: &StepCall) -> Result<Replayed<'a>> {
+    let StepCall {
+        step,
+        stream,
+        params,
+        microbatches,
+        scalars,
+    } = *call;
     let n = p.cap.steps.len();
     let st = p.cap.steps.get(step as usize).ok_or_else(|| {
         Error::invalid(format!("step {step} does not exist (the session has {n})"))
     })?;
     let who = || format!("the replay of step {step}");
     let count = count(st, step, microbatches)?;
+    StepUpdate::check_scalars(st.update.as_ref(), step, scalars)?;
     let _ctx = p.backend.bind()?;
     check::streams(p.backend.as_ref(), stream, None, who)?;
     if p.opts.strict_leases {
@@ -79,10 +82,16 @@ pub(crate) fn step<'a>(
             Ok(Some(k)) => Some(k),
             Ok(None) if st.looped => {
                 p.cap.stage.taken = taken;
+                let what = match st.update.is_some() {
+                    true => {
+                        "runs its update in one graph with its passes and returns their CLONE \
+                             grads from"
+                    }
+                    false => "runs its microbatches in one graph and sums their CLONE grads in",
+                };
                 return Err(Error::AliasHeld(format!(
-                    "step {step} runs its microbatches in one graph and sums their CLONE grads in a \
-                     clone slot; all {} are held (grads of earlier replays not yet released): release \
-                     them first; nothing was replayed",
+                    "step {step} {what} a clone slot; all {} are held (grads of earlier replays not yet \
+                     released): release them first; nothing was replayed",
                     st.slots.len()
                 )));
             }
@@ -107,7 +116,8 @@ pub(crate) fn step<'a>(
         p.cap.stage.taken = taken;
         return Err(e);
     }
-    if let Err(e) = launch(&p, step as usize, chosen, stream, count, claim) {
+    let at = (chosen, stream, count, scalars);
+    if let Err(e) = launch(&mut p, step as usize, at, claim) {
         put_back(&p, step as usize, &mut taken);
         p.cap.stage.taken = taken;
         return Err(e);
@@ -196,10 +206,14 @@ fn unfollowed(p: &Parts, step: usize, params: Option<&[DevPtr]>) -> Error {
         if let Some(why) = q.refusal(to) {
             return Error::ParamMoved(format!(
                 "step {step}: param {j} of callable '{}' moved from 0x{:x} to 0x{to:x}; the step runs its \
-                 microbatches in one graph, which cannot follow it ({why}), and replaying its callables \
-                 pass by pass would not give the step's results",
+                 {} in one graph, which cannot follow it ({why}), and replaying its callables pass by \
+                 pass would not give the step's results",
                 p.callables[c].name,
-                q.bound()
+                q.bound(),
+                match st.update.is_some() {
+                    true => "passes and its update",
+                    false => "microbatches",
+                }
             ));
         }
     }
@@ -267,17 +281,17 @@ fn count(st: &CapturedStep, step: u32, asked: u32) -> Result<u32> {
     }
 }
 
-/// Launches the step's graph (or slot `chosen`'s), in the pool's order;
-/// a loop on the device is told its count first.
+/// Launches the step's graph (or slot `chosen`'s) on `stream`, in the
+/// pool's order; a loop on the device is told its `count` first, and an
+/// update gets its `scalars` (then records the event its flag's read
+/// waits for).
 fn launch(
-    p: &Parts,
+    p: &mut Parts,
     step: usize,
-    chosen: Option<usize>,
-    stream: StreamRef,
-    count: u32,
+    (chosen, stream, count, scalars): (Option<usize>, StreamRef, u32, Option<&[u8]>),
     claim: Option<Claim>,
 ) -> Result<()> {
-    let st = &p.cap.steps[step];
+    let st = &mut p.cap.steps[step];
     let graph = match (&st.graph, chosen) {
         (Some(g), _) => g,
         (None, Some(k)) => &st.slots[k],
@@ -286,7 +300,13 @@ fn launch(
     if let Some(state) = &st.loop_state {
         p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
     }
+    if let Some(u) = &st.update {
+        u.before_launch(p.backend.as_ref(), scalars, stream)?;
+    }
     graph.launch(stream)?;
+    if let Some(u) = &mut st.update {
+        u.after_launch(p.backend.as_ref(), stream)?;
+    }
     // Launched: the pool's order keeps it, and takes every pass.
     if let Some(c) = claim {
         c.keep();

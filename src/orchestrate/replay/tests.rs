@@ -3,7 +3,7 @@
 //! parameters followed, refused, and checked, end to end.
 
 use super::super::session::Session;
-use super::super::spec::ReplayArgs;
+use super::super::spec::{ReplayArgs, StepCall};
 use super::super::steps::StepRequest;
 use super::super::testing::{floats, host_inputs, read_floats, Fixture, BYTES, N};
 use crate::backend::{Backend, DevPtr, DeviceMemory, StreamRef};
@@ -25,6 +25,7 @@ fn session(f: Fixture) -> Session {
             io: st.io,
             looping: st.looping,
             capture_hook: st.capture_hook,
+            update: st.update,
         })
         .unwrap();
     }
@@ -267,7 +268,10 @@ fn step_out(
     b: &Arc<dyn Backend>,
     at: Option<&[DevPtr]>,
 ) -> crate::error::Result<f32> {
-    s.step(0, StreamRef(0), at, 0)?;
+    s.step(&StepCall {
+        params: at,
+        ..StepCall::of(0, StreamRef(0))
+    })?;
     let out = s.buffers(1, 0, Role::Output).unwrap()[0];
     Ok(read_floats(b.as_ref(), out)[0])
 }
@@ -287,12 +291,13 @@ fn a_step_follows_moved_parameters_in_its_own_graph() {
     // the registered memory.
     let input = s_input(&s);
     assert_eq!(forward(&mut s, &b, input, None).unwrap(), 1.0 + 2.0);
-    let e = s.step(0, StreamRef(0), Some(&[0]), 0).err().unwrap();
+    let call = |params| StepCall {
+        params: Some(params),
+        ..StepCall::of(0, StreamRef(0))
+    };
+    let e = s.step(&call(&[0])).err().unwrap();
     assert!(e.to_string().contains("passed to step 0"), "{e}");
-    let e = s
-        .step(0, StreamRef(0), Some(&[odd.ptr(), 0]), 0)
-        .err()
-        .unwrap();
+    let e = s.step(&call(&[odd.ptr(), 0])).err().unwrap();
     assert!(matches!(e, Error::ParamMoved(_)), "{e}");
     assert!(e.to_string().contains("callable 'a'"), "{e}");
     // Back where it was registered.
@@ -444,4 +449,57 @@ fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
     let first = cap.by_callable[0][0];
     cap.instances[first].params[0].bind(other.ptr()).unwrap();
     assert_eq!(s.param_addresses(0, 0).unwrap(), [0, mem[1].ptr()]);
+}
+
+#[test]
+fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
+    use super::super::spec::{UpdateSpec, UpdateView};
+    let mut f = host_inputs(&[("a", 1, false)]);
+    let mem = f.reading_params(0, 2.0);
+    f.callables[0].params[0].flags.rebind = true;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let mut st = super::super::spec::StepSpec::plain(vec![0], vec![0]);
+    st.update = Some(UpdateSpec {
+        callback: Arc::new(move |v: &UpdateView| {
+            log.lock().unwrap().push((v.phase, v.params[0], v.grads[0]));
+            Ok(())
+        }),
+        check: false,
+        scalar_bytes: 0,
+    });
+    f.steps.push(st);
+    let backend = f.backend.clone();
+    let mut s = session(f);
+    // One apply per clone slot's graph, each told where its block is.
+    let calls = seen.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls.iter().all(|c| c.1 == mem[0].ptr()));
+    assert_ne!(calls[0].2, calls[1].2, "each slot's own block");
+    let moved = Moved::new(&backend, 7.0, 0);
+    // The callable's own forward follows the move...
+    let input = s_input(&s);
+    assert_eq!(
+        forward(&mut s, &backend, input, Some(&[moved.ptr()])).unwrap(),
+        7.0
+    );
+    // ... the step with an update does not, and says why.
+    let e = s
+        .step(&StepCall {
+            params: Some(&[moved.ptr()]),
+            ..StepCall::of(0, StreamRef(0))
+        })
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("runs its passes and its update in one graph"),
+        "{text}"
+    );
+    assert!(
+        text.contains("the step updates its parameters in its graph"),
+        "{text}"
+    );
+    assert_eq!(s.stats().param_moves, 1, "the forward's move only");
 }

@@ -12,6 +12,7 @@ mod looped;
 mod replay;
 mod results;
 mod sums;
+mod update;
 
 pub use declare::*;
 pub use graphs::*;
@@ -20,6 +21,7 @@ pub use looped::*;
 pub use replay::*;
 use results::*;
 pub use sums::*;
+pub use update::*;
 
 /// A session destroyed when idle by code that ran inside the call that
 /// just returned (a callback, a host task) is gone now: its leases go
