@@ -61,7 +61,7 @@ struct Work {
 /// count, divisor).
 fn window(
     op: Op,
-    (bb, tt): (usize, usize),
+    (_, tt): (usize, usize),
     b: usize,
     t: usize,
     len: &dyn Fn(usize) -> usize,
