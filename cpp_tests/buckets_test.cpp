@@ -753,6 +753,181 @@ TEST_P(Buckets, DeviceSizeNeedsASessionThatChoosesOnTheDevice) {
                        "bucket_choice_on_device"));
 }
 
+// A per-token linear layer over [B, T, H] (y = x W^T + b, every row of H
+// on its own: the kit's linear over B * T rows), registered with buckets
+// on T (dynamic_dim 1) or on a grid of B and T (dynamic_dim 0 and
+// dynamic_dim2 1). Its callbacks take B and T from their bucket.
+struct TokenLinear {
+    kit::Device* dev = nullptr;
+    bool grid = false;
+    int64_t b = 0, h = 0;
+    int64_t shape[3] = {0, 0, 0};
+    const void* w = nullptr;
+    const void* bias = nullptr;
+
+    int64_t rows(const graphed_pass_ctx* ctx) const {
+        return grid ? int64_t(ctx->bucket_size) * int64_t(ctx->bucket_size2) : b * int64_t(ctx->bucket_size);
+    }
+    static int32_t forward(const graphed_pass_ctx* ctx, void* self) {
+        auto* l = static_cast<TokenLinear*>(self);
+        const int n = int(l->rows(ctx)), h = int(l->h);
+        return l->dev->linear_fwd(ctx->stream, GRAPHED_DTYPE_F32, ctx->inputs[0], ctx->params[0], ctx->params[1],
+                                  ctx->outputs[0], n, h, h);
+    }
+    static int32_t backward(const graphed_pass_ctx* ctx, void* self) {
+        auto* l = static_cast<TokenLinear*>(self);
+        const int n = int(l->rows(ctx)), h = int(l->h);
+        if (int e = l->dev->linear_bwd_input(ctx->stream, GRAPHED_DTYPE_F32, ctx->grad_outputs[0], ctx->params[0],
+                                             ctx->grad_inputs[0], n, h, h))
+            return e;
+        return l->dev->linear_bwd_weight(ctx->stream, GRAPHED_DTYPE_F32, ctx->grad_outputs[0], ctx->inputs[0],
+                                         ctx->param_grads[0], ctx->param_grads[1], n, h, h);
+    }
+
+    // The callable: x and y [bmax, tmax, h], DYNAMIC on T (and on B in a grid).
+    graphed::Callable callable(const std::vector<uint64_t>& ts, const std::vector<uint64_t>& bs, void* wp, void* bp) {
+        grid = !bs.empty();
+        const int64_t bmax = grid ? int64_t(bs.back()) : b, tmax = int64_t(ts.back());
+        shape[0] = bmax;
+        shape[1] = tmax;
+        shape[2] = h;
+        graphed::Callable c;
+        c.name = grid ? "token linear (grid)" : "token linear";
+        graphed_tensor_desc t = graphed::tensor_desc(size_t(bmax * tmax * h) * 4, GRAPHED_DTYPE_F32, true);
+        t.ndim = 3;
+        t.shape = shape;
+        t.flags = GRAPHED_TENSOR_FLAGS_DYNAMIC;
+        if (grid) {
+            t.dynamic_dim2 = 1;  // T follows the second size; B (dimension 0) the first
+            c.buckets = bs;
+            c.buckets2 = ts;
+        } else {
+            t.dynamic_dim = 1;
+            c.buckets = ts;
+        }
+        c.inputs = {t};
+        c.outputs = {t};
+        c.params = {graphed::param_desc(wp, size_t(h * h) * 4), graphed::param_desc(bp, size_t(h) * 4)};
+        c.forward = &TokenLinear::forward;
+        c.backward = &TokenLinear::backward;
+        c.user_data = this;
+        w = wp;
+        bias = bp;
+        return c;
+    }
+};
+
+// A ref's data packed: its rows() blocks of row_bytes() every pitch().
+std::vector<float> packed(kit::Device& dev, const graphed::Ref& r) {
+    std::vector<float> out;
+    EXPECT_EQ(r.rows() * r.row_bytes(), r.bytes());
+    for (size_t i = 0; i < r.rows(); ++i) {
+        auto row = kit::fetch<float>(dev, static_cast<const char*>(r.ptr()) + i * r.pitch(), r.row_bytes() / 4);
+        out.insert(out.end(), row.begin(), row.end());
+    }
+    return out;
+}
+
+// Buckets on T of [B, T, H], and a grid of B and T: every output, input grad
+// and parameter grad equals the layer run eagerly on the actual [b, t, H],
+// bit for bit; outputs and input grads come back as b rows of t * H floats
+// every T * H (graphed_ref.rows, row_bytes, pitch).
+TEST_P(Buckets, TimeAndGridBucketsMatchEagerOfTheActualSizesBitForBit) {
+    constexpr int64_t kB = 2, kH = 8;
+    for (bool grid : {false, true}) {
+        SCOPED_TRACE(grid ? "grid of B and T" : "buckets on T");
+        const std::vector<uint64_t> ts = {4, 8, 16}, bs = grid ? std::vector<uint64_t>{1, 3} : std::vector<uint64_t>{};
+        kit::Buffer w = floats(size_t(kH * kH), 5), bias = floats(size_t(kH), 6);
+        TokenLinear l;
+        l.dev = dev.get();
+        l.b = kB;
+        l.h = kH;
+        graphed::Session s(config());
+        graphed::Callable c = l.callable(ts, bs, w.get(), bias.get());
+        s.add_callable(c);
+        s.capture();
+        std::vector<graphed::Ref> outs;
+        graphed::Grads grads;
+        const std::vector<std::pair<int64_t, int64_t>> sizes =
+            grid ? std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {2, 16}, {3, 9}, {1, 16}, {2, 1}, {3, 4}}
+                 : std::vector<std::pair<int64_t, int64_t>>{{kB, 3}, {kB, 16}, {kB, 9}, {kB, 1}, {kB, 8}, {kB, 5}};
+        for (auto [b, t] : sizes) {
+            SCOPED_TRACE(testing::Message() << b << " x " << t);
+            const size_t elems = size_t(b * t * kH);
+            kit::Buffer x = floats(elems, uint32_t(10 * b + t)), gy = floats(elems, uint32_t(100 + 10 * b + t));
+            // Eager on the actual sizes.
+            kit::Buffer ey(*dev, elems * 4), egx(*dev, elems * 4), egw(*dev, size_t(kH * kH) * 4),
+                egb(*dev, size_t(kH) * 4);
+            const int n = int(b * t);
+            ASSERT_EQ(0, dev->linear_fwd(dev->stream(), GRAPHED_DTYPE_F32, x.get(), w.get(), bias.get(), ey.get(), n,
+                                         int(kH), int(kH)));
+            ASSERT_EQ(0, dev->linear_bwd_input(dev->stream(), GRAPHED_DTYPE_F32, gy.get(), w.get(), egx.get(), n,
+                                               int(kH), int(kH)));
+            ASSERT_EQ(0, dev->linear_bwd_weight(dev->stream(), GRAPHED_DTYPE_F32, gy.get(), x.get(), egw.get(),
+                                                egb.get(), n, int(kH), int(kH)));
+            graphed::Replay r;
+            r.stream(dev->stream()).size(grid ? uint64_t(b) : uint64_t(t)).size2(grid ? uint64_t(t) : 0);
+            s.forward(r.data(x.get()), outs);
+            graphed::Replay rb;
+            rb.stream(dev->stream());
+            s.backward(rb.data(gy.get()), grads);
+            dev->sync();
+            const uint64_t bucket_t = *std::find_if(ts.begin(), ts.end(), [&](uint64_t v) { return v >= uint64_t(t); });
+            if (uint64_t(t) < bucket_t && b > 1) {  // one row of a bucket is contiguous
+                EXPECT_EQ(outs[0].rows(), size_t(b));
+                EXPECT_EQ(outs[0].pitch(), size_t(bucket_t * kH * 4));
+            }
+            EXPECT_EQ(packed(*dev, outs[0]), kit::fetch<float>(*dev, ey.get(), elems)) << "output";
+            EXPECT_EQ(packed(*dev, grads.inputs[0]), kit::fetch<float>(*dev, egx.get(), elems)) << "input grad";
+            EXPECT_EQ(kit::fetch<float>(*dev, grads.params[0].ptr(), size_t(kH * kH)),
+                      kit::fetch<float>(*dev, egw.get(), size_t(kH * kH)))
+                << "weight grad";
+            EXPECT_EQ(kit::fetch<float>(*dev, grads.params[1].ptr(), size_t(kH)),
+                      kit::fetch<float>(*dev, egb.get(), size_t(kH)))
+                << "bias grad";
+            grads = graphed::Grads{};
+        }
+    }
+}
+
+// A tensor may vary on another dimension than its first only where it says
+// which (dynamic_dim), inside its shape, at the largest bucket; a grid's
+// forward names both sizes; the device's choice is refused over either.
+TEST_P(Buckets, OtherDimensionsAndGridsRefuseWhatTheyCannotDo) {
+    kit::Buffer w = floats(64, 5), bias = floats(8, 6);
+    TokenLinear l;
+    l.dev = dev.get();
+    l.b = 2;
+    l.h = 8;
+    {
+        graphed::Session s(config());
+        graphed::Callable c = l.callable({4, 16}, {}, w.get(), bias.get());
+        c.inputs[0].dynamic_dim = 2;
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.add_callable(c); }, "the largest bucket's size (16)"));
+        c.inputs[0].dynamic_dim = 3;
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.add_callable(c); }, "has 3 dimensions"));
+    }
+    {
+        graphed_session_config cfg = config();
+        cfg.bucket_choice_on_device = 1;
+        graphed::Session s(cfg);
+        graphed::Callable c = l.callable({4, 8}, {}, w.get(), bias.get());
+        s.add_callable(c);
+        EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.capture(); }, "bucket_choice_on_device"));
+    }
+    graphed::Session s(config());
+    graphed::Callable c = l.callable({4, 8}, {1, 2}, w.get(), bias.get());
+    s.add_callable(c);
+    EXPECT_EQ(s.bucket_of(0, 2, 5).index, 3u);
+    EXPECT_EQ(s.bucket_of(0, 2, 5).size2, 8u);
+    s.capture();
+    kit::Buffer x = floats(2 * 8 * 8, 1);
+    std::vector<graphed::Ref> outs;
+    graphed::Replay r;
+    r.stream(dev->stream()).size(2).data(x.get());
+    EXPECT_TRUE(throws(GRAPHED_STATUS_INVALID_ARGUMENT, [&] { s.forward(r, outs); }, "names both actual sizes"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, Buckets, backends(), BackendName());
 
 }  // namespace

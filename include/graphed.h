@@ -52,6 +52,11 @@
 #define GRAPHED_MAX_BUCKETS 256
 
 /**
+ * graphed_tensor_desc.dynamic_dim, dynamic_dim2: no dimension.
+ */
+#define GRAPHED_DIM_NONE UINT32_MAX
+
+/**
  * The magic graphed_replay_args_default() sets.
  */
 #define GRAPHED_REPLAY_ARGS_MAGIC 1735524357
@@ -907,6 +912,22 @@ typedef struct graphed_tensor_desc {
    */
   uint32_t chain_callable;
   uint32_t chain_output;
+  /**
+   * GRAPHED_TENSOR_FLAGS_DYNAMIC tensors: the dimension of `shape` that
+   * is the bucket's size (graphed_callable_desc.bucket_sizes), 0 by
+   * default (the first: rows); GRAPHED_DIM_NONE where only the second
+   * size varies the tensor. Another dimension than the first (the time
+   * dimension of [B, T, H], ...) needs a shape.
+   */
+  uint32_t dynamic_dim;
+  /**
+   * With a grid of buckets (graphed_callable_desc.bucket_sizes2): the
+   * dimension of `shape` that is the bucket's second size
+   * (GRAPHED_DIM_NONE, the default: none). When both are set, the
+   * dimensions before the first of the two hold one element (the
+   * actual data is then rows of one pitch, graphed_ref.rows).
+   */
+  uint32_t dynamic_dim2;
 } graphed_tensor_desc;
 
 /**
@@ -1094,6 +1115,16 @@ typedef struct graphed_pass_ctx {
    * graphed_session_instance_of answers after capture.
    */
   uint32_t instance;
+  /**
+   * Callables with a grid of buckets (graphed_callable_desc.
+   * bucket_sizes2): the bucket's second size (bucket_size is its first;
+   * the bucket is bucket_sizes[bucket / num_buckets2] x
+   * bucket_sizes2[bucket % num_buckets2]), and device memory holding
+   * the replay's actual second size (a uint64_t, as actual_size). 0 and
+   * NULL otherwise.
+   */
+  uint64_t bucket_size2;
+  const uint64_t *actual_size2;
 } graphed_pass_ctx;
 
 /**
@@ -1168,6 +1199,19 @@ typedef struct graphed_callable_desc {
    */
   const uint64_t *bucket_sizes;
   size_t num_buckets;
+  /**
+   * A grid of buckets: `num_buckets2` sizes of a second dynamic
+   * dimension (strictly ascending, each 1 to 2^32 - 1; NULL and 0:
+   * none), which the tensors' `dynamic_dim2` names. The callable is
+   * captured once per pair (size, size2), bucket `i * num_buckets2 + j`
+   * the pair (bucket_sizes[i], bucket_sizes2[j]), at most
+   * GRAPHED_MAX_BUCKETS pairs; a forward names both actual sizes
+   * (graphed_replay_args.size, size2) and runs the smallest size at
+   * least `size` with the smallest second size at least `size2`. Needs
+   * bucket_sizes. Copied at registration.
+   */
+  const uint64_t *bucket_sizes2;
+  size_t num_buckets2;
 } graphed_callable_desc;
 
 /**
@@ -1270,6 +1314,13 @@ typedef struct graphed_replay_args {
    * GRAPHED_STATUS_PARAM_MOVED. NULL: the host chooses (`size`).
    */
   const uint64_t *device_size;
+  /**
+   * Callables with a grid of buckets (graphed_callable_desc.
+   * bucket_sizes2): the actual second size, 1 to the largest second
+   * size, given with `size` by a forward (0 or that forward's by its
+   * backward and weight-grad). 0 for other callables.
+   */
+  uint64_t size2;
 } graphed_replay_args;
 
 /**
@@ -1295,6 +1346,20 @@ typedef struct graphed_ref {
    * done with the alias. 0 otherwise.
    */
   uint64_t lease;
+  /**
+   * How the `bytes` at `ptr` lie: `rows` blocks of `row_bytes` bytes,
+   * block i at `ptr + i * pitch`. Contiguous data (every ref but the
+   * DYNAMIC outputs and input grads of a bucket whose tensors vary on
+   * another dimension than the first) is one block: `rows` 1,
+   * `row_bytes` and `pitch` equal to `bytes`. Such a tensor of a
+   * [B, T, H] bucket run on t <= T positions is B blocks of t * H
+   * elements every T * H. Written when `ref_size` holds them: a
+   * replay whose refs would be blocks of a pitch is refused when it
+   * does not (a caller built against an older header).
+   */
+  size_t rows;
+  size_t row_bytes;
+  size_t pitch;
 } graphed_ref;
 
 /**
@@ -2515,6 +2580,29 @@ graphed_status graphed_session_bucket_of(struct graphed_session *session,
                                          uint64_t size,
                                          uint32_t *bucket_out,
                                          uint64_t *bucket_size_out);
+
+/**
+ * graphed_session_bucket_of for a callable with a grid of buckets
+ * (graphed_callable_desc.bucket_sizes2): writes which bucket a forward
+ * replay given `size` and `size2` (graphed_replay_args.size, size2) runs
+ * to `*bucket_out` and that bucket's sizes (ctx->bucket_size,
+ * ctx->bucket_size2) to `*bucket_size_out` and `*bucket_size2_out`: the
+ * smallest size at least `size` with the smallest second size at least
+ * `size2`. Without a grid it answers as graphed_session_bucket_of for
+ * `size2` 0 (and writes 0 as the second size). Refused as
+ * graphed_session_bucket_of is, and: a second size without a grid, 0 or
+ * above the largest second size with one.
+ *
+ * # Safety
+ * The outputs must be NULL or writable.
+ */
+graphed_status graphed_session_bucket_of2(struct graphed_session *session,
+                                          uint32_t callable,
+                                          uint64_t size,
+                                          uint64_t size2,
+                                          uint32_t *bucket_out,
+                                          uint64_t *bucket_size_out,
+                                          uint64_t *bucket_size2_out);
 
 /**
  * Writes the instance number of (callable, microbatch, bucket) of a

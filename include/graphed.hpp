@@ -194,6 +194,9 @@ struct Callable {
     /// Sizes of the dynamic dimension, strictly ascending (empty: one
     /// shape); see graphed_callable_desc.bucket_sizes.
     std::vector<uint64_t> buckets;
+    /// A grid of buckets: sizes of a second dynamic dimension (empty:
+    /// none); see graphed_callable_desc.bucket_sizes2.
+    std::vector<uint64_t> buckets2;
 
     /// The C descriptor (from graphed_callable_desc_default()). It points
     /// into this object: use it while this object lives unchanged.
@@ -215,6 +218,8 @@ struct Callable {
         d.hook_data = hook_data;
         d.num_buckets = buckets.size();
         d.bucket_sizes = buckets.empty() ? nullptr : buckets.data();
+        d.num_buckets2 = buckets2.size();
+        d.bucket_sizes2 = buckets2.empty() ? nullptr : buckets2.data();
         return d;
     }
 };
@@ -371,6 +376,11 @@ class Ref {
         return static_cast<T*>(raw_.ptr);
     }
     size_t bytes() const noexcept { return raw_.bytes; }
+    /// How the bytes lie: rows() blocks of row_bytes() every pitch() bytes
+    /// (one block for contiguous data; see graphed_ref.rows).
+    size_t rows() const noexcept { return raw_.rows; }
+    size_t row_bytes() const noexcept { return raw_.row_bytes; }
+    size_t pitch() const noexcept { return raw_.pitch; }
     graphed_ref_kind kind() const noexcept { return static_cast<graphed_ref_kind>(raw_.kind); }
     /// The clone block this CLONE grad lives in (empty for other kinds).
     const Buffer& owner() const noexcept { return owner_; }
@@ -427,6 +437,12 @@ class Replay {
     /// graphed_replay_args.size).
     Replay& size(uint64_t n) {
         raw_.size = n;
+        return *this;
+    }
+    /// The actual second size (callables with a grid of buckets;
+    /// graphed_replay_args.size2).
+    Replay& size2(uint64_t n) {
+        raw_.size2 = n;
         return *this;
     }
     /// Device memory holding the actual size (a uint64_t): the bucket is
@@ -603,6 +619,8 @@ struct DeviceMemory {
 struct Bucket {
     uint32_t index = 0;
     uint64_t size = 0;
+    /// A grid's second size (0 otherwise).
+    uint64_t size2 = 0;
 };
 
 namespace detail {
@@ -791,6 +809,14 @@ class Session {
     Bucket bucket_of(uint32_t callable, uint64_t size) const {
         Bucket b;
         check(graphed_session_bucket_of(raw_, callable, size, &b.index, &b.size));
+        return b;
+    }
+
+    /// Which bucket of a grid a forward replay of `callable` given `size`
+    /// and `size2` runs (graphed_session_bucket_of2; before capture too).
+    Bucket bucket_of(uint32_t callable, uint64_t size, uint64_t size2) const {
+        Bucket b;
+        check(graphed_session_bucket_of2(raw_, callable, size, size2, &b.index, &b.size, &b.size2));
         return b;
     }
 

@@ -713,19 +713,27 @@ fn params_movable(h: H) -> (graphed_status, [u32; 2]) {
 }
 
 /// Where the graphs read the parameters (graphed_session_param_addresses),
-/// the instance number and the bucket a forward runs of the one instance,
-/// into `at`: the three statuses (BUSY while another call is inside the
-/// session).
-fn answers(h: H, at: &mut [usize; 2]) -> [graphed_status; 3] {
+/// the instance number and the bucket a forward runs of the one instance
+/// (of one size and of two: graphed_session_bucket_of2), into `at`: the
+/// four statuses (BUSY while another call is inside the session).
+fn answers(h: H, at: &mut [usize; 2]) -> [graphed_status; 4] {
     let (mut inst, mut bucket, mut rows) = (7u32, 7u32, 7u64);
+    let (mut bucket2, mut rows2, mut second) = (7u32, 7u64, 7u64);
     // SAFETY: room for two addresses; locals.
     let got = unsafe {
         [
             graphed_session_param_addresses(h.p(), 0, 0, at.as_mut_ptr().cast(), 2),
             graphed_session_instance_of(h.p(), 0, 0, 0, &mut inst),
             graphed_session_bucket_of(h.p(), 0, 0, &mut bucket, &mut rows),
+            graphed_session_bucket_of2(h.p(), 0, 0, 0, &mut bucket2, &mut rows2, &mut second),
         ]
     };
+    let want2 = if got[3] == S::Ok {
+        (0, 0, 0)
+    } else {
+        (7, 7, 7)
+    };
+    assert_eq!((bucket2, rows2, second), want2, "bucket_of2");
     // Instance 0; bucket 0, of size 0 (no buckets); untouched when refused.
     let inst_want = if got[1] == S::Ok { 0 } else { 7 };
     assert_eq!(inst, inst_want, "instance_of");
@@ -865,7 +873,7 @@ fn params_given_while_others_query() {
     assert_eq!((st.param_moves, st.clone_blocks_outstanding), (0, 0));
     ok(graphed_session_destroy(h.p()));
     assert_eq!(params_movable(h).0, S::UseAfterDestroy);
-    assert_eq!(answers(h, &mut [0; 2]), [S::UseAfterDestroy; 3]);
+    assert_eq!(answers(h, &mut [0; 2]), [S::UseAfterDestroy; 4]);
 }
 
 /// One callable of a session released (graphed_session_release_callable)

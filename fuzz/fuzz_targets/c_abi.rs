@@ -283,14 +283,16 @@ fn run(data: &[u8]) {
                 // (once op_driver_version, op_release_on and
                 // op_schedule_passes) ask about and give back memory; 252
                 // to 254 (once op_add_step) ask which bucket a size runs,
-                // instance numbers and parameter addresses; every other
-                // byte keeps its meaning.
+                // instance numbers and parameter addresses; 247 (once
+                // op_arity) which bucket of a grid two sizes run; every
+                // other byte keeps its meaning.
                 _ => match i.byte() {
                     251 => op_moving_params(),
                     248 => op_memory_stats(),
                     249 => op_release_callable(),
                     250 => op_callable_memory(),
                     252 => op_bucket_of(),
+                    247 => op_bucket_of2(),
                     253 => op_instance_of(),
                     254 => op_param_addresses(),
                     // Once op_step_replay (255 % 12) too.

@@ -72,6 +72,20 @@ pub struct IndexedCopy {
     pub index: DevPtr,
 }
 
+/// `rows` blocks of `width` bytes, block i at `dst + i * dst_pitch` (and,
+/// for a copy, from `src + i * src_pitch`): a DYNAMIC tensor's data in a
+/// bucket when it varies on a dimension other than the first
+/// (`core::padded`). `src` is 0 for a zeroing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows2d {
+    pub dst: DevPtr,
+    pub dst_pitch: usize,
+    pub src: DevPtr,
+    pub src_pitch: usize,
+    pub width: usize,
+    pub rows: usize,
+}
+
 /// A choice on the device between bodies (see [`Backend::capture_switch`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Choice {
@@ -240,6 +254,13 @@ pub trait Backend: Send + Sync {
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()>;
+    /// Copies `r.rows` blocks of `r.width` bytes from `r.src` (pitch
+    /// `r.src_pitch`) to `r.dst` (pitch `r.dst_pitch`); the pitches are at
+    /// least the width, and the regions do not overlap.
+    fn copy_2d(&self, r: Rows2d, stream: StreamRef) -> Result<()>;
+    /// Zeroes `r.rows` blocks of `r.width` bytes at `r.dst` (pitch
+    /// `r.dst_pitch`, at least the width; `r.src` is ignored).
+    fn zero_2d(&self, r: Rows2d, stream: StreamRef) -> Result<()>;
     /// Sets `count` elements of `elem` bytes (1, 2 or 4) at `dst` to the
     /// low `elem` bytes of `pattern`.
     fn fill(

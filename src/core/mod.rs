@@ -4,7 +4,8 @@
 //! alias leases, the scratch arena, pipeline schedules, how long each
 //! buffer of a schedule is needed, the static-buffer planner (`plan/`: its
 //! lifetimes, reuse, and the split of its memory by owning callable),
-//! checked size arithmetic, strided regions of caller memory, the handle
+//! checked size arithmetic, strided regions of caller memory, where a
+//! DYNAMIC tensor's data lies in its bucket (`padded`), the handle
 //! table and captured graphs as DOT text.
 
 pub mod arena;
@@ -13,6 +14,7 @@ pub mod dtype;
 pub mod handle;
 pub mod layout;
 pub mod lease;
+pub mod padded;
 pub mod plan;
 pub mod policy;
 pub mod release;

@@ -74,7 +74,22 @@ pub struct graphed_tensor_desc {
     /// left there).
     pub chain_callable: u32,
     pub chain_output: u32,
+    /// GRAPHED_TENSOR_FLAGS_DYNAMIC tensors: the dimension of `shape` that
+    /// is the bucket's size (graphed_callable_desc.bucket_sizes), 0 by
+    /// default (the first: rows); GRAPHED_DIM_NONE where only the second
+    /// size varies the tensor. Another dimension than the first (the time
+    /// dimension of [B, T, H], ...) needs a shape.
+    pub dynamic_dim: u32,
+    /// With a grid of buckets (graphed_callable_desc.bucket_sizes2): the
+    /// dimension of `shape` that is the bucket's second size
+    /// (GRAPHED_DIM_NONE, the default: none). When both are set, the
+    /// dimensions before the first of the two hold one element (the
+    /// actual data is then rows of one pitch, graphed_ref.rows).
+    pub dynamic_dim2: u32,
 }
+
+/// graphed_tensor_desc.dynamic_dim, dynamic_dim2: no dimension.
+pub const GRAPHED_DIM_NONE: u32 = u32::MAX;
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
 unsafe impl CStruct for graphed_tensor_desc {
@@ -103,6 +118,8 @@ pub extern "C" fn graphed_tensor_desc_default() -> graphed_tensor_desc {
         flags: 0,
         chain_callable: 0,
         chain_output: 0,
+        dynamic_dim: 0,
+        dynamic_dim2: GRAPHED_DIM_NONE,
     }
 }
 
@@ -206,6 +223,17 @@ pub struct graphed_callable_desc {
     /// schedule or steps. Copied at registration.
     pub bucket_sizes: *const u64,
     pub num_buckets: usize,
+    /// A grid of buckets: `num_buckets2` sizes of a second dynamic
+    /// dimension (strictly ascending, each 1 to 2^32 - 1; NULL and 0:
+    /// none), which the tensors' `dynamic_dim2` names. The callable is
+    /// captured once per pair (size, size2), bucket `i * num_buckets2 + j`
+    /// the pair (bucket_sizes[i], bucket_sizes2[j]), at most
+    /// GRAPHED_MAX_BUCKETS pairs; a forward names both actual sizes
+    /// (graphed_replay_args.size, size2) and runs the smallest size at
+    /// least `size` with the smallest second size at least `size2`. Needs
+    /// bucket_sizes. Copied at registration.
+    pub bucket_sizes2: *const u64,
+    pub num_buckets2: usize,
 }
 
 // SAFETY: repr(C), integers, pointers and nullable function pointers only
@@ -242,6 +270,8 @@ pub extern "C" fn graphed_callable_desc_default() -> graphed_callable_desc {
         hook_data: std::ptr::null_mut(),
         bucket_sizes: std::ptr::null(),
         num_buckets: 0,
+        bucket_sizes2: std::ptr::null(),
+        num_buckets2: 0,
     }
 }
 
@@ -263,7 +293,28 @@ fn tensor(t: &graphed_tensor_desc, what: &str) -> Result<TensorSpec> {
         chained: flags.chained.then_some((t.chain_callable, t.chain_output)),
         rebind: flags.rebind,
         dynamic: flags.dynamic,
+        dims: dims(t, flags.dynamic, what)?,
     })
+}
+
+/// The dimensions a tensor varies on: (dynamic_dim, dynamic_dim2) of a
+/// DYNAMIC one; none of another, whose fields keep their defaults.
+fn dims(
+    t: &graphed_tensor_desc,
+    dynamic: bool,
+    what: &str,
+) -> Result<(Option<usize>, Option<usize>)> {
+    let dim = |d: u32| (d != GRAPHED_DIM_NONE).then_some(d as usize);
+    if !dynamic {
+        if t.dynamic_dim != 0 || t.dynamic_dim2 != GRAPHED_DIM_NONE {
+            return Err(Error::invalid(format!(
+                "{what}.dynamic_dim or dynamic_dim2 is set, but the tensor is not DYNAMIC \
+                 (GRAPHED_TENSOR_FLAGS_DYNAMIC): leave them at their defaults"
+            )));
+        }
+        return Ok((None, None));
+    }
+    Ok((dim(t.dynamic_dim), dim(t.dynamic_dim2)))
 }
 
 fn param(p: &graphed_param_desc, what: &str) -> Result<ParamSpec> {
@@ -295,6 +346,16 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
         0 => Vec::new(),
         // SAFETY: the caller passes `num_buckets` readable sizes.
         n => unsafe { arg_slice(d.bucket_sizes, n, "desc.bucket_sizes") }?.to_vec(),
+    };
+    let buckets2 = match d.num_buckets2 {
+        0 if !d.bucket_sizes2.is_null() => {
+            return Err(Error::invalid(
+                "desc.bucket_sizes2 is set but desc.num_buckets2 is 0",
+            ))
+        }
+        0 => Vec::new(),
+        // SAFETY: the caller passes `num_buckets2` readable sizes.
+        n => unsafe { arg_slice(d.bucket_sizes2, n, "desc.bucket_sizes2") }?.to_vec(),
     };
     let convert = |ts: &[graphed_tensor_desc], what: &str| -> Result<Vec<TensorSpec>> {
         ts.iter()
@@ -337,6 +398,7 @@ fn callable(d: &graphed_callable_desc) -> Result<(Option<String>, CallableSpec)>
             params,
             callbacks: Box::new(callbacks),
             buckets,
+            buckets2,
         },
     ))
 }
@@ -411,15 +473,17 @@ mod tests {
 
     #[test]
     fn the_first_released_layouts_are_todays() {
-        assert_eq!(
-            size_of::<graphed_tensor_desc>(),
-            graphed_tensor_desc::MIN_SIZE
-        );
+        assert_eq!(graphed_tensor_desc::MIN_SIZE, 64);
         assert_eq!(
             size_of::<graphed_param_desc>(),
             graphed_param_desc::MIN_SIZE
         );
         assert_eq!(graphed_callable_desc::MIN_SIZE, 128);
-        assert_eq!(size_of::<graphed_callable_desc>(), 144, "with buckets");
+        assert_eq!(
+            size_of::<graphed_callable_desc>(),
+            160,
+            "with a grid of buckets"
+        );
+        assert_eq!(size_of::<graphed_tensor_desc>(), 72, "with dynamic_dim");
     }
 }

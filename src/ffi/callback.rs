@@ -120,6 +120,14 @@ pub struct graphed_pass_ctx {
     /// for the session's captured life, and what
     /// graphed_session_instance_of answers after capture.
     pub instance: u32,
+    /// Callables with a grid of buckets (graphed_callable_desc.
+    /// bucket_sizes2): the bucket's second size (bucket_size is its first;
+    /// the bucket is bucket_sizes[bucket / num_buckets2] x
+    /// bucket_sizes2[bucket % num_buckets2]), and device memory holding
+    /// the replay's actual second size (a uint64_t, as actual_size). 0 and
+    /// NULL otherwise.
+    pub bucket_size2: u64,
+    pub actual_size2: *const u64,
 }
 
 /// A forward, backward or weight-grad callback, or a per-callable hook.
@@ -237,6 +245,8 @@ fn call_pass(f: PassFn, v: &PassView, data: *mut c_void) -> std::result::Result<
         actual_size: v.actual_size as *const u64,
         capture_position: v.position,
         instance: v.instance,
+        bucket_size2: v.bucket_size2,
+        actual_size2: v.actual_size2 as *const u64,
     };
     // SAFETY: the caller registered `f` for this purpose; `ctx` and the
     // arrays it points to outlive the call.

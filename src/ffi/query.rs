@@ -226,11 +226,52 @@ pub unsafe extern "C" fn graphed_session_bucket_of(
             arg_out(bucket_out, "bucket_out")?,
             arg_out(bucket_size_out, "bucket_size_out")?,
         );
-        let (bucket, bucket_size) = cell.lock()?.bucket_of(callable, size)?;
+        let (bucket, (bucket_size, _)) = cell.lock()?.bucket_of(callable, (size, 0))?;
         // SAFETY: both checked non-NULL and aligned.
         unsafe {
             b.write(bucket);
             n.write(bucket_size);
+        }
+        Ok(())
+    })
+}
+
+/// graphed_session_bucket_of for a callable with a grid of buckets
+/// (graphed_callable_desc.bucket_sizes2): writes which bucket a forward
+/// replay given `size` and `size2` (graphed_replay_args.size, size2) runs
+/// to `*bucket_out` and that bucket's sizes (ctx->bucket_size,
+/// ctx->bucket_size2) to `*bucket_size_out` and `*bucket_size2_out`: the
+/// smallest size at least `size` with the smallest second size at least
+/// `size2`. Without a grid it answers as graphed_session_bucket_of for
+/// `size2` 0 (and writes 0 as the second size). Refused as
+/// graphed_session_bucket_of is, and: a second size without a grid, 0 or
+/// above the largest second size with one.
+///
+/// # Safety
+/// The outputs must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn graphed_session_bucket_of2(
+    session: *mut graphed_session,
+    callable: u32,
+    size: u64,
+    size2: u64,
+    bucket_out: *mut u32,
+    bucket_size_out: *mut u64,
+    bucket_size2_out: *mut u64,
+) -> graphed_status {
+    boundary("graphed_session_bucket_of2", || {
+        let cell = self::session(session)?;
+        let (b, n, n2) = (
+            arg_out(bucket_out, "bucket_out")?,
+            arg_out(bucket_size_out, "bucket_size_out")?,
+            arg_out(bucket_size2_out, "bucket_size2_out")?,
+        );
+        let (bucket, (s1, s2)) = cell.lock()?.bucket_of(callable, (size, size2))?;
+        // SAFETY: all checked non-NULL and aligned.
+        unsafe {
+            b.write(bucket);
+            n.write(s1);
+            n2.write(s2);
         }
         Ok(())
     })

@@ -101,6 +101,11 @@ pub struct graphed_replay_args {
     /// the backward and weight-grad replays after it, is
     /// GRAPHED_STATUS_PARAM_MOVED. NULL: the host chooses (`size`).
     pub device_size: *const u64,
+    /// Callables with a grid of buckets (graphed_callable_desc.
+    /// bucket_sizes2): the actual second size, 1 to the largest second
+    /// size, given with `size` by a forward (0 or that forward's by its
+    /// backward and weight-grad). 0 for other callables.
+    pub size2: u64,
 }
 
 // SAFETY: repr(C), integers and pointers only, header at offsets 0 and 8.
@@ -134,6 +139,7 @@ pub extern "C" fn graphed_replay_args_default() -> graphed_replay_args {
         num_params: 0,
         size: 0,
         device_size: std::ptr::null(),
+        size2: 0,
     }
 }
 
@@ -152,10 +158,26 @@ pub struct graphed_ref {
     /// ALIAS under strict leases: release with graphed_lease_release when
     /// done with the alias. 0 otherwise.
     pub lease: u64,
+    /// How the `bytes` at `ptr` lie: `rows` blocks of `row_bytes` bytes,
+    /// block i at `ptr + i * pitch`. Contiguous data (every ref but the
+    /// DYNAMIC outputs and input grads of a bucket whose tensors vary on
+    /// another dimension than the first) is one block: `rows` 1,
+    /// `row_bytes` and `pitch` equal to `bytes`. Such a tensor of a
+    /// [B, T, H] bucket run on t <= T positions is B blocks of t * H
+    /// elements every T * H. Written when `ref_size` holds them: a
+    /// replay whose refs would be blocks of a pitch is refused when it
+    /// does not (a caller built against an older header).
+    pub rows: usize,
+    pub row_bytes: usize,
+    pub pitch: usize,
 }
 
 /// The size of the first released layout of graphed_ref.
 const REF_MIN: usize = 40;
+/// The size of graphed_ref with the layout of its data (rows, row_bytes,
+/// pitch).
+const REF_ROWS: usize = 64;
+const _: () = assert!(size_of::<graphed_ref>() >= REF_ROWS);
 const _: () = assert!(size_of::<graphed_ref>() >= REF_MIN);
 
 pub(crate) fn ptrs<'a>(
@@ -186,6 +208,7 @@ fn replay_args(a: &graphed_replay_args) -> Result<ReplayArgs<'_>> {
         param_dsts: ptrs(a.param_dsts.cast(), a.num_param_dsts, "args.param_dsts")?,
         params: ptrs(a.params, a.num_params, "args.params")?,
         size: a.size,
+        size2: a.size2,
         device_size: a.device_size as DevPtr,
     })
 }
@@ -272,6 +295,15 @@ pub(crate) fn write_refs(out: &Out, stride: usize, refs: &[Returned], owners: &O
                 std::ptr::null_mut()
             },
             lease: r.lease,
+            rows: r.rows.max(1),
+            row_bytes: match r.rows {
+                0 => r.bytes,
+                n => r.bytes / n,
+            },
+            pitch: match r.rows {
+                0 => r.bytes,
+                _ => r.pitch,
+            },
         };
         // SAFETY: check_out verified the array (non-NULL, `n` elements of
         // `stride` bytes, aligned), and i < n.
@@ -297,6 +329,16 @@ fn replay(
         let ra = replay_args(&a)?;
         let mut s = cell.lock()?;
         let (n1, n2) = arity(s.arity(a.callable)?);
+        if a.ref_size < REF_ROWS && s.returns_rows(a.callable) {
+            return Err(Error::invalid(format!(
+                "callable {} returns DYNAMIC tensors that vary on another dimension than their first, as \
+                 rows of a pitch (graphed_ref.rows, row_bytes, pitch), and args.ref_size ({}) has no room \
+                 for them: build against this header (ref_size = sizeof(graphed_ref), {})",
+                a.callable,
+                a.ref_size,
+                size_of::<graphed_ref>()
+            )));
+        }
         let o1 = check_out(first.0, first.1, n1, a.ref_size, first.2)?;
         let o2 = check_out(second.0, second.1, n2, a.ref_size, second.2)?;
         let mut r = run(&mut s, &ra)?;

@@ -10,24 +10,29 @@
 use super::instance::Placed;
 use super::spec::CallableSpec;
 use super::tensor::{Feed, Tensor};
-use crate::backend::{Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, StreamRef, Tail};
+use crate::backend::{
+    Backend, CaptureEnd, CaptureMode, Choice, DevPtr, Graph, Rows2d, StreamRef, Tail,
+};
 use crate::core::layout::Role;
+use crate::core::padded::Padded;
 use crate::core::size;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
 
 /// Where the device holds the sizes of a session's callables: u64 words,
 /// the actual sizes (one per callable), the overflow counts (one per
-/// callable), then each bucketed callable's bucket sizes.
+/// callable), the actual second sizes of grids (one per callable), then
+/// each bucketed callable's bucket sizes.
 pub(crate) struct SizeBlock {
     pub base: DevPtr,
     callables: usize,
     /// Per callable: its table (0 without buckets).
     tables: Vec<DevPtr>,
-    /// Per callable, the size the device holds, where the host knows it
-    /// (written by a host-chosen forward; unknown after capture and after
-    /// a forward that chose on the device).
+    /// Per callable, the sizes the device holds, where the host knows
+    /// them (written by a host-chosen forward; unknown after capture and
+    /// after a forward that chose on the device).
     held: Vec<Option<u64>>,
+    held2: Vec<Option<u64>>,
 }
 
 impl SizeBlock {
@@ -36,14 +41,14 @@ impl SizeBlock {
         if callables.iter().all(|c| c.buckets.is_empty()) {
             return Ok(0);
         }
-        let words = 2 * callables.len() + callables.iter().map(|c| c.buckets.len()).sum::<usize>();
+        let words = 3 * callables.len() + callables.iter().map(|c| c.buckets.len()).sum::<usize>();
         size::aligned(8 * words, "the bucket sizes")
     }
 
     /// The block of `callables` at `base` (0: none).
     pub fn at(base: DevPtr, callables: &[CallableSpec]) -> SizeBlock {
         let n = callables.len();
-        let mut next = base + 16 * n as DevPtr;
+        let mut next = base + 24 * n as DevPtr;
         let tables = callables
             .iter()
             .map(|c| match c.buckets.len() {
@@ -60,6 +65,7 @@ impl SizeBlock {
             callables: n,
             tables,
             held: vec![None; n],
+            held2: vec![None; n],
         }
     }
 
@@ -68,15 +74,20 @@ impl SizeBlock {
         self.base + 8 * c as DevPtr
     }
 
-    /// Before a forward of callable `c`: puts its size where the device
-    /// reads it (`n` rows chosen on the host, or a copy of the u64 at
-    /// `device_size`). Only its forwards write there: a size the device
-    /// holds already is not written again.
+    /// The u64 holding callable `c`'s actual second size (grids).
+    pub fn actual2(&self, c: usize) -> DevPtr {
+        self.base + 8 * (2 * self.callables + c) as DevPtr
+    }
+
+    /// Before a forward of callable `c`: puts its sizes where the device
+    /// reads them (`n` rows and, with a grid, `n2` chosen on the host, or
+    /// a copy of the u64 at `device_size`). Only its forwards write there:
+    /// a size the device holds already is not written again.
     pub fn put(
         &mut self,
         backend: &dyn Backend,
         c: usize,
-        (n, device_size): (u64, DevPtr),
+        (n, n2, device_size): (u64, u64, DevPtr),
         stream: StreamRef,
     ) -> Result<()> {
         let at = self.actual(c);
@@ -84,12 +95,26 @@ impl SizeBlock {
             self.held[c] = None;
             return backend.copy(at, device_size, 8, stream);
         }
-        if self.held[c] != Some(n) {
+        Self::write(backend, (at, n), &mut self.held[c], stream)?;
+        if n2 != 0 {
+            Self::write(backend, (self.actual2(c), n2), &mut self.held2[c], stream)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `n` at `at` unless `held` says it is there.
+    fn write(
+        backend: &dyn Backend,
+        (at, n): (DevPtr, u64),
+        held: &mut Option<u64>,
+        stream: StreamRef,
+    ) -> Result<()> {
+        if *held != Some(n) {
             // Sizes fit in 32 bits (bounded by a bucket); the high word
             // stays zero.
-            self.held[c] = None;
+            *held = None;
             backend.fill(at, n as u32, 4, 1, stream)?;
-            self.held[c] = Some(n);
+            *held = Some(n);
         }
         Ok(())
     }
@@ -137,9 +162,10 @@ impl SizeBlock {
     }
 }
 
-/// What the host knows of the padding rows of bucketed buffers the
-/// replays fill (inputs, grad-outputs), so that a replay zeroes only rows
-/// that may hold something: per buffer, rows `[from, to)` known zero.
+/// What the host knows of the padding of bucketed buffers the replays
+/// fill (inputs, grad-outputs) whose data is a prefix, so that a replay
+/// zeroes only bytes that may hold something: per buffer, bytes `[from,
+/// to)` known zero.
 /// Only replays write these buffers (callbacks read their inputs and
 /// grad-outputs); anything the host did not see (a replay on what the
 /// static buffer holds, a fill of the whole buffer, capture) forgets.
@@ -168,9 +194,9 @@ impl Zeroed {
         self.known.get_mut(c)?.get_mut(at)
     }
 
-    /// After `n` rows were put into `t` (`copied` from the caller, or left
-    /// as the caller wrote them): zeroes its rows from `n` to its bucket's
-    /// end unless they are known zero.
+    /// After its first `n` bytes were put into `t` (`copied` from the
+    /// caller, or left as the caller wrote them): zeroes its bytes from `n`
+    /// to its bucket's end unless they are known zero.
     pub fn pad(
         &mut self,
         backend: &dyn Backend,
@@ -179,7 +205,7 @@ impl Zeroed {
         (n, copied): (u64, bool),
         stream: StreamRef,
     ) -> Result<()> {
-        let end = (t.bytes / t.row_bytes) as u64;
+        let end = t.bytes as u64;
         let Some(known) = self.slot(key) else {
             return Err(Error::Internal(
                 "a bucketed buffer out of the padding table".into(),
@@ -191,9 +217,8 @@ impl Zeroed {
             }
             _ => {
                 *known = None;
-                let rows = t.row_bytes * n as usize;
-                if rows < t.bytes {
-                    backend.zero(t.ptr + rows as DevPtr, t.bytes - rows, stream)?;
+                if n < end {
+                    backend.zero(t.ptr + n as DevPtr, (end - n) as usize, stream)?;
                 }
                 *known = Some((n, end));
             }
@@ -207,6 +232,44 @@ impl Zeroed {
             *known = None;
         }
     }
+}
+
+/// Puts the data of a DYNAMIC tensor whose data is rows of a pitch (`at`)
+/// into its buffer at `dst`: copied from `src` (contiguous rows; 0: left
+/// as the buffer holds it), and every padding byte of the bucket zeroed
+/// (each row's tail, then the bytes past the last row).
+pub(crate) fn pad_rows(
+    backend: &dyn Backend,
+    (dst, src): (DevPtr, DevPtr),
+    at: Padded,
+    stream: StreamRef,
+) -> Result<()> {
+    let (rows, width, pitch) = (at.rows as usize, at.width as usize, at.pitch as usize);
+    let r = Rows2d {
+        dst,
+        dst_pitch: pitch,
+        src,
+        src_pitch: width,
+        width,
+        rows,
+    };
+    if src != 0 {
+        backend.copy_2d(r, stream)?;
+    }
+    if pitch > width {
+        let tails = Rows2d {
+            dst: dst + width as DevPtr,
+            src: 0,
+            width: pitch - width,
+            ..r
+        };
+        backend.zero_2d(tails, stream)?;
+    }
+    let end = (at.rows * at.pitch) as usize;
+    if end < at.bytes as usize {
+        backend.zero(dst + end as DevPtr, at.bytes as usize - end, stream)?;
+    }
+    Ok(())
 }
 
 /// What pass `kind` of `inst` writes, as (address, bytes): its outputs

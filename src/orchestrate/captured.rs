@@ -158,8 +158,9 @@ impl Switches {
 pub(crate) enum Rows {
     /// Not bucketed: the buffers whole.
     All,
-    /// Chosen on the host: this many.
-    Host(u64),
+    /// Chosen on the host: this many (and, with a grid, this many of the
+    /// second size; 0 otherwise).
+    Host(u64, u64),
     /// Chosen on the device, from the size a replay put there.
     Device,
 }

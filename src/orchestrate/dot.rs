@@ -104,7 +104,7 @@ fn choices(cap: &Captured, c: usize, spec: &CallableSpec, clusters: &mut Vec<Clu
         format!(
             "callable '{}' (index {c}), {kind}, microbatch 0, the bucket chosen on the device (of {}), {which}",
             spec.name,
-            spec.buckets.len()
+            spec.bucket_count()
         )
     };
     for kind in PASSES {
@@ -129,8 +129,8 @@ fn choices(cap: &Captured, c: usize, spec: &CallableSpec, clusters: &mut Vec<Clu
 /// "callable 'fc' (index 0), forward, microbatch 0, bucket 1 (16 rows),
 /// main graph".
 fn label(inst: &Instance, spec: &CallableSpec, kind: PassKind, which: &str) -> String {
-    let bucket = match spec.buckets.get(inst.bucket as usize) {
-        Some(rows) => format!("bucket {} ({rows} rows)", inst.bucket),
+    let bucket = match spec.describe_bucket(inst.bucket as usize) {
+        Some(rows) => format!("bucket {} ({rows})", inst.bucket),
         None => "no buckets".to_string(),
     };
     format!(

@@ -11,7 +11,7 @@ use super::context::Inputs;
 use super::instance::{PassRef, Placed};
 use super::returned::CloneRing;
 use super::spec::{CallableSpec, TensorSpec};
-use super::tensor::{Feed, Param, Place, Return, Tensor};
+use super::tensor::{Feed, Param, Place, Return, Tensor, Varying};
 use crate::backend::DevPtr;
 use crate::core::layout::{
     layout, InstanceBuffers, InstanceShape, Layout, ParamShape, Role, TensorShape,
@@ -187,12 +187,12 @@ pub(crate) fn first_instances(s: &Inputs, microbatches: usize) -> Vec<usize> {
 }
 
 /// One instance's share of a plan, with its static allocations at
-/// `bases`, in bucket `size` (0: no buckets).
+/// `bases`, in the bucket of sizes `size` ((0, 0): no buckets).
 struct Site<'a> {
     p: &'a Planned,
     n: usize,
     bases: &'a [DevPtr],
-    size: u64,
+    size: (u64, u64),
 }
 
 impl Site<'_> {
@@ -214,8 +214,14 @@ impl Site<'_> {
         place: Place,
     ) -> Tensor {
         let mut x = Tensor::new(role, i, t.bytes_in(self.size), t.dtype, place);
-        if t.dynamic {
-            x.row_bytes = t.row_bytes();
+        if let Some(shape) = t.collapsed() {
+            x.varies = Some(Varying {
+                shape,
+                bucket: self.size,
+            });
+            if shape.rows_first() {
+                x.row_bytes = shape.inner as usize;
+            }
         }
         if let (Place::Static | Place::Chained, Some(id)) = (place, id) {
             x.ptr = self.p.at(self.bases, id);
@@ -311,7 +317,7 @@ fn place_one(
 ) -> Result<Placed> {
     let (c, mb) = p.owners[n];
     let spec = &s.callables[c];
-    let size = spec.bucket_size(bucket);
+    let size = spec.sizes(bucket);
     let site = Site { p, n, bases, size };
     let (inputs, grad_inputs) = site.inputs(&spec.inputs);
     let (outputs, grad_outputs) = site.outputs(&spec.outputs);

@@ -48,6 +48,21 @@ fn check_tensor(t: &TensorSpec, what: &str) -> Result<()> {
 /// The most buckets a callable may have: each is captured on its own.
 pub(crate) const MAX_BUCKETS: usize = 256;
 
+/// Checks one list of bucket sizes (`field` names it in messages).
+fn check_sizes(b: &[u64], field: &str, who: &str) -> Result<()> {
+    if b[0] == 0 || b[b.len() - 1] > u32::MAX as u64 {
+        return Err(Error::invalid(format!(
+            "{who}: bucket sizes are 1 to 2^32 - 1 (got {field} {b:?})"
+        )));
+    }
+    if b.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::invalid(format!(
+            "{who}: bucket sizes must be strictly ascending (got {field} {b:?})"
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a callable's buckets against its DYNAMIC tensors.
 fn check_buckets(spec: &CallableSpec, who: &str) -> Result<()> {
     let tensors = || {
@@ -64,6 +79,11 @@ fn check_buckets(spec: &CallableSpec, who: &str) -> Result<()> {
         )
     };
     let Some(&largest) = spec.buckets.last() else {
+        if !spec.buckets2.is_empty() {
+            return Err(Error::invalid(format!(
+                "{who}: desc.bucket_sizes2 is set without desc.bucket_sizes (a grid needs both lists)"
+            )));
+        }
         return match tensors().find(|(_, _, t)| t.dynamic) {
             Some((what, i, _)) => Err(Error::invalid(format!(
                 "{who}: {what}[{i}] is DYNAMIC, but the callable has no buckets (desc.bucket_sizes)"
@@ -71,22 +91,15 @@ fn check_buckets(spec: &CallableSpec, who: &str) -> Result<()> {
             None => Ok(()),
         };
     };
-    let b = &spec.buckets;
-    if b.len() > MAX_BUCKETS {
+    if spec.bucket_count() > MAX_BUCKETS {
         return Err(Error::invalid(format!(
             "{who} has {} buckets; at most {MAX_BUCKETS}",
-            b.len()
+            spec.bucket_count()
         )));
     }
-    if b[0] == 0 || largest > u32::MAX as u64 {
-        return Err(Error::invalid(format!(
-            "{who}: bucket sizes are 1 to 2^32 - 1 (got {b:?})"
-        )));
-    }
-    if b.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(Error::invalid(format!(
-            "{who}: bucket sizes must be strictly ascending (got {b:?})"
-        )));
+    check_sizes(&spec.buckets, "bucket_sizes", who)?;
+    if !spec.buckets2.is_empty() {
+        check_sizes(&spec.buckets2, "bucket_sizes2", who)?;
     }
     if !tensors().any(|(_, _, t)| t.dynamic) {
         return Err(Error::invalid(format!(
@@ -94,14 +107,82 @@ fn check_buckets(spec: &CallableSpec, who: &str) -> Result<()> {
              tensors whose first dimension is the bucket size)"
         )));
     }
+    let largest2 = spec.buckets2.last().copied();
     for (what, i, t) in tensors().filter(|(_, _, t)| t.dynamic) {
-        if t.shape.first() != Some(&(largest as i64)) {
+        check_dims(t, (largest, largest2), &format!("{who}: {what}[{i}]"))?;
+    }
+    Ok(())
+}
+
+/// Checks the dimensions a DYNAMIC tensor varies on: inside its shape,
+/// the largest bucket's sizes there, and collapsible to rows of one pitch.
+fn check_dims(t: &TensorSpec, (largest, largest2): (u64, Option<u64>), what: &str) -> Result<()> {
+    let (d1, d2) = t.dims;
+    if d2.is_some() && largest2.is_none() {
+        return Err(Error::invalid(format!(
+            "{what}: dynamic_dim2 is set, but the callable has one list of buckets (a second size needs \
+             desc.bucket_sizes2)"
+        )));
+    }
+    if d1.is_none() && d2.is_none() {
+        return Err(Error::invalid(format!(
+            "{what} is DYNAMIC, but dynamic_dim and dynamic_dim2 are both GRAPHED_DIM_NONE: name the \
+             dimension the bucket's size is"
+        )));
+    }
+    if d1 == d2 {
+        return Err(Error::invalid(format!(
+            "{what}: dynamic_dim and dynamic_dim2 are both {}: a dimension follows one size",
+            d1.unwrap_or(0)
+        )));
+    }
+    if t.shape.is_empty() && (d1 != Some(0) || d2.is_some()) {
+        return Err(Error::invalid(format!(
+            "{what} varies on another dimension than the first: it needs a shape (ndim and shape)"
+        )));
+    }
+    for (d, size, field) in [
+        (d1, Some(largest), "dynamic_dim"),
+        (d2, largest2, "dynamic_dim2"),
+    ] {
+        let (Some(d), Some(size)) = (d, size) else {
+            continue;
+        };
+        let Some(&n) = t.shape.get(d) else {
             return Err(Error::invalid(format!(
-                "{who}: {what}[{i}] is DYNAMIC: its shape's first dimension must be the largest bucket \
-                 ({largest}); its shape is {:?}",
+                "{what}: {field} is {d}, but its shape {:?} has {} dimensions",
+                t.shape,
+                t.shape.len()
+            )));
+        };
+        if n != size as i64 && d == 0 && field == "dynamic_dim" {
+            return Err(Error::invalid(format!(
+                "{what} is DYNAMIC: its shape's first dimension must be the largest bucket ({size}); its \
+                 shape is {:?}",
                 t.shape
             )));
         }
+        if n != size as i64 {
+            let which = if field == "dynamic_dim" {
+                "size"
+            } else {
+                "second size"
+            };
+            return Err(Error::invalid(format!(
+                "{what} is DYNAMIC: dimension {d} of its shape ({field}) must be the largest bucket's \
+                 {which} ({size}); its shape is {:?}",
+                t.shape
+            )));
+        }
+    }
+    if t.collapsed().is_none() {
+        return Err(Error::invalid(format!(
+            "{what} varies on dimensions {} and {} of its shape {:?}: where it varies on two, the dimensions \
+             before both must hold one element (its data must be rows of one pitch)",
+            d1.unwrap_or(0),
+            d2.unwrap_or(0),
+            t.shape
+        )));
     }
     Ok(())
 }
@@ -126,6 +207,7 @@ impl Session {
                 if out.dynamic {
                     let t = &mut spec.inputs[i];
                     t.dynamic = true;
+                    t.dims = out.dims;
                     if t.shape.is_empty() {
                         t.shape = out.shape.clone();
                     }
@@ -172,6 +254,12 @@ impl Session {
         })?;
         // A producer with buckets runs in one of them: its consumer runs in
         // the same (a consumer with buckets may read a producer of one shape).
+        if !producer.buckets2.is_empty() || !spec.buckets2.is_empty() {
+            return Err(Error::invalid(format!(
+                "{what}: a callable with a grid of buckets (bucket_sizes2) is not chained, nor chained to \
+                 (its tensors are copied in and out)"
+            )));
+        }
         if !producer.buckets.is_empty() && producer.buckets != spec.buckets {
             return Err(Error::invalid(format!(
                 "{what}: callable '{}' has buckets {:?}; a callable chained to it has the same buckets \
@@ -186,6 +274,13 @@ impl Session {
                 producer.outputs.len()
             ))
         })?;
+        if out.collapsed().is_some_and(|c| !c.rows_first()) {
+            return Err(Error::invalid(format!(
+                "{what}: the output is DYNAMIC on another dimension than its first (dynamic_dim {:?}): such \
+                 tensors are copied in and out, not chained",
+                out.dims.0
+            )));
+        }
         if out.external || t.external {
             return Err(Error::invalid(format!(
                 "{what}: external buffers cannot be chained (the output and the input's grad must be the \

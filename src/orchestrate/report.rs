@@ -182,12 +182,21 @@ impl Session {
         Ok(inst.params.iter().map(|q| q.movable()).collect())
     }
 
+    /// Whether replays of callable `callable` may hand back refs whose
+    /// data is rows of a pitch (false for one that does not exist).
+    pub fn returns_rows(&self, callable: u32) -> bool {
+        self.callables
+            .get(callable as usize)
+            .is_some_and(|c| c.strided())
+    }
+
     /// The bucket a forward replay of callable `callable` given `size`
-    /// rows runs, and that bucket's size: the rule replays choose by
-    /// (`CallableSpec::forward_bucket`); (0, 0) for a callable without
-    /// buckets given no size. Answered from registration, before capture
-    /// too; refused once the session is reset.
-    pub fn bucket_of(&self, callable: u32, size: u64) -> Result<(u32, u64)> {
+    /// (and, with a grid, the second size) runs, and that bucket's sizes:
+    /// the rule replays choose by (`CallableSpec::forward_bucket`); (0,
+    /// (0, 0)) for a callable without buckets given no size. Answered from
+    /// registration, before capture too; refused once the session is
+    /// reset.
+    pub fn bucket_of(&self, callable: u32, size: (u64, u64)) -> Result<(u32, (u64, u64))> {
         if let State::Reset = self.state {
             return Err(Error::SessionReset(
                 "its graphs were released by its reset; destroy it".into(),
@@ -200,7 +209,7 @@ impl Session {
             ))
         })?;
         let b = spec.forward_bucket(size, "size")?;
-        Ok((b as u32, spec.bucket_size(b)))
+        Ok((b as u32, spec.sizes(b)))
     }
 
     /// The instance number of (callable, microbatch, bucket) in a captured
@@ -369,8 +378,8 @@ impl Session {
 
 /// ", bucket b (n rows)" for an instance of a callable with buckets.
 fn bucket_of(inst: &Placed, spec: &CallableSpec) -> String {
-    match spec.buckets.get(inst.bucket as usize) {
-        Some(n) => format!(", bucket {} ({n} rows)", inst.bucket),
+    match spec.describe_bucket(inst.bucket as usize) {
+        Some(n) => format!(", bucket {} ({n})", inst.bucket),
         None => String::new(),
     }
 }

@@ -39,6 +39,11 @@ pub struct Returned {
     pub lease: u64,
     /// CLONE: which of the replay's blocks holds it.
     pub block: u32,
+    /// A DYNAMIC tensor whose data is not contiguous in its buffer: its
+    /// blocks (`bytes / rows` bytes each, every `pitch` bytes). 0:
+    /// contiguous.
+    pub rows: usize,
+    pub pitch: usize,
 }
 
 /// Where a clone block comes from and goes back to.

@@ -5,6 +5,7 @@
 use crate::backend::{CaptureMode, DevPtr, StreamRef};
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
+use crate::core::padded::Collapsed;
 use crate::core::policy::{GradPolicy, ParamSpec};
 use crate::core::schedule::ScheduleStep;
 use crate::core::PassKind;
@@ -37,26 +38,36 @@ pub struct TensorSpec {
     /// Inputs only: a replay with other data points the graphs at it
     /// instead of copying it (when capture could verify that).
     pub rebind: bool,
-    /// Its first dimension is the callable's bucket size (`shape[0]` and
-    /// `bytes` are the largest bucket's); see [`CallableSpec::buckets`].
+    /// It varies with the callable's bucket (`shape` and `bytes` are the
+    /// largest bucket's); see [`CallableSpec::buckets`].
     pub dynamic: bool,
+    /// DYNAMIC: the dimension of `shape` that follows the bucket's first
+    /// size (None: only the second size varies it), and, with a grid of
+    /// buckets, the one that follows the second size.
+    pub dims: (Option<usize>, Option<usize>),
 }
 
 impl TensorSpec {
-    /// Bytes of one row (one step of the first dimension) of a dynamic
-    /// tensor; `shape[0]` is non-zero for those (checked at registration).
-    pub fn row_bytes(&self) -> usize {
-        match self.shape.first() {
-            Some(&rows) if rows > 0 => self.bytes / rows as usize,
-            _ => self.bytes,
+    /// How a DYNAMIC tensor's data lies in a bucket (checked at
+    /// registration: None only for tensors that do not vary).
+    pub fn collapsed(&self) -> Option<Collapsed> {
+        if !self.dynamic {
+            return None;
         }
+        Collapsed::of(
+            &self.shape,
+            self.dtype.size() as u64,
+            self.dims.0,
+            self.dims.1,
+        )
     }
 
-    /// Its bytes in a bucket of `size` rows (all of them when not dynamic).
-    pub fn bytes_in(&self, size: u64) -> usize {
-        match self.dynamic {
-            true => self.row_bytes() * size as usize,
-            false => self.bytes,
+    /// Its bytes in a bucket of sizes `bucket` (all of them when not
+    /// dynamic).
+    pub fn bytes_in(&self, bucket: (u64, u64)) -> usize {
+        match self.collapsed() {
+            Some(c) => c.at(bucket, bucket).bytes as usize,
+            None => self.bytes,
         }
     }
 }
@@ -106,6 +117,10 @@ pub struct PassView<'a> {
     pub buckets: u32,
     pub bucket_size: u64,
     pub actual_size: DevPtr,
+    /// With a grid of buckets: the bucket's second size and the u64 the
+    /// device holds the replay's actual second size in (0, 0 otherwise).
+    pub bucket_size2: u64,
+    pub actual_size2: DevPtr,
     /// The pass's position in the session's capture order (the same in
     /// every warmup iteration, in its own capture, its clone slots' and a
     /// step's), and the instance it belongs to (`Captured::instances`).
@@ -153,32 +168,80 @@ pub struct CallableSpec {
     /// callable is captured once per bucket; every bucket's static buffers
     /// are a prefix of the largest one's.
     pub buckets: Vec<u64>,
+    /// A grid: the sizes of a second dynamic dimension, ascending (empty:
+    /// none). The buckets are then every pair (size, size2), bucket
+    /// `i * buckets2.len() + j` the pair (`buckets[i]`, `buckets2[j]`).
+    pub buckets2: Vec<u64>,
 }
 
 impl CallableSpec {
     /// How many shapes it is captured in (1 without buckets).
     pub fn bucket_count(&self) -> usize {
-        self.buckets.len().max(1)
+        self.buckets.len().max(1) * self.buckets2.len().max(1)
     }
 
     /// The dynamic size of bucket `b` (0 without buckets).
     pub fn bucket_size(&self, b: usize) -> u64 {
-        self.buckets.get(b).copied().unwrap_or(0)
+        self.sizes(b).0
+    }
+
+    /// The two sizes of bucket `b` ((size, 0) without a grid, (0, 0)
+    /// without buckets).
+    pub fn sizes(&self, b: usize) -> (u64, u64) {
+        let k = self.buckets2.len().max(1);
+        (
+            self.buckets.get(b / k).copied().unwrap_or(0),
+            self.buckets2.get(b % k).copied().unwrap_or(0),
+        )
+    }
+
+    /// How messages name the sizes of bucket `b`: "16 rows", "4 x 128"
+    /// (None without buckets).
+    pub fn describe_bucket(&self, b: usize) -> Option<String> {
+        match self.sizes(b) {
+            (0, _) => None,
+            (n, 0) => Some(format!("{n} rows")),
+            (n, m) => Some(format!("{n} x {m}")),
+        }
+    }
+
+    /// The largest bucket's sizes.
+    pub fn largest(&self) -> (u64, u64) {
+        (
+            self.buckets.last().copied().unwrap_or(0),
+            self.buckets2.last().copied().unwrap_or(0),
+        )
+    }
+
+    /// Whether a replay hands back a DYNAMIC tensor whose data is not
+    /// contiguous in its buffer (rows of a pitch: `graphed_ref.rows`).
+    pub fn strided(&self) -> bool {
+        self.inputs
+            .iter()
+            .chain(&self.outputs)
+            .filter_map(|t| t.collapsed())
+            .any(|c| !c.rows_first())
     }
 
     /// The bucket a forward replay given `size` rows (its `args.size`,
-    /// named `what` in messages) runs: the smallest bucket holding them;
-    /// bucket 0, its one shape, for a callable without buckets given no
-    /// size. Refused, naming the callable: a size without buckets, none
-    /// (0) with buckets, a size above the largest bucket. Replays choose
-    /// by it, and the bucket query answers by it.
-    pub fn forward_bucket(&self, size: u64, what: &str) -> Result<usize> {
+    /// named `what` in messages) and, with a grid, `size2` runs: the
+    /// smallest bucket holding them (the smallest size at least `size`
+    /// and the smallest second size at least `size2`); bucket 0, its one
+    /// shape, for a callable without buckets given no size. Refused,
+    /// naming the callable: a size without buckets, none (0) with buckets,
+    /// a size above the largest bucket, a second size without a grid or
+    /// none with one. Replays choose by it, and the bucket query answers
+    /// by it.
+    pub fn forward_bucket(&self, (size, size2): (u64, u64), what: &str) -> Result<usize> {
         let (name, buckets) = (&self.name, &self.buckets);
         let Some(&largest) = buckets.last() else {
-            return match size {
-                0 => Ok(0),
-                n => Err(Error::invalid(format!(
+            return match (size, size2) {
+                (0, 0) => Ok(0),
+                (n, 0) => Err(Error::invalid(format!(
                     "{what} is {n}, but callable '{name}' has no buckets: a replay of it names no size (0)"
+                ))),
+                (_, n) => Err(Error::invalid(format!(
+                    "{what}2 is {n}, but callable '{name}' has no buckets: a replay of it names no size (0)"
                 ))),
             };
         };
@@ -187,11 +250,34 @@ impl CallableSpec {
                 "callable '{name}' has buckets {buckets:?}: a forward replay names its actual size ({what})"
             )));
         }
-        buckets.iter().position(|&b| b >= size).ok_or_else(|| {
+        let i = buckets.iter().position(|&b| b >= size).ok_or_else(|| {
             Error::invalid(format!(
                 "{what} {size} is above the largest bucket of callable '{name}' ({largest}; buckets {buckets:?})"
             ))
-        })
+        })?;
+        let b2 = &self.buckets2;
+        let Some(&largest2) = b2.last() else {
+            return match size2 {
+                0 => Ok(i),
+                n => Err(Error::invalid(format!(
+                    "{what}2 is {n}, but callable '{name}' has one list of buckets ({buckets:?}): pass 0, or \
+                     give it a second list (bucket_sizes2)"
+                ))),
+            };
+        };
+        if size2 == 0 {
+            return Err(Error::invalid(format!(
+                "callable '{name}' has a grid of buckets {buckets:?} x {b2:?}: a forward replay names both \
+                 actual sizes ({what} and {what}2)"
+            )));
+        }
+        let j = b2.iter().position(|&b| b >= size2).ok_or_else(|| {
+            Error::invalid(format!(
+                "{what}2 {size2} is above the largest second bucket size of callable '{name}' ({largest2}; \
+                 second sizes {b2:?})"
+            ))
+        })?;
+        Ok(i * b2.len() + j)
     }
 }
 
@@ -520,6 +606,9 @@ pub struct ReplayArgs<'a> {
     /// Callables with buckets: the actual size of the dynamic dimension
     /// (forward: required; backward and weight-grad: 0 or the forward's).
     pub size: u64,
+    /// Callables with a grid of buckets: the actual second size (as
+    /// `size`); 0 otherwise.
+    pub size2: u64,
     /// Callables with buckets, instead of `size`: device memory holding
     /// the size as a u64, the bucket chosen on the device (forward only).
     pub device_size: DevPtr,

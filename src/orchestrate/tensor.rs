@@ -6,6 +6,7 @@
 use crate::backend::{DevPtr, Rebinder};
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
+use crate::core::padded::{Collapsed, Padded};
 use crate::core::returns::ParamReturn;
 use crate::error::Result;
 
@@ -199,9 +200,28 @@ pub(crate) struct Tensor {
     pub ret: Return,
     /// The strict-lease slot of the alias a replay hands out for it.
     pub lease: Option<usize>,
-    /// A DYNAMIC tensor of a callable with buckets: the bytes of one row
-    /// (`bytes` holds its bucket's rows). 0 otherwise.
+    /// A DYNAMIC tensor of a callable with buckets: how its data lies in
+    /// its bucket (`bytes` holds the bucket's). None otherwise.
+    pub varies: Option<Varying>,
+    /// A DYNAMIC tensor that varies on its first dimension with the first
+    /// size alone: the bytes of one row (its data is a prefix of whole
+    /// rows, which the device's choice can zero past). 0 otherwise.
     pub row_bytes: usize,
+}
+
+/// How a DYNAMIC tensor's data lies in the buffer of one bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Varying {
+    pub shape: Collapsed,
+    /// The bucket's sizes.
+    pub bucket: (u64, u64),
+}
+
+impl Varying {
+    /// Where a replay of `actual` sizes holds its data.
+    pub fn at(&self, actual: (u64, u64)) -> Padded {
+        self.shape.at(self.bucket, actual)
+    }
 }
 
 impl Tensor {
@@ -217,6 +237,7 @@ impl Tensor {
             feed: Feed::NotFed,
             ret: Return::None,
             lease: None,
+            varies: None,
             row_bytes: 0,
         }
     }

@@ -189,6 +189,7 @@ fn tensor(requires_grad: bool) -> TensorSpec {
         chained: None,
         rebind: false,
         dynamic: false,
+        dims: (Some(0), None),
     }
 }
 
@@ -273,6 +274,7 @@ impl Fixture {
                 reads_params: false,
             }),
             buckets: Vec::new(),
+            buckets2: Vec::new(),
         }
     }
 

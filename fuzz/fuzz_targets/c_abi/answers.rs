@@ -1,5 +1,6 @@
 //! What a caller asks instead of re-deriving it: the bucket a size runs
-//! (graphed_session_bucket_of), instance numbers
+//! (graphed_session_bucket_of, and of two sizes graphed_session_bucket_of2),
+//! instance numbers
 //! (graphed_session_instance_of) and where the graphs read each parameter
 //! (graphed_session_param_addresses), on any target, in any state, with
 //! any arguments and NULL or misaligned outputs, checked against the
@@ -105,6 +106,60 @@ pub fn op_bucket_of() {
         "graphed_session_bucket_of",
         &format!("the bucket of {size} rows"),
         ((b, n), (0x77, 0x77)),
+        answer,
+    );
+    if r != S::Ok && want == Some(S::InvalidArgument) && cl.is_some() {
+        assert!(msg().contains("callable '"), "{}", msg());
+    }
+}
+
+/// graphed_session_bucket_of2 on the model's callables (none has a grid:
+/// a second size is refused, and 0 answers as graphed_session_bucket_of
+/// with a second size of 0).
+pub fn op_bucket_of2() {
+    let i = &w().input;
+    let (t, m, c) = fuzzed_query();
+    let cl = m.as_ref().and_then(|m| m.1.get(c as usize).cloned());
+    let size = fuzzed_size(cl.as_ref());
+    let size2 = i.pick(&[0u64, 0, 1, 7, u64::MAX]);
+    let null = if i.chance(20) { Some(i.below(3)) } else { None };
+    let (mut b, mut n, mut n2) = (0x77u32, 0x77u64, 0x77u64);
+    let mut want = t.lookup();
+    first(&mut want, null.map(|_| S::NullPointer));
+    first(&mut want, t.lock());
+    let mut answer = None;
+    if let Some((st, _, _)) = &m {
+        first(&mut want, (*st == St::Reset).then_some(S::SessionReset));
+        match &cl {
+            None => first(&mut want, Some(S::InvalidArgument)),
+            Some(cl) => {
+                answer = bucket_model(cl, size)
+                    .filter(|_| size2 == 0)
+                    .map(|(b, n)| (b, n, 0));
+                first(&mut want, answer.is_none().then_some(S::InvalidArgument));
+            }
+        }
+    }
+    mark();
+    // SAFETY: locals or NULL.
+    let r = unsafe {
+        graphed_session_bucket_of2(
+            t.ptr(),
+            c,
+            size,
+            size2,
+            if null == Some(0) { null_mut() } else { &mut b },
+            if null == Some(1) { null_mut() } else { &mut n },
+            if null == Some(2) { null_mut() } else { &mut n2 },
+        )
+    };
+    trace!("bucket_of2 {t:?} callable {c} sizes {size} {size2} want {want:?} got {r:?}");
+    expect_answer(
+        r,
+        want,
+        "graphed_session_bucket_of2",
+        &format!("the bucket of {size} x {size2}"),
+        ((b, n, n2), (0x77, 0x77, 0x77)),
         answer,
     );
     if r != S::Ok && want == Some(S::InvalidArgument) && cl.is_some() {

@@ -209,6 +209,15 @@ pub fn op_add_callable() {
             if d.dtype > 8 || d.requires_grad > 1 {
                 conv_err.get_or_insert(S::InvalidArgument);
             }
+            if d.flags & 8 == 0 && i.chance(60) {
+                // The dimensions a DYNAMIC tensor varies on, set on one
+                // that is not: refused after its other fields are read.
+                match i.below(2) {
+                    0 => d.dynamic_dim = i.pick(&[1, 2, GRAPHED_DIM_NONE]),
+                    _ => d.dynamic_dim2 = i.pick(&[0, 1]),
+                }
+                conv_err.get_or_insert(S::InvalidArgument);
+            }
             let valid = ok && d.dtype <= 8 && bytes % ds == 0;
             if !valid {
                 check_err.get_or_insert(S::InvalidArgument);

@@ -232,6 +232,9 @@ fn op_fault_then_replay() {
             kind: 0,
             owner: null_mut(),
             lease: 0,
+            rows: 0,
+            row_bytes: 0,
+            pitch: 0,
         })
         .collect();
     mark();

@@ -19,7 +19,7 @@ mod rebind;
 
 use super::{
     accounting, AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard,
-    DevPtr, EventRef, Graph, IndexedCopy, StreamRef, Tail,
+    DevPtr, EventRef, Graph, IndexedCopy, Rows2d, StreamRef, Tail,
 };
 use crate::core::dtype::DType;
 use crate::error::Result;
@@ -57,6 +57,10 @@ impl CudaBackend {
         Ok(b)
     }
 }
+
+/// The largest pitch the 2d copies and zeroings are given (the devices'
+/// CU_DEVICE_ATTRIBUTE_MAX_PITCH); beyond it they go row by row.
+const MAX_PITCH: usize = i32::MAX as usize;
 
 impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
@@ -260,6 +264,61 @@ impl Backend for CudaBackend {
             c.index,
             stream,
         )
+    }
+
+    fn copy_2d(&self, r: Rows2d, stream: StreamRef) -> Result<()> {
+        if r.rows == 0 || r.width == 0 {
+            return Ok(());
+        }
+        let s = stream.0 as sys::CUstream;
+        if r.dst_pitch.max(r.src_pitch) > MAX_PITCH {
+            for i in 0..r.rows {
+                let (d, f) = (
+                    r.dst + (i * r.dst_pitch) as DevPtr,
+                    r.src + (i * r.src_pitch) as DevPtr,
+                );
+                self.copy(d, f, r.width, stream)?;
+            }
+            return Ok(());
+        }
+        // SAFETY: plain data; every field the copy reads is set below.
+        let mut c: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+        c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        c.srcDevice = r.src;
+        c.srcPitch = r.src_pitch;
+        c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        c.dstDevice = r.dst;
+        c.dstPitch = r.dst_pitch;
+        c.WidthInBytes = r.width;
+        c.Height = r.rows;
+        // SAFETY: both regions are device memory holding `rows` blocks of
+        // `width` bytes at their pitches (library buffers, or caller
+        // buffers under the API contract).
+        check("cuMemcpy2DAsync", unsafe { sys::cuMemcpy2DAsync_v2(&c, s) })
+    }
+
+    fn zero_2d(&self, r: Rows2d, stream: StreamRef) -> Result<()> {
+        if r.rows == 0 || r.width == 0 {
+            return Ok(());
+        }
+        let s = stream.0 as sys::CUstream;
+        if r.dst_pitch > MAX_PITCH {
+            for i in 0..r.rows {
+                self.zero(r.dst + (i * r.dst_pitch) as DevPtr, r.width, stream)?;
+            }
+            return Ok(());
+        }
+        if (r.dst as usize | r.dst_pitch | r.width) % 4 == 0 {
+            // SAFETY: `rows` blocks of `width` bytes of device memory at
+            // `dst`, every `dst_pitch` bytes, 4-byte aligned.
+            return check("cuMemsetD2D32Async", unsafe {
+                sys::cuMemsetD2D32Async(r.dst, r.dst_pitch, 0, r.width / 4, r.rows, s)
+            });
+        }
+        // SAFETY: as above, by bytes.
+        check("cuMemsetD2D8Async", unsafe {
+            sys::cuMemsetD2D8Async(r.dst, r.dst_pitch, 0, r.width, r.rows, s)
+        })
     }
 
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {

@@ -29,7 +29,7 @@ pub use task::{HostKernel, HostTask};
 
 use super::{
     AccItem, Backend, BackendKind, CaptureEnd, CaptureMode, Choice, ContextGuard, DevPtr, EventRef,
-    Graph, IndexedCopy, StreamRef, Tail,
+    Graph, IndexedCopy, Rows2d, StreamRef, Tail,
 };
 use crate::core::dtype::DType;
 use crate::error::{Error, Result};
@@ -251,6 +251,17 @@ impl Backend for HostBackend {
         submit(stream, task)
     }
 
+    fn copy_2d(&self, r: Rows2d, stream: StreamRef) -> Result<()> {
+        if r.src == 0 {
+            return Err(Error::Internal("a 2d copy from NULL".into()));
+        }
+        submit(stream, rows_task(r, r.src as usize))
+    }
+
+    fn zero_2d(&self, r: Rows2d, stream: StreamRef) -> Result<()> {
+        submit(stream, rows_task(r, 0))
+    }
+
     fn zero(&self, dst: DevPtr, bytes: usize, stream: StreamRef) -> Result<()> {
         submit(
             stream,
@@ -368,5 +379,17 @@ impl Backend for HostBackend {
 
     fn download(&self, dst: &mut [u8], src: DevPtr) -> Result<()> {
         memory::download(dst, src)
+    }
+}
+
+/// The task of a 2d copy from `src` (0: a zeroing).
+fn rows_task(r: Rows2d, src: usize) -> Task {
+    Task::Rows2d {
+        dst: r.dst as usize,
+        dst_pitch: r.dst_pitch,
+        src,
+        src_pitch: r.src_pitch,
+        width: r.width,
+        rows: r.rows,
     }
 }

@@ -37,6 +37,11 @@ pub(super) fn plan(tasks: &TaskList, base: DevPtr, bytes: usize) -> Result<Rebin
                     "the graph loops over microbatches: its body is not looked into".into(),
                 ))
             }
+            Task::Rows2d { .. } => {
+                return Ok(RebindPlan::Refused(
+                    "the graph copies or zeroes rows of a pitch: they are not looked into".into(),
+                ))
+            }
             Task::ZeroTail { dst, size, .. } => {
                 for (field, a) in [(0, dst), (1, size)] {
                     if inside(a) {
@@ -104,6 +109,7 @@ impl Rebinder for HostRebinder {
                     | Task::Kernel { .. }
                     | Task::Loop { .. }
                     | Task::CopyIndexed { .. }
+                    | Task::Rows2d { .. }
                     | Task::Switch { .. }
                     | Task::Unless { .. },
                     _,

@@ -84,6 +84,16 @@ pub(super) enum Task {
         flag: usize,
         counter: usize,
     },
+    /// `rows` blocks of `width` bytes at `dst + i * dst_pitch` copied from
+    /// `src + i * src_pitch`, or zeroed when `src` is 0.
+    Rows2d {
+        dst: usize,
+        dst_pitch: usize,
+        src: usize,
+        src_pitch: usize,
+        width: usize,
+        rows: usize,
+    },
     /// Zeroes `[dst + min(*size * row, bytes), dst + bytes)`.
     ZeroTail {
         dst: usize,
@@ -204,6 +214,26 @@ pub(super) fn run(task: &Task) -> Result<()> {
             let start = n.saturating_mul(row).min(bytes);
             unsafe { std::ptr::write_bytes((dst + start) as *mut u8, 0, bytes - start) }
         }
+        Task::Rows2d {
+            dst,
+            dst_pitch,
+            src,
+            src_pitch,
+            width,
+            rows,
+        } => {
+            for i in 0..rows {
+                let d = (dst + i * dst_pitch) as *mut u8;
+                // SAFETY: as above, each block holds `width` bytes; the
+                // regions do not overlap (the backend's contract).
+                unsafe {
+                    match src {
+                        0 => std::ptr::write_bytes(d, 0, width),
+                        s => std::ptr::copy((s + i * src_pitch) as *const u8, d, width),
+                    }
+                }
+            }
+        }
         Task::Unless {
             ref body,
             flag,
@@ -254,6 +284,12 @@ fn node(task: &Task) -> Node {
         Task::Switch { bodies, .. } => Node::new("switch", format!("{} bodies", bodies.len())),
         Task::Unless { body, .. } => Node::new("if", format!("a body of {} tasks", body.len())),
         Task::ZeroTail { bytes, .. } => Node::new("zero tail", format!("of {bytes} bytes")),
+        Task::Rows2d {
+            src, width, rows, ..
+        } => Node::new(
+            if *src == 0 { "zero (2d)" } else { "copy (2d)" },
+            format!("{rows} x {width} bytes"),
+        ),
     }
 }
 

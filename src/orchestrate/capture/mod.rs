@@ -110,7 +110,17 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
 
     // 4. Share executables between buckets, then verify the rebinds
     // (plans are made for the executables the graphs launch).
-    let buckets: Vec<usize> = s.callables.iter().map(|c| c.buckets.len()).collect();
+    let buckets: Vec<usize> = s
+        .callables
+        .iter()
+        .map(|c| {
+            if c.buckets.is_empty() {
+                0
+            } else {
+                c.bucket_count()
+            }
+        })
+        .collect();
     let shared = share::share(&mut recorded.graphs, &recorded.by_callable, &buckets)?;
     if shared > 0 {
         s.log(LogLevel::Info, || {

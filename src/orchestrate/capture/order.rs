@@ -45,7 +45,8 @@ pub(super) fn order_of(s: &Inputs) -> Result<(Schedule, Vec<PassRef>)> {
 
 /// Refuses buckets where the session has what they do not work with yet:
 /// a pipeline schedule, a step over a callable with buckets, or the
-/// device's choice over buffers each bucket's capture provided.
+/// device's choice over buffers each bucket's capture provided, over a
+/// grid or over tensors that vary on another dimension than the first.
 fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
     let Some(c) = s.callables.iter().find(|c| !c.buckets.is_empty()) else {
         return Ok(());
@@ -71,6 +72,17 @@ fn check_buckets(s: &Inputs, microbatches: usize) -> Result<()> {
     }
     if s.opts.device_buckets {
         for c in s.callables.iter().filter(|c| !c.buckets.is_empty()) {
+            if !c.buckets2.is_empty() || c.strided() {
+                return Err(Error::invalid(format!(
+                    "callable '{}' has {}: bucket_choice_on_device chooses among buckets of one size whose \
+                     tensors vary on their first dimension",
+                    c.name,
+                    match c.buckets2.is_empty() {
+                        true => "a DYNAMIC tensor that varies on another dimension than its first",
+                        false => "a grid of buckets (bucket_sizes2)",
+                    }
+                )));
+            }
             let outputs = c.outputs.iter().position(|t| t.external);
             let grads = c.inputs.iter().position(|t| t.external && t.requires_grad);
             let params = c

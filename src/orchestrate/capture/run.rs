@@ -220,11 +220,19 @@ impl Runner<'_> {
             position: position.unwrap_or(0) as u32,
             instance: p.instance as u32,
             bucket: inst.bucket,
-            buckets: spec.buckets.len() as u32,
+            buckets: match bucketed {
+                true => spec.bucket_count() as u32,
+                false => 0,
+            },
             bucket_size: spec.bucket_size(inst.bucket as usize),
             actual_size: match bucketed {
                 true => self.actual_size(inst.callable),
                 false => 0,
+            },
+            bucket_size2: spec.sizes(inst.bucket as usize).1,
+            actual_size2: match spec.buckets2.is_empty() {
+                false => self.sizes.map_or(0, |b| b.actual2(inst.callable)),
+                true => 0,
             },
             callable: inst.callable as u32,
             microbatch: inst.microbatch,
@@ -257,15 +265,17 @@ impl Runner<'_> {
     /// its bucket's (replays write theirs before they launch).
     fn set_size(&self, p: PassRef) -> Result<()> {
         let inst = &self.placed[p.instance];
-        let size = self.s.callables[inst.callable].bucket_size(inst.bucket as usize);
+        let (size, size2) = self.s.callables[inst.callable].sizes(inst.bucket as usize);
+        let c = inst.callable;
+        // Bucket sizes fit in 32 bits (checked at registration); the high
+        // words stay zero from the zeroed static memory.
+        let fill = |at: DevPtr, n: u64| self.s.backend.fill(at, n as u32, 4, 1, self.stream);
+        if size2 != 0 {
+            fill(self.sizes.map_or(0, |b| b.actual2(c)), size2)?;
+        }
         match size {
             0 => Ok(()),
-            // Bucket sizes fit in 32 bits (checked at registration); the
-            // high word stays zero from the zeroed static memory.
-            n => self
-                .s
-                .backend
-                .fill(self.actual_size(inst.callable), n as u32, 4, 1, self.stream),
+            n => fill(self.actual_size(c), n),
         }
     }
 

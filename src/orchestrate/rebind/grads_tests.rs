@@ -48,6 +48,7 @@ fn args<'a>(data: &'a [DevPtr], dsts: Option<&'a [DevPtr]>) -> ReplayArgs<'a> {
         param_dsts: dsts,
         params: None,
         size: 0,
+        size2: 0,
         device_size: 0,
     }
 }

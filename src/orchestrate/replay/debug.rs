@@ -123,11 +123,15 @@ fn describe(p: &Parts, a: &ReplayArgs, run: Option<(usize, Rows)>) -> String {
     let spec = &p.callables[inst.callable];
     let bucket = match rows {
         Rows::All => "no buckets".to_string(),
-        Rows::Host(n) => format!(
+        Rows::Host(n, 0) => format!(
             "bucket {} ({n} of its {} rows)",
             inst.bucket,
-            spec.buckets.get(inst.bucket as usize).copied().unwrap_or(0)
+            spec.bucket_size(inst.bucket as usize)
         ),
+        Rows::Host(n, n2) => {
+            let (b, b2) = spec.sizes(inst.bucket as usize);
+            format!("bucket {} ({n} x {n2} of its {b} x {b2})", inst.bucket)
+        }
         Rows::Device => "the bucket chosen on the device".to_string(),
     };
     format!(

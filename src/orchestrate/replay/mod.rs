@@ -17,6 +17,7 @@ mod tests;
 pub(crate) use debug::{env_value as debug_env_value, step as debug_step, ENV as DEBUG_ENV};
 pub(crate) use step::step;
 
+use super::buckets::pad_rows;
 use super::captured::{Captured, LeaseBook, Rows, Stage};
 use super::grads::{copy_clones, enqueue_destinations};
 use super::instance::Placed;
@@ -183,12 +184,17 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
                 "the {kind} replay of callable '{name}' was given args.device_size: a {kind} runs the bucket \
                  its forward ran; leave it NULL"
             ))),
-            Some((_, Rows::Host(n))) if a.size != 0 && a.size != n => Err(Error::invalid(format!(
+            Some((_, Rows::Host(n, _))) if a.size != 0 && a.size != n => Err(Error::invalid(format!(
                 "the {kind} replay of callable '{name}' was given args.size {}, but its last forward ran {n} \
                  rows: pass 0 or {n}",
                 a.size
             ))),
-            Some((_, Rows::Device)) if a.size != 0 => Err(Error::invalid(format!(
+            Some((_, Rows::Host(_, n2))) if a.size2 != 0 && a.size2 != n2 => Err(Error::invalid(format!(
+                "the {kind} replay of callable '{name}' was given args.size2 {}, but its last forward ran a \
+                 second size of {n2}: pass 0 or {n2}",
+                a.size2
+            ))),
+            Some((_, Rows::Device)) if a.size != 0 || a.size2 != 0 => Err(Error::invalid(format!(
                 "the {kind} replay of callable '{name}' was given args.size {}, but its last forward chose \
                  its bucket on the device: pass 0",
                 a.size
@@ -216,14 +222,14 @@ fn resolve(p: &Parts, a: &ReplayArgs, kind: PassKind) -> Result<(usize, Rows)> {
         return Ok((largest, Rows::Device));
     }
     let b = spec
-        .forward_bucket(a.size, "args.size")
+        .forward_bucket((a.size, a.size2), "args.size")
         .map_err(|e| match e {
             Error::InvalidArgument(m) => Error::invalid(format!("{m}: nothing was enqueued")),
             e => e,
         })?;
     Ok((
         p.cap.by_callable[a.callable as usize][b],
-        Rows::Host(a.size),
+        Rows::Host(a.size, a.size2),
     ))
 }
 
@@ -238,9 +244,9 @@ fn chained_rows(p: &Parts, spec: &CallableSpec, a: &ReplayArgs) -> Result<()> {
         };
         let last = p.cap.last_forward.get(pc as usize).copied().flatten();
         let ran = match last {
-            Some((_, Rows::Host(n))) if a.device_size == 0 && n == a.size => continue,
+            Some((_, Rows::Host(n, _))) if a.device_size == 0 && n == a.size => continue,
             Some((_, Rows::Device)) if a.device_size != 0 => continue,
-            Some((_, Rows::Host(n))) => format!("ran {n} rows"),
+            Some((_, Rows::Host(n, _))) => format!("ran {n} rows"),
             Some((_, Rows::Device)) => "chose its bucket on the device".to_string(),
             _ => "has not run since capture".to_string(),
         };
@@ -311,14 +317,25 @@ fn feed(
         let src = a.data.and_then(|d| d.get(i).copied()).unwrap_or(0);
         // A chained buffer is its producer's: it takes no data and keeps
         // the producer's rows past the size (finite; their grads are zero).
-        let dynamic = t.row_bytes > 0 && t.ptr != 0 && !matches!(t.feed, Feed::Chained);
-        if let (Rows::Host(n), true) = (rows, dynamic) {
-            // Bounded by the bucket (resolve picked one holding n rows).
+        let varies = t
+            .varies
+            .filter(|_| t.ptr != 0 && !matches!(t.feed, Feed::Chained));
+        let dynamic = varies.is_some();
+        if let (Rows::Host(n, n2), Some(v)) = (rows, varies) {
+            // Bounded by the bucket (resolve picked one holding the sizes).
             let copied = src != 0 && src != t.ptr;
-            if copied {
-                backend.copy(t.ptr, src, t.row_bytes * n as usize, s)?;
+            let at = v.at((n, n2));
+            if at.contiguous() {
+                if copied {
+                    backend.copy(t.ptr, src, at.width as usize, s)?;
+                }
+                zeroed.pad(backend.as_ref(), (c, role, i), t, (at.width, copied), s)?;
+            } else {
+                // Rows of a pitch: their padding is zeroed at every replay.
+                zeroed.forget((c, role, i));
+                let src = if copied { src } else { 0 };
+                pad_rows(backend.as_ref(), (t.ptr, src), at, s)?;
             }
-            zeroed.pad(backend.as_ref(), (c, role, i), t, (n, copied), s)?;
             continue;
         }
         if dynamic {
@@ -514,7 +531,7 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
         block.put(
             p.backend.as_ref(),
             a.callable as usize,
-            (a.size, a.device_size),
+            (a.size, a.size2, a.device_size),
             s,
         )?;
     }
@@ -544,16 +561,12 @@ fn run_pass(p: &mut Parts, a: &ReplayArgs, kind: PassKind) -> Result<()> {
     if kind == PassKind::Forward && rows != Rows::All {
         last_forward[inst.callable] = Some((idx, rows));
     }
-    // The rows the refs of DYNAMIC tensors hold: chosen on the device, the
-    // host does not know them (the largest bucket's instance: all).
+    // The sizes the refs of DYNAMIC tensors hold: chosen on the device,
+    // the host does not know them (the largest bucket's instance: all).
     let size = match rows {
-        Rows::Host(n) => n,
-        Rows::Device => p.callables[inst.callable]
-            .buckets
-            .last()
-            .copied()
-            .unwrap_or(0),
-        Rows::All => 0,
+        Rows::Host(n, n2) => (n, n2),
+        Rows::Device => p.callables[inst.callable].largest(),
+        Rows::All => (0, 0),
     };
     match kind {
         PassKind::Forward => stage::aliases(&mut stage.a, &inst.outputs, size, book.as_deref_mut()),

@@ -17,6 +17,8 @@ fn returned(t: &Tensor, ptr: DevPtr, kind: RefKind, lease: u64, block: u32) -> R
         kind,
         lease,
         block,
+        rows: 0,
+        pitch: 0,
     }
 }
 
@@ -29,11 +31,12 @@ fn lease(leases: Option<&mut Leases>, t: &Tensor) -> u64 {
 }
 
 /// Stages aliases of `tensors`' buffers (a default entry where there is
-/// none); a DYNAMIC tensor's holds its first `size` rows.
+/// none); a DYNAMIC tensor's holds the data of the actual `sizes` (its
+/// first rows, or rows of a pitch).
 pub(super) fn aliases(
     out: &mut Vec<Returned>,
     tensors: &[Tensor],
-    size: u64,
+    sizes: (u64, u64),
     mut leases: Option<&mut Leases>,
 ) {
     for t in tensors {
@@ -42,8 +45,12 @@ pub(super) fn aliases(
         } else {
             let l = lease(leases.as_deref_mut(), t);
             let mut r = returned(t, t.ptr, RefKind::Alias, l, 0);
-            if t.row_bytes > 0 {
-                r.bytes = t.row_bytes * size as usize;
+            if let (Some(v), true) = (t.varies, sizes.0 != 0 || sizes.1 != 0) {
+                let at = v.at(sizes);
+                r.bytes = at.data() as usize;
+                if !at.contiguous() {
+                    (r.rows, r.pitch) = (at.rows as usize, at.pitch as usize);
+                }
             }
             r
         });

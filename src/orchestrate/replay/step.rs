@@ -399,6 +399,7 @@ fn by_pass<'a>(
                 .filter(|_| pp.kind == PassKind::Forward)
                 .map(|g| &g[first[k]..first[k] + np]),
             size: 0,
+            size2: 0,
             device_size: 0,
         };
         if let Err(e) = run(&mut p, &a, pp.kind) {

@@ -47,6 +47,7 @@ fn args<'a>(
         param_dsts: None,
         params,
         size: 0,
+        size2: 0,
         device_size: 0,
     }
 }
@@ -408,15 +409,15 @@ fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
     let (f, mem) = bucketed_layer();
     let ([one, ten, other], _, mut s) = captured(f, [(1.0, 0), (10.0, 0), (7.0, 0)]);
     let n = N as u64;
-    assert_eq!(s.bucket_of(0, 1).unwrap(), (0, 2));
-    assert_eq!(s.bucket_of(0, 2).unwrap(), (0, 2));
-    assert_eq!(s.bucket_of(0, 3).unwrap(), (1, n));
-    assert_eq!(s.bucket_of(0, n).unwrap(), (1, n));
+    assert_eq!(s.bucket_of(0, (1, 0)).unwrap(), (0, (2, 0)));
+    assert_eq!(s.bucket_of(0, (2, 0)).unwrap(), (0, (2, 0)));
+    assert_eq!(s.bucket_of(0, (3, 0)).unwrap(), (1, (n, 0)));
+    assert_eq!(s.bucket_of(0, (n, 0)).unwrap(), (1, (n, 0)));
     for (size, words) in [
         (n + 1, format!("size {} is above the largest bucket", n + 1)),
         (0, "names its actual size (size)".to_string()),
     ] {
-        let e = s.bucket_of(0, size).unwrap_err();
+        let e = s.bucket_of(0, (size, 0)).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         assert!(e.to_string().contains(&words), "{e}");
         assert!(e.to_string().contains("callable 'a'"), "{e}");
