@@ -300,6 +300,26 @@ py::tuple make_step(py::list specs, py::dict options, py::dict step) {
         py::object d = (*dst)(py::reinterpret_steal<py::object>(THPVariable_Wrap(p)));
         return d.is_none() ? at::Tensor() : tensor_of(d, "the step's grad destination");
     };
+    // The update stage: Python functions of (slot, grads, scalars, skip_flag).
+    auto update = [](const py::dict& d, const char* key) -> std::function<void(const graphed_torch::StepUpdateView&)> {
+        if (!d.contains(key) || d[key].is_none()) return {};
+        auto fn = hold(d[key]);
+        return [fn](const graphed_torch::StepUpdateView& v) {
+            py::gil_scoped_acquire gil;
+            py::list grads;
+            for (const at::Tensor& g : v.grads)
+                grads.append(g.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(g)) : py::none());
+            auto wrap = [](const at::Tensor& t) {
+                return t.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t)) : py::object(py::none());
+            };
+            (*fn)(v.slot, grads, wrap(v.scalars), wrap(v.skip_flag));
+        };
+    };
+    so.update_check = update(step, "update_check");
+    so.update_apply = update(step, "update_apply");
+    so.scalar_bytes = get<size_t>(step, "scalar_bytes", 0);
+    if (step.contains("loss_seed") && !step["loss_seed"].is_none())
+        so.loss_seed = tensor_of(step["loss_seed"], "the step's loss seed");
     std::optional<std::pair<std::vector<graphed_torch::GraphedCallable>, graphed_torch::GraphedStep>> out;
     {
         py::gil_scoped_release nogil;
@@ -523,11 +543,25 @@ PYBIND11_MODULE(_torch_ext, m) {
     py::class_<graphed_torch::GraphedStep>(m, "GraphedStep")
         .def(
             "replay",
-            [](const graphed_torch::GraphedStep& st, py::sequence data, uint32_t n) {
+            [](const graphed_torch::GraphedStep& st, py::sequence data, uint32_t n, py::object scalars) {
                 std::vector<at::Tensor> v = tensors_of(data, "data");
-                return st(v, n);
+                if (scalars.is_none()) return st(v, n);
+                // The update's scalars for this replay: bytes, read before the call returns.
+                char* buf = nullptr;
+                Py_ssize_t len = 0;
+                if (PyBytes_AsStringAndSize(scalars.ptr(), &buf, &len) != 0) throw py::error_already_set();
+                return st(v, n, buf, size_t(len));
             },
-            py::arg("data"), py::arg("n") = 0)
+            py::arg("data"), py::arg("n") = 0, py::arg("scalars") = py::none())
+        .def("skipped",
+             [](const graphed_torch::GraphedStep& st) {
+                 graphed_torch::StepSkipped k;
+                 {
+                     py::gil_scoped_release nogil;
+                     k = st.skipped();
+                 }
+                 return py::make_tuple(k.last, k.total);
+             })
         .def_property_readonly("destinations", &graphed_torch::GraphedStep::destinations)
         .def_property_readonly("microbatches", &graphed_torch::GraphedStep::microbatches);
     m.def("make_step", &make_step, py::arg("specs"), py::arg("options"), py::arg("step"));

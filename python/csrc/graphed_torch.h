@@ -362,6 +362,27 @@ std::vector<GraphedCallable> make_graphed_callables(std::vector<CallableSpec> sp
 // and adds each parameter's grad into the tensor Options::accumulate_into
 // (with Options::copy_into: sets it to the step's sum of grads)
 // names (required), as eager accumulation would.
+// What a step's update callback receives, under the step's capture.
+struct StepUpdateView {
+    uint32_t slot = 0;  // the clone slot whose graph is captured (0: the step's one graph)
+    // Per parameter of the step's callables, in order: its grad (summed
+    // over the microbatches) where the step put it; undefined for a
+    // parameter without a grad.
+    std::vector<at::Tensor> grads;
+    // The scalar block (uint8, StepOptions::scalar_bytes), where the update
+    // reads what each replay copied in; undefined without one.
+    at::Tensor scalars;
+    // The check phase: the skip flag (int32, one element, zeroed before the
+    // check at each replay); non-zero skips the apply phase on the device.
+    at::Tensor skip_flag;
+};
+
+// What GraphedStep::skipped answers.
+struct StepSkipped {
+    bool last = false;    // the last replay skipped its update
+    uint64_t total = 0;   // replays that did, since capture
+};
+
 struct StepOptions {
     // Microbatches per replay (at most GRAPHED_STEP_MAX_MICROBATCHES).
     uint32_t microbatches = 1;
@@ -374,6 +395,21 @@ struct StepOptions {
     // names), asked once per parameter at capture: the step's graph adds
     // into that tensor at every replay.
     std::function<at::Tensor(const at::Tensor& p)> destination;
+    // The update stage (optional; graphed's update_check and update_apply):
+    // the optimizer, run once per phase under the step's capture, after the
+    // last microbatch's backward, never eagerly; replays run what it
+    // enqueued. It runs on the capturing stream (current for PyTorch, its
+    // allocations routed to the private pool), and may enqueue kernels only
+    // (no synchronisation; the apply phase of a step with a check is the
+    // body of a conditional IF node). `update_check`, optional, writes the
+    // skip flag; `update_apply` updates the parameters.
+    std::function<void(const StepUpdateView&)> update_check, update_apply;
+    // Bytes of the step's device scalar block (learning rates) the update
+    // reads (StepUpdateView::scalars); each replay may give new values.
+    size_t scalar_bytes = 0;
+    // What the loss's backward is seeded with (a loss scale: a one-element
+    // tensor on the device, read when the graph runs); undefined: ones.
+    at::Tensor loss_seed;
 };
 
 class GraphedStep {
@@ -387,7 +423,13 @@ class GraphedStep {
     // microbatch's loss, shape [n] (a copy). Parameters that moved are
     // followed where capture verified it, else ParamMoved; nothing is
     // enqueued when a check fails.
-    at::Tensor operator()(const std::vector<at::Tensor>& data, uint32_t n = 0) const;
+    // `scalars` (host memory, StepOptions::scalar_bytes of it; NULL: keep
+    // what the block holds): the update's scalars for this replay.
+    at::Tensor operator()(const std::vector<at::Tensor>& data, uint32_t n = 0, const void* scalars = nullptr,
+                          size_t scalar_bytes = 0) const;
+    // With an update check: whether the last replay skipped its update, and
+    // how many replays did since capture (waits for the last replay).
+    StepSkipped skipped() const;
     // The grad destinations, one per parameter of the step's callables in
     // order (undefined for parameters without a grad).
     std::vector<at::Tensor> destinations() const;

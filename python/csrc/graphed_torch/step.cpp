@@ -96,6 +96,47 @@ std::vector<size_t> chain_of(const Shared& s) {
     return chained;
 }
 
+// A phase of the step's update under its capture (`check`: the check, else
+// the apply): the caller's function on graphed's stream (current for
+// PyTorch, its allocations routed to the private pool), given the grads
+// where the step put them, the scalar block and the skip flag. A failure
+// is reported as a callback's: the torch operator and the caller's line.
+int32_t run_update(const graphed_update_ctx* ctx, Shared* s, bool check) {
+    StepState& st = *s->step;
+    OperatorWatch watch;
+    try {
+        const auto& fn = check ? st.opts.update_check : st.opts.update_apply;
+        if (!fn) throw std::logic_error("make_graphed_step: the step's update has no function for this phase");
+        auto raw = static_cast<cudaStream_t>(ctx->stream);
+        st.stream.store(raw);
+        c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(raw, s->device));
+        StepUpdateView v;
+        v.slot = ctx->slot;
+        size_t j = 0;
+        for (auto& c : s->callables)
+            for (const ParamInfo& info : c->param_info) {
+                const bool has = info.grad && j < ctx->num_params && ctx->grads && ctx->grads[j];
+                v.grads.push_back(has ? over(ctx->grads[j], info.meta, options_of(info.meta.dtype, s->device))
+                                      : at::Tensor());
+                ++j;
+            }
+        if (ctx->scalars && ctx->scalar_bytes)
+            v.scalars = over(ctx->scalars, Meta{{int64_t(ctx->scalar_bytes)}, at::kByte}, options_of(at::kByte, s->device));
+        if (check && ctx->skip_flag) v.skip_flag = over(ctx->skip_flag, Meta{{1}, at::kInt}, options_of(at::kInt, s->device));
+        at::AutoGradMode no_grad(false);
+        fn(v);
+        return 0;
+    } catch (const std::exception& e) {
+        st.error = e.what();
+        const std::string said = watch.report(std::current_exception(), e.what());
+        (void)graphed_callback_fail_message(said.c_str());
+        return 1;
+    }
+}
+
+int32_t update_check(const graphed_update_ctx* ctx, void* self) { return run_update(ctx, static_cast<Shared*>(self), true); }
+int32_t update_apply(const graphed_update_ctx* ctx, void* self) { return run_update(ctx, static_cast<Shared*>(self), false); }
+
 // Declares the step: staging for each data input, the losses' copy out,
 // each parameter's destination.
 void declare_step(Shared& s) {
@@ -143,8 +184,18 @@ void declare_step(Shared& s) {
     if (st.opts.loop)
         st.loop_inc = at::zeros({int64_t(std::max<size_t>(s.rng.entries.size(), 1))}, options_of(at::kLong, s.device));
     cuda_check(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    graphed::StepUpdate update;
+    if (st.opts.update_apply) {
+        update.check = st.opts.update_check ? &update_check : nullptr;
+        update.apply = &update_apply;
+        update.data = &s;
+        update.scalar_bytes = st.opts.scalar_bytes;
+    } else if (st.opts.update_check || st.opts.scalar_bytes) {
+        throw std::invalid_argument("make_graphed_step: an update check or scalar block needs an update (update_apply)");
+    }
     st.index = s.session->add_step(callables, dsts, n, io,
-                                   st.opts.loop ? GRAPHED_STEP_LOOP_WHILE : GRAPHED_STEP_LOOP_UNROLLED, step_hook, &s);
+                                   st.opts.loop ? GRAPHED_STEP_LOOP_WHILE : GRAPHED_STEP_LOOP_UNROLLED, step_hook, &s,
+                                   update);
 }
 
 // Whether pass `key` draws random numbers (its own capture recorded draws).
@@ -221,10 +272,14 @@ int32_t step_backward(const graphed_pass_ctx* ctx, Callable* c) {
             const Meta& m = c->sig.out[i];
             if (!m.requires_grad) continue;
             at::Tensor g = last ? at::Tensor() : st.gins[k + 1].at(i);
+            // The loss's seed: ones, or the loss scale (eager's
+            // scaler.scale(loss).backward() seeds the loss with it).
+            const at::Tensor& seed = st.opts.loss_seed;
             gouts[i] = g.defined() ? g
-                                   : in_layout((last ? at::ones(m.sizes, options_of(m.dtype, s.device))
-                                                     : at::zeros(m.sizes, options_of(m.dtype, s.device))),
-                                               m);
+                       : last && seed.defined() ? seed.reshape(m.sizes).to(m.dtype)
+                                              : in_layout((last ? at::ones(m.sizes, options_of(m.dtype, s.device))
+                                                                : at::zeros(m.sizes, options_of(m.dtype, s.device))),
+                                                          m);
         }
         std::vector<at::Tensor> grads = c->run_backward(c->per_mb[0].tape, gouts, k > 0, true, false, false);
         st.gins[k].assign(grads.begin(), grads.begin() + int64_t(c->sig.in.size()));
@@ -265,7 +320,8 @@ std::pair<std::vector<GraphedCallable>, GraphedStep> make_graphed_step(std::vect
     return {std::move(callables), GraphedStep(shared)};
 }
 
-at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t n) const {
+at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t n, const void* scalars,
+                                   size_t scalar_bytes) const {
     Shared& s = *shared_;
     if (s.is_reset) throw std::runtime_error("graphed step: its session was reset");
     for (const auto& c : s.callables)
@@ -321,7 +377,7 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
     s.rng.prologue(st.rng_key, cur, times, st.opts.loop);
     std::vector<graphed::Ref> refs;
     try {
-        s.session->step(st.index, cur, refs, where, st.opts.loop ? n : 0);
+        s.session->step(st.index, cur, refs, where, st.opts.loop ? n : 0, scalars, scalar_bytes);
     } catch (const graphed::Error& e) {
         s.rng.unwind(st.rng_key, times);
         if (e.status() == GRAPHED_STATUS_PARAM_MOVED) throw ParamMoved("graphed step: " + std::string(e.what()));
@@ -329,6 +385,15 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& data, uint32_t
     }
     cuda_check(cudaEventRecord(st.done, cur), "cudaEventRecord");
     return st.losses.narrow(0, 0, n).clone();
+}
+
+StepSkipped GraphedStep::skipped() const {
+    Shared& s = *shared_;
+    if (s.is_reset || !s.step) throw std::runtime_error("graphed step: its session was reset");
+    if (!s.step->opts.update_check)
+        throw std::invalid_argument("graphed step: it has no update check (a grad scaler), so it never skips its update");
+    graphed::Skipped k = s.session->skipped(s.step->index);
+    return StepSkipped{k.last, k.total};
 }
 
 std::vector<at::Tensor> GraphedStep::destinations() const { return shared_->step ? shared_->step->dsts : std::vector<at::Tensor>{}; }

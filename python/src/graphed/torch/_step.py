@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import _rng
+from . import _optim, _rng
 from ._binding import Binding
 from ._buckets import Buckets
 from ._errors import AliasHeldError
@@ -57,8 +57,9 @@ class GraphedStep:
     (AliasHeldError: the step would write into it); replaced by another
     tensor, the call raises ValueError."""
 
-    def __init__(self, impl, callables, params, slots, attr, overwrite):
+    def __init__(self, impl, callables, params, slots, attr, overwrite, update=None):
         self._impl = impl
+        self._update = update
         self._callables = callables
         self._attr = attr
         self._overwrite = overwrite
@@ -95,9 +96,16 @@ class GraphedStep:
         if n is None:
             first = data[0] if data and isinstance(data[0], torch.Tensor) else None
             n = first.shape[0] if first is not None and self.microbatches > 1 else 0
+        update = self._update
+        scalars = lrs = None
+        if update is not None:
+            scalars, lrs = update.before_call()
         attached = self._destinations_ready()
         try:
-            return self._impl.replay(data, int(n))
+            losses = self._impl.replay(data, int(n), scalars)
+            if update is not None:
+                update.last = lrs  # what the scalar block holds now
+            return losses
         except BaseException:
             # A refused call changes nothing the caller sees: the attributes
             # set to None are None again (the destinations, held by nothing
@@ -144,6 +152,30 @@ class GraphedStep:
                 setattr(p, attr, self._dsts[k][3])
         return [p for _, p in none]
 
+    def skipped(self):
+        """With a grad_scaler: whether the last call skipped its optimizer
+        step (its grads were not finite), as eager GradScaler.step skips it.
+        Waits for that call's graph to finish."""
+        return bool(self._skipped()[0])
+
+    @property
+    def skipped_total(self):
+        """With a grad_scaler: how many calls since capture skipped their
+        optimizer step (counted on the device; waits for the last call)."""
+        return int(self._skipped()[1])
+
+    def _skipped(self):
+        if self._update is None or self._update.scaler is None:
+            raise RuntimeError("graphed step: it has no grad_scaler, so it never skips its optimizer step")
+        if self.is_reset:
+            raise RuntimeError("graphed step: it was reset")
+        return self._impl.skipped()
+
+    @property
+    def optimizer(self):
+        """The optimizer the step's graph runs (None: the caller steps it)."""
+        return None if self._update is None else self._update.opt
+
     @property
     def callables(self):
         """The layers and the loss, graphed (each replayable on its own)."""
@@ -179,6 +211,9 @@ def make_graphed_step(
     pool=None,
     capture_stream=None,
     rebind_params=True,
+    optimizer=None,
+    clip_grad_norm=None,
+    grad_scaler=None,
 ):
     """Captures a training step: `layers` (modules or functions, in order:
     layer k+1 takes layer k's outputs) and `loss_fn` (takes the last
@@ -192,7 +227,17 @@ def make_graphed_step(
     zeros where None; "main_grad"; ...), a contiguous tensor of its shape and
     dtype; with param_grads="set" each call sets it to the call's grads
     instead (the sum over its microbatches, no zeroing needed between
-    steps: torch's whole-step capture recipe). Returns a GraphedStep."""
+    steps: torch's whole-step capture recipe). Returns a GraphedStep.
+
+    `optimizer` (torch.optim SGD, Adam or AdamW) puts the update in the
+    step's graph: after the last microbatch, clip_grad_norm_(params,
+    `clip_grad_norm`, foreach=True) where given, optimizer.step(), and the
+    grads zeroed (param_grads="add"; "set" leaves each call's grads in
+    .grad). `grad_scaler` (torch.amp.GradScaler, fp16): the loss's backward
+    is seeded with its scale, and unscale_, the inf check, the skipped
+    step and the scale's update run in the graph too. The learning rate is
+    read at each call (schedulers are followed); the rest of the optimizer
+    is held as captured, a change refused. See docs/pytorch.md."""
     layers = tuple(layers) if isinstance(layers, (tuple, list)) else (layers,)
     if not layers:
         raise ValueError("make_graphed_step: no layers")
@@ -215,6 +260,13 @@ def make_graphed_step(
             raise RuntimeError("make_graphed_step: a step trains; every module must be in training mode")
     if len({id(fn) for fn in callables}) != len(callables):
         raise ValueError("make_graphed_step: a module is given twice; each layer is graphed once")
+    _optim.check_arguments(
+        optimizer,
+        clip_grad_norm,
+        grad_scaler,
+        accumulate_param_grads_into,
+        [p for fn in callables if isinstance(fn, torch.nn.Module) for p in fn.parameters()],
+    )
     if not torch.cuda.is_available():
         raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
     ext = extension()
@@ -229,6 +281,7 @@ def make_graphed_step(
 
     gens = None
     saved = None
+    update = None
     collecting = gc.isenabled()
     try:
         probe = Binding(_as_tuple(sample_input), {})
@@ -255,6 +308,16 @@ def make_graphed_step(
             generators=gens,
         )
         step = dict(microbatches=int(microbatches), loop=bool(loop), destination=destination)
+        if optimizer is not None:
+            update = _optim.StepUpdate(optimizer, clip_grad_norm, grad_scaler, param_grads == "add", params, device)
+            with torch.cuda.device(device):
+                update.warm_up()
+            step.update(
+                update_apply=update.apply,
+                update_check=update.check if update.scaler is not None else None,
+                scalar_bytes=update.scalar_bytes,
+                loss_seed=update.seed,
+            )
         gc.disable()
         with torch.cuda.device(device):
             impls, impl = ext.make_step(specs, options, step)
@@ -263,4 +326,4 @@ def make_graphed_step(
             gc.enable()
         if saved is not None:
             _rng.restore(saved)
-    return GraphedStep(impl, impls, params, slots, attr, param_grads == "set")
+    return GraphedStep(impl, impls, params, slots, attr, param_grads == "set", update)
