@@ -138,8 +138,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
         flip = !flip;
         step(bucketed, flip ? other : actual, false);
     };
-    // Buckets that change every step: the largest bucket's executables are
-    // loaded with the other bucket's parameters, and back, every step.
+    // Buckets that change every step (each its own graphs).
     const uint64_t small = sizes.front() > 1 ? sizes.front() - 1 : sizes.front();
     bool flip_bucket = false;
     auto run_buckets = [&] {
@@ -160,11 +159,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
     }
     const double hh = host_us([&] { run_host(); release(bucketed); });
     const double hv = host_us([&] { run_varying(); release(bucketed); });
-    const graphed_session_stats before_loads = bucketed.s->stats();
     const double hb = host_us([&] { run_buckets(); release(bucketed); });
-    const graphed_session_stats shared = bucketed.s->stats();
-    const double loads_per_step =
-        double(shared.executable_loads - before_loads.executable_loads) / double(4 * samples);
     const double hd = host_us([&] { run_device(); release(device); });
     const double hs = host_us([&] { run_same(); release(same); });
     const double mib = 1024.0 * 1024.0;
@@ -185,9 +180,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
            << fmt("%.2f", each_library / mib) << " | " << fmt("%.1f", each_driver / mib) << " |\n"
            << "| " << nb << " / largest alone | " << fmt("%.3fx", double(bucketed.library) / double(alone.library))
            << " | " << fmt("%.3fx", alone.driver ? double(bucketed.driver) / double(alone.driver) : 0.0) << " |\n\n"
-           << "Graph executables: " << shared.graph_count + shared.slot_graphs << " graphs of passes and clone slots, "
-           << shared.executables_shared << " of them launching the largest bucket's executable of their pass "
-           << "(`executables_shared`).\n\n"
+
            << "A training step of " << actual << " rows (bucket " << bucket << "): every forward, then every "
            << "backward, each replay given its data. **host's choice**: `graphed_replay_args.size` (the same size "
               "every step, or two sizes of the bucket in turn: then every forward writes the size and zeroes "
@@ -215,9 +208,7 @@ int bucket_table(kit::Device& dev, Tools& tools, std::ostream& report, int layer
            << "| host's choice, buckets in turn / one shape | " << fmt("%.3fx", median(gb) / median(gs)) << " | "
            << fmt("%.3fx", hb / hs) << " |\n"
            << "| device's choice / host's choice | " << fmt("%.3fx", median(gd) / median(gh)) << " | "
-           << fmt("%.3fx", hd / hh) << " |\n\n"
-           << "Buckets in turn: " << fmt("%.1f", loads_per_step)
-           << " loads of a bucket's graph into a shared executable per step (`executable_loads`).\n";
+           << fmt("%.3fx", hd / hh) << " |\n";
     std::printf("buckets: library %.2f / %.2f / %.2f MiB (buckets / alone / sum), step gpu %.4f / %.4f / %.4f ms, "
                 "host %.1f / %.1f / %.1f us (host / device / one shape)\n",
                 bucketed.library / mib, alone.library / mib, each_library / mib, median(gh), median(gd),

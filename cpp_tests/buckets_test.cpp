@@ -138,30 +138,22 @@ TEST_P(Buckets, EveryActualSizeMatchesEagerOfThatSizeBitForBit) {
     }
 }
 
-// On CUDA every bucket's graph of a pass (and clone slot) launches the
-// largest bucket's executable, loaded with its own parameters when another
-// bucket's are there; the process holds one executable per pass of the
-// largest bucket. Parameters that move before every replay, in buckets
-// that change every replay, are followed by each bucket's graph: the
-// memory they were registered at and the previous replay's copy hold NaN,
-// and the results are eager's of that size, bit for bit. On the host no
-// graph shares, and parameters stay (its graphs run host tasks, which
-// cannot be pointed elsewhere).
-TEST_P(Buckets, EveryBucketOfAPassLaunchesOneExecutable) {
+// Parameters that move before every replay, in buckets that change every
+// replay, are followed by each bucket's graphs: the memory they were
+// registered at and the previous replay's copy hold NaN, and the results
+// are eager's of that size, bit for bit. On the host parameters stay (its
+// graphs run host tasks, which cannot be pointed elsewhere).
+TEST_P(Buckets, MovedParametersFollowBucketsThatChangeEveryReplay) {
     kit::Buffer sample = floats(size_t(kMax) * kWidth, 3);
     kit::Mlp graphed(*dev, kLayers, kMax, kWidth, 41);
     const bool cuda = GetParam() == kit::Backend::Cuda;
     if (cuda)
         for (int i = 0; i < kLayers; ++i) graphed.layer(i).param_flags = GRAPHED_PARAM_FLAGS_REBIND;
-    const uint64_t alive = graphed::memory_stats().graphs;
     graphed::Session s = mlp_session(graphed, sample);
     const graphed_session_stats st = s.stats();
     SCOPED_TRACE(figures(st));
-    const uint32_t graphs = st.graph_count + st.slot_graphs;
-    EXPECT_EQ(st.executables_shared, cuda ? graphs - graphs / uint32_t(kSizes.size()) : 0u)
-        << "every bucket but the largest launches the largest's executables";
-    EXPECT_EQ(graphed::memory_stats().graphs - alive, graphs - st.executables_shared) << "executables alive";
     EXPECT_EQ(st.params_move_refused, 0u);
+    if (cuda) EXPECT_EQ(st.params_movable, uint32_t(2 * kLayers * kSizes.size())) << "every bucket's instance";
 
     // Two homes per parameter, used in turn; the one not in use and the
     // registered memory hold NaN.
@@ -205,7 +197,9 @@ TEST_P(Buckets, EveryBucketOfAPassLaunchesOneExecutable) {
         for (int i = 0; i < kLayers; ++i) {
             graphed::Replay r;
             r.stream(dev->stream()).callable(uint32_t(i)).size(n);
-            if (cuda) r.params({use[2 * size_t(i)].get(), use[2 * size_t(i) + 1].get()});
+            // Held until the forward returns: the replay keeps a pointer.
+            const std::vector<const void*> at = {use[2 * size_t(i)].get(), use[2 * size_t(i) + 1].get()};
+            if (cuda) r.params(at);
             s.forward(r.data(in), outs);
             ASSERT_EQ(outs[0].bytes(), elems * 4) << "the actual rows of layer " << i;
             in = outs[0].ptr();
@@ -221,11 +215,7 @@ TEST_P(Buckets, EveryBucketOfAPassLaunchesOneExecutable) {
         }
         expect_step(eager, want, gy, elems, grads);
     }
-    const graphed_session_stats end = s.stats();
-    if (cuda)
-        EXPECT_GT(end.executable_loads, st.executable_loads) << "buckets that change load their parameters";
-    else
-        EXPECT_EQ(end.executable_loads, 0u);
+    if (cuda) EXPECT_GT(s.stats().param_moves, 0u);
 }
 
 // Layers chained in place (each reads the previous one's output buffer and

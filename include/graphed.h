@@ -1870,23 +1870,6 @@ typedef struct graphed_session_stats {
    */
   uint32_t grads_in_place;
   uint32_t grads_in_place_refused;
-  /**
-   * Graphs of passes and clone slots of callables with buckets that
-   * launch the executable of the same pass in the largest bucket,
-   * instead of one of their own (each saves the device memory of one
-   * executable): a launch first loads the graph's parameters into it
-   * (cuGraphExecUpdate) when it holds another bucket's. 0 on the host
-   * backend, and for graphs whose nodes differ from the largest
-   * bucket's (those keep their own).
-   */
-  uint32_t executables_shared;
-  /**
-   * Loads of a bucket's parameters into a shared executable that
-   * launches made (one per launch that found another bucket's there;
-   * the capture's own verification replays included): the host cost of
-   * changing buckets.
-   */
-  uint64_t executable_loads;
 } graphed_session_stats;
 
 /**
@@ -1962,10 +1945,9 @@ typedef struct graphed_callable_memory {
    */
   uint64_t shared_static_bytes;
   /**
-   * Graphs of its instances: every pass of every microbatch and bucket,
-   * clone slots, the graphs choosing its bucket on the device (on CUDA
-   * the buckets' graphs of one pass launch one executable:
-   * graphed_session_stats.executables_shared). 0 once released.
+   * Graph executables of its instances: every pass of every microbatch
+   * and bucket, clone slots, the graphs choosing its bucket on the
+   * device. 0 once released.
    */
   uint32_t graphs;
   /**

@@ -156,29 +156,6 @@ pub trait Graph: Send {
     fn nodes(&self) -> Nodes {
         Nodes::unknown("this graph does not list its nodes")
     }
-
-    /// Gives up its own executable for `leader`'s, where the backend can
-    /// load one graph's parameters into the other's executable (the same
-    /// nodes and dependencies: the same pass of another bucket). From
-    /// then on a launch first loads its parameters if the executable
-    /// holds another graph's, and rebinding patches its template as well.
-    /// Returns whether it shares; a graph that cannot share keeps its
-    /// own. Only before any rebinding plan is made.
-    fn share_executable_of(&mut self, _leader: &dyn Graph) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// Whether it launches an executable that another graph made (it gave
-    /// its own up in `share_executable_of`).
-    fn shares_executable(&self) -> bool {
-        false
-    }
-
-    /// How many times a launch of it loaded its parameters into a shared
-    /// executable that held another graph's.
-    fn executable_loads(&self) -> u64 {
-        0
-    }
 }
 
 /// What [`Graph::rebinder`] found for a range.

@@ -174,10 +174,9 @@ pub struct graphed_callable_memory {
     /// there). That allocation is freed when the last callable using it is
     /// released; 0 once this one is released.
     pub shared_static_bytes: u64,
-    /// Graphs of its instances: every pass of every microbatch and bucket,
-    /// clone slots, the graphs choosing its bucket on the device (on CUDA
-    /// the buckets' graphs of one pass launch one executable:
-    /// graphed_session_stats.executables_shared). 0 once released.
+    /// Graph executables of its instances: every pass of every microbatch
+    /// and bucket, clone slots, the graphs choosing its bucket on the
+    /// device. 0 once released.
     pub graphs: u32,
     /// Graph executables of the steps that include it, which its release
     /// destroys too (they are counted for each of their callables).

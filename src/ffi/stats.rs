@@ -106,19 +106,6 @@ pub struct graphed_session_stats {
     /// destination (the plan dump says why).
     pub grads_in_place: u32,
     pub grads_in_place_refused: u32,
-    /// Graphs of passes and clone slots of callables with buckets that
-    /// launch the executable of the same pass in the largest bucket,
-    /// instead of one of their own (each saves the device memory of one
-    /// executable): a launch first loads the graph's parameters into it
-    /// (cuGraphExecUpdate) when it holds another bucket's. 0 on the host
-    /// backend, and for graphs whose nodes differ from the largest
-    /// bucket's (those keep their own).
-    pub executables_shared: u32,
-    /// Loads of a bucket's parameters into a shared executable that
-    /// launches made (one per launch that found another bucket's there;
-    /// the capture's own verification replays included): the host cost of
-    /// changing buckets.
-    pub executable_loads: u64,
 }
 
 // SAFETY: repr(C), integers only, header at offsets 0 and 8.
@@ -175,8 +162,6 @@ pub extern "C" fn graphed_session_stats_default() -> graphed_session_stats {
         bucket_overflows: 0,
         grads_in_place: 0,
         grads_in_place_refused: 0,
-        executables_shared: 0,
-        executable_loads: 0,
     }
 }
 
@@ -228,8 +213,6 @@ pub unsafe extern "C" fn graphed_session_stats_get(
             params_movable: st.params_movable,
             params_move_refused: st.params_move_refused,
             param_moves: st.param_moves,
-            executables_shared: st.executables_shared,
-            executable_loads: st.executable_loads,
             bucket_overflows: st.bucket_overflows,
             grads_in_place: st.grads_in_place,
             grads_in_place_refused: st.grads_in_place_refused,

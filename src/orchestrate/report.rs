@@ -2,7 +2,6 @@
 //! rebinding, capture time, teardown errors), its static buffers and their
 //! plan, which tensors are rebound, its frozen grad policies.
 
-use super::capture::shared_executables;
 use super::clock::CaptureTimes;
 use super::instance::Placed;
 use super::session::{Session, State};
@@ -57,11 +56,6 @@ pub struct Stats {
     /// into the destination, and those registered with REBIND_GRAD that
     /// capture refused (copied; the plan dump says why).
     pub grads_in_place: u32,
-    /// Graphs (of passes and clone slots) that launch the executable of
-    /// their pass in the largest bucket, and the loads of a graph's
-    /// parameters into such a shared executable that launches made.
-    pub executables_shared: u32,
-    pub executable_loads: u64,
     pub grads_in_place_refused: u32,
     /// Where the last capture's host time went.
     pub capture_times: CaptureTimes,
@@ -101,9 +95,6 @@ impl Session {
             st.captured = true;
             // Released callables have no graphs left to rebind.
             let live = || c.instances.iter().filter(|i| !c.is_released(i.callable));
-            let (shared, loads) = shared_executables(live().flat_map(|i| i.graphs.all()));
-            st.executables_shared = shared as u32;
-            st.executable_loads = loads;
             let fed = live().flat_map(|i| i.inputs.iter().chain(&i.grad_outputs));
             for t in fed {
                 match &t.feed {

@@ -11,7 +11,6 @@
 mod describe;
 mod device;
 pub mod driver;
-mod exec;
 mod graph;
 mod kernels;
 mod loops;

@@ -4,16 +4,13 @@
 //! `cuFuncGetParamInfo`, CUDA 12.4 drivers and newer; kernels launched with
 //! one packed argument buffer, as cuBLAS launches its own, are read word by
 //! word), and update those nodes of the executable graph in place when the
-//! range moves. A graph whose executable is shared with other buckets'
-//! graphs (`graph::Exec`) patches its template too, so that loading it
-//! into the executable brings its current addresses, and patches the
-//! executable only while it holds this graph's parameters. Graphs with nodes whose addresses cannot be seen (host
+//! range moves. Graphs with nodes whose addresses cannot be seen (host
 //! nodes, child graphs) are refused with the reason; a word that only looks
 //! like an address is caught by capture's verification replay.
 
 use super::device::Inner;
 use super::driver::check;
-use super::exec::{Target, Template};
+use crate::backend::teardown;
 use crate::backend::{DevPtr, RebindPlan, Rebinder};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -49,6 +46,29 @@ fn param_fns() -> Option<(ParamInfoFn, Option<ParamCountFn>)> {
     })
 }
 
+/// A captured graph's template. Rebinding plans read its nodes and update
+/// the executable through them, so it lives while the graph keeps it or a
+/// plan needs it.
+pub(super) struct Template {
+    pub graph: sys::CUgraph,
+    pub inner: Arc<Inner>,
+}
+
+// SAFETY: a CUgraph may be used and destroyed from any thread; it is only
+// read after capture.
+unsafe impl Send for Template {}
+// SAFETY: as above: nothing writes the template after capture.
+unsafe impl Sync for Template {}
+
+impl Drop for Template {
+    fn drop(&mut self) {
+        let _g = self.inner.bind();
+        // SAFETY: destroyed exactly once, when the last holder goes.
+        let r = check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(self.graph) });
+        teardown::check("destroying a graph template", r);
+    }
+}
+
 /// One kernel node's arguments as the executable graph has them now. One
 /// per node, shared by every plan that patches the node (an input's and a
 /// grad-output's, say), so that rebinding one buffer sets the node's
@@ -73,13 +93,11 @@ unsafe impl Send for NodeArgs {}
 /// The kernel nodes of one executable graph that plans patch, by node.
 pub(super) type NodeTable = Mutex<HashMap<usize, Arc<Mutex<NodeArgs>>>>;
 
-/// A kernel node to patch: its shared arguments, the words of the range,
-/// as (argument, word, offset from the base), and the executable's node
-/// that stands for it.
+/// A kernel node to patch: its shared arguments and the words of the range,
+/// as (argument, word, offset from the base).
 struct KernelPatch {
     args: Arc<Mutex<NodeArgs>>,
     words: Vec<(usize, usize, u64)>,
-    exec_node: sys::CUgraphNode,
 }
 
 /// A node's arguments read from the template, and the words of the range.
@@ -184,26 +202,23 @@ fn packed_patch(
 
 enum Patch {
     Kernel(KernelPatch),
-    /// A copy node (and the executable's node for it): its parameters,
-    /// and the offsets of its source and destination from the base (None:
-    /// outside the range).
+    /// A copy node: its parameters, and the offsets of its source and
+    /// destination from the base (None: outside the range).
     Memcpy {
         node: sys::CUgraphNode,
-        exec_node: sys::CUgraphNode,
         params: sys::CUDA_MEMCPY3D,
         src: Option<u64>,
         dst: Option<u64>,
     },
     Memset {
         node: sys::CUgraphNode,
-        exec_node: sys::CUgraphNode,
         params: sys::CUDA_MEMSET_NODE_PARAMS,
         dst: u64,
     },
 }
 
 pub(super) struct CudaRebinder {
-    target: Target,
+    exec: sys::CUgraphExec,
     inner: Arc<Inner>,
     /// The nodes patched are the template's: it lives as long as the plan.
     _template: Arc<Template>,
@@ -327,12 +342,12 @@ fn memcpy_params(
     Ok(Ok(unsafe { raw.assume_init() }))
 }
 
-/// The rebinding plan of the graph captured as `template`, launched as
-/// `target`, for the range `[base, base + bytes)`; `nodes`: the graph's
-/// kernel nodes that earlier plans patch.
+/// The rebinding plan of executable `exec` (instantiated from `graph`) for
+/// the range `[base, base + bytes)`; `nodes`: the graph's kernel nodes that
+/// earlier plans patch.
 pub(super) fn plan(
     template: &Arc<Template>,
-    target: Target,
+    exec: sys::CUgraphExec,
     inner: &Arc<Inner>,
     nodes_table: &NodeTable,
     base: DevPtr,
@@ -378,12 +393,7 @@ pub(super) fn plan(
                         .entry(node as usize)
                         .or_insert_with(|| Arc::new(Mutex::new(fresh)))
                         .clone();
-                    let exec_node = target.exec_node(node);
-                    patches.push(Patch::Kernel(KernelPatch {
-                        args,
-                        words,
-                        exec_node,
-                    }));
+                    patches.push(Patch::Kernel(KernelPatch { args, words }));
                 }
                 Ok(None) => {}
                 Err(why) => return Ok(RebindPlan::Refused(why)),
@@ -401,7 +411,6 @@ pub(super) fn plan(
                 if src.is_some() || dst.is_some() {
                     patches.push(Patch::Memcpy {
                         node,
-                        exec_node: target.exec_node(node),
                         params,
                         src,
                         dst,
@@ -418,12 +427,7 @@ pub(super) fn plan(
                 })?;
                 if inside(params.dst) {
                     let dst = params.dst - lo;
-                    patches.push(Patch::Memset {
-                        node,
-                        exec_node: target.exec_node(node),
-                        params,
-                        dst,
-                    });
+                    patches.push(Patch::Memset { node, params, dst });
                 }
             }
             NODE_HOST => {
@@ -451,7 +455,7 @@ pub(super) fn plan(
         return Ok(RebindPlan::Unreferenced);
     }
     Ok(RebindPlan::Plan(Box::new(CudaRebinder {
-        target,
+        exec,
         inner: inner.clone(),
         _template: template.clone(),
         patches,
@@ -475,13 +479,6 @@ impl Rebinder for CudaRebinder {
     fn rebind(&mut self, base: DevPtr) -> Result<()> {
         let _ctx = self.inner.bind()?;
         let ctx = self.inner.ctx;
-        let exec = self.target.exec.clone();
-        // A shared executable: the template is patched too (loading it
-        // brings these addresses), and the executable only while it holds
-        // this graph's parameters, under its lock.
-        let shared = exec.is_shared();
-        let guard = shared.then(|| exec.lock());
-        let live = guard.as_deref().map_or(true, |&id| id == self.target.id);
         for p in &mut self.patches {
             match p {
                 Patch::Kernel(p) => {
@@ -499,29 +496,17 @@ impl Rebinder for CudaRebinder {
                         }
                         None => params.kernelParams = k.pointers.as_mut_ptr(),
                     }
-                    if shared {
-                        // SAFETY: a kernel node of the live template, the
-                        // same function, its arguments as below; the
-                        // driver copies them.
-                        check("cuGraphKernelNodeSetParams", unsafe {
-                            sys::cuGraphKernelNodeSetParams_v2(k.node, &params)
-                        })?;
-                    }
-                    if live {
-                        // SAFETY: the node of the graph `exec` was
-                        // instantiated from that stands for this one, with
-                        // the same function and either one pointer per
-                        // argument to a buffer of its size or one packed
-                        // buffer of the captured size (`extra`, whose size
-                        // entry points at the boxed size this patch owns).
-                        check("cuGraphExecKernelNodeSetParams", unsafe {
-                            sys::cuGraphExecKernelNodeSetParams_v2(exec.raw, p.exec_node, &params)
-                        })?;
-                    }
+                    // SAFETY: a node of the graph `exec` was instantiated
+                    // from, with the same function and either one pointer
+                    // per argument to a buffer of its size or one packed
+                    // buffer of the captured size (`extra`, whose size
+                    // entry points at the boxed size this patch owns).
+                    check("cuGraphExecKernelNodeSetParams", unsafe {
+                        sys::cuGraphExecKernelNodeSetParams_v2(self.exec, k.node, &params)
+                    })?;
                 }
                 Patch::Memcpy {
                     node,
-                    exec_node,
                     params,
                     src,
                     dst,
@@ -532,46 +517,20 @@ impl Rebinder for CudaRebinder {
                     if let Some(o) = dst {
                         params.dstDevice = base + *o;
                     }
-                    if shared {
-                        // SAFETY: a copy node of the live template, same
-                        // shape of copy.
-                        check("cuGraphMemcpyNodeSetParams", unsafe {
-                            sys::cuGraphMemcpyNodeSetParams(*node, params)
-                        })?;
-                    }
-                    if live {
-                        // SAFETY: the executable's copy node for it, same
-                        // shape of copy.
-                        check("cuGraphExecMemcpyNodeSetParams", unsafe {
-                            sys::cuGraphExecMemcpyNodeSetParams(exec.raw, *exec_node, params, ctx)
-                        })?;
-                    }
+                    // SAFETY: a copy node of the graph, same shape of copy.
+                    check("cuGraphExecMemcpyNodeSetParams", unsafe {
+                        sys::cuGraphExecMemcpyNodeSetParams(self.exec, *node, params, ctx)
+                    })?;
                 }
-                Patch::Memset {
-                    node,
-                    exec_node,
-                    params,
-                    dst,
-                } => {
+                Patch::Memset { node, params, dst } => {
                     params.dst = base + *dst;
-                    if shared {
-                        // SAFETY: a set node of the live template, same
-                        // shape of set.
-                        check("cuGraphMemsetNodeSetParams", unsafe {
-                            sys::cuGraphMemsetNodeSetParams(*node, params)
-                        })?;
-                    }
-                    if live {
-                        // SAFETY: the executable's set node for it, same
-                        // shape of set.
-                        check("cuGraphExecMemsetNodeSetParams", unsafe {
-                            sys::cuGraphExecMemsetNodeSetParams(exec.raw, *exec_node, params, ctx)
-                        })?;
-                    }
+                    // SAFETY: a set node of the graph, same shape of set.
+                    check("cuGraphExecMemsetNodeSetParams", unsafe {
+                        sys::cuGraphExecMemsetNodeSetParams(self.exec, *node, params, ctx)
+                    })?;
                 }
             }
         }
-        drop(guard);
         Ok(())
     }
 }

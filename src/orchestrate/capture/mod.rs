@@ -10,10 +10,8 @@
 //! 3. record (`record`): each pass is captured alone into its graph
 //!    (`run`), the grad passes once more per clone slot (`slots`), the
 //!    graphs that choose a bucket on the device, then the steps (`steps`);
-//! 4. share and verify: the graphs of one pass in every bucket of a
-//!    callable share one executable where the backend can load one into
-//!    the other (`share`); then the tensors asked to be rebound are planned
-//!    and verified (`rebind`);
+//! 4. verify: the tensors asked to be rebound are planned and verified
+//!    (`rebind`);
 //! 5. build the `Captured` state whole from what the steps made.
 //!
 //! Everything is owned by the step that made it until the last one, so an
@@ -23,7 +21,6 @@ mod looped;
 mod order;
 mod record;
 mod run;
-mod share;
 mod slots;
 mod step_io;
 mod steps;
@@ -49,7 +46,6 @@ use order::order_of;
 use record::{record, Recorded};
 #[cfg(test)]
 use run::Runner;
-pub(crate) use share::counts as shared_executables;
 use std::time::Instant;
 
 /// Warmup and capture of every callable of `s`; see the module comment.
@@ -108,25 +104,7 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
     let mut recorded = recorded?;
     synced?;
 
-    // 4. Share executables between buckets, then verify the rebinds
-    // (plans are made for the executables the graphs launch).
-    let buckets: Vec<usize> = s
-        .callables
-        .iter()
-        .map(|c| {
-            if c.buckets.is_empty() {
-                0
-            } else {
-                c.bucket_count()
-            }
-        })
-        .collect();
-    let shared = share::share(&mut recorded.graphs, &recorded.by_callable, &buckets)?;
-    if shared > 0 {
-        s.log(LogLevel::Info, || {
-            format!("{shared} bucket graphs launch the largest bucket's executables")
-        });
-    }
+    // 4. Verify the rebinds.
     times.templates_kept =
         rebind::resolve(s, &mut placed, &mut recorded.graphs, side.raw(), &mut times)?;
     times.templates_kept += rebind::resolve_steps(
