@@ -280,16 +280,25 @@ impl Backend for CudaBackend {
             }
             return Ok(());
         }
-        // SAFETY: plain data; every field the copy reads is set below.
-        let mut c: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-        c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        c.srcDevice = r.src;
-        c.srcPitch = r.src_pitch;
-        c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        c.dstDevice = r.dst;
-        c.dstPitch = r.dst_pitch;
-        c.WidthInBytes = r.width;
-        c.Height = r.rows;
+        // Every field set: the struct holds enums with no zero value.
+        let c = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: r.src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: r.src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: r.dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: r.dst_pitch,
+            WidthInBytes: r.width,
+            Height: r.rows,
+        };
         // SAFETY: both regions are device memory holding `rows` blocks of
         // `width` bytes at their pitches (library buffers, or caller
         // buffers under the API contract).

@@ -66,6 +66,9 @@ fn empty_ref() -> graphed_ref {
         kind: 0,
         owner: null_mut(),
         lease: 0,
+        rows: 0,
+        row_bytes: 0,
+        pitch: 0,
     }
 }
 
