@@ -276,6 +276,11 @@ def test_an_sgd_foreach_lr_change_is_refused():
 
 
 @needs_gpu
+@pytest.mark.xfail(
+    reason="known defect, seen on the H100 (2026-12-07): the message names the Python line but not the "
+    "torch operator (the operator watch names none on that machine; test_capture_failures.py)",
+    strict=True,
+)
 def test_an_item_in_the_loss_or_the_update_names_the_line():
     graphed = model()
     *layers, _ = graphed
