@@ -245,7 +245,7 @@ Sizes call_sizes(const Callable& c, const std::vector<at::Tensor>& inputs) {
         if (!x.defined() || x.dim() != int64_t(c.sig.in[i].sizes.size()))
             throw std::invalid_argument("graphed callable '" + c.name + "': " + c.input_name(i) + " is " +
                                         (x.defined() ? describe(x) : std::string("None")) + "; its dimension " +
-                                        std::to_string(d) + " is the call's " + which + " size (it was captured with " +
+                                        std::to_string(d) + " is the call's" + which + " size (it was captured with " +
                                         describe(c.sig.in[i].sizes, c.sig.in[i].dtype, x.defined() ? x.device().str() : "cuda",
                                                  c.sig.in[i].requires_grad) + ")");
         const int64_t v = x.size(d);
@@ -260,8 +260,8 @@ Sizes call_sizes(const Callable& c, const std::vector<at::Tensor>& inputs) {
         }
     };
     for (size_t i = 0; i < inputs.size() && i < c.sig.in_dims.size(); ++i) {
-        take(i, c.sig.in_dims[i].d1, got.n, from[0], c.sig.buckets2.empty() ? "" : "first");
-        take(i, c.sig.in_dims[i].d2, got.n2, from[1], "second");
+        take(i, c.sig.in_dims[i].d1, got.n, from[0], c.sig.buckets2.empty() ? "" : " first");
+        take(i, c.sig.in_dims[i].d2, got.n2, from[1], " second");
     }
     auto check = [&](int64_t n, const std::vector<int64_t>& b, const char* what) {
         if (n < 1 || n > b.back())
