@@ -295,10 +295,13 @@ def test_a_grid_of_B_and_T_matches_eager_padded_bit_for_bit():
         assert torch.equal(xg.grad, xr.grad[:nb, :nt]), f"{nb} x {nt}: input grad"
         assert_equal(grads_of(model), grads_of(ref), f"{nb} x {nt}: param grad")
     assert graphed.forward.session_stats()["graph_count"] == before, "no recapture"
-    with pytest.raises(ValueError, match=r"a call of sizes \[5, 8\], above its largest bucket \(\[4, 32\]\)"):
-        gt.make_graphed_callables(Scaled(), gt.Buckets(*samples), bucket_overflow="raise")(
-            torch.randn(5, 8, H, device="cuda"), torch.randn(5, device="cuda"))
     graphed.reset()
+    strict = gt.make_graphed_callables(Scaled(), gt.Buckets(*samples), bucket_overflow="raise")
+    with pytest.raises(ValueError, match=r"a call of sizes \[5, 8\], above its largest bucket \(\[4, 32\]\)"):
+        strict(torch.randn(5, 8, H, device="cuda"), torch.randn(5, device="cuda"))
+    with pytest.raises(ValueError, match="argument 1 has 3 rows and argument 0 2"):
+        strict(torch.randn(2, 8, H, device="cuda"), torch.randn(3, device="cuda"))
+    strict.forward.reset()
 
 
 def gpt(dropout, seed=0):
