@@ -147,6 +147,9 @@ graphed_torch::CallableSpec spec_of(const py::dict& d) {
     s.param_flags = get<std::vector<uint32_t>>(d, "param_flags", {});
     s.bucket_sizes = get<std::vector<int64_t>>(d, "bucket_sizes", {});
     s.dynamic_inputs = get<std::vector<bool>>(d, "dynamic_inputs", {});
+    s.bucket_sizes2 = get<std::vector<int64_t>>(d, "bucket_sizes2", {});
+    s.dynamic_dims = get<std::vector<int64_t>>(d, "dynamic_dims", {});
+    s.dynamic_dims2 = get<std::vector<int64_t>>(d, "dynamic_dims2", {});
     if (d.contains("param_slots") && !d["param_slots"].is_none())
         s.param_source = param_source_of(d["param_slots"], s.name, s.param_names);
     if (d.contains("hook") && !d["hook"].is_none()) {
@@ -522,6 +525,7 @@ PYBIND11_MODULE(_torch_ext, m) {
         .def_property_readonly("is_released", &graphed_torch::GraphedCallable::is_released)
         .def_property_readonly("microbatches", &graphed_torch::GraphedCallable::microbatches)
         .def_property_readonly("bucket_sizes", &graphed_torch::GraphedCallable::bucket_sizes)
+        .def_property_readonly("bucket_sizes2", &graphed_torch::GraphedCallable::bucket_sizes2)
         .def("session_stats", &stats_of)
         .def("session_plan", &graphed_torch::GraphedCallable::plan)
         .def("export_dot", &graphed_torch::GraphedCallable::export_dot)

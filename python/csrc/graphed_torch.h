@@ -83,17 +83,29 @@ struct CallableSpec {
     // Engine's capture_time_hooks).
     Hook hook;
     // Buckets (optional): the sizes of the first dimension of the inputs
-    // marked in `dynamic_inputs`, strictly ascending, the last one the
-    // samples' (graphed_callable_desc.bucket_sizes). Each bucket is
-    // captured; a call whose dynamic inputs have n rows (the same n for
-    // all) replays the smallest bucket holding n, on the actual rows with
-    // the rest zeroed, and returns n rows of each dynamic output (an
-    // output whose first dimension follows the bucket: capture learns
-    // which by running the forward at a smaller size too). Inputs are
-    // copied (rebind_inputs does not apply); outputs and grads are each
-    // bucket's own PyTorch tensors.
+    // marked in `dynamic_inputs` (or of the dimension `dynamic_dims` names),
+    // strictly ascending, the last one the samples'
+    // (graphed_callable_desc.bucket_sizes). Each bucket is captured; a
+    // call whose dynamic inputs have n rows (the same n for all) replays
+    // the smallest bucket holding n, on the actual rows with the rest
+    // zeroed, and returns n rows of each dynamic output (an output whose
+    // dimension follows the bucket: capture learns which by running the
+    // forward at a smaller size too). Inputs are copied (rebind_inputs
+    // does not apply); outputs and grads are PyTorch tensors.
     std::vector<int64_t> bucket_sizes;
     std::vector<bool> dynamic_inputs;  // per sample input; empty: none
+    // A grid (optional; graphed_callable_desc.bucket_sizes2): the sizes of
+    // a second dimension; every pair (bucket_sizes[i], bucket_sizes2[j])
+    // is a bucket, and a call runs the smallest of each holding its sizes.
+    std::vector<int64_t> bucket_sizes2;
+    // Per sample input (empty: 0 for the inputs marked in dynamic_inputs,
+    // none for the others): the dimension that follows bucket_sizes, -1
+    // for none (graphed_tensor_desc.dynamic_dim); and the one that follows
+    // bucket_sizes2 (empty: none; dynamic_dim2). An input with either is
+    // dynamic. Outputs and input grads of another dimension than the
+    // first come back as strided views of the bucket's buffer (the
+    // actual sizes, the bucket's pitch).
+    std::vector<int64_t> dynamic_dims, dynamic_dims2;
 };
 
 struct Options {
@@ -256,8 +268,10 @@ class GraphedCallable {
     std::vector<bool> params_movable() const;
     // The name of input i in messages.
     std::string input_name(size_t i) const;
-    // Its bucket sizes (empty: one shape).
+    // Its bucket sizes (empty: one shape), and a grid's second sizes
+    // (empty: none).
     const std::vector<int64_t>& bucket_sizes() const;
+    const std::vector<int64_t>& bucket_sizes2() const;
     // The same callable's graphs for another microbatch of the schedule.
     GraphedCallable for_microbatch(uint32_t microbatch) const;
     uint32_t microbatches() const;

@@ -318,7 +318,7 @@ def test_an_output_whose_rows_do_not_follow_the_bucket_is_refused():
         def forward(self, x):
             return torch.cat([x, x])
 
-    with pytest.raises(RuntimeError, match="an output's first dimension is the bucket size or does not change"):
+    with pytest.raises(RuntimeError, match="one dimension of an output is the bucket size, or none changes"):
         gt.make_graphed_callables(Doubles(), gt.Buckets(*[(torch.randn(s, 4, device="cuda"),) for s in SIZES]))
 
 
@@ -388,23 +388,25 @@ def test_buckets_take_the_memory_of_one_shape():
 def test_plan_reads_sizes_and_dynamic_inputs_in_order():
     x = [torch.zeros(s, 3) for s in (8, 2, 4)]
     bias = torch.zeros(3)
-    args, kwargs, sizes, dynamic = _buckets.plan(gt.Buckets(*[(t, bias) for t in x]), {}, "sample_args[0]")
-    assert sizes == [2, 4, 8] and dynamic == [True, False]
+    args, kwargs, grid = _buckets.plan(gt.Buckets(*[(t, bias) for t in x]), {}, "sample_args[0]")
+    assert grid.sizes == [2, 4, 8] and grid.sizes2 == [] and grid.dynamic == [True, False]
+    assert grid.dims == [(0, None), (None, None)]
     assert args[0] is x[0] and kwargs == {}
     # Keyword samples per bucket too.
-    args, kwargs, sizes, dynamic = _buckets.plan(
+    args, kwargs, grid = _buckets.plan(
         gt.Buckets(*[(t,) for t in x]), gt.Buckets(*[{"m": torch.zeros(t.shape[0])} for t in x]), "s"
     )
-    assert sizes == [2, 4, 8] and dynamic == [True, True]
-    assert _buckets.plan((x[0],), {}, "s") == ((x[0],), {}, None, None)
+    assert grid.sizes == [2, 4, 8] and grid.dynamic == [True, True]
+    assert _buckets.plan((x[0],), {}, "s") == ((x[0],), {}, None)
 
 
 @pytest.mark.parametrize(
     "samples, says",
     [
-        (lambda: [(torch.zeros(4, 3),), (torch.zeros(8, 5),)], "differs in its first dimension only"),
-        (lambda: [(torch.zeros(4, 3),), (torch.zeros(8, 3, dtype=torch.float16),)], "only the first dimension changes"),
-        (lambda: [(torch.zeros(4, 3), torch.zeros(4)), (torch.zeros(8, 3), torch.zeros(9))], "they share one"),
+        (lambda: [(torch.zeros(4, 3),), (torch.zeros(8, 5),)], "change together but differ"),
+        (lambda: [(torch.zeros(4, 3),), (torch.zeros(8, 3, dtype=torch.float16),)], "only sizes change"),
+        (lambda: [(torch.zeros(4, 3), torch.zeros(4)), (torch.zeros(8, 3), torch.zeros(9))],
+         "argument 1 has .4, 9. on dimension 0 .* argument 0 .4, 8. on dimension 0: they change together"),
         (lambda: [(torch.zeros(4, 3),), (torch.zeros(4, 3),)], "all the same shape"),
         (lambda: [(torch.zeros(4, 3),)], "one bucket sample makes no buckets"),
         (lambda: [(torch.zeros(4, 3),), ((torch.zeros(8, 3),),)], "another structure"),

@@ -142,9 +142,11 @@ struct GraphedBackward : public torch::autograd::Node {
     std::shared_ptr<Shared> shared;
     size_t index = 0;
     uint32_t microbatch = 0;
-    // With buckets: the forward's rows and bucket (0, 0 without).
-    int64_t rows = 0;
+    // With buckets: the forward's actual sizes, its bucket and the bucket's
+    // sizes (none, 0 and none without).
+    Sizes actual;
     size_t bucket = 0;
+    Sizes bucket_sizes;
     std::optional<c10::cuda::CUDAStream> side;
 
     // Inputs the graphs read in place (rebound), kept until the backward,
@@ -182,7 +184,8 @@ struct GraphedBackward : public torch::autograd::Node {
         std::vector<const void*> data;
         contiguous.reserve(c->sig.out.size());
         std::vector<Meta> buf;
-        const std::vector<Meta>& outs = Callable::sized(c->sig.out, c->sig.out_dyn, rows, buf);
+        // Contiguous at the actual sizes: graphed copies them into the bucket.
+        const std::vector<Meta>& outs = Callable::sized(c->sig.out, c->sig.out_dims, actual, buf);
         size_t k = 0;
         for (size_t i = 0; i < c->sig.out.size(); ++i) {
             if (!c->sig.out[i].requires_grad) {
@@ -205,8 +208,9 @@ struct GraphedBackward : public torch::autograd::Node {
         const size_t key = pass_key(c->per_mb[microbatch].ids.at(bucket), Pass::Backward);
         s.before_replay(key, cur);
         graphed::Replay r = replay_of(index, microbatch, cur, side_stream, &data);
-        // graphed refuses it when the callable's last forward ran other rows.
-        if (rows) r.size(uint64_t(rows));
+        // graphed refuses it when the callable's last forward ran other sizes.
+        if (actual.n) r.size(uint64_t(actual.n));
+        if (actual.n2) r.size2(uint64_t(actual.n2));
         const std::vector<void*> dst_ptrs = pointers_of(fresh.empty() ? dsts : fresh);
         if (!dst_ptrs.empty()) r.param_dsts(dst_ptrs);
         graphed::Grads g;
@@ -214,7 +218,7 @@ struct GraphedBackward : public torch::autograd::Node {
         torch::autograd::variable_list result;
         result.reserve(g.inputs.size() + g.params.size());
         std::vector<Meta> in_buf;
-        const std::vector<Meta>& ins = Callable::sized(c->sig.in, c->sig.in_dyn, rows, in_buf);
+        const std::vector<Meta>& ins = Callable::returned(c->sig.in, c->sig.in_dims, actual, bucket_sizes, in_buf);
         for (size_t i = 0; i < g.inputs.size(); ++i)
             result.push_back(g.inputs[i].kind() == GRAPHED_REF_KIND_NONE
                                  ? at::Tensor()
@@ -229,34 +233,52 @@ struct GraphedBackward : public torch::autograd::Node {
     }
 };
 
-// The rows of a call of bucketed `c`: the first dimension of its dynamic
-// inputs, the same for all, 1 to the largest bucket (else
-// std::invalid_argument saying which and why).
-int64_t call_rows(const Callable& c, const std::vector<at::Tensor>& inputs) {
-    int64_t rows = -1;
-    size_t first = 0;
-    for (size_t i = 0; i < inputs.size() && i < c.sig.in_dyn.size(); ++i) {
-        if (!c.sig.in_dyn[i]) continue;
-        if (!inputs[i].defined() || inputs[i].dim() == 0)
+// The sizes of a call of bucketed `c`: the dimensions of its dynamic inputs
+// that follow the bucket's sizes, the same for all, 1 to the largest
+// bucket (else std::invalid_argument saying which and why).
+Sizes call_sizes(const Callable& c, const std::vector<at::Tensor>& inputs) {
+    Sizes got{-1, c.sig.buckets2.empty() ? 0 : -1};
+    size_t from[2] = {0, 0};
+    auto take = [&](size_t i, int64_t d, int64_t& n, size_t& first, const char* which) {
+        if (d < 0) return;
+        const at::Tensor& x = inputs[i];
+        if (!x.defined() || x.dim() != int64_t(c.sig.in[i].sizes.size()))
             throw std::invalid_argument("graphed callable '" + c.name + "': " + c.input_name(i) + " is " +
-                                        (inputs[i].defined() ? describe(inputs[i]) : std::string("None")) +
-                                        "; its first dimension is the call's size (buckets up to " +
-                                        std::to_string(c.sig.buckets.back()) + ")");
-        const int64_t n = inputs[i].size(0);
-        if (rows < 0) {
-            rows = n;
+                                        (x.defined() ? describe(x) : std::string("None")) + "; its dimension " +
+                                        std::to_string(d) + " is the call's" + which + " size (it was captured with " +
+                                        describe(c.sig.in[i].sizes, c.sig.in[i].dtype, x.defined() ? x.device().str() : "cuda",
+                                                 c.sig.in[i].requires_grad) + ")");
+        const int64_t v = x.size(d);
+        if (n < 0) {
+            n = v;
             first = i;
-        } else if (n != rows) {
+        } else if (v != n) {
             throw std::invalid_argument("graphed callable '" + c.name + "': " + c.input_name(i) + " has " +
-                                        std::to_string(n) + " rows and " + c.input_name(first) + " " +
-                                        std::to_string(rows) + "; its dynamic inputs give the call's size together");
+                                        std::to_string(v) + (d ? " on dimension " + std::to_string(d) : std::string(" rows")) +
+                                        " and " + c.input_name(first) + " " + std::to_string(n) +
+                                        "; its dynamic inputs give the call's size together");
         }
+    };
+    for (size_t i = 0; i < inputs.size() && i < c.sig.in_dims.size(); ++i) {
+        take(i, c.sig.in_dims[i].d1, got.n, from[0], c.sig.buckets2.empty() ? "" : " first");
+        take(i, c.sig.in_dims[i].d2, got.n2, from[1], " second");
     }
-    if (rows < 1 || rows > c.sig.buckets.back())
-        throw std::invalid_argument("graphed callable '" + c.name + "': a call of " + std::to_string(rows) +
-                                    " rows; its buckets hold 1 to " + std::to_string(c.sig.buckets.back()) +
-                                    " (nothing was replayed)");
-    return rows;
+    auto check = [&](int64_t n, const std::vector<int64_t>& b, const char* what) {
+        if (n < 1 || n > b.back())
+            throw std::invalid_argument("graphed callable '" + c.name + "': a call of " + std::to_string(n) + " " + what +
+                                        "; its buckets hold 1 to " + std::to_string(b.back()) + " (nothing was replayed)");
+    };
+    check(got.n, c.sig.buckets, c.sig.buckets2.empty() ? "rows" : "as its first size");
+    if (!c.sig.buckets2.empty()) check(got.n2, c.sig.buckets2, "as its second size");
+    return got;
+}
+
+// Whether `x` has the shape of `m` in every dimension but those `d` follows.
+bool same_but(const at::Tensor& x, const Meta& m, const Dims& d) {
+    if (x.dim() != int64_t(m.sizes.size())) return false;
+    for (int64_t k = 0; k < x.dim(); ++k)
+        if (k != d.d1 && k != d.d2 && x.size(k) != m.sizes[size_t(k)]) return false;
+    return true;
 }
 
 }  // namespace
@@ -301,17 +323,25 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     c10::SmallVector<at::Tensor, 8> read;
     std::vector<const void*> data(inputs.size());
     bool needs_grad = false;
-    // With buckets: the call's rows (the first dimension of its dynamic
-    // inputs), and the bucket graphed runs for them.
-    const int64_t rows = c->sig.buckets.empty() ? 0 : call_rows(*c, inputs);
-    const size_t bucket = rows ? s.session->bucket_of(uint32_t(index_), uint64_t(rows)).index : 0;
+    // With buckets: the call's sizes (of the dimensions its dynamic inputs
+    // follow), and the bucket graphed runs for them.
+    const Sizes actual = c->sig.buckets.empty() ? Sizes{} : call_sizes(*c, inputs);
+    size_t bucket = 0;
+    Sizes bucket_sizes;
+    if (actual.any()) {
+        const graphed::Bucket b = c->sig.buckets2.empty()
+                                      ? s.session->bucket_of(uint32_t(index_), uint64_t(actual.n))
+                                      : s.session->bucket_of(uint32_t(index_), uint64_t(actual.n), uint64_t(actual.n2));
+        bucket = b.index;
+        bucket_sizes = Sizes{int64_t(b.size), int64_t(b.size2)};
+    }
     for (size_t i = 0; i < inputs.size(); ++i) {
         const at::Tensor& x = inputs[i];
         const Meta& m = c->sig.in[i];
         if (!x.defined()) throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is None");
         const bool rg = x.requires_grad();
-        const bool dyn = rows && c->sig.in_dyn[i];
-        if ((dyn ? x.sizes().slice(1) != at::IntArrayRef(m.sizes).slice(1) : x.sizes() != at::IntArrayRef(m.sizes)) ||
+        const bool dyn = actual.any() && c->sig.in_dyn[i];
+        if ((dyn ? !same_but(x, m, c->sig.in_dims[i]) : x.sizes() != at::IntArrayRef(m.sizes)) ||
             x.scalar_type() != m.dtype || !x.is_cuda() ||
             x.device().index() != s.device || (grad_mode && rg && !m.requires_grad))
             throw std::invalid_argument("graphed callable '" + c->name + "': " + c->input_name(i) + " is " + describe(x) +
@@ -343,7 +373,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     s.before_replay(key, launch);
     graphed::Replay r = replay_of(index_, microbatch_, launch, side, &data);
     if (moved) r.params(moved_to);
-    if (rows) r.size(uint64_t(rows));
+    if (actual.n) r.size(uint64_t(actual.n));
+    if (actual.n2) r.size2(uint64_t(actual.n2));
     std::vector<graphed::Ref> refs;
     try {
         s.replay(index_, microbatch_, [&](graphed::Session& session) { session.forward(r, refs); });
@@ -357,7 +388,8 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
     std::vector<at::Tensor> result;
     result.reserve(refs.size());
     std::vector<Meta> buf;
-    const std::vector<Meta>& outs = Callable::sized(c->sig.out, c->sig.out_dyn, rows, buf);
+    // Outputs of the actual sizes, where the bucket's buffer holds them.
+    const std::vector<Meta>& outs = Callable::returned(c->sig.out, c->sig.out_dims, actual, bucket_sizes, buf);
     for (size_t i = 0; i < refs.size(); ++i)
         result.push_back(s.wrap_alias(
             refs[i], outs[i], [&] { return c->who(microbatch_) + "output " + std::to_string(i); }, shared_));
@@ -374,8 +406,9 @@ std::vector<at::Tensor> GraphedCallable::operator()(const std::vector<at::Tensor
         node->shared = shared_;
         node->index = index_;
         node->microbatch = microbatch_;
-        node->rows = rows;
+        node->actual = actual;
         node->bucket = bucket;
+        node->bucket_sizes = bucket_sizes;
         if (other) node->side = on.stream;
         // Rebound inputs are read by the backward where they are: kept
         // alive until then, with their versions (as autograd's saved
@@ -460,6 +493,7 @@ std::vector<bool> GraphedCallable::params_movable() const {
 std::string GraphedCallable::input_name(size_t i) const { return shared_->callables[index_]->input_name(i); }
 
 const std::vector<int64_t>& GraphedCallable::bucket_sizes() const { return shared_->callables[index_]->sig.buckets; }
+const std::vector<int64_t>& GraphedCallable::bucket_sizes2() const { return shared_->callables[index_]->sig.buckets2; }
 
 GraphedCallable GraphedCallable::for_microbatch(uint32_t microbatch) const {
     if (microbatch >= shared_->microbatches)

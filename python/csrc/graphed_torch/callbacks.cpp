@@ -14,13 +14,13 @@ namespace graphed_torch {
 
 // ---- forward and backward bodies, shared by discovery and the callbacks -----------------
 
-std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins, int64_t rows) {
+std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins, Sizes bucket) {
     at::AutoGradMode mode(shared->opts.training);
     std::vector<at::Tensor> outs = caller.forward(ins);
     // The outputs this bucket must give (the first warmup iteration's, with
-    // the bucket's rows where they follow it).
+    // the bucket's sizes where they follow them).
     std::vector<Meta> buf;
-    const std::vector<Meta>& want = sized(sig.out, sig.out_dyn, rows, buf);
+    const std::vector<Meta>& want = sized(sig.out, sig.out_dims, bucket, buf);
     if (sig.outputs_known && outs.size() != sig.out.size())
         throw std::runtime_error("callable '" + name + "' returned " + std::to_string(outs.size()) + " outputs; it returned " +
                                  std::to_string(sig.out.size()) + " in the first warmup iteration");
@@ -32,7 +32,9 @@ std::vector<at::Tensor> Callable::run_forward(const std::vector<at::Tensor>& ins
         if (sig.outputs_known && (outs[i].sizes() != at::IntArrayRef(want[i].sizes) ||
                               outs[i].scalar_type() != want[i].dtype || outs[i].requires_grad() != want[i].requires_grad))
             throw std::runtime_error("callable '" + name + "': output " + std::to_string(i) + " is " + describe(outs[i]) +
-                                     (rows ? "; in bucket " + std::to_string(rows) + " it must be " : "; in the first warmup iteration it was ") +
+                                     (bucket.any() ? "; in bucket " + std::to_string(bucket.n) +
+                                                          (bucket.n2 ? " x " + std::to_string(bucket.n2) : std::string()) + " it must be "
+                                                    : "; in the first warmup iteration it was ") +
                                      describe(want[i].sizes, want[i].dtype, outs[i].device().str(), want[i].requires_grad));
         // The first warmup iteration's layout (dense), later ones in it.
         if (sig.outputs_known)
@@ -116,23 +118,30 @@ HookEvent hook_event(const graphed_pass_ctx* ctx, bool before) {
     return e;
 }
 
-// The rows of the pass's bucket (0 without buckets).
-int64_t rows_of(const graphed_pass_ctx* ctx) { return ctx->num_buckets ? int64_t(ctx->bucket_size) : 0; }
+// The sizes of the pass's bucket (none without buckets).
+Sizes bucket_of(const graphed_pass_ctx* ctx) {
+    return ctx->num_buckets ? Sizes{int64_t(ctx->bucket_size), int64_t(ctx->bucket_size2)} : Sizes{};
+}
 
 // Buckets at the memory of one shape: what a bucket's capture hands graphed
 // as an external buffer (`t`, of that bucket's shape) goes into `home`, one
-// buffer of `largest` shape that every bucket's graphs write (its first
-// rows), made by the first capture; the graph copies `t` there (one copy
-// per pass), and `t` itself goes back to the private pool with the pass's
-// other temporaries. Returns what to hand over. Where `largest` is empty
-// the first capture's `t` is the home (parameter grads: every bucket's
-// have one shape) and later ones are copied into it.
+// buffer of `largest` shape that every bucket's graphs write, made by the
+// first capture; the graph copies `t` there (one copy per pass), and `t`
+// itself goes back to the private pool with the pass's other temporaries.
+// Returns what to hand over. graphed reads a bucket's buffer as the
+// bucket's contiguous tensor (its actual data rows of a pitch, the
+// bucket's), so `t` goes to the home's first bytes as it is: for a tensor
+// that follows the bucket on its first dimension these are its first rows
+// (home.narrow(0, 0, n)); on another dimension, not home.narrow(d, 0, n),
+// whose pitch is the largest bucket's. Where `largest` is empty the first
+// capture's `t` is the home (parameter grads: every bucket's have one
+// shape) and later ones are copied into it.
 at::Tensor bucket_home(at::Tensor& home, const at::Tensor& t, const std::vector<int64_t>& largest) {
     if (!home.defined()) {
         if (largest.empty()) return home = t;
         home = at::empty(largest, t.options());
     }
-    (largest.empty() ? home : home.narrow(0, 0, t.size(0))).copy_(t);
+    (largest.empty() ? home : home.view(-1).narrow(0, 0, t.numel()).view(t.sizes())).copy_(t);
     return home;
 }
 
@@ -217,13 +226,13 @@ int32_t pre_hook(const graphed_pass_ctx* ctx, void* self) {
         const bool capture = ctx->phase == GRAPHED_PHASE_CAPTURE;
         if (!s.opts.training && pass != Pass::Forward) return;  // nothing runs
         HookEvent e = hook_event(ctx, true);
-        const int64_t rows = rows_of(ctx);
+        const Sizes bucket = bucket_of(ctx);
         std::vector<Meta> buf;
         if (pass == Pass::Forward) {
-            c->pass.inputs = wrap_static(ctx->inputs, Callable::sized(c->sig.in, c->sig.in_dyn, rows, buf), s.device, s.opts.training);
+            c->pass.inputs = wrap_static(ctx->inputs, Callable::sized(c->sig.in, c->sig.in_dims, bucket, buf), s.device, s.opts.training);
             e.inputs = &c->pass.inputs;
         } else {
-            c->pass.gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->sig.out, c->sig.out_dyn, rows, buf), s.device, false);
+            c->pass.gouts = wrap_static(ctx->grad_outputs, Callable::sized(c->sig.out, c->sig.out_dims, bucket, buf), s.device, false);
             e.grad_outputs = &c->pass.gouts;
         }
         if (c->caller.hook) s.on_work_stream(ctx->stream, [&] { c->call_hook(e); });
@@ -293,7 +302,7 @@ int32_t forward_cb(const graphed_pass_ctx* ctx, void* self) {
         const uint32_t mb = ctx->microbatch;
         if (ctx->phase == GRAPHED_PHASE_CAPTURE) s.rng.enter(static_cast<cudaStream_t>(ctx->stream));
         s.on_work_stream(ctx->stream, [&] {
-            std::vector<at::Tensor> outs = c->run_forward(c->pass.inputs, rows_of(ctx));
+            std::vector<at::Tensor> outs = c->run_forward(c->pass.inputs, bucket_of(ctx));
             if (ctx->phase == GRAPHED_PHASE_CAPTURE) {
                 Instance& inst = c->per_mb[mb];
                 for (size_t i = 0; i < outs.size(); ++i) {

@@ -234,17 +234,39 @@ struct ParamInfo {
     uint32_t policy = GRAPHED_GRAD_POLICY_DEFAULT;
 };
 
+// Buckets: the dimensions of a tensor that follow the bucket's first and
+// second size (-1: none).
+struct Dims {
+    int64_t d1 = -1, d2 = -1;
+    bool any() const { return d1 >= 0 || d2 >= 0; }
+};
+
+// Buckets: a bucket's sizes or a call's actual ones (the first and, for a
+// grid, the second; 0 and 0 without buckets).
+struct Sizes {
+    int64_t n = 0, n2 = 0;
+    bool any() const { return n > 0 || n2 > 0; }
+};
+
+// `m` with the dimensions `d` follow set to `at` (those at 0 left).
+inline void resize_dims(Meta& m, const Dims& d, const Sizes& at) {
+    if (d.d1 >= 0 && at.n > 0) m.sizes[size_t(d.d1)] = at.n;
+    if (d.d2 >= 0 && at.n2 > 0) m.sizes[size_t(d.d2)] = at.n2;
+}
+
 // A callable's inputs and outputs, as the first warmup iteration found them.
 struct Signature {
     std::vector<std::string> input_names;
     std::vector<Meta> in, out;
     std::vector<bool> in_grad;  // the input is registered as taking a grad
     bool outputs_known = false;
-    // Buckets: the sizes (ascending; empty: one shape), and which inputs
-    // and outputs have the bucket size as their first dimension (their
-    // Meta holds the largest bucket's).
-    std::vector<int64_t> buckets;
+    // Buckets: the sizes (ascending; empty: one shape) and, for a grid,
+    // the second sizes (empty: none); which inputs and outputs follow a
+    // size (in_dyn, out_dyn) and on which dimensions (in_dims, out_dims;
+    // their Meta holds the largest bucket's).
+    std::vector<int64_t> buckets, buckets2;
     std::vector<bool> in_dyn, out_dyn;
+    std::vector<Dims> in_dims, out_dims;
 };
 
 // What the caller gave for a callable: its functions and what they hold (a
@@ -277,8 +299,8 @@ struct Instance {
     // `bucket_pgrad`), kept while the graphs write there.
     std::vector<at::Tensor> ext_out, ext_gin, ext_pgrad, bucket_pgrad;
     // With buckets: the one buffer per output, input grad and parameter
-    // grad that every bucket's graphs write (bucket_home), at the largest
-    // bucket's shape; undefined where each bucket keeps its own.
+    // grad that every bucket's graphs write (bucket_home), of the largest
+    // bucket's bytes; undefined where each bucket keeps its own.
     std::vector<at::Tensor> home_out, home_gin, home_pgrad;
 };
 
@@ -319,20 +341,42 @@ struct Callable {
         return j < param_info.size() && !param_info[j].name.empty() ? param_info[j].name
                                                                     : "parameter " + std::to_string(j);
     }
-    // `metas` (in or out) with `rows` as the first dimension of the
-    // dynamic ones (`dyn`), built in `buf`; `metas` itself, not copied,
-    // when `rows` is 0 (no buckets: the replays' usual path).
-    static const std::vector<Meta>& sized(const std::vector<Meta>& metas, const std::vector<bool>& dyn, int64_t rows,
+    // `metas` (in or out) with `at` as the dimensions the dynamic ones
+    // follow (`dims`), contiguous, built in `buf`; `metas` itself, not
+    // copied, without sizes (no buckets: the replays' usual path).
+    static const std::vector<Meta>& sized(const std::vector<Meta>& metas, const std::vector<Dims>& dims, Sizes at,
                                           std::vector<Meta>& buf) {
-        if (rows <= 0) return metas;
+        if (!at.any()) return metas;
         buf = metas;
-        for (size_t i = 0; i < buf.size() && i < dyn.size(); ++i)
-            if (dyn[i]) buf[i].sizes[0] = rows;
+        for (size_t i = 0; i < buf.size() && i < dims.size(); ++i)
+            if (dims[i].any()) {
+                resize_dims(buf[i], dims[i], at);
+                buf[i].strides.clear();
+            }
+        return buf;
+    }
+    // What a replay of bucket `bucket` returns of `metas` for a call of
+    // sizes `actual`: the dynamic ones of the actual sizes, lying in the
+    // bucket's buffer as the bucket's contiguous tensor holds them (rows of
+    // a pitch: graphed_ref.rows, pitch), so strided where another
+    // dimension than the first is padded. `metas` itself without sizes.
+    static const std::vector<Meta>& returned(const std::vector<Meta>& metas, const std::vector<Dims>& dims, Sizes actual,
+                                             Sizes bucket, std::vector<Meta>& buf) {
+        if (!actual.any()) return metas;
+        buf = metas;
+        for (size_t i = 0; i < buf.size() && i < dims.size(); ++i) {
+            if (!dims[i].any()) continue;
+            Meta& m = buf[i];
+            resize_dims(m, dims[i], bucket);
+            m.strides.assign(m.sizes.size(), 1);
+            for (size_t k = m.sizes.size(); k-- > 1;) m.strides[k - 1] = m.strides[k] * m.sizes[k];
+            resize_dims(m, dims[i], actual);
+        }
         return buf;
     }
     // The forward and backward bodies (callbacks.cpp), shared by discovery
-    // and graphed's callbacks; `rows`: the bucket's size (0: no buckets).
-    std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& ins, int64_t rows = 0);
+    // and graphed's callbacks; `bucket`: the bucket's sizes (none: no buckets).
+    std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& ins, Sizes bucket = {});
     std::vector<at::Tensor> run_backward(Tape& tape, const std::vector<at::Tensor>& gouts, bool inputs, bool params,
                                          bool retain, bool discover);
     void call_hook(const HookEvent& e) {

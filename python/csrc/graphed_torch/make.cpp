@@ -17,36 +17,79 @@ namespace graphed_torch {
 
 namespace {
 
-// Buckets: ascending sizes from 1, a flag per input, at least one dynamic
-// input, each with the largest bucket as its first dimension.
+// Per sample input of `s`: the dimensions that follow its bucket sizes
+// (dynamic_dims, dynamic_dims2; without dynamic_dims, the first for the
+// inputs marked in dynamic_inputs).
+std::vector<Dims> input_dims(const CallableSpec& s) {
+    std::vector<Dims> dims(s.sample_inputs.size());
+    for (size_t i = 0; i < dims.size(); ++i) {
+        if (s.dynamic_dims.empty())
+            dims[i].d1 = i < s.dynamic_inputs.size() && s.dynamic_inputs[i] ? 0 : -1;
+        else if (i < s.dynamic_dims.size())
+            dims[i].d1 = s.dynamic_dims[i];
+        if (i < s.dynamic_dims2.size()) dims[i].d2 = s.dynamic_dims2[i];
+    }
+    return dims;
+}
+
+// Ascending sizes from 1.
+void validate_sizes(const std::string& who, const std::vector<int64_t>& b, const char* what) {
+    for (size_t k = 0; k < b.size(); ++k)
+        if (b[k] < 1 || (k > 0 && b[k] <= b[k - 1]))
+            throw std::invalid_argument(who + what + " must be 1 or more and strictly ascending");
+}
+
+// Buckets: ascending sizes from 1 (and a grid's second sizes), at least one
+// dynamic input, each with the largest bucket as the size of the
+// dimension that follows it.
 void validate_buckets(const CallableSpec& s) {
     const std::string who = "callable '" + s.name + "': ";
+    auto any_of = [](const std::vector<int64_t>& v) {
+        return std::find_if(v.begin(), v.end(), [](int64_t d) { return d >= 0; }) != v.end();
+    };
     if (s.bucket_sizes.empty()) {
-        if (std::find(s.dynamic_inputs.begin(), s.dynamic_inputs.end(), true) != s.dynamic_inputs.end())
-            throw std::invalid_argument(who + "dynamic_inputs are marked, but it has no bucket_sizes");
+        if (std::find(s.dynamic_inputs.begin(), s.dynamic_inputs.end(), true) != s.dynamic_inputs.end() ||
+            any_of(s.dynamic_dims) || any_of(s.dynamic_dims2))
+            throw std::invalid_argument(who + "dynamic inputs are marked, but it has no bucket_sizes");
+        if (!s.bucket_sizes2.empty()) throw std::invalid_argument(who + "bucket_sizes2 without bucket_sizes");
         return;
     }
     const std::vector<int64_t>& b = s.bucket_sizes;
-    if (b.size() > GRAPHED_MAX_BUCKETS)
-        throw std::invalid_argument(who + std::to_string(b.size()) + " buckets; at most " +
+    const std::vector<int64_t>& b2 = s.bucket_sizes2;
+    const size_t count = b.size() * std::max<size_t>(b2.size(), 1);
+    if (count > GRAPHED_MAX_BUCKETS)
+        throw std::invalid_argument(who + std::to_string(count) + " buckets; at most " +
                                     std::to_string(GRAPHED_MAX_BUCKETS));
-    for (size_t k = 0; k < b.size(); ++k)
-        if (b[k] < 1 || (k > 0 && b[k] <= b[k - 1]))
-            throw std::invalid_argument(who + "bucket sizes must be 1 or more and strictly ascending");
-    if (b.size() == 1 && b[0] == 1)
+    validate_sizes(who, b, "bucket sizes");
+    validate_sizes(who, b2, "second bucket sizes");
+    if (b.size() == 1 && b[0] == 1 && b2.empty())
         throw std::invalid_argument(who + "one bucket of size 1 is one shape: give no buckets");
-    if (s.dynamic_inputs.size() != s.sample_inputs.size())
+    if (s.dynamic_dims.empty() && s.dynamic_inputs.size() != s.sample_inputs.size())
         throw std::invalid_argument(who + "dynamic_inputs has " + std::to_string(s.dynamic_inputs.size()) +
                                     " entries for " + std::to_string(s.sample_inputs.size()) + " inputs");
+    for (const std::vector<int64_t>* v : {&s.dynamic_dims, &s.dynamic_dims2})
+        if (!v->empty() && v->size() != s.sample_inputs.size())
+            throw std::invalid_argument(who + "dynamic_dims has " + std::to_string(v->size()) + " entries for " +
+                                        std::to_string(s.sample_inputs.size()) + " inputs");
+    if (b2.empty() && any_of(s.dynamic_dims2))
+        throw std::invalid_argument(who + "dynamic_dims2 without bucket_sizes2 (a grid)");
+    const std::vector<Dims> dims = input_dims(s);
     bool any = false;
     for (size_t i = 0; i < s.sample_inputs.size(); ++i) {
-        if (!s.dynamic_inputs[i]) continue;
+        const Dims& d = dims[i];
+        if (!d.any()) continue;
         any = true;
         const at::Tensor& x = s.sample_inputs[i];
-        if (x.dim() == 0 || x.size(0) != b.back())
-            throw std::invalid_argument(who + (i < s.input_names.size() ? s.input_names[i] : "input " + std::to_string(i)) +
-                                        " is dynamic: its first dimension must be the largest bucket (" +
-                                        std::to_string(b.back()) + "); it is " + describe(x));
+        const std::string name = i < s.input_names.size() ? s.input_names[i] : "input " + std::to_string(i);
+        if (d.d1 == d.d2)
+            throw std::invalid_argument(who + name + " follows both bucket sizes on dimension " + std::to_string(d.d1));
+        for (auto [dim, sizes] : {std::pair<int64_t, const std::vector<int64_t>*>{d.d1, &b}, {d.d2, &b2}}) {
+            if (dim < 0) continue;
+            if (dim >= x.dim() || x.size(dim) != sizes->back())
+                throw std::invalid_argument(who + name + " is dynamic: its dimension " + std::to_string(dim) +
+                                            " must be the largest bucket (" + std::to_string(sizes->back()) +
+                                            "); it is " + describe(x));
+        }
     }
     if (!any) throw std::invalid_argument(who + "it has buckets but no dynamic input");
 }
@@ -135,42 +178,58 @@ void discover(Shared& s, const std::vector<PassRef>& order) {
     }
 }
 
-// Buckets: which outputs follow the bucket size, learnt by running the
-// forward once more (no grad) on the samples' first rows at a smaller size
-// (the smallest bucket, or with one bucket one row less): an output whose
-// first dimension changes with it must be that size.
+// Buckets: which outputs follow the bucket's sizes, and on which
+// dimension, learnt by running the forward once more (no grad) per size on
+// the samples' leading part at a smaller size of it (its smallest bucket,
+// or with one bucket one less), the other size at its largest: a dimension
+// of an output that changes with it must be that size.
 void learn_dynamic_outputs(Shared& s, Callable& c) {
     c.sig.out_dyn.assign(c.sig.out.size(), false);
+    c.sig.out_dims.assign(c.sig.out.size(), Dims());
     if (c.sig.buckets.empty()) return;
-    const int64_t largest = c.sig.buckets.back(), probe = c.sig.buckets.size() > 1 ? c.sig.buckets.front() : largest - 1;
-    std::vector<at::Tensor> ins;
-    for (size_t i = 0; i < c.caller.samples.size(); ++i)
-        ins.push_back(c.sig.in_dyn[i] ? c.caller.samples[i].narrow(0, 0, probe).clone() : c.caller.samples[i].clone());
-    std::vector<at::Tensor> outs;
-    {
-        c10::cuda::CUDAStreamGuard guard(s.route.work);
-        at::AutoGradMode no_grad(false);
-        outs = c.caller.forward(ins);
-    }
-    if (outs.size() != c.sig.out.size())
-        throw std::runtime_error("callable '" + c.name + "' returned " + std::to_string(outs.size()) + " outputs at " +
-                                 std::to_string(probe) + " rows and " + std::to_string(c.sig.out.size()) + " at " +
-                                 std::to_string(largest));
-    for (size_t i = 0; i < outs.size(); ++i) {
-        Meta& m = c.sig.out[i];
-        const at::IntArrayRef got = outs[i].sizes();
-        if (got == at::IntArrayRef(m.sizes)) continue;
-        std::vector<int64_t> want = m.sizes;
-        if (!want.empty()) want[0] = probe;
-        if (m.sizes.empty() || m.sizes[0] != largest || got != at::IntArrayRef(want))
-            throw std::runtime_error("callable '" + c.name + "': output " + std::to_string(i) + " has shape " +
-                                     describe(m.sizes, m.dtype, "cuda", m.requires_grad) + " at " +
-                                     std::to_string(largest) + " rows and " + describe(outs[i]) + " at " +
-                                     std::to_string(probe) +
-                                     ": with buckets, an output's first dimension is the bucket size or does not "
-                                     "change");
-        c.sig.out_dyn[i] = true;
-        m.strides.clear();  // its rows contiguous, whatever eager's layout
+    for (int axis = 0; axis < (c.sig.buckets2.empty() ? 1 : 2); ++axis) {
+        const std::vector<int64_t>& b = axis ? c.sig.buckets2 : c.sig.buckets;
+        const int64_t largest = b.back(), probe = b.size() > 1 ? b.front() : largest - 1;
+        if (probe < 1) continue;  // one bucket of size 1: nothing to learn
+        std::vector<at::Tensor> ins;
+        for (size_t i = 0; i < c.caller.samples.size(); ++i) {
+            const int64_t d = axis ? c.sig.in_dims[i].d2 : c.sig.in_dims[i].d1;
+            ins.push_back(d >= 0 ? c.caller.samples[i].narrow(d, 0, probe).clone() : c.caller.samples[i].clone());
+        }
+        std::vector<at::Tensor> outs;
+        {
+            c10::cuda::CUDAStreamGuard guard(s.route.work);
+            at::AutoGradMode no_grad(false);
+            outs = c.caller.forward(ins);
+        }
+        const std::string at_probe = std::to_string(probe) + (axis ? " as its second size" : c.sig.buckets2.empty() ? " rows" : " as its first size");
+        if (outs.size() != c.sig.out.size())
+            throw std::runtime_error("callable '" + c.name + "' returned " + std::to_string(outs.size()) + " outputs at " +
+                                     at_probe + " and " + std::to_string(c.sig.out.size()) + " at " +
+                                     std::to_string(largest));
+        for (size_t i = 0; i < outs.size(); ++i) {
+            Meta& m = c.sig.out[i];
+            const at::IntArrayRef got = outs[i].sizes();
+            if (got == at::IntArrayRef(m.sizes)) continue;
+            int64_t follows = -1;
+            bool ok = got.size() == m.sizes.size();
+            for (size_t k = 0; ok && k < got.size(); ++k) {
+                if (got[k] == m.sizes[k]) continue;
+                ok = follows < 0 && m.sizes[k] == largest && got[k] == probe;
+                follows = int64_t(k);
+            }
+            Dims& d = c.sig.out_dims[i];
+            if (ok && (axis ? d.d1 : d.d2) == follows) ok = false;
+            if (!ok)
+                throw std::runtime_error("callable '" + c.name + "': output " + std::to_string(i) + " has shape " +
+                                         describe(m.sizes, m.dtype, "cuda", m.requires_grad) + " at " +
+                                         std::to_string(largest) + " and " + describe(outs[i]) + " at " + at_probe +
+                                         ": with buckets, one dimension of an output is the bucket size, or none "
+                                         "changes");
+            (axis ? d.d2 : d.d1) = follows;
+            c.sig.out_dyn[i] = true;
+            m.strides.clear();  // contiguous in its bucket, whatever eager's layout
+        }
     }
 }
 
@@ -180,17 +239,25 @@ void register_callable(Shared& s, Callable& c) {
     // The shapes the descriptors point to, until registration copies them.
     std::vector<std::vector<int64_t>> shapes;
     shapes.reserve(c.sig.in.size() + c.sig.out.size());
-    auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external, bool dyn) {
+    auto describe_tensor = [&](const Meta& meta, bool requires_grad, const void* sample, bool external, const Dims& dims) {
         bool exact = true;
         uint32_t code = dtype_code(meta.dtype, &exact);
         shapes.push_back(exact ? meta.sizes : std::vector<int64_t>{});
-        // A dynamic tensor graphed knows as bytes: [rows, bytes per row].
-        if (dyn && !exact) shapes.back() = {meta.sizes[0], int64_t(meta.bytes()) / meta.sizes[0]};
+        // A dynamic tensor graphed knows as bytes: its shape, then the bytes
+        // of an element.
+        if (dims.any() && !exact) {
+            shapes.back() = meta.sizes;
+            shapes.back().push_back(int64_t(c10::elementSize(meta.dtype)));
+        }
         graphed_tensor_desc t = graphed::tensor_desc(
             meta.bytes(), code, requires_grad, sample,
-            (external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE) | (dyn ? GRAPHED_TENSOR_FLAGS_DYNAMIC : 0u));
+            (external ? GRAPHED_TENSOR_FLAGS_EXTERNAL : GRAPHED_TENSOR_FLAGS_NONE) | (dims.any() ? GRAPHED_TENSOR_FLAGS_DYNAMIC : 0u));
         t.ndim = uint32_t(shapes.back().size());
         t.shape = shapes.back().data();
+        if (dims.any()) {
+            t.dynamic_dim = dims.d1 >= 0 ? uint32_t(dims.d1) : GRAPHED_DIM_NONE;
+            t.dynamic_dim2 = dims.d2 >= 0 ? uint32_t(dims.d2) : GRAPHED_DIM_NONE;
+        }
         return t;
     };
     // Rebinding: inputs and incoming grads are read where they are, where
@@ -201,16 +268,17 @@ void register_callable(Shared& s, Callable& c) {
     const uint32_t rebind =
         s.opts.rebind_inputs && !c.wgrad && c.sig.buckets.empty() ? GRAPHED_TENSOR_FLAGS_REBIND : 0u;
     for (size_t i = 0; i < c.sig.in.size(); ++i) {
-        d.inputs.push_back(describe_tensor(c.sig.in[i], c.sig.in_grad[i], c.caller.samples[i].data_ptr(), c.sig.in_grad[i], c.sig.in_dyn[i]));
+        d.inputs.push_back(describe_tensor(c.sig.in[i], c.sig.in_grad[i], c.caller.samples[i].data_ptr(), c.sig.in_grad[i], c.sig.in_dims[i]));
         d.inputs.back().flags |= rebind;
     }
     // Outputs that take a grad get one at backward.
     for (size_t o = 0; o < c.sig.out.size(); ++o) {
         const Meta& meta = c.sig.out[o];
-        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true, c.sig.out_dyn[o]));
+        d.outputs.push_back(describe_tensor(meta, meta.requires_grad, nullptr, true, c.sig.out_dims[o]));
         if (meta.requires_grad) d.outputs.back().flags |= rebind;
     }
     d.buckets.assign(c.sig.buckets.begin(), c.sig.buckets.end());
+    d.buckets2.assign(c.sig.buckets2.begin(), c.sig.buckets2.end());
     // Moving parameters: capture verifies, per parameter, that the graphs
     // can be pointed elsewhere; a call then follows a parameter it finds
     // at another address.
@@ -367,8 +435,9 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
         }
         c->wgrad = plan.has_wgrad[i] != 0;
         c->sig.buckets = std::move(sp.bucket_sizes);
-        c->sig.in_dyn = sp.dynamic_inputs;
-        c->sig.in_dyn.resize(c->sig.in.size(), false);
+        c->sig.buckets2 = std::move(sp.bucket_sizes2);
+        c->sig.in_dims = input_dims(sp);
+        for (const Dims& d : c->sig.in_dims) c->sig.in_dyn.push_back(d.any());
         s.callables.push_back(std::move(c));
     }
 

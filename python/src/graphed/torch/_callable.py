@@ -186,6 +186,11 @@ class GraphedCallable:
         return list(self._impl.bucket_sizes)
 
     @property
+    def bucket_sizes2(self):
+        """A grid's second sizes (empty: none)."""
+        return list(self._impl.bucket_sizes2)
+
+    @property
     def training(self):
         return self._training
 

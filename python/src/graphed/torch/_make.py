@@ -340,8 +340,9 @@ def make_graphed_callables(
                         "(its forward is replaced by its graphs); give it once, or use _order for several microbatches"
                     )
                 seen.add(id(fn))
-    # Buckets: each callable's largest sample, its sizes and dynamic inputs.
-    buckets = [(None, None)] * len(sample_args)
+    # Buckets: each callable's largest sample and its Grid (sizes, and the
+    # dimensions of each input that follow them).
+    buckets = [None] * len(sample_args)
     if any(isinstance(x, _buckets.Buckets) for x in sample_args + sample_kwargs):
         if _order is not None:
             raise ValueError("Buckets need the default order: they cannot be given with _order (a pipeline schedule)")
@@ -352,10 +353,9 @@ def make_graphed_callables(
             )
         sample_args, sample_kwargs = list(sample_args), list(sample_kwargs)
         for k in range(len(sample_args)):
-            sample_args[k], sample_kwargs[k], sizes, dynamic = _buckets.plan(
+            sample_args[k], sample_kwargs[k], buckets[k] = _buckets.plan(
                 sample_args[k], sample_kwargs[k], f"sample_args[{k}]"
             )
-            buckets[k] = (sizes, dynamic)
         sample_args, sample_kwargs = tuple(sample_args), tuple(sample_kwargs)
     hooks = _hooks.canonicalize(len(callables), capture_time_hooks)
     if _order is None:
@@ -384,10 +384,16 @@ def make_graphed_callables(
     rows = [None] * len(callables)
     for k, fn in enumerate(callables):
         name, out, spec = callable_spec(ext, k, fn, bindings[k], hooks[k])
-        sizes, dynamic = buckets[k]
-        if sizes is not None:
-            spec.update(bucket_sizes=sizes, dynamic_inputs=dynamic)
-            rows[k] = _buckets.Rows(dynamic.index(True), sizes[-1], bucket_overflow, name)
+        grid = buckets[k]
+        if grid is not None:
+            spec.update(
+                bucket_sizes=grid.sizes,
+                bucket_sizes2=grid.sizes2,
+                dynamic_inputs=grid.dynamic,
+                dynamic_dims=[-1 if d is None else d for d, _ in grid.dims],
+                dynamic_dims2=[-1 if d is None else d for _, d in grid.dims],
+            )
+            rows[k] = _buckets.Rows(grid, bucket_overflow, name)
         names.append(name)
         outputs.append(out)
         specs.append(spec)
