@@ -33,7 +33,8 @@ fn aligned(off: usize) -> usize {
     (mem(PBYTES + 512, 0) + 255) / 256 * 256 + off
 }
 
-fn empty_ref() -> graphed_ref {
+/// A ref for a replay to fill (also the update op's).
+pub(crate) fn empty_ref() -> graphed_ref {
     graphed_ref {
         ptr: null_mut(),
         bytes: 0,

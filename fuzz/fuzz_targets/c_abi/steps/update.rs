@@ -10,6 +10,7 @@
 //! against a model: statuses, and the weights and momentum bit for bit.
 
 use super::*;
+use crate::moves::empty_ref;
 
 const N: usize = 4;
 const BYTES: usize = N * 4;
@@ -56,19 +57,6 @@ unsafe extern "C" fn run_task(data: *mut c_void) {
                 }
             }
         }
-    }
-}
-
-fn empty_ref() -> graphed_ref {
-    graphed_ref {
-        ptr: null_mut(),
-        bytes: 0,
-        kind: 0,
-        owner: null_mut(),
-        lease: 0,
-        rows: 0,
-        row_bytes: 0,
-        pitch: 0,
     }
 }
 
