@@ -35,6 +35,9 @@ if torch is not None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "torch_extension"))
     import nanogpt  # noqa: E402
 
+# The models' base class (object without torch, whose tests are skipped).
+_Module = nn.Module if torch is not None else object
+
 pytestmark = needs_torch
 needs_gpu = pytest.mark.skipif(gpu_error() is not None, reason=str(gpu_error()))
 
@@ -199,7 +202,7 @@ def test_causal_attention_on_T_equals_eager_padded(layer):
     graphed.reset()
 
 
-class MeanOverT(nn.Module):
+class MeanOverT(_Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(H, H)
@@ -208,7 +211,7 @@ class MeanOverT(nn.Module):
         return self.lin(x).mean(1)
 
 
-class MeanOverLengths(nn.Module):
+class MeanOverLengths(_Module):
     """The mean over the real positions: the lengths ([B], each sequence's)
     are an ordinary input, and the sum runs over a mask built from them."""
 
