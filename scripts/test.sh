@@ -52,6 +52,8 @@ stage "fuzz the C ABI (libFuzzer, ASan, LeakSanitizer; a fixed budget, failing o
 fuzz_log="$(mktemp)"
 bash scripts/fuzz.sh "${GRAPHED_FUZZ_SECONDS:-180}" >"$fuzz_log" 2>&1 &
 fuzz_pid=$!
+# A step that fails ends the script: the fuzz target goes with it.
+trap 'kill "$fuzz_pid" 2>/dev/null || true' EXIT
 
 stage "pytest (the Python package; needs torch and a GPU for most tests)"
 .venv/bin/python -m pytest python/tests -q -rs -p no:cacheprovider | tail -40
@@ -60,6 +62,7 @@ stage "the PyTorch extension against the oldest and the newest supported torch (
 bash scripts/torch-compat.sh
 
 stage "the fuzz target's result"
+trap - EXIT
 if ! wait "$fuzz_pid"; then
   cat "$fuzz_log"
   echo "scripts/test.sh: the fuzz target failed" >&2
