@@ -145,7 +145,7 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="graphed._torch_ext",
-            # The Python extension (csrc/extension.cpp) and the adapter (csrc/graphed_torch/).
+            # The Python extension (csrc/extension.cpp, csrc/extension/) and the adapter (csrc/graphed_torch/).
             sources=[str(p.relative_to(HERE)) for p in sorted((HERE / "csrc").glob("**/*.cpp"))],
             include_dirs=[str(HERE / "csrc")],
             libraries=["graphed"],
