@@ -348,7 +348,7 @@ def test_nanogpt_blocks_trained_on_lengths_1_to_256_match_eager_padded(dropout):
         opt.zero_grad(set_to_none=True)
         r_opt.zero_grad(set_to_none=True)
         for m, seq in enumerate(data[step]):
-            idx, tgt = seq[:, :-1], seq[:, 1:]
+            idx, tgt = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
             t = idx.shape[1]
             b = bucket_of(t, sizes)
             torch.manual_seed(1000 + 10 * step + m)
