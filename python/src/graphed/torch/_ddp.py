@@ -44,10 +44,10 @@ def _dist():
     return dist
 
 
-def check_bucket_cap(bucket_cap_mb, group):
+def check_bucket_cap(bucket_cap_mb, ddp):
     if bucket_cap_mb is None:
         return
-    if group is None:
+    if ddp is None or ddp is False:
         raise ValueError("make_graphed_step: bucket_cap_mb is for the data-parallel all-reduce; it needs ddp=...")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"make_graphed_step: bucket_cap_mb must be a positive number of MiB, not {bucket_cap_mb!r}")

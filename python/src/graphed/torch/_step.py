@@ -311,8 +311,8 @@ def make_graphed_step(
         accumulate_param_grads_into,
         [p for fn in callables if isinstance(fn, torch.nn.Module) for p in fn.parameters()],
     )
+    _ddp.check_bucket_cap(bucket_cap_mb, ddp)
     group = _ddp.resolve_group(ddp)
-    _ddp.check_bucket_cap(bucket_cap_mb, group)
     if not torch.cuda.is_available():
         raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
     ext = extension()
