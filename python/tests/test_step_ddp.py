@@ -520,3 +520,133 @@ def test_a_call_after_the_group_is_destroyed_is_refused(group):
     assert step.is_reset
     with pytest.raises(RuntimeError, match=r"it was reset when its process group was destroyed"):
         step(x, t)
+
+
+# ---- on two GPUs: two NCCL ranks, one per GPU -------------------------------------------------
+
+needs_two_gpus = pytest.mark.skipif(
+    torch is None or not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA GPUs (NCCL: one rank per GPU)",
+)
+
+# One rank: "exact" trains the same model with the step (ddp=True, AdamW,
+# clipping, 4 microbatches) and with eager DDP (no_sync() for the first 3),
+# each rank its own data, and compares weights every iteration; "mismatch"
+# makes rank 1's last layer wider, so the ranks' plans differ.
+STEP_RANK = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist, torch.nn as nn
+    import graphed.torch as gt
+    from graphed.torch import CollectiveMismatchError
+    mode, rank, store_path, iters = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, device_id=dev)
+    W, B, N = 64, 8, 4
+
+    class Loss(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.head = nn.Linear(width, W)
+
+        def forward(self, y, t):
+            return 0.5 * ((self.head(y) - t) ** 2).mean()
+
+    class Whole(nn.Module):
+        def __init__(self, mods):
+            super().__init__()
+            self.mods = nn.ModuleList(mods)
+
+        def forward(self, x, t):
+            *layers, loss = self.mods
+            for m in layers:
+                x = m(x)
+            return loss(x, t)
+
+    def model(last=W):
+        torch.manual_seed(5)
+        return [nn.Sequential(nn.Linear(W, W), nn.ReLU()).to(dev), nn.Sequential(nn.Linear(W, last), nn.ReLU()).to(dev),
+                Loss(last).to(dev)]
+
+    def params(mods):
+        return [p for m in mods for p in m.parameters()]
+
+    try:
+        if mode == "mismatch":
+            mods = model(W if rank == 0 else 2 * W)
+            x, t = torch.randn(B, W, device=dev), torch.randn(B, W, device=dev)
+            try:
+                gt.make_graphed_step(mods[:-1], mods[-1], (x,), (t,), ddp=True, bucket_cap_mb=0.01)
+                print("no error")
+            except CollectiveMismatchError as e:
+                print("raised:", e)
+        else:
+            eager, graphed = model(), model()
+            ddp = nn.parallel.DistributedDataParallel(Whole(eager), bucket_cap_mb=0.01)
+            e_opt = torch.optim.AdamW(params(eager), lr=torch.tensor(1e-2, device=dev), fused=True)
+            g_opt = torch.optim.AdamW(params(graphed), lr=1e-2, fused=True)
+            gen = torch.Generator(device=dev).manual_seed(10 + rank)
+            xs = torch.randn(iters, N, B, W, device=dev, generator=gen)
+            ts = torch.randn(iters, N, B, W, device=dev, generator=gen)
+            step = gt.make_graphed_step(graphed[:-1], graphed[-1], (xs[0, 0],), (ts[0, 0],), microbatches=N,
+                                        optimizer=g_opt, clip_grad_norm=1.0, ddp=True, bucket_cap_mb=0.01)
+            for it in range(iters):
+                for i in range(N):
+                    if i < N - 1:
+                        with ddp.no_sync():
+                            ddp(xs[it, i], ts[it, i]).backward()
+                    else:
+                        ddp(xs[it, i], ts[it, i]).backward()
+                torch.nn.utils.clip_grad_norm_(params(eager), 1.0, foreach=True)
+                e_opt.step()
+                e_opt.zero_grad(set_to_none=False)
+                step(xs[it], ts[it])
+                for a, b in zip(params(graphed), params(eager)):
+                    if not torch.equal(a, b):
+                        sys.exit(f"rank {rank}: iteration {it}: weights differ from eager DDP")
+            # The other rank's weights: the same (DDP keeps replicas equal).
+            mine = torch.cat([p.detach().reshape(-1) for p in params(graphed)])
+            other = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(other, mine)
+            print(f"equal eager DDP over {iters} iterations; replicas equal {torch.equal(other[0], other[1])}; "
+                  f"{len(step.collectives)} all-reduces")
+            step.reset()
+    finally:
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
+    """
+)
+
+
+def two_gpu_ranks(mode, tmp_path, iters=100):
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0",
+               PYTHONPATH=os.pathsep.join(p for p in [_src(), os.environ.get("PYTHONPATH")] if p))
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", STEP_RANK, mode, str(r), store, str(iters)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"two NCCL ranks ({mode}) ran past 300 s")
+        assert p.returncode == 0, f"exit status {p.returncode}\n{out}\n{err[-3000:]}"
+        outs.append(out.strip().splitlines()[-1])
+    return outs
+
+
+@needs_gpu
+@needs_two_gpus
+def test_two_nccl_ranks_equal_eager_ddp(tmp_path):
+    for out in two_gpu_ranks("exact", tmp_path):
+        assert out.startswith("equal eager DDP over 100 iterations; replicas equal True"), out
+
+
+@needs_gpu
+@needs_two_gpus
+def test_two_nccl_ranks_with_different_steps_both_raise_before_capture(tmp_path):
+    for out in two_gpu_ranks("mismatch", tmp_path):
+        assert out.startswith("raised: make_graphed_step (before capture): the ranks captured different"), out
+        assert "rank 0 records all_reduce" in out and "rank 1 records all_reduce" in out
