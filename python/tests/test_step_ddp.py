@@ -210,6 +210,15 @@ RANK = textwrap.dedent(
                 print("no error")
             except CollectiveMismatchError as e:
                 print("raised:", e)
+        elif mode == "plan-failed":
+            # Rank 1's plan fails (its parameters are not on the step's
+            # device): it raises its own error, rank 0 hears of it.
+            params = [("Linear_0.weight", nn.Parameter(torch.zeros(4, 4)))]
+            try:
+                _ddp.StepAllReduce.agreed(g, params, None, torch.device("cpu" if rank == 0 else "meta"))
+                print("no error")
+            except (CollectiveMismatchError, ValueError) as e:
+                print("raised:", type(e).__name__, e)
         elif mode.startswith("ddp"):
             # The all-reduce run eagerly on the CPU (gloo) on grads
             # accumulated over 3 microbatches, against eager DDP with
@@ -230,7 +239,7 @@ RANK = textwrap.dedent(
                     ((ddp(xs[i]) - ts[i]) ** 2).mean().backward()
                 ((mine(xs[i]) - ts[i]) ** 2).mean().backward()
             params = [(f"Sequential_0.{n}", p) for n, p in mine.named_parameters()]
-            ar = _ddp.StepAllReduce(g, params, cap, torch.device("cpu"))
+            ar = _ddp.StepAllReduce.agreed(g, params, cap, torch.device("cpu"))
             ar.record(0, [p.grad for _, p in params])
             same = all(torch.equal(a.grad, b.grad) for a, b in zip(mine.parameters(), eager.parameters()))
             print(f"buckets {len(ar.buckets)} equal {same} scale {ar.scale}")
@@ -285,6 +294,15 @@ def test_a_rank_that_failed_to_capture_stops_the_other(tmp_path):
     assert r0 == "raised: test: rank 1 of the ddp group failed to make its step (ValueError: a capture failed); no " \
                  "rank replays it"
     assert r1 == "no error"  # the failed rank raises its own error (make_graphed_step re-raises it)
+
+
+@needs_torch
+def test_a_rank_whose_plan_failed_stops_the_other_before_any_all_reduce(tmp_path):
+    r0, r1 = two_ranks("plan-failed", tmp_path)
+    assert r0.startswith("raised: CollectiveMismatchError make_graphed_step (before capture): rank 1 of the ddp "
+                         "group failed to make its step (ValueError: make_graphed_step: ddp: parameter "
+                         "'Linear_0.weight' is torch.strided on cpu"), r0
+    assert r1.startswith("raised: ValueError make_graphed_step: ddp: parameter 'Linear_0.weight'"), r1
 
 
 @needs_torch

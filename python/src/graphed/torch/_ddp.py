@@ -245,6 +245,22 @@ class StepAllReduce:
             self.manifest.append(self._entry(b))
         self.recorded = []
 
+    @classmethod
+    def agreed(cls, group, params, bucket_cap_mb, device, where="make_graphed_step (before capture)"):
+        """The all-reduce planned and the plans compared between the ranks
+        (all_gather_object over `group`): a rank whose plan failed sends
+        its error, so that every rank raises, none waits."""
+        failure, made = None, None
+        try:
+            made = cls(group, params, bucket_cap_mb, device)
+        except BaseException as e:
+            failure = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            payload = failure if failure is not None else [tuple(e) for e in made.manifest]
+            check_exchanged(exchange(payload, group), where, mine_failed=failure is not None)
+        return made
+
     def _entry(self, b):
         flat, _, ks = self.buckets[b]
         return Collective(
@@ -255,11 +271,6 @@ class StepAllReduce:
     @property
     def nbytes(self):
         return sum(f.numel() * f.element_size() for f, _, _ in self.buckets)
-
-    def agree(self, where="make_graphed_step"):
-        """The ranks' plans compared before any collective of the step runs
-        (the warm-up's): a mismatch raises here, on every rank."""
-        check_exchanged(exchange([tuple(e) for e in self.manifest], self.group), f"{where} (before capture)")
 
     def warm_up(self):
         """The all-reduce once, eagerly, on the buckets (the grads

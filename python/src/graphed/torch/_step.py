@@ -355,24 +355,6 @@ def make_graphed_step(
             generators=gens,
         )
         step = dict(microbatches=int(microbatches), loop=bool(loop), destination=destination)
-        if group is not None:
-            failure = None
-            try:
-                allreduce = _ddp.StepAllReduce(group, params, bucket_cap_mb, device)
-            except Exception as e:
-                failure = f"{type(e).__name__}: {e}"
-                raise
-            finally:
-                # Every rank takes part, a failed one too (no rank waits
-                # for another in a collective it never reaches).
-                with torch.cuda.device(device):
-                    _ddp.check_exchanged(
-                        _ddp.exchange(failure if failure is not None else [tuple(e) for e in allreduce.manifest], group),
-                        "make_graphed_step (before capture)",
-                        mine_failed=failure is not None,
-                    )
-            with torch.cuda.device(device):
-                allreduce.warm_up()
         if optimizer is not None:
             update = _optim.StepUpdate(optimizer, clip_grad_norm, grad_scaler, param_grads == "add", params, device)
             with torch.cuda.device(device):
@@ -383,7 +365,12 @@ def make_graphed_step(
                 scalar_bytes=update.scalar_bytes,
                 loss_seed=update.seed,
             )
-        if allreduce is not None:
+        if group is not None:
+            # Planned, and the plans compared between the ranks, before any
+            # collective of the step runs (every rank takes part, one whose
+            # plan failed too).
+            with torch.cuda.device(device):
+                allreduce = _ddp.StepAllReduce.agreed(group, params, bucket_cap_mb, device)
             # First in the main graph: the check phase with a scaler (the
             # apply phase is then in a conditional node, where NCCL cannot
             # run), else the apply phase, before the optimizer.
@@ -395,8 +382,11 @@ def make_graphed_step(
                 impls, impl = ext.make_step(specs, options, step)
             else:
                 try:
+                    allreduce.warm_up()
                     impls, impl = ext.make_step(specs, options, step)
-                except Exception as e:
+                except BaseException as e:
+                    # The other ranks learn of it in the comparison after
+                    # capture (rather than waiting in it), then this error.
                     allreduce.verify(failure=f"{type(e).__name__}: {str(e)[:2000]}")
                     raise
                 try:
