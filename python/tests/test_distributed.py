@@ -137,6 +137,7 @@ def test_teardown_in_either_order_neither_hangs_nor_leaks(order):
 # "dropped" drops the step (no reset) before destroying the group. Each
 # order twice, the memory PyTorch holds after the second cycle equal to
 # that after the first; with the group gone first, a call is refused.
+# "exit" tears neither down: the process must still exit, in time.
 TEARDOWN_STEP = textwrap.dedent(
     """
     import gc, sys, torch, torch.distributed as dist
@@ -183,6 +184,16 @@ TEARDOWN_STEP = textwrap.dedent(
             dist.destroy_process_group()
         del layer, loss, opt
 
+    if order == "exit":
+        # Neither torn down: the interpreter's exit resets the step
+        # (atexit) before torch's process groups go.
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+        layer, loss = torch.nn.Linear(256, 256, device="cuda"), Loss()
+        x, t = torch.randn(32, 256, device="cuda"), torch.randn(32, 256, device="cuda")
+        step = gt.make_graphed_step([layer], loss, (x,), (t,), ddp=True)
+        step(x, t)
+        print("exiting")
+        sys.exit(0)
     cycle()  # first use: NCCL and cuBLAS initialise
     before = held()
     cycle()
@@ -193,6 +204,6 @@ TEARDOWN_STEP = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("order", ["group_first", "graphs_first", "dropped"])
+@pytest.mark.parametrize("order", ["group_first", "graphs_first", "dropped", "exit"])
 def test_a_step_holding_the_all_reduce_tears_down_in_either_order(order):
     run_teardown(TEARDOWN_STEP, order)

@@ -18,7 +18,9 @@ accumulate attribute) and the all-reduce runs once, on that sum.
 Only NCCL groups are captured (a gloo all-reduce runs on the host). Before
 the first replay every rank's manifest of the collectives it captured is
 compared with every other's (_collectives); destroy_process_group() first
-releases the steps whose graphs hold the group's collectives."""
+releases the steps whose graphs hold the group's collectives, and so does
+the interpreter's exit (atexit), before torch's groups are torn down."""
+import atexit
 import functools
 import time
 import weakref
@@ -149,6 +151,13 @@ def register(step):
     _wrap_destroy()
 
 
+def _at_exit():
+    try:
+        release_steps()
+    except Exception:  # the device may already be gone at exit
+        pass
+
+
 def release_steps(group=None):
     """Resets every live step whose graphs hold collectives of `group`
     (None: of any group), waiting for their device work first: NCCL may
@@ -170,6 +179,8 @@ def _wrap_destroy():
     orig = c10d.destroy_process_group
     if getattr(orig, "_graphed_original", None) is not None:
         return
+    # At exit too: the process groups left go after atexit's functions.
+    atexit.register(_at_exit)
 
     @functools.wraps(orig)
     def destroy_process_group(group=None, *args, **kwargs):
