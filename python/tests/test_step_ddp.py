@@ -401,11 +401,13 @@ def count_of(it, n, loop):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dest", ["grad", "main_grad", "set"])
 @pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "looped"])
 @pytest.mark.parametrize("n", [1, 4])
-def test_grads_equal_eager_ddp_without_an_optimizer(group, n, loop):
-    """No optimizer: the step's stage is the all-reduce alone; .grad holds
-    what eager DDP leaves (zeroed by the caller between iterations)."""
+def test_grads_equal_eager_ddp_without_an_optimizer(group, n, loop, dest):
+    """No optimizer: the step's stage is the all-reduce alone; .grad (or
+    .main_grad, Megatron's; or .grad set each call, param_grads="set")
+    holds what eager DDP leaves in .grad (zeroed between iterations)."""
     eager, graphed = model(), model()
     ddp = nn.parallel.DistributedDataParallel(Whole(eager))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -413,7 +415,12 @@ def test_grads_equal_eager_ddp_without_an_optimizer(group, n, loop):
     xs = torch.randn(iters, n, BATCH, WIDTH, device="cuda", generator=gen)
     ts = torch.randn(iters, n, BATCH, WIDTH, device="cuda", generator=gen)
     *layers, loss = graphed
-    step = gt.make_graphed_step(layers, loss, (xs[0, 0],), (ts[0, 0],), microbatches=n, loop=loop, ddp=True)
+    attr = "main_grad" if dest == "main_grad" else "grad"
+    if dest == "main_grad":
+        for p in params_of(graphed):
+            p.main_grad = torch.zeros_like(p)
+    step = gt.make_graphed_step(layers, loss, (xs[0, 0],), (ts[0, 0],), microbatches=n, loop=loop, ddp=True,
+                                accumulate_param_grads_into=attr, param_grads="set" if dest == "set" else "add")
     assert step.process_group is group and len(step.collectives) == 1
     for it in range(iters):
         k = count_of(it, n, loop)
@@ -421,9 +428,12 @@ def test_grads_equal_eager_ddp_without_an_optimizer(group, n, loop):
         got = step(xs[it, :k] if n > 1 or loop else xs[it, 0], ts[it, :k] if n > 1 or loop else ts[it, 0])
         assert torch.equal(got, want), f"iteration {it}: losses"
         for a, b in zip(params_of(graphed), params_of(eager)):
-            assert torch.equal(a.grad, b.grad), f"iteration {it}: grads"
-        for m in eager + graphed:
+            assert torch.equal(getattr(a, attr), b.grad), f"iteration {it}: grads"
+        for m in eager:
             m.zero_grad(set_to_none=False)
+        if dest != "set":
+            for p in params_of(graphed):
+                getattr(p, attr).zero_()
 
 
 @needs_gpu
