@@ -177,6 +177,44 @@ def test_a_bad_bucket_cap_is_refused(gloo_group):
         gt.make_graphed_step(layers, loss, x, t, ddp=True, bucket_cap_mb=0)
 
 
+class FakeStep:
+    """What _ddp.release_steps reads of a step."""
+
+    def __init__(self, group):
+        self._ddp = type("D", (), dict(group=group, device=torch.device("cpu"), released_by_group=False))()
+        self.is_reset = False
+
+    def reset(self):
+        self.is_reset = True
+
+
+@needs_torch
+def test_destroying_a_group_resets_the_steps_holding_its_collectives_first():
+    """destroy_process_group, wrapped: the steps of the group destroyed
+    (all of them for the default group) are reset before it goes."""
+    from graphed.torch import _ddp
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("no torch.distributed, or a process group already initialised")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0], backend="gloo")
+        on_world, on_sub = FakeStep(dist.group.WORLD), FakeStep(sub)
+        _ddp.register(on_world)
+        _ddp.register(on_sub)
+        wrapped = dist.destroy_process_group
+        assert wrapped._graphed_original is not None
+        _ddp.register(on_world)
+        assert dist.destroy_process_group is wrapped  # wrapped once
+        dist.destroy_process_group(sub)
+        assert on_sub.is_reset and on_sub._ddp.released_by_group and not on_world.is_reset
+        dist.destroy_process_group()
+        assert on_world.is_reset
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # Two gloo ranks on the CPU, each a child process (a rank stuck in a
 # collective would hang the test; the parent kills it after the limit).
 RANK = textwrap.dedent(

@@ -167,7 +167,8 @@ def release_steps(group=None):
         d = step._ddp
         if d is None or step.is_reset or (group is not None and d.group is not group):
             continue
-        torch.cuda.synchronize(d.device)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
         d.released_by_group = True
         step.reset()
 
