@@ -177,6 +177,32 @@ def test_a_bad_bucket_cap_is_refused(gloo_group):
         gt.make_graphed_step(layers, loss, x, t, ddp=True, bucket_cap_mb=0)
 
 
+@needs_torch
+@pytest.mark.parametrize("update", ["none", "optimizer", "optimizer+scaler"])
+def test_the_all_reduce_goes_first_in_the_phase_of_the_main_graph(update):
+    """Never in the apply phase of a step with a scaler (a conditional IF
+    node's body, where NCCL cannot run): in its check phase, before
+    unscale_; else first in the apply phase, before the optimizer."""
+    from graphed.torch import _ddp
+
+    ran = []
+    step = {}
+    if update != "none":
+        step["update_apply"] = lambda *a: ran.append("apply")
+    if update == "optimizer+scaler":
+        step["update_check"] = lambda *a: ran.append("check")
+    _ddp.first_in_main_graph(step, lambda *a: ran.append("all_reduce"))
+    if step.get("update_check") is not None:
+        step["update_check"](0, [], None, None)
+    step["update_apply"](0, [], None, None)
+    assert ran == {"none": ["all_reduce"], "optimizer": ["all_reduce", "apply"],
+                   "optimizer+scaler": ["all_reduce", "check", "apply"]}[update]
+    if update == "optimizer+scaler":
+        ran.clear()
+        step["update_apply"](0, [], None, None)
+        assert ran == ["apply"]  # the conditional phase holds no collective
+
+
 class FakeStep:
     """What _ddp.release_steps reads of a step."""
 

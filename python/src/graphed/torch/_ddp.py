@@ -201,6 +201,28 @@ def _wrap_destroy():
         dist.destroy_process_group = destroy_process_group
 
 
+def first_in_main_graph(step, record):
+    """Puts `record` first in the step's update (`step`: the dict the
+    extension's make_step reads) in the phase captured in the main graph:
+    the check phase with a grad scaler (the apply phase is then the body
+    of a conditional IF node, where NCCL cannot run), else the apply phase
+    (before the optimizer, or alone without one)."""
+    phase = "update_check" if step.get("update_check") is not None else "update_apply"
+    step[phase] = _then(record, step.get(phase))
+
+
+def _then(first, second):
+    """An update phase running `first`, then `second` where given."""
+    if second is None:
+        return first
+
+    def phase(slot, grads, scalars, flag):
+        first(slot, grads, scalars, flag)
+        second(slot, grads, scalars, flag)
+
+    return phase
+
+
 class StepAllReduce:
     """The all-reduce of one step: planned and agreed between the ranks
     before capture, recorded by `record` under capture (the first phase of

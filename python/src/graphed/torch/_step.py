@@ -371,11 +371,7 @@ def make_graphed_step(
             # plan failed too).
             with torch.cuda.device(device):
                 allreduce = _ddp.StepAllReduce.agreed(group, params, bucket_cap_mb, device)
-            # First in the main graph: the check phase with a scaler (the
-            # apply phase is then in a conditional node, where NCCL cannot
-            # run), else the apply phase, before the optimizer.
-            phase = "update_check" if step.get("update_check") is not None else "update_apply"
-            step[phase] = _then(allreduce.record, step.get(phase))
+            _ddp.first_in_main_graph(step, allreduce.record)
         gc.disable()
         with torch.cuda.device(device):
             if allreduce is None:
@@ -404,14 +400,3 @@ def make_graphed_step(
         _ddp.register(out)
     return out
 
-
-def _then(first, second):
-    """An update phase running `first`, then `second` where given."""
-    if second is None:
-        return first
-
-    def phase(slot, grads, scalars, flag):
-        first(slot, grads, scalars, flag)
-        second(slot, grads, scalars, flag)
-
-    return phase
