@@ -18,7 +18,7 @@ driver, and runs a one-layer self-test.
 """
 import importlib
 
-from ._errors import AliasHeldError, ParamMovedError
+from ._errors import AliasHeldError, CollectiveMismatchError, ParamMovedError
 
 # Imported on first use, so that the pure-Python parts (the schedule, hook
 # and option checks) import without torch.
@@ -44,6 +44,7 @@ def __getattr__(name):
 __all__ = [
     "AliasHeldError",
     "Buckets",
+    "CollectiveMismatchError",
     "GraphedStep",
     "ParamMovedError",
     "graph_pool_handle",

@@ -53,3 +53,11 @@ class ParamMovedError(RuntimeError):
     module. The message names the callable, the parameter's qualified name
     ("blocks.0.attn.c_attn.weight") and, for a move, both addresses.
     Nothing was replayed."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """make_graphed_step(ddp=...): the ranks' graphs would hold different
+    collectives (another count, size, dtype or order), found by comparing
+    every rank's manifest before the first replay. The message names the
+    first differing collective and what each of the two ranks recorded
+    there. Raised on every rank alike; no replay ran."""

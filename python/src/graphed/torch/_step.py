@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import _optim, _rng
+from . import _ddp, _optim, _rng
 from ._binding import Binding
 from ._buckets import Buckets
 from ._errors import AliasHeldError
@@ -57,9 +57,10 @@ class GraphedStep:
     (AliasHeldError: the step would write into it); replaced by another
     tensor, the call raises ValueError."""
 
-    def __init__(self, impl, callables, params, slots, attr, overwrite, update=None):
+    def __init__(self, impl, callables, params, slots, attr, overwrite, update=None, ddp=None):
         self._impl = impl
         self._update = update
+        self._ddp = ddp
         self._callables = callables
         self._attr = attr
         self._overwrite = overwrite
@@ -91,7 +92,17 @@ class GraphedStep:
 
     def __call__(self, inputs, targets=(), n=None):
         if self.is_reset:
+            if self._ddp is not None and self._ddp.released_by_group:
+                raise RuntimeError(
+                    "graphed step: it was reset when its process group was destroyed (destroy_process_group): its "
+                    "graph held that group's all-reduce; make the step again with the new group"
+                )
             raise RuntimeError("graphed step: it was reset")
+        if self._ddp is not None and not self._ddp.alive():
+            raise RuntimeError(
+                "graphed step: its ddp process group is gone (destroyed, or torch.distributed torn down); the step's "
+                "graph holds that group's all-reduce: make the step again with the new group"
+            )
         data = [*_as_tuple(inputs), *_as_tuple(targets)]
         if n is None:
             first = data[0] if data and isinstance(data[0], torch.Tensor) else None
@@ -177,6 +188,20 @@ class GraphedStep:
         return None if self._update is None else self._update.opt
 
     @property
+    def process_group(self):
+        """The process group whose all-reduce the step's graph holds (None:
+        made without ddp)."""
+        return None if self._ddp is None else self._ddp.group
+
+    @property
+    def collectives(self):
+        """The collectives the step's graph holds, in the order it runs
+        them (made with ddp; [] without): per bucket a
+        Collective(op, reduce, dtype, numel, nbytes, bucket, params,
+        scale), as the ranks compared them before the first call."""
+        return [] if self._ddp is None else list(self._ddp.recorded)
+
+    @property
     def callables(self):
         """The layers and the loss, graphed (each replayable on its own)."""
         return self._callables
@@ -214,6 +239,8 @@ def make_graphed_step(
     optimizer=None,
     clip_grad_norm=None,
     grad_scaler=None,
+    ddp=None,
+    bucket_cap_mb=None,
 ):
     """Captures a training step: `layers` (modules or functions, in order:
     layer k+1 takes layer k's outputs) and `loss_fn` (takes the last
@@ -237,7 +264,24 @@ def make_graphed_step(
     is seeded with its scale, and unscale_, the inf check, the skipped
     step and the scale's update run in the graph too. The learning rate is
     read at each call (schedulers are followed); the rest of the optimizer
-    is held as captured, a change refused. See docs/pytorch.md."""
+    is held as captured, a change refused.
+
+    `ddp` (True: the default process group; or a ProcessGroup; NCCL only)
+    puts the data-parallel all-reduce in the step's graph, after the last
+    microbatch's backward and before clipping, unscaling and the optimizer
+    (in the main graph, never in the conditional node that may skip a
+    scaled update): the grads bucketed as DistributedDataParallel buckets
+    them (`bucket_cap_mb`, default DDP's: 1 MiB for the first bucket, then
+    25), each bucket multiplied by 1 / world size, summed over the group
+    and copied back, so that .grad (or the accumulate attribute) holds what
+    eager DDP leaves there, with no_sync() for all but the last
+    microbatch. Without an optimizer the step ends with the reduced grads.
+    A gloo group or an uninitialised torch.distributed is refused (keep the
+    all-reduce outside the graph: DDP over make_graphed_callables layers).
+    Every rank must make the same step: the ranks' captured collectives are
+    compared before the first call (CollectiveMismatchError naming the
+    first difference). destroy_process_group() resets the steps whose
+    graphs hold the group's collectives first. See docs/pytorch.md."""
     layers = tuple(layers) if isinstance(layers, (tuple, list)) else (layers,)
     if not layers:
         raise ValueError("make_graphed_step: no layers")
@@ -267,6 +311,8 @@ def make_graphed_step(
         accumulate_param_grads_into,
         [p for fn in callables if isinstance(fn, torch.nn.Module) for p in fn.parameters()],
     )
+    _ddp.check_bucket_cap(bucket_cap_mb, ddp)
+    group = _ddp.resolve_group(ddp)
     if not torch.cuda.is_available():
         raise RuntimeError("graphed.torch needs a CUDA device; torch.cuda.is_available() is False")
     ext = extension()
@@ -282,6 +328,7 @@ def make_graphed_step(
     gens = None
     saved = None
     update = None
+    allreduce = None
     collecting = gc.isenabled()
     try:
         probe = Binding(_as_tuple(sample_input), {})
@@ -318,12 +365,38 @@ def make_graphed_step(
                 scalar_bytes=update.scalar_bytes,
                 loss_seed=update.seed,
             )
+        if group is not None:
+            # Planned, and the plans compared between the ranks, before any
+            # collective of the step runs (every rank takes part, one whose
+            # plan failed too).
+            with torch.cuda.device(device):
+                allreduce = _ddp.StepAllReduce.agreed(group, params, bucket_cap_mb, device)
+            _ddp.first_in_main_graph(step, allreduce.record)
         gc.disable()
         with torch.cuda.device(device):
-            impls, impl = ext.make_step(specs, options, step)
+            if allreduce is None:
+                impls, impl = ext.make_step(specs, options, step)
+            else:
+                try:
+                    allreduce.warm_up()
+                    impls, impl = ext.make_step(specs, options, step)
+                except BaseException as e:
+                    # The other ranks learn of it in the comparison after
+                    # capture (rather than waiting in it), then this error.
+                    allreduce.verify(failure=f"{type(e).__name__}: {str(e)[:2000]}")
+                    raise
+                try:
+                    allreduce.verify()
+                except BaseException:
+                    impls[0].reset()
+                    raise
     finally:
         if collecting:
             gc.enable()
         if saved is not None:
             _rng.restore(saved)
-    return GraphedStep(impl, impls, params, slots, attr, param_grads == "set", update)
+    out = GraphedStep(impl, impls, params, slots, attr, param_grads == "set", update, allreduce)
+    if allreduce is not None:
+        _ddp.register(out)
+    return out
+
