@@ -6,6 +6,8 @@
 // a file of its own: grads_bench.cpp (sections 1 and 2: clone on return,
 // ACCUMULATE_INTO), host_cost_bench.cpp (3: host cost of replay),
 // mlp_bench.cpp (4: an MLP end to end), step_bench.cpp (5: step graphs),
+// optimizer_bench.cpp (5, continued: the whole iteration, the optimizer
+// inside the step),
 // memory_bench.cpp (6), rebind_bench.cpp (7: rebinding an input),
 // capture_bench.cpp (8: capture time), param_guard_bench.cpp (10: moved
 // parameters), microbatch_bench.cpp (11: microbatches in one step graph),
@@ -13,13 +15,15 @@
 // backend's tools in tools_*.
 //
 //   graphed_bench [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches]
-//                 [--buckets] [--host-cost] [--out FILE]
+//                 [--buckets] [--host-cost] [--step-update] [--out FILE]
 //
-// --capture-only, --param-guard, --microbatches, --buckets and --host-cost
-// run one table alone (capture time; the cost of giving replays the
-// parameters' addresses, and of moving them; N microbatches in one step
-// graph, microbatch_bench.cpp; shapes that change, bucket_bench.cpp; the
-// host cost of replay, with debug mode off and on, host_cost_bench.cpp).
+// --capture-only, --param-guard, --microbatches, --buckets, --host-cost and
+// --step-update run one table alone (capture time; the cost of giving
+// replays the parameters' addresses, and of moving them; N microbatches in
+// one step graph, microbatch_bench.cpp; shapes that change,
+// bucket_bench.cpp; the host cost of replay, with debug mode off and on,
+// host_cost_bench.cpp; the whole iteration with the optimizer inside the
+// step, optimizer_bench.cpp).
 //
 // On CUDA, device times come from CUDA events (medians after warm-up); on
 // the host backend (the ctest, small sizes) from wall clocks. Every
@@ -31,6 +35,7 @@
 #include "memory_bench.hpp"
 #include "microbatch_bench.hpp"
 #include "mlp_bench.hpp"
+#include "optimizer_bench.hpp"
 #include "param_guard_bench.hpp"
 #include "rebind_bench.hpp"
 #include "step_bench.hpp"
@@ -51,7 +56,7 @@ namespace {
 struct Args {
     std::string backend = "cuda", out, torch_json;
     bool quick = false, capture_only = false, param_guard = false, microbatches = false, buckets = false,
-         host_cost = false;
+         host_cost = false, step_update = false;
     std::vector<uint32_t> counts = {1, 4, 16, 64};  // --microbatches: the N of the table
 };
 
@@ -67,6 +72,7 @@ bool parse_args(int argc, char** argv, Args& a) {
         else if (s == "--microbatches") a.microbatches = true;
         else if (s == "--buckets") a.buckets = true;
         else if (s == "--host-cost") a.host_cost = true;
+        else if (s == "--step-update") a.step_update = true;
         else if (s == "--out" && i + 1 < argc) a.out = argv[++i];
         else if (s == "--torch-json" && i + 1 < argc) a.torch_json = argv[++i];
         else if (s == "--counts" && i + 1 < argc) {
@@ -75,7 +81,7 @@ bool parse_args(int argc, char** argv, Args& a) {
             for (std::string n; std::getline(list, n, ',');) a.counts.push_back(uint32_t(std::stoul(n)));
         } else {
             std::fprintf(stderr, "usage: %s [--backend cuda|host] [--quick] [--capture-only] [--param-guard] [--microbatches] [--buckets] "
-                         "[--host-cost] [--counts N,N,...] [--out FILE] "
+                         "[--host-cost] [--step-update] [--counts N,N,...] [--out FILE] "
                          "[--torch-json FILE]\n",
                          argv[0]);
             return false;
@@ -113,7 +119,8 @@ bool open_devices(const std::string& backend, Devices& d) {
 }
 
 // Writes the tables the arguments ask for to `report`: one table alone
-// (--buckets, --microbatches, --param-guard, --capture-only, --host-cost), every table
+// (--buckets, --microbatches, --param-guard, --capture-only, --host-cost,
+// --step-update), every table
 // at full size (CUDA), or every table small (--quick, or the host
 // backend). Returns the number of failed correctness checks.
 int run_tables(const Args& a, Devices& d, std::ostream& report) {
@@ -124,6 +131,13 @@ int run_tables(const Args& a, Devices& d, std::ostream& report) {
     const bool quick = a.quick;
     if (a.host_cost) {
         bench::host_cost_table(*dev, *tools, report, quick ? 200 : 2000);
+    } else if (a.step_update) {
+        // Issue 39's model: 24 x Linear(64) + ReLU, batch 8, on the kit's
+        // kernels (small GEMMs: launch-bound, as in torch).
+        if (backend == "cuda" && !quick)
+            failures += bench::optimizer_table(*dev, *tools, report, 24, 64, 8, 5, 200);
+        else
+            failures += bench::optimizer_table(*dev, *tools, report, 6, 32, 8, 2, 5);
     } else if (a.buckets) {
         const std::vector<uint64_t> sizes = {32, 64, 96, 128, 160, 192, 224, 256};
         if (blas && !quick)
@@ -155,10 +169,13 @@ int run_tables(const Args& a, Devices& d, std::ostream& report) {
             failures += bench::mlp_table(*blas, *btools, report,
                                          {{1024, 32, GRAPHED_DTYPE_F32, 8}, {4096, 2048, GRAPHED_DTYPE_BF16, 8}}, 50);
             failures += bench::step_table(*blas, *btools, report, 24, 256, 64, 200, torch_json);
-            bench::memory_table(*blas, report, {8, 24}, 256, 64, torch_json);
         } else {
             report << "\n## 4. End to end\n\nNot run: " << d.why << "\n";
         }
+        // Section 5's second table: issue 39's model (24 x Linear(64) +
+        // ReLU, batch 8) on the kit's kernels.
+        failures += bench::optimizer_table(*dev, *tools, report, 24, 64, 8, 5, 200);
+        if (blas) bench::memory_table(*blas, report, {8, 24}, 256, 64, torch_json);
         bench::rebind_table(*dev, report, "the kit's CUDA kernels", true, 2000);
         if (blas) bench::rebind_table(*blas, report, "cuBLAS GEMMs and the kit's kernels", false, 2000);
         if (blas) bench::capture_table(*blas, *btools, report, 24, 256, 64, 5);
@@ -174,6 +191,7 @@ int run_tables(const Args& a, Devices& d, std::ostream& report) {
         bench::host_cost_table(*dev, *tools, report, 200);
         failures += bench::mlp_table(*dev, *tools, report, {{64, 8, GRAPHED_DTYPE_F32, 8}}, 5);
         failures += bench::step_table(*dev, *tools, report, 6, 32, 8, 5, torch_json);
+        failures += bench::optimizer_table(*dev, *tools, report, 6, 32, 8, 2, 5);
         bench::memory_table(*dev, report, {4}, 32, 8, torch_json);
         bench::rebind_table(*dev, report, "host tasks", true, 200);
         bench::capture_table(*dev, *tools, report, 6, 32, 8, 3);

@@ -10,6 +10,7 @@
 // (graphed_step_skipped), and the flag is read only when asked.
 #include "expect.hpp"
 #include "layers.hpp"
+#include "optimizer.hpp"
 #include "support.hpp"
 
 #include <array>
@@ -19,46 +20,11 @@
 
 namespace {
 
-// The trainer's optimizer: one momentum buffer per parameter, the kit's
-// kernels enqueued by the step's update callbacks.
-struct Optimizer {
-    kit::Device* dev = nullptr;
-    std::vector<kit::Buffer> momentum;
-    std::vector<float*> m;
-
-    // graphed_step_desc.update_check: flags a non-finite grad.
-    static int32_t check(const graphed_update_ctx* ctx, void* self) {
-        return graphed::guard([&] {
-            auto* o = static_cast<Optimizer*>(self);
-            for (size_t p = 0; p < ctx->num_params; ++p) {
-                const auto* g = static_cast<const float*>(ctx->grads[p]);
-                if (int e = o->dev->flag_nonfinite(ctx->stream, g, ctx->bytes[p] / 4, ctx->skip_flag)) return e;
-            }
-            return 0;
-        });
-    }
-
-    // graphed_step_desc.update_apply: SGD with momentum, lr and mu from the
-    // step's scalar block.
-    static int32_t apply(const graphed_update_ctx* ctx, void* self) {
-        return graphed::guard([&] {
-            auto* o = static_cast<Optimizer*>(self);
-            if (ctx->num_params != o->m.size() || ctx->scalar_bytes != 2 * sizeof(float)) return 90;
-            const auto* scalars = static_cast<const float*>(ctx->scalars);
-            for (size_t p = 0; p < ctx->num_params; ++p) {
-                auto* w = static_cast<float*>(ctx->params[p]);
-                const auto* g = static_cast<const float*>(ctx->grads[p]);
-                if (int e = o->dev->sgd_momentum(ctx->stream, w, g, o->m[p], scalars, ctx->bytes[p] / 4)) return e;
-            }
-            return 0;
-        });
-    }
-};
-
-// The step's scalar block.
-struct Scalars {
-    float lr, mu;
-};
+// The trainer's optimizer (the kit's: one momentum buffer per parameter,
+// the kit's kernels enqueued by the step's update callbacks) and the
+// step's scalar block.
+using Optimizer = kit::SgdMomentum;
+using Scalars = kit::SgdScalars;
 
 class StepUpdate : public BackendTest {
   protected:

@@ -17,6 +17,11 @@
 #   --microbatches  N microbatches in one step graph against N launches
 #               (graphed_bench --microbatches; also in --bench), report in
 #               $out/microbatches.md
+#   --step-update  the whole iteration with the optimizer inside the step:
+#               the C++ table (graphed_bench --step-update; also in --bench)
+#               and, when the package is installed (after --torch), its
+#               Python counterpart (benches/torch_step_optimizer.py --model
+#               mlp); reports in $out/step_update.md and $out/step_opt_mlp.md
 #   --capture   capture time: the C++ table (graphed_bench --capture-only)
 #               and, when the package is installed (after --torch), the
 #               nanoGPT blocks against torch (capture_time.py); reports in
@@ -111,6 +116,20 @@ for arg in "$@"; do
         grep "^|" "$out/capture_py.md"
       else
         echo "capture_time.py: not run (the graphed package is not installed: pass --torch first)"
+      fi
+      ;;
+    --step-update)
+      echo "== the whole iteration: the optimizer inside the step (C++)"
+      "$build/benches/graphed_bench" --step-update --out "$out/step_update.md" > "$out/step_update.log" 2>&1
+      rc=$?; echo "step update bench exit status $rc"; [ $rc = 0 ] || { fail "step update bench"; tail -20 "$out/step_update.log"; }
+      grep -E "^\||^target" "$out/step_update.md"
+      if python3 -c 'import graphed.torch' 2>/dev/null; then
+        echo "== the whole iteration from Python (torch_step_optimizer.py --model mlp)"
+        python3 benches/torch_step_optimizer.py --model mlp --out "$out/step_opt_mlp.md" > "$out/step_opt_mlp.log" 2>&1
+        rc=$?; echo "torch_step_optimizer exit status $rc"; [ $rc = 0 ] || { fail torch_step_optimizer; tail -20 "$out/step_opt_mlp.log"; }
+        grep -E "^\||^target" "$out/step_opt_mlp.md"
+      else
+        echo "torch_step_optimizer.py: not run (the graphed package is not installed: pass --torch first)"
       fi
       ;;
     --microbatches)

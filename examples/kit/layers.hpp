@@ -133,6 +133,9 @@ class Mlp {
 
     // 0.5 * sum((y - target)^2) of the last step.
     double last_loss();
+    // Where eager_pass writes layer i's weight and bias grads.
+    void* grad_w(int i) { return gw_[i].get(); }
+    void* grad_b(int i) { return gb_[i].get(); }
 
     // Registers every layer as a callable of `session` (before capture).
     void register_layers(graphed::Session& session, const void* sample_x, const Wiring& wiring = {});
