@@ -645,6 +645,34 @@ typedef uint32_t graphed_step_loop;
 #endif // __cplusplus
 
 /**
+ * Which part of a step's update a call of its update callback records
+ * (graphed_update_ctx.phase).
+ */
+enum graphed_update_phase
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * graphed_step_desc.update_check: reads the grads and writes the skip
+   * flag (ctx->skip_flag), into the step's graph itself.
+   */
+  GRAPHED_UPDATE_PHASE_CHECK = 0,
+  /**
+   * graphed_step_desc.update_apply: the parameter update; with a check,
+   * the body of a conditional IF node that runs only when the flag is 0.
+   */
+  GRAPHED_UPDATE_PHASE_APPLY = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_update_phase graphed_update_phase;
+#else
+typedef uint32_t graphed_update_phase;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Where a step's collective callback runs (graphed_step_desc
  * .collective_at).
  */
