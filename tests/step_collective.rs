@@ -715,3 +715,47 @@ fn refusals_and_failing_callbacks() {
     let st = unsafe { graphed_step_collectives(b.0, 0, e.as_mut_ptr(), 1, 8, &mut n) };
     assert_eq!(st, graphed_status::InvalidArgument);
 }
+
+/// A second rank faked by the exchange whose header claims u32::MAX
+/// collectives (a corrupted or foreign header): a mismatch naming it,
+/// before the second all-gather, not an allocation of 2^38 bytes that
+/// aborts the process (found by the fuzz target).
+unsafe extern "C" fn huge_count_exchange(
+    mine: *const c_void,
+    bytes: usize,
+    all: *mut c_void,
+    _: *mut c_void,
+) -> i32 {
+    // SAFETY: the buffers as the contract says, for 2 ranks.
+    let mine = unsafe { std::slice::from_raw_parts(mine.cast::<u8>(), bytes) };
+    let out = unsafe { std::slice::from_raw_parts_mut(all.cast::<u8>(), 2 * bytes) };
+    out[..bytes].copy_from_slice(mine);
+    out[bytes..].copy_from_slice(mine);
+    assert_eq!(bytes, 24, "only the headers are exchanged");
+    out[bytes + 4..bytes + 8].copy_from_slice(&1u32.to_le_bytes());
+    out[bytes + 16..bytes + 20].copy_from_slice(&u32::MAX.to_le_bytes());
+    0
+}
+
+#[test]
+fn a_huge_count_from_another_rank_is_a_mismatch_not_an_allocation() {
+    for loop_mode in [graphed_step_loop::Unrolled, graphed_step_loop::While] {
+        let mut m = Model::new(2, Comm::new(1), 0);
+        let setup = Setup {
+            loop_mode,
+            ranks: 2,
+            ..PLAIN
+        };
+        let (b, st) = build(&mut m, setup, &|d| {
+            d.collective_exchange = Some(huge_count_exchange);
+        });
+        ok(st);
+        let st = graphed_session_capture(b.0);
+        assert_eq!(st, graphed_status::CollectiveMismatch, "{}", msg());
+        assert!(
+            msg().contains("rank 1 says it records 4294967295 collectives"),
+            "{}",
+            msg()
+        );
+    }
+}

@@ -96,6 +96,17 @@ impl Runner<'_> {
     }
 }
 
+/// The most bytes one round of a manifest exchange may gather (every
+/// rank's share together).
+const MAX_EXCHANGE_BYTES: usize = 1 << 30;
+
+/// `per_rank * ranks`, where that is at most MAX_EXCHANGE_BYTES.
+fn exchange_bytes(per_rank: usize, ranks: usize) -> Option<usize> {
+    per_rank
+        .checked_mul(ranks)
+        .filter(|&b| b <= MAX_EXCHANGE_BYTES)
+}
+
 /// Checks that the graph of clone slot `slot` recorded the collectives of
 /// the step's first graph (`first`).
 pub(super) fn same_in_every_graph(
@@ -142,7 +153,13 @@ pub(super) fn exchange(
         ok,
         count: u32::try_from(mine.len()).unwrap_or(u32::MAX),
     };
-    let mut all = vec![0u8; HEADER_BYTES * ranks];
+    let Some(header_bytes) = exchange_bytes(HEADER_BYTES, ranks) else {
+        return Err(Error::invalid(format!(
+            "step {step}: collective_ranks {ranks}: the exchange's headers alone would take more \
+             than the {MAX_EXCHANGE_BYTES} bytes graphed gives an exchange"
+        )));
+    };
+    let mut all = vec![0u8; header_bytes];
     gather(&header.encode(), &mut all).map_err(|e| failed("the headers", e))?;
     let mut headers = Vec::with_capacity(ranks);
     for (r, b) in all.chunks_exact(HEADER_BYTES).enumerate() {
@@ -169,10 +186,25 @@ pub(super) fn exchange(
         )));
     }
     let most = headers.iter().map(|h| h.count as usize).max().unwrap_or(0);
+    // Every rank reads the same headers, so every rank refuses a count
+    // too large to exchange (a corrupted or foreign header) alike, before
+    // the second all-gather, instead of trying to allocate for it.
+    let total = most
+        .checked_mul(ENTRY_BYTES)
+        .and_then(|b| exchange_bytes(b, ranks));
+    let Some(total) = total else {
+        let h = headers.iter().max_by_key(|h| h.count).expect("ranks >= 1");
+        return Err(Error::CollectiveMismatch(format!(
+            "step {step}: rank {} says it records {} collectives: {ranks} ranks' manifests of that \
+             length would take more than the {MAX_EXCHANGE_BYTES} bytes graphed gives an exchange \
+             (is its header graphed's?)",
+            h.rank, h.count
+        )));
+    };
     let mut manifests = vec![Vec::new(); ranks];
     if most > 0 {
         let bytes = most * ENTRY_BYTES;
-        let mut all = vec![0u8; bytes * ranks];
+        let mut all = vec![0u8; total];
         gather(&encode_padded(mine, most), &mut all).map_err(|e| failed("the manifests", e))?;
         for (r, (m, h)) in manifests.iter_mut().zip(&headers).enumerate() {
             let theirs = &all[r * bytes..][..h.count as usize * ENTRY_BYTES];
