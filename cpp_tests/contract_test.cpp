@@ -24,7 +24,7 @@ TEST(Version, MatchesHeaderMacros) {
 }
 
 TEST(Status, NamesAreDenseAndPrefixed) {
-    for (uint32_t code = GRAPHED_STATUS_OK; code <= GRAPHED_STATUS_CALLABLE_RELEASED; ++code) {
+    for (uint32_t code = GRAPHED_STATUS_OK; code <= GRAPHED_STATUS_COLLECTIVE_MISMATCH; ++code) {
         const std::string name = graphed_status_name(code);
         EXPECT_EQ(0u, name.rfind("GRAPHED_STATUS_", 0)) << code;
         EXPECT_NE("GRAPHED_STATUS_UNKNOWN", name) << code;
@@ -40,10 +40,12 @@ TEST(Status, NamesAreDenseAndPrefixed) {
     EXPECT_EQ(21u, uint32_t(GRAPHED_STATUS_PARAM_MOVED)) << "status codes are stable";
     EXPECT_STREQ("GRAPHED_STATUS_CALLABLE_RELEASED", graphed_status_name(GRAPHED_STATUS_CALLABLE_RELEASED));
     EXPECT_EQ(22u, uint32_t(GRAPHED_STATUS_CALLABLE_RELEASED)) << "status codes are stable";
+    EXPECT_STREQ("GRAPHED_STATUS_COLLECTIVE_MISMATCH", graphed_status_name(GRAPHED_STATUS_COLLECTIVE_MISMATCH));
+    EXPECT_EQ(23u, uint32_t(GRAPHED_STATUS_COLLECTIVE_MISMATCH)) << "status codes are stable";
 }
 
 TEST(Status, UnknownCodesHaveAnAnswer) {
-    EXPECT_STREQ("GRAPHED_STATUS_UNKNOWN", graphed_status_name(GRAPHED_STATUS_CALLABLE_RELEASED + 1));
+    EXPECT_STREQ("GRAPHED_STATUS_UNKNOWN", graphed_status_name(GRAPHED_STATUS_COLLECTIVE_MISMATCH + 1));
     EXPECT_STREQ("GRAPHED_STATUS_UNKNOWN", graphed_status_name(0xFFFFFFFFu));
 }
 

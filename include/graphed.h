@@ -82,6 +82,13 @@
 #define GRAPHED_STEP_MAX_SCALAR_BYTES 4096
 
 /**
+ * graphed_collective_ctx.callable and graphed_collective_entry.callable:
+ * the collectives recorded once after the last microbatch's backward,
+ * with every callable's grads.
+ */
+#define GRAPHED_COLLECTIVE_ALL_CALLABLES UINT32_MAX
+
+/**
  * The magic graphed_session_stats_default() sets.
  */
 #define GRAPHED_SESSION_STATS_MAGIC 1735524358
@@ -226,6 +233,15 @@ enum graphed_status
    * message names the callable. Nothing was enqueued or changed.
    */
   GRAPHED_STATUS_CALLABLE_RELEASED = 22,
+  /**
+   * The ranks of a step with collectives (graphed_step_desc.collective)
+   * record different collectives in their graphs, compared through
+   * graphed_step_desc.collective_exchange at the end of the step's
+   * capture; or another rank's capture of the step failed. The message
+   * names the first entry that differs, on both sides. The capture was
+   * abandoned with everything it made released.
+   */
+  GRAPHED_STATUS_COLLECTIVE_MISMATCH = 23,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -625,6 +641,89 @@ enum graphed_step_loop
 typedef enum graphed_step_loop graphed_step_loop;
 #else
 typedef uint32_t graphed_step_loop;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Which part of a step's update a call of its update callback records
+ * (graphed_update_ctx.phase).
+ */
+enum graphed_update_phase
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * graphed_step_desc.update_check: reads the grads and writes the skip
+   * flag (ctx->skip_flag), into the step's graph itself.
+   */
+  GRAPHED_UPDATE_PHASE_CHECK = 0,
+  /**
+   * graphed_step_desc.update_apply: the parameter update; with a check,
+   * the body of a conditional IF node that runs only when the flag is 0.
+   */
+  GRAPHED_UPDATE_PHASE_APPLY = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_update_phase graphed_update_phase;
+#else
+typedef uint32_t graphed_update_phase;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Where a step's collective callback runs (graphed_step_desc
+ * .collective_at).
+ */
+enum graphed_collective_at
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Once, after the last microbatch's backward, with every parameter's
+   * accumulated grad (ctx->callable is GRAPHED_COLLECTIVE_ALL_CALLABLES).
+   */
+  GRAPHED_COLLECTIVE_AT_AFTER_BACKWARD = 0,
+  /**
+   * After each callable's grad pass (its weight-grad pass where it has
+   * one) in the last microbatch, in backward order, with that callable's
+   * grads: bucket by bucket, so that communication can overlap the
+   * backward of the callables before it.
+   */
+  GRAPHED_COLLECTIVE_AT_PER_CALLABLE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_collective_at graphed_collective_at;
+#else
+typedef uint32_t graphed_collective_at;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * The operation of a collective (graphed_collective_record).
+ */
+enum graphed_collective_op
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  GRAPHED_COLLECTIVE_OP_ALL_REDUCE = 0,
+  GRAPHED_COLLECTIVE_OP_ALL_GATHER = 1,
+  GRAPHED_COLLECTIVE_OP_REDUCE_SCATTER = 2,
+  GRAPHED_COLLECTIVE_OP_BROADCAST = 3,
+  /**
+   * Any other (send/recv, a custom kernel that communicates).
+   */
+  GRAPHED_COLLECTIVE_OP_OTHER = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum graphed_collective_op graphed_collective_op;
+#else
+typedef uint32_t graphed_collective_op;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -1528,6 +1627,98 @@ typedef struct graphed_update_ctx {
 typedef int32_t (*graphed_update_fn)(const struct graphed_update_ctx *ctx, void *user_data);
 
 /**
+ * What a step's collective callback receives. Every array and pointer is
+ * valid during the call only; the device memory they point to is valid
+ * while the session's graphs exist.
+ *
+ * The callback is called only under stream capture (never eagerly, so
+ * warmup runs no collective), on the capturing stream, once per point in
+ * each capture of the step's graph (one graph, or one per clone slot:
+ * `slot` says which), after the grads it is given are summed over every
+ * microbatch and before the step's update stage (so that a check sees
+ * reduced grads); never inside a conditional node: a step looping on the
+ * device (GRAPHED_STEP_LOOP_WHILE) runs its last microbatch after the
+ * loop, and the collectives there. It enqueues its collectives on
+ * `stream` (ncclAllReduce in place on `grads`, say) and declares each
+ * with graphed_collective_record(ctx, ...), in the order it enqueues
+ * them: the step's manifest, compared across ranks at the end of the
+ * capture (graphed_step_desc.collective_exchange).
+ *
+ * It may not synchronize, allocate device memory, call back into its own
+ * session (GRAPHED_STATUS_BUSY), nor fork work to other streams that it
+ * does not join back before it returns.
+ */
+typedef struct graphed_collective_ctx {
+  /**
+   * sizeof(graphed_collective_ctx) as the library was built.
+   */
+  size_t struct_size;
+  /**
+   * The step, as graphed_session_add_step returned it.
+   */
+  uint32_t step;
+  /**
+   * The session's index of the callable whose grads are ready
+   * (GRAPHED_COLLECTIVE_AT_PER_CALLABLE), or GRAPHED_COLLECTIVE_ALL_CALLABLES
+   * (GRAPHED_COLLECTIVE_AT_AFTER_BACKWARD: every callable of the step).
+   */
+  uint32_t callable;
+  /**
+   * Enqueue all work here (a CUstream being captured on CUDA, a host
+   * stream on the host backend).
+   */
+  graphed_stream stream;
+  /**
+   * The clone slot whose graph is captured (0 without CLONE grads).
+   */
+  uint32_t slot;
+  /**
+   * The parameters (of `callable`, or of every callable of the step in
+   * order) where the step's graph reads them.
+   */
+  size_t num_params;
+  void *const *params;
+  /**
+   * [num_params] where each parameter's grad is, summed over the
+   * microbatches, in this graph (as graphed_update_ctx.grads says);
+   * NULL for a parameter without a grad.
+   */
+  void *const *grads;
+  /**
+   * [num_params] each parameter's bytes.
+   */
+  const size_t *bytes;
+  /**
+   * [num_params] each parameter's graphed_dtype.
+   */
+  const uint32_t *dtypes;
+} graphed_collective_ctx;
+
+/**
+ * A step's collective callback (graphed_step_desc.collective). Return 0
+ * on success; any other value fails the capture with
+ * GRAPHED_STATUS_CALLBACK_FAILED, naming the step, the point and the
+ * value (and what graphed_callback_fail_message said).
+ */
+typedef int32_t (*graphed_collective_fn)(const struct graphed_collective_ctx *ctx, void *user_data);
+
+/**
+ * The caller's all-gather of the ranks' manifests
+ * (graphed_step_desc.collective_exchange): every rank gives `bytes`
+ * bytes at `mine` (the same count on every rank) and receives every
+ * rank's at `all` (bytes * collective_ranks bytes, rank r's at r *
+ * bytes), over a channel of its own (a gloo or MPI all-gather, or an
+ * NCCL one on a stream it synchronizes; not recorded in any graph).
+ * Called at the end of each capture of the step on every rank, twice: the
+ * headers, then the padded manifests. Return 0 on success; any other
+ * value fails the capture with GRAPHED_STATUS_CALLBACK_FAILED.
+ */
+typedef int32_t (*graphed_collective_exchange_fn)(const void *mine,
+                                                  size_t bytes,
+                                                  void *all,
+                                                  void *user_data);
+
+/**
  * A step to declare. Initialise with graphed_step_desc_default().
  */
 typedef struct graphed_step_desc {
@@ -1671,6 +1862,53 @@ typedef struct graphed_step_desc {
    * stream order, with no recapture.
    */
   size_t scalar_bytes;
+  /**
+   * The step's collective stage (NULL: none): called under each capture
+   * of the step's graph, never eagerly, on the capturing stream, to
+   * enqueue the collectives of the step (an all-reduce of the grads)
+   * into its graph, declaring each with graphed_collective_record (see
+   * graphed_collective_ctx). It runs before the update stage, never
+   * inside a conditional node: with GRAPHED_STEP_LOOP_WHILE the loop
+   * runs all but the last microbatch (a replay of N runs N-1 in the
+   * loop, then the last after it), and a step with CLONE grads needs a
+   * clone slot (GRAPHED_STATUS_INCOMPATIBLE at capture without one).
+   * collective_data, collective_exchange or ranks without it are
+   * GRAPHED_STATUS_INVALID_ARGUMENT.
+   */
+  graphed_collective_fn collective;
+  /**
+   * Passed to `collective` as `user_data`.
+   */
+  void *collective_data;
+  /**
+   * A graphed_collective_at value: AFTER_BACKWARD (default) or
+   * PER_CALLABLE.
+   */
+  uint32_t collective_at;
+  /**
+   * The caller's all-gather (see graphed_collective_exchange_fn), called
+   * twice at the end of each capture of the step on every rank, to
+   * compare the ranks' manifests before the first replay: a difference,
+   * or another rank's failed capture of the step, is
+   * GRAPHED_STATUS_COLLECTIVE_MISMATCH naming the first entry that
+   * differs on both sides, and the capture is abandoned. A rank whose
+   * capture of the step fails still calls it (so that the others fail
+   * instead of waiting); a rank that fails before it reaches the step
+   * does not, and the others' all-gather waits for it as the caller's
+   * channel does. NULL: the manifest is kept (graphed_step_collectives)
+   * but not compared.
+   */
+  graphed_collective_exchange_fn collective_exchange;
+  /**
+   * Passed to collective_exchange as `user_data`.
+   */
+  void *collective_exchange_data;
+  /**
+   * This rank (below collective_ranks) and how many ranks take part
+   * (default 0 of 1): what the exchange's all-gather returns.
+   */
+  uint32_t collective_rank;
+  uint32_t collective_ranks;
 } graphed_step_desc;
 
 /**
@@ -1731,6 +1969,35 @@ typedef struct graphed_step_args {
   const void *scalars;
   size_t scalar_bytes;
 } graphed_step_args;
+
+/**
+ * One collective of a step's manifest (graphed_step_collectives).
+ */
+typedef struct graphed_collective_entry {
+  /**
+   * As graphed_collective_record was given them.
+   */
+  uint64_t communicator;
+  uint64_t bytes;
+  /**
+   * A graphed_collective_op value.
+   */
+  uint32_t op;
+  /**
+   * A graphed_dtype value.
+   */
+  uint32_t dtype;
+  /**
+   * The session's index of the callable after whose backward it was
+   * recorded (GRAPHED_COLLECTIVE_AT_PER_CALLABLE), or
+   * GRAPHED_COLLECTIVE_ALL_CALLABLES (after the whole backward).
+   */
+  uint32_t callable;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} graphed_collective_entry;
 
 /**
  * Memory and graph figures of a session (library accounting).
@@ -2407,6 +2674,56 @@ graphed_status graphed_step_skipped(struct graphed_session *session,
                                     uint32_t step,
                                     uint32_t *skipped_out,
                                     uint64_t *skipped_total_out);
+
+/**
+ * Declares one collective that a step's collective callback records
+ * (enqueues on ctx->stream), in order: the communicator (any id of the
+ * caller's that names the same group on every rank, such as a hash of
+ * its ncclUniqueId, or a small index), a graphed_collective_op, the bytes
+ * each rank gives it and their graphed_dtype. The library keeps the
+ * step's ordered list (graphed_step_collectives) and compares it across
+ * ranks at the end of the capture.
+ *
+ * Checks: `ctx` NULL (GRAPHED_STATUS_NULL_POINTER); called outside a
+ * collective callback, or with another ctx than the running callback's
+ * (GRAPHED_STATUS_WRONG_STATE); an unknown op or dtype
+ * (GRAPHED_STATUS_INVALID_ARGUMENT). A refusal declares nothing.
+ *
+ * # Safety
+ * `ctx` must be NULL or the pointer the running collective callback was
+ * given (it is compared, not read).
+ */
+graphed_status graphed_collective_record(const struct graphed_collective_ctx *ctx,
+                                         uint64_t communicator,
+                                         uint32_t op,
+                                         uint64_t bytes,
+                                         uint32_t dtype);
+
+/**
+ * The manifest of a captured step with a collective stage: writes its
+ * entries, in the order its graph records them, to `entries` (at most
+ * `capacity`, each `entry_size` bytes: sizeof(graphed_collective_entry))
+ * and their total to `*count_out` (call with `capacity` 0 to learn it).
+ * Kept whether or not the step compared it across ranks (without
+ * graphed_step_desc.collective_exchange it is not compared).
+ *
+ * Checks, in this order: the session; `count_out` NULL
+ * (GRAPHED_STATUS_NULL_POINTER); `entries` NULL with `capacity` above 0
+ * (NULL_POINTER), misaligned or `entry_size` too small
+ * (INVALID_ARGUMENT); BUSY; not captured (WRONG_STATE) or reset
+ * (SESSION_RESET); a step that does not exist or has no collective stage
+ * (INVALID_ARGUMENT). A refusal writes nothing.
+ *
+ * # Safety
+ * `entries` must have room for `capacity` elements of `entry_size`
+ * bytes; `count_out` must be NULL or writable.
+ */
+graphed_status graphed_step_collectives(struct graphed_session *session,
+                                        uint32_t step,
+                                        struct graphed_collective_entry *entries,
+                                        size_t capacity,
+                                        size_t entry_size,
+                                        size_t *count_out);
 
 /**
  * Drops one reference to a block of returned clones; the last one gives

@@ -239,6 +239,25 @@ struct StepUpdate {
     size_t scalar_bytes = 0;
 };
 
+/// A step's collective stage (graphed_step_desc.collective and what goes
+/// with it): `record` enqueues the step's collectives on ctx->stream under
+/// capture (never eagerly, never in a conditional node) and declares each
+/// with graphed_collective_record; `at` is GRAPHED_COLLECTIVE_AT_AFTER_BACKWARD
+/// or GRAPHED_COLLECTIVE_AT_PER_CALLABLE; `exchange`, optional, all-gathers
+/// the ranks' manifests at the end of the capture (a mismatch is
+/// GRAPHED_STATUS_COLLECTIVE_MISMATCH), `rank` of `ranks`. Destroy the
+/// session (or reset it) before the communicator its graphs use. C
+/// functions: wrap their bodies in graphed::guard.
+struct StepCollective {
+    graphed_collective_fn record = nullptr;
+    void* data = nullptr;
+    uint32_t at = GRAPHED_COLLECTIVE_AT_AFTER_BACKWARD;
+    graphed_collective_exchange_fn exchange = nullptr;
+    void* exchange_data = nullptr;
+    uint32_t rank = 0;
+    uint32_t ranks = 1;
+};
+
 /// What graphed_step_skipped answers: whether the step's last replay
 /// skipped its update, and how many replays did since capture.
 struct Skipped {
@@ -857,11 +876,13 @@ class Session {
     /// `capture_hook` (with `capture_hook_data`) runs before (0) and after
     /// (1) each capture of the step's graph (graphed_step_desc.capture_hook).
     /// `update`: the optimizer the step's graph runs after the backward
-    /// passes (see StepUpdate; none by default).
+    /// passes (see StepUpdate; none by default). `collective`: the
+    /// collectives it records before the update (see StepCollective).
     uint32_t add_step(const std::vector<uint32_t>& callables, const std::vector<void*>& param_dsts = {},
                       uint32_t microbatches = 1, const std::vector<graphed_step_io>& io = {},
                       uint32_t loop_mode = GRAPHED_STEP_LOOP_UNROLLED, graphed_session_hook_fn capture_hook = nullptr,
-                      void* capture_hook_data = nullptr, const StepUpdate& update = {}) {
+                      void* capture_hook_data = nullptr, const StepUpdate& update = {},
+                      const StepCollective& collective = {}) {
         graphed_step_desc d = graphed_step_desc_default();
         d.callables = callables.data();
         d.num_callables = callables.size();
@@ -877,6 +898,13 @@ class Session {
         d.update_apply = update.apply;
         d.update_data = update.data;
         d.scalar_bytes = update.scalar_bytes;
+        d.collective = collective.record;
+        d.collective_data = collective.data;
+        d.collective_at = collective.at;
+        d.collective_exchange = collective.exchange;
+        d.collective_exchange_data = collective.exchange_data;
+        d.collective_rank = collective.rank;
+        d.collective_ranks = collective.ranks;
         uint32_t index = 0;
         check(graphed_session_add_step(raw_, &d, &index));
         step_params(index);
@@ -925,6 +953,17 @@ class Session {
                    uint32_t microbatches = 0) {
         static_assert(std::is_trivially_copyable<Scalars>::value, "scalars are copied as bytes");
         this->step(step, stream, params, {}, microbatches, &scalars, sizeof(Scalars));
+    }
+
+    /// The collectives `step`'s graph records, in order
+    /// (graphed_step_collectives).
+    std::vector<graphed_collective_entry> collectives(uint32_t step) const {
+        size_t n = 0;
+        check(graphed_step_collectives(raw_, step, nullptr, 0, sizeof(graphed_collective_entry), &n));
+        std::vector<graphed_collective_entry> out(n);
+        check(graphed_step_collectives(raw_, step, out.data(), n, sizeof(graphed_collective_entry), &n));
+        out.resize(n);
+        return out;
     }
 
     /// Whether the last replay of `step` skipped its update, and how many

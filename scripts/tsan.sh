@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the multithreaded C ABI test (tests/threads.rs) under
+# Runs the multithreaded C ABI tests (tests/threads.rs, and
+# tests/step_collective.rs: two ranks as threads exchanging manifests and
+# all-reducing at replay) under
 # ThreadSanitizer, with the standard library rebuilt with it (-Zbuild-std)
 # so that TSan sees std's own synchronisation. Fails on any report.
 #
@@ -9,7 +11,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-TEST=threads
+TESTS=(--test threads --test step_collective)
 TRIPLE=x86_64-unknown-linux-gnu
 
 # shellcheck source=scripts/nightly.sh
@@ -18,12 +20,12 @@ command -v cc >/dev/null || { echo "tsan: a C compiler (cc) is needed: apt-get i
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-echo "tsan: cargo +$NIGHTLY test -Zbuild-std --target $TRIPLE --test $TEST (RUSTFLAGS=-Zsanitizer=thread)"
+echo "tsan: cargo +$NIGHTLY test -Zbuild-std --target $TRIPLE ${TESTS[*]} (RUSTFLAGS=-Zsanitizer=thread)"
 set +e
 RUSTFLAGS="-Zsanitizer=thread" RUSTDOCFLAGS="-Zsanitizer=thread" \
   CARGO_TARGET_DIR="$root/target/tsan" \
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1${TSAN_OPTIONS:+:$TSAN_OPTIONS}" \
-  cargo "+$NIGHTLY" test -Zbuild-std --target "$TRIPLE" --test "$TEST" >"$log" 2>&1
+  cargo "+$NIGHTLY" test -Zbuild-std --target "$TRIPLE" "${TESTS[@]}" >"$log" 2>&1
 rc=$?
 set -e
 # The build's progress is left out; the test's lines, and all of it on failure.

@@ -83,6 +83,23 @@ pub enum Error {
         said: String,
     },
 
+    /// A step's collective callback, or its exchange of the collective
+    /// manifests across ranks, returned non-zero under capture: `what`
+    /// names it and the step.
+    #[error("{what} returned {code} during capture{said}")]
+    CollectiveFailed {
+        what: String,
+        code: i32,
+        /// What the callback said about it ("": nothing).
+        said: String,
+    },
+
+    /// The ranks of a step record different collectives (or a rank's
+    /// capture of the step failed): the message names the first entry
+    /// that differs on both sides.
+    #[error("{0}")]
+    CollectiveMismatch(String),
+
     /// The capture of a pass ended without a graph: `detail` says what
     /// the driver (or the host backend) returned, what that means, the
     /// first error graphed saw under the capture and what the callback

@@ -20,7 +20,11 @@
 //! own (`steps/update.rs`), a step with an update stage (an optimizer
 //! checked bit for bit against a model, a check that skips it, scalars of
 //! every size, update callbacks that fail or break the capture, the skip
-//! flag's query), reset and destroy in
+//! flag's query), and a step with a collective stage (`steps/collective.rs`:
+//! fuzzed records, failing and capture-breaking callbacks, an exchange
+//! with a faked second rank, the manifest's query with fuzzed capacity
+//! and entry size, the grads the collectives doubled bit for bit), reset
+//! and destroy in
 //! any order; replays and step replays are given the
 //! parameters' addresses (registered, NULL, moved, aligned or not, wrong
 //! counts), which the host backend never follows here (PARAM_MOVED, and a
@@ -297,6 +301,8 @@ fn run(data: &[u8]) {
                     254 => op_param_addresses(),
                     // Once op_step_replay (255 % 12) too.
                     255 => op_step_update(),
+                    // Once op_step_replay (243 % 12) too.
+                    243 => op_step_collective(),
                     b => match b % 12 {
                         0..=2 => op_add_step(),
                         3..=5 => op_step_replay(),

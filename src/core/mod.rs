@@ -9,6 +9,7 @@
 //! table and captured graphs as DOT text.
 
 pub mod arena;
+pub mod collective;
 pub mod dot;
 pub mod dtype;
 pub mod handle;

@@ -10,12 +10,13 @@
 //! compile.
 
 use crate::backend::{BackendKind, CaptureMode};
+use crate::core::collective::CollectiveOp;
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
 use crate::core::policy::{GradPolicy, ParamFlags};
 use crate::core::PassKind;
 use crate::error::{Error, Result};
-use crate::orchestrate::spec::{Looping, UpdatePhase};
+use crate::orchestrate::spec::{CollectiveAt, Looping, UpdatePhase};
 use crate::orchestrate::{LogLevel, Phase, RefKind};
 
 /// Declares the conversions between C enum `$c` and Rust enum `$rust`.
@@ -242,6 +243,46 @@ pub enum graphed_update_phase {
 c_enum!(graphed_update_phase <=> UpdatePhase {
     Check <=> UpdatePhase::Check,
     Apply <=> UpdatePhase::Apply,
+});
+
+/// Where a step's collective callback runs (graphed_step_desc
+/// .collective_at).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_collective_at {
+    /// Once, after the last microbatch's backward, with every parameter's
+    /// accumulated grad (ctx->callable is GRAPHED_COLLECTIVE_ALL_CALLABLES).
+    AfterBackward = 0,
+    /// After each callable's grad pass (its weight-grad pass where it has
+    /// one) in the last microbatch, in backward order, with that callable's
+    /// grads: bucket by bucket, so that communication can overlap the
+    /// backward of the callables before it.
+    PerCallable = 1,
+}
+
+c_enum!(graphed_collective_at <=> CollectiveAt {
+    AfterBackward <=> CollectiveAt::AfterBackward,
+    PerCallable <=> CollectiveAt::PerCallable,
+});
+
+/// The operation of a collective (graphed_collective_record).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum graphed_collective_op {
+    AllReduce = 0,
+    AllGather = 1,
+    ReduceScatter = 2,
+    Broadcast = 3,
+    /// Any other (send/recv, a custom kernel that communicates).
+    Other = 4,
+}
+
+c_enum!(graphed_collective_op <=> CollectiveOp {
+    AllReduce <=> CollectiveOp::AllReduce,
+    AllGather <=> CollectiveOp::AllGather,
+    ReduceScatter <=> CollectiveOp::ReduceScatter,
+    Broadcast <=> CollectiveOp::Broadcast,
+    Other <=> CollectiveOp::Other,
 });
 
 /// The static buffers of a role (graphed_session_buffers,

@@ -35,6 +35,9 @@ mod replay;
 mod step;
 // A step's update stage: its callback's context, the skip flag's query.
 mod update;
+// A step's collective stage: its callback's context, the manifest's record
+// and query.
+mod collective;
 // Returned clone blocks.
 mod buffer;
 // A session's figures (graphed_session_stats).
@@ -55,6 +58,7 @@ pub use boundary::{graphed_last_error_message, graphed_status_name};
 pub use buffer::*;
 pub use callable::*;
 pub use callback::*;
+pub use collective::*;
 pub use config::*;
 pub use device::*;
 pub use enums::*;

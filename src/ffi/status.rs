@@ -86,11 +86,18 @@ pub enum graphed_status {
     /// replay of it, a step that includes it, its static buffers); the
     /// message names the callable. Nothing was enqueued or changed.
     CallableReleased = 22,
+    /// The ranks of a step with collectives (graphed_step_desc.collective)
+    /// record different collectives in their graphs, compared through
+    /// graphed_step_desc.collective_exchange at the end of the step's
+    /// capture; or another rank's capture of the step failed. The message
+    /// names the first entry that differs, on both sides. The capture was
+    /// abandoned with everything it made released.
+    CollectiveMismatch = 23,
 }
 
 /// Every status, in code order. Kept next to the enum so that a new code
 /// cannot be added without a name.
-pub(crate) const ALL_STATUSES: [(graphed_status, &str); 23] = [
+pub(crate) const ALL_STATUSES: [(graphed_status, &str); 24] = [
     (graphed_status::Ok, "GRAPHED_STATUS_OK\0"),
     (
         graphed_status::InvalidArgument,
@@ -147,6 +154,10 @@ pub(crate) const ALL_STATUSES: [(graphed_status, &str); 23] = [
         graphed_status::CallableReleased,
         "GRAPHED_STATUS_CALLABLE_RELEASED\0",
     ),
+    (
+        graphed_status::CollectiveMismatch,
+        "GRAPHED_STATUS_COLLECTIVE_MISMATCH\0",
+    ),
 ];
 
 /// The name of every code the table does not hold.
@@ -167,7 +178,9 @@ impl From<&Error> for graphed_status {
             Error::SessionReset(_) => graphed_status::SessionReset,
             Error::CallbackFailed { .. }
             | Error::HookFailed { .. }
-            | Error::UpdateFailed { .. } => graphed_status::CallbackFailed,
+            | Error::UpdateFailed { .. }
+            | Error::CollectiveFailed { .. } => graphed_status::CallbackFailed,
+            Error::CollectiveMismatch(_) => graphed_status::CollectiveMismatch,
             Error::CaptureInvalidated { .. } | Error::IllegalUnderCapture(_) => {
                 graphed_status::CaptureInvalidated
             }

@@ -7,8 +7,11 @@ use super::args::{
 };
 use super::boundary::boundary;
 use super::callback::graphed_stream;
+use super::collective::{
+    collective_of, graphed_collective_exchange_fn, graphed_collective_fn, CollectiveFields,
+};
 use super::config::{graphed_session_hook_fn, hook_of};
-use super::enums::{graphed_buffer_role, graphed_step_loop};
+use super::enums::{graphed_buffer_role, graphed_collective_at, graphed_step_loop};
 use super::handles::graphed_session;
 use super::replay::{check_out, graphed_ref, ptrs, publish, write_refs};
 use super::session::session;
@@ -155,6 +158,41 @@ pub struct graphed_step_desc {
     /// graphed_step_args.scalars copies them in before its graph runs, in
     /// stream order, with no recapture.
     pub scalar_bytes: usize,
+    /// The step's collective stage (NULL: none): called under each capture
+    /// of the step's graph, never eagerly, on the capturing stream, to
+    /// enqueue the collectives of the step (an all-reduce of the grads)
+    /// into its graph, declaring each with graphed_collective_record (see
+    /// graphed_collective_ctx). It runs before the update stage, never
+    /// inside a conditional node: with GRAPHED_STEP_LOOP_WHILE the loop
+    /// runs all but the last microbatch (a replay of N runs N-1 in the
+    /// loop, then the last after it), and a step with CLONE grads needs a
+    /// clone slot (GRAPHED_STATUS_INCOMPATIBLE at capture without one).
+    /// collective_data, collective_exchange or ranks without it are
+    /// GRAPHED_STATUS_INVALID_ARGUMENT.
+    pub collective: graphed_collective_fn,
+    /// Passed to `collective` as `user_data`.
+    pub collective_data: *mut c_void,
+    /// A graphed_collective_at value: AFTER_BACKWARD (default) or
+    /// PER_CALLABLE.
+    pub collective_at: u32,
+    /// The caller's all-gather (see graphed_collective_exchange_fn), called
+    /// twice at the end of each capture of the step on every rank, to
+    /// compare the ranks' manifests before the first replay: a difference,
+    /// or another rank's failed capture of the step, is
+    /// GRAPHED_STATUS_COLLECTIVE_MISMATCH naming the first entry that
+    /// differs on both sides, and the capture is abandoned. A rank whose
+    /// capture of the step fails still calls it (so that the others fail
+    /// instead of waiting); a rank that fails before it reaches the step
+    /// does not, and the others' all-gather waits for it as the caller's
+    /// channel does. NULL: the manifest is kept (graphed_step_collectives)
+    /// but not compared.
+    pub collective_exchange: graphed_collective_exchange_fn,
+    /// Passed to collective_exchange as `user_data`.
+    pub collective_exchange_data: *mut c_void,
+    /// This rank (below collective_ranks) and how many ranks take part
+    /// (default 0 of 1): what the exchange's all-gather returns.
+    pub collective_rank: u32,
+    pub collective_ranks: u32,
 }
 
 /// One copy of a step over microbatches: a static buffer of one of the
@@ -248,6 +286,13 @@ pub extern "C" fn graphed_step_desc_default() -> graphed_step_desc {
         update_apply: None,
         update_data: std::ptr::null_mut(),
         scalar_bytes: 0,
+        collective: None,
+        collective_data: std::ptr::null_mut(),
+        collective_at: graphed_collective_at::AfterBackward as u32,
+        collective_exchange: None,
+        collective_exchange_data: std::ptr::null_mut(),
+        collective_rank: 0,
+        collective_ranks: 1,
     }
 }
 
@@ -307,6 +352,15 @@ pub unsafe extern "C" fn graphed_session_add_step(
                 d.update_data,
                 d.scalar_bytes,
             )?,
+            collective: collective_of(CollectiveFields {
+                callback: d.collective,
+                data: d.collective_data,
+                at: d.collective_at,
+                exchange: d.collective_exchange,
+                exchange_data: d.collective_exchange_data,
+                rank: d.collective_rank,
+                ranks: d.collective_ranks,
+            })?,
         })?;
         // SAFETY: checked non-NULL; written only on success.
         unsafe { out.write(index) };
@@ -479,9 +533,10 @@ mod tests {
         // Since the first release: copies in and out, microbatches, loop.
         // Then the capture hook and its data.
         // Then the update stage and its scalar block.
+        // Then the collective stage, its exchange and ranks.
         assert_eq!(
             size_of::<graphed_step_desc>(),
-            graphed_step_desc::MIN_SIZE + 24 + 16 + 32
+            graphed_step_desc::MIN_SIZE + 24 + 16 + 32 + 48
         );
         assert_eq!(
             GRAPHED_STEP_MAX_SCALAR_BYTES,

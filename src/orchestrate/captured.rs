@@ -15,6 +15,7 @@ use super::statics::Statics;
 use super::tensor::Param;
 use super::update::StepUpdate;
 use crate::backend::{teardown, AccItem, Backend, DevPtr, DeviceMemory, Event, Graph, Stream};
+use crate::core::collective::CollectiveEntry;
 use crate::core::layout::BufferDesc;
 use crate::core::lease::Leases;
 use crate::core::plan::{Lifetime, Owned, Plan};
@@ -58,6 +59,9 @@ pub(crate) struct CapturedStep {
     pub loop_state: Option<DeviceMemory>,
     /// Its update stage's memory (flag, skipped count, scalars) and event.
     pub update: Option<StepUpdate>,
+    /// With a collective stage: the collectives its graphs record, in
+    /// order (looping on the device, its last microbatch follows the loop).
+    pub collectives: Option<Vec<CollectiveEntry>>,
 }
 
 impl CapturedStep {

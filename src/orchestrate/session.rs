@@ -17,6 +17,7 @@ use super::spec::{
 };
 use crate::backend::accounting::SessionMark;
 use crate::backend::{Backend, BackendKind};
+use crate::core::collective::CollectiveEntry;
 use crate::core::schedule::check_steps;
 use crate::core::PassKind;
 use crate::error::{Error, Result};
@@ -223,6 +224,20 @@ impl Session {
             }
         }
         Ok(())
+    }
+
+    /// The collectives `step`'s graphs record, in order.
+    pub fn step_collectives(&self, step: u32) -> Result<Vec<CollectiveEntry>> {
+        let cap = self.captured()?;
+        let n = cap.steps.len();
+        let st = cap.steps.get(step as usize).ok_or_else(|| {
+            Error::invalid(format!("step {step} does not exist (the session has {n})"))
+        })?;
+        st.collectives.clone().ok_or_else(|| {
+            Error::invalid(format!(
+                "step {step} has no collective stage (graphed_step_desc.collective is NULL)"
+            ))
+        })
     }
 
     /// Whether the last replay of `step` skipped its update (its check set

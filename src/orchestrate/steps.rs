@@ -3,7 +3,9 @@
 //! the copies of each microbatch's data in and out). Capture checks the
 //! rest, where placement and policies are known (capture/steps.rs).
 
-use super::spec::{CallableSpec, CaptureHook, Looping, StepIo, StepSpec, UpdateSpec};
+use super::spec::{
+    CallableSpec, CaptureHook, CollectiveSpec, Looping, StepIo, StepSpec, UpdateSpec,
+};
 use crate::backend::DevPtr;
 use crate::core::layout::Role;
 use crate::core::strided::Strided;
@@ -27,6 +29,7 @@ pub struct StepRequest<'a> {
     pub looping: Looping,
     pub capture_hook: Option<CaptureHook>,
     pub update: Option<UpdateSpec>,
+    pub collective: Option<CollectiveSpec>,
 }
 
 /// Checks a step's declaration against the session's callables and makes
@@ -40,6 +43,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         looping,
         capture_hook,
         update,
+        collective,
     } = r;
     if callables.is_empty() {
         return Err(Error::invalid("a step needs at least one callable"));
@@ -90,6 +94,15 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
             )));
         }
     }
+    if let Some(c) = &collective {
+        if c.ranks == 0 || c.rank >= c.ranks {
+            return Err(Error::invalid(format!(
+                "collective_rank is {} and collective_ranks {}: the rank is below the count, and there \
+                 is at least one",
+                c.rank, c.ranks
+            )));
+        }
+    }
     Ok(StepSpec {
         callables,
         param_dsts,
@@ -98,6 +111,7 @@ pub(crate) fn declare(all: &[CallableSpec], r: StepRequest) -> Result<StepSpec> 
         looping,
         capture_hook,
         update,
+        collective,
     })
 }
 

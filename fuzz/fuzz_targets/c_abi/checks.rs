@@ -23,7 +23,7 @@ pub fn mark() {
 pub fn post(st: graphed_status, func: &str) {
     let code = st as u32;
     assert!(
-        code <= S::CallableReleased as u32,
+        code <= S::CollectiveMismatch as u32,
         "{func}: status {code} out of range"
     );
     assert!(st != S::Internal, "{func} returned INTERNAL: {}", msg());

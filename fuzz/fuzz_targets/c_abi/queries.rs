@@ -342,7 +342,7 @@ fn buffer_count(t: Target, c: u32, m: u32, role: u32, model: Option<(St, Vec<Cal
 pub fn op_misc() {
     let i = &w().input;
     let code = i.pick(&[0u32, 3, 19, 20, 1000, u32::MAX]);
-    let last = S::CallableReleased as u32;
+    let last = S::CollectiveMismatch as u32;
     // SAFETY: static string.
     let name = unsafe { CStr::from_ptr(graphed_status_name(code)) }
         .to_str()

@@ -6,14 +6,18 @@
 //! the count, and a replay names the count. Adding to -0.0 gives each sum's
 //! first grad exactly (-0.0 + x is x for every x), so the sums equal eager
 //! accumulation bit for bit, as the unrolled capture's do. The step's
-//! update, if it has one, follows the loop (update.rs).
+//! update, if it has one, follows the loop (update.rs). A step with
+//! collectives runs all but its last microbatch in the loop (none when a
+//! replay runs one: a flag the replay sets skips the loop in an IF node)
+//! and records the last after it, outside any conditional node, where its
+//! collectives go (NCCL cannot run inside a conditional node).
 
 use super::super::external::Provided;
 use super::super::grads::enqueue_sums;
 use super::super::instance::PassRef;
 use super::run::{Call, GraphOf, Runner, ViewBuffers};
 use super::step_io::summable;
-use super::steps::Sequence;
+use super::steps::{Sequence, PEELED_SKIP};
 use crate::backend::{journal, AccItem, CaptureEnd, DevPtr, Graph, StreamRef};
 use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
@@ -51,28 +55,68 @@ impl Runner<'_> {
         }
         let (mut ran, mut last) = (Ok(()), seq.passes[0]);
         let mut body = Ok(());
+        let mut collected = Ok(());
+        let mut acc = Vec::new();
         if prologue.is_ok() {
-            let mut acc = Vec::new();
-            body = backend.capture_loop(main, state, mode, &mut |ls| {
+            let mut in_loop = |ls: StreamRef| {
                 self.stream = ls;
+                let at = (main, None);
                 let out = self.loop_body(
-                    seq, state, block, iteration, main, &mut ran, &mut last, &mut acc,
+                    seq,
+                    state,
+                    block,
+                    iteration,
+                    at,
+                    (&mut ran, &mut collected),
+                    &mut last,
+                    &mut acc,
                 );
                 self.stream = main;
                 out
-            });
+            };
+            body = match seq.peeled() {
+                // The loop runs all but the last microbatch: none at a
+                // count of 1, where the flag skips it.
+                true => {
+                    backend.capture_unless(main, state + PEELED_SKIP, state + 16, mode, &mut |cs| {
+                        backend.capture_loop(cs, state, mode, &mut in_loop)
+                    })
+                }
+                false => backend.capture_loop(main, state, mode, &mut in_loop),
+            };
         }
-        // The update after the loop, on the capture around it.
-        let attempted = seq.update.is_some()
+        // With collectives, the last microbatch after the loop, on the
+        // capture around it (its index where the loop left it).
+        if seq.peeled() && prologue.is_ok() && body.is_ok() && ran.is_ok() {
+            let at = (main, Some(slot));
+            body = self.loop_body(
+                seq,
+                state,
+                block,
+                iteration,
+                at,
+                (&mut ran, &mut collected),
+                &mut last,
+                &mut acc,
+            );
+        }
+        // The collectives and the update after the loop, on the capture
+        // around it.
+        let attempted = (seq.update.is_some() || seq.collective.is_some())
             && prologue.is_ok()
             && body.is_ok()
             && ran.is_ok()
             && matches!(backend.capture_invalidated(main), Ok(false));
         let updated = match attempted {
-            true => self.record_update(seq, block, slot),
+            true => self.record_tail(seq, block, slot),
             false => Ok(()),
         };
         let ended = backend.end_capture(main);
+        // A collective's own error stands over the capture's end.
+        if let Err(e) = collected {
+            drop(ended);
+            return Err(e);
+        }
         let ended = self.update_ended(seq, attempted, updated, ended)?;
         // A body that broke the loop's own capture (the enclosing one
         // still valid) is the root cause, also when its callback failed
@@ -116,9 +160,12 @@ impl Runner<'_> {
     }
 
     /// One microbatch, recorded on the loop's stream (`self.stream` while
-    /// it runs; `main` holds the capture around the loop). A failed
-    /// callback leaves its code in `ran` and stops; so does a callback that
-    /// broke either capture.
+    /// it runs; `main` holds the capture around the loop), or, with
+    /// `peeled` (the graph's clone slot), the last one after the loop on
+    /// `main` itself, with the step's collectives after each callable's
+    /// grads. A failed callback leaves its code in `ran` and stops; so
+    /// does a callback that broke either capture, and a collective, whose
+    /// error goes into `collected`.
     #[allow(clippy::too_many_arguments)]
     fn loop_body(
         &mut self,
@@ -126,8 +173,8 @@ impl Runner<'_> {
         state: DevPtr,
         block: &dyn Fn(usize) -> Option<DevPtr>,
         iteration: u32,
-        main: StreamRef,
-        ran: &mut std::result::Result<(), i32>,
+        (main, peeled): (StreamRef, Option<u32>),
+        (ran, collected): (&mut std::result::Result<(), i32>, &mut Result<()>),
         last: &mut PassRef,
         acc: &mut Vec<AccItem>,
     ) -> Result<()> {
@@ -179,6 +226,12 @@ impl Runner<'_> {
             if p.kind == inst.grad_pass() {
                 let dst = seq.dsts_of(p.instance);
                 enqueue_sums(backend.as_ref(), inst, dst, block(p.instance), acc, s)?;
+                if let Some(slot) = peeled {
+                    *collected = self.record_collective(seq, block, slot, Some(p.instance));
+                    if collected.is_err() {
+                        return Err(Error::state("a collective of the last microbatch failed"));
+                    }
+                }
             }
         }
         Ok(())

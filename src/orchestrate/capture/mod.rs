@@ -17,6 +17,7 @@
 //! Everything is owned by the step that made it until the last one, so an
 //! error anywhere releases all of it; the session stays open.
 
+mod collective;
 mod looped;
 mod order;
 mod record;

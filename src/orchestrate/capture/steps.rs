@@ -8,13 +8,19 @@
 
 use super::super::captured::CapturedStep;
 use super::super::instance::{PassRef, Placed};
-use super::super::spec::{CaptureHook, HookPoint, LogLevel, Looping, UpdateSpec};
+use super::super::spec::{CaptureHook, CollectiveSpec, HookPoint, LogLevel, Looping, UpdateSpec};
 use super::super::tensor::Param;
 use super::super::update::StepUpdate;
+use super::collective;
 use super::run::Runner;
 use super::step_io::{self, IoCopy};
 use crate::backend::{DevPtr, DeviceMemory, Graph};
+use crate::core::collective::CollectiveEntry;
 use crate::error::{Error, Result};
+use std::cell::RefCell;
+
+/// A step's graph, or its graphs of the clone slots.
+type StepGraphs = (Option<Box<dyn Graph>>, Vec<Box<dyn Graph>>);
 
 /// Why a step's graph cannot follow a parameter until verification says
 /// it can.
@@ -65,6 +71,15 @@ fn overwritten(instances: &[&Placed]) -> Vec<usize> {
     v
 }
 
+/// The loop's state of a step whose last microbatch follows the loop
+/// (six u32): the index, the loop's count (the replay's less one), a flag
+/// that skips the loop (a replay of one microbatch: a loop runs its body
+/// at least once), the replay's count, and the u64 the skips are counted
+/// in. The skip flag's offset in that state:
+pub(crate) const PEELED_SKIP: DevPtr = 8;
+/// The replay's count's offset in that state.
+pub(crate) const PEELED_COUNT: DevPtr = 12;
+
 /// A step's passes with where each instance's destinations start, its
 /// microbatch count and its copies in and out.
 pub(super) struct Sequence<'a> {
@@ -82,6 +97,11 @@ pub(super) struct Sequence<'a> {
     pub state: Option<DevPtr>,
     /// The update stage, recorded after the last microbatch.
     pub update: Option<UpdateRef<'a>>,
+    /// The collective stage, recorded in the last microbatch (looping on
+    /// the device, that microbatch follows the loop: see looped.rs).
+    pub collective: Option<&'a CollectiveSpec>,
+    /// What the collective callback declared in the graph being captured.
+    pub manifest: RefCell<Vec<CollectiveEntry>>,
 }
 
 /// A step's update as its capture records it: the callback and the
@@ -95,6 +115,21 @@ pub(super) struct UpdateRef<'a> {
 }
 
 impl Sequence<'_> {
+    /// Whether its last microbatch is recorded after the loop on the
+    /// device (a looped step with collectives: they cannot run inside a
+    /// conditional node).
+    pub fn peeled(&self) -> bool {
+        self.state.is_some() && self.collective.is_some()
+    }
+
+    /// Where in the loop's state the count a replay runs is (a u32).
+    pub fn count_at(&self) -> DevPtr {
+        match self.peeled() {
+            true => PEELED_COUNT,
+            false => 4,
+        }
+    }
+
     /// Where parameter j of `instance`'s grads go (its destinations).
     pub fn dsts_of(&self, instance: usize) -> impl Fn(usize) -> DevPtr + '_ {
         let k = self
@@ -177,15 +212,17 @@ impl Runner<'_> {
         step_io::check_sums(si, step.microbatches, &placed, &names, slots, &no_slots)?;
         let all: Vec<&Placed> = self.placed.iter().collect();
         let io = step_io::resolve(si, step, self.s.callables, &instances, &all)?;
+        let n = step.microbatches;
         let loop_state = match step.looping {
             Looping::Unrolled => None,
             Looping::Device => {
-                let m = DeviceMemory::new(self.s.backend, 8)?;
                 // The count until a replay sets it: verification replays run all.
-                let init: Vec<u8> = [0u32, step.microbatches]
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
+                let words = match step.collective.is_some() {
+                    true => vec![0u32, n - 1, (n == 1) as u32, n, 0, 0],
+                    false => vec![0u32, n],
+                };
+                let m = DeviceMemory::new(self.s.backend, words.len() * 4)?;
+                let init: Vec<u8> = words.iter().flat_map(|v| v.to_le_bytes()).collect();
                 self.s.backend.upload(m.ptr(), &init)?;
                 Some(m)
             }
@@ -214,33 +251,22 @@ impl Runner<'_> {
                     counter: u.counter(),
                     scalars: u.scalars(),
                 }),
+            collective: step.collective.as_ref(),
+            manifest: RefCell::new(Vec::new()),
         };
         let looped = step.looped();
-        let (mut graph, mut slot_graphs) = (None, Vec::new());
-        if cloned.is_empty() {
-            graph = Some(self.capture_sequence(&seq, |_| None, 0, iteration)?);
-        } else if slots == 0 && looped {
-            let what = match step.update.is_some() {
-                true => "runs an update in its graph",
-                false => "copies data in or out",
-            };
-            return Err(Error::Incompatible(format!(
-                "step {si} {what} and returns CLONE grads, which need a clone slot; it has none \
-                 ({no_slots})"
-            )));
-        } else if slots == 0 {
-            self.s.log(LogLevel::Warn, || {
-                format!(
-                    "step {si} returns CLONE grads but has no clone slots ({no_slots}): it replays pass \
-                     by pass"
-                )
-            });
-        } else {
-            for k in 0..slots {
-                let block = |i: usize| slot_blocks[i].get(k).copied();
-                slot_graphs.push(self.capture_sequence(&seq, block, k as u32, iteration)?);
+        let graphs = self.capture_graphs(&seq, (&cloned, slots, &no_slots), slot_blocks, iteration);
+        let manifest = seq.manifest.take();
+        if let Some(spec) = &step.collective {
+            let name = |c: u32| self.callable_name(c);
+            let compared = collective::exchange(si, spec, graphs.is_ok(), &manifest, &name);
+            // A failed capture's own error stands (the exchange only told
+            // the other ranks).
+            if graphs.is_ok() {
+                compared?;
             }
         }
+        let (graph, slot_graphs) = graphs?;
         let params = step_params(self.placed, &instances);
         Ok(CapturedStep {
             instances,
@@ -256,7 +282,58 @@ impl Runner<'_> {
             microbatches: step.microbatches,
             loop_state,
             update,
+            collectives: step.collective.as_ref().map(|_| manifest),
         })
+    }
+
+    /// Captures the graphs of a step: one, or one per clone slot (each
+    /// recording the collectives of the first), or none (pass by pass).
+    fn capture_graphs(
+        &mut self,
+        seq: &Sequence,
+        (cloned, slots, no_slots): (&[usize], usize, &str),
+        slot_blocks: &[Vec<DevPtr>],
+        iteration: u32,
+    ) -> Result<StepGraphs> {
+        let si = seq.step;
+        let step = &self.s.steps[si];
+        let (mut graph, mut slot_graphs) = (None, Vec::new());
+        if cloned.is_empty() {
+            graph = Some(self.capture_sequence(seq, |_| None, 0, iteration)?);
+        } else if slots == 0 && step.looped() {
+            let what = match (step.update.is_some(), step.collective.is_some()) {
+                (true, _) => "runs an update in its graph",
+                (_, true) => "records collectives in its graph",
+                _ => "copies data in or out",
+            };
+            return Err(Error::Incompatible(format!(
+                "step {si} {what} and returns CLONE grads, which need a clone slot; it has none \
+                 ({no_slots})"
+            )));
+        } else if slots == 0 {
+            self.s.log(LogLevel::Warn, || {
+                format!(
+                    "step {si} returns CLONE grads but has no clone slots ({no_slots}): it replays pass \
+                     by pass"
+                )
+            });
+        } else {
+            let mut first = Vec::new();
+            for k in 0..slots {
+                let block = |i: usize| slot_blocks[i].get(k).copied();
+                slot_graphs.push(self.capture_sequence(seq, block, k as u32, iteration)?);
+                match k {
+                    0 => first = seq.manifest.take(),
+                    _ => {
+                        let this = seq.manifest.take();
+                        let name = |c: u32| self.callable_name(c);
+                        collective::same_in_every_graph(si, &first, &this, k, &name)?;
+                    }
+                }
+            }
+            *seq.manifest.borrow_mut() = first;
+        }
+        Ok((graph, slot_graphs))
     }
 
     /// Captures a sequence into one graph (unrolled or looped), with the

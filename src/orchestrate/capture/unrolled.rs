@@ -35,7 +35,7 @@ impl Runner<'_> {
         let backend = self.s.backend.clone();
         let first = GraphOf::Step(seq.step, Some(0));
         self.begin(seq.passes[0], first)?;
-        let (mut ran, mut enqueued) = (Ok(()), Ok(()));
+        let (mut ran, mut enqueued, mut collected) = (Ok(()), Ok(()), Ok(()));
         let (mut last, mut graph) = (seq.passes[0], first);
         let mut acc = Vec::new();
         'microbatches: for mb in 0..seq.microbatches {
@@ -97,18 +97,32 @@ impl Runner<'_> {
                 if enqueued.is_err() {
                     break 'microbatches;
                 }
+                // The last microbatch's grads of this callable are final.
+                if mb + 1 == seq.microbatches && p.kind == inst.grad_pass() {
+                    collected = self.record_collective(seq, block, slot, Some(p.instance));
+                    if collected.is_err() {
+                        break 'microbatches;
+                    }
+                }
             }
         }
-        // The update, once every pass is recorded and the capture intact.
-        let attempted = seq.update.is_some()
+        // The collectives and the update, once every pass is recorded and
+        // the capture intact.
+        let attempted = (seq.update.is_some() || seq.collective.is_some())
             && ran.is_ok()
             && enqueued.is_ok()
+            && collected.is_ok()
             && matches!(backend.capture_invalidated(self.stream), Ok(false));
         let updated = match attempted {
-            true => self.record_update(seq, block, slot),
+            true => self.record_tail(seq, block, slot),
             false => Ok(()),
         };
         let ended = backend.end_capture(self.stream);
+        // A collective's own error stands over the capture's end.
+        if let Err(e) = collected {
+            drop(ended);
+            return Err(e);
+        }
         let ended = self.update_ended(seq, attempted, updated, ended)?;
         let g = self.finish(last, graph, ran, ended)?;
         enqueued?;

@@ -14,19 +14,26 @@ use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
 use crate::orchestrate::spec::{UpdatePhase, UpdateView};
 
-/// Every parameter of a step as its update sees it in one graph.
-struct Params {
-    ptrs: Vec<DevPtr>,
-    grads: Vec<DevPtr>,
-    bytes: Vec<usize>,
-    dtypes: Vec<DType>,
-    policies: Vec<Option<GradPolicy>>,
+/// Every parameter of a step as its update (or collective) sees it in
+/// one graph.
+pub(super) struct Params {
+    pub ptrs: Vec<DevPtr>,
+    pub grads: Vec<DevPtr>,
+    pub bytes: Vec<usize>,
+    pub dtypes: Vec<DType>,
+    pub policies: Vec<Option<GradPolicy>>,
 }
 
 impl Runner<'_> {
     /// The step's parameters, in order, with where the graph whose CLONE
-    /// grads go into `block(instance)` leaves each grad.
-    fn update_params(&self, seq: &Sequence, block: &dyn Fn(usize) -> Option<DevPtr>) -> Params {
+    /// grads go into `block(instance)` leaves each grad; `only`: those of
+    /// that instance alone.
+    pub(super) fn update_params(
+        &self,
+        seq: &Sequence,
+        block: &dyn Fn(usize) -> Option<DevPtr>,
+        only: Option<usize>,
+    ) -> Params {
         let mut p = Params {
             ptrs: Vec::new(),
             grads: Vec::new(),
@@ -35,6 +42,9 @@ impl Runner<'_> {
             policies: Vec::new(),
         };
         for (k, &i) in seq.instances.iter().enumerate() {
+            if only.is_some_and(|o| o != i) {
+                continue;
+            }
             let inst = &self.placed[i];
             for (j, (q, t)) in inst.params.iter().zip(&inst.param_grads).enumerate() {
                 p.ptrs.push(q.ptr);
@@ -56,6 +66,18 @@ impl Runner<'_> {
         p
     }
 
+    /// Records what follows a step's last microbatch: its collectives
+    /// recorded once after the whole backward, then its update.
+    pub(super) fn record_tail(
+        &mut self,
+        seq: &Sequence,
+        block: &dyn Fn(usize) -> Option<DevPtr>,
+        slot: u32,
+    ) -> Result<()> {
+        self.record_collective(seq, block, slot, None)?;
+        self.record_update(seq, block, slot)
+    }
+
     /// Records the step's update (see the module comment) on the
     /// capturing stream, for the graph of clone slot `slot` (0: the one
     /// graph) whose CLONE grads go into `block(instance)`.
@@ -68,7 +90,7 @@ impl Runner<'_> {
         let Some(u) = seq.update else {
             return Ok(());
         };
-        let params = self.update_params(seq, block);
+        let params = self.update_params(seq, block, None);
         let backend = self.s.backend.clone();
         let main = self.stream;
         let call = |phase: UpdatePhase, stream: StreamRef| -> Result<()> {
@@ -86,7 +108,7 @@ impl Runner<'_> {
                 scalar_bytes: u.spec.scalar_bytes,
                 skip_flag: u.flag,
                 microbatches: seq.microbatches,
-                microbatch_count: seq.state.map_or(0, |s| s + 4),
+                microbatch_count: seq.state.map_or(0, |s| s + seq.count_at()),
             };
             let ran = (u.spec.callback)(&view);
             intact(backend.as_ref(), seq.step, phase, &[main, stream], &ran)?;
@@ -126,7 +148,7 @@ impl Runner<'_> {
         updated?;
         match ended {
             Ok(CaptureEnd::Invalidated(detail)) => Err(Error::IllegalUnderCapture(format!(
-                "the capture of step {}'s update was invalidated: {detail}",
+                "the capture of step {}'s collectives or update was invalidated: {detail}",
                 seq.step
             ))),
             ended => Ok(ended),

@@ -297,8 +297,15 @@ fn launch(
         (None, Some(k)) => &st.slots[k],
         (None, None) => return Err(Error::Internal("a step without a graph".into())),
     };
-    if let Some(state) = &st.loop_state {
-        p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?;
+    match (&st.loop_state, &st.collectives) {
+        // The loop runs all but the last microbatch (none at 1: skipped).
+        (Some(state), Some(_)) => {
+            let words = [count - 1, (count == 1) as u32, count];
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            p.backend.upload_async(state.ptr() + 4, &bytes, stream)?;
+        }
+        (Some(state), None) => p.backend.fill(state.ptr() + 4, count, 4, 1, stream)?,
+        (None, _) => {}
     }
     if let Some(u) = &st.update {
         u.before_launch(p.backend.as_ref(), scalars, stream)?;

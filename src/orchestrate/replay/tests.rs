@@ -26,6 +26,7 @@ fn session(f: Fixture) -> Session {
             looping: st.looping,
             capture_hook: st.capture_hook,
             update: st.update,
+            collective: st.collective,
         })
         .unwrap();
     }

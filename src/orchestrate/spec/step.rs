@@ -3,6 +3,7 @@
 //! it gets under capture), and a step replay's arguments.
 
 use crate::backend::{DevPtr, StreamRef};
+use crate::core::collective::CollectiveOp;
 use crate::core::dtype::DType;
 use crate::core::layout::Role;
 use crate::core::policy::GradPolicy;
@@ -117,6 +118,95 @@ impl PartialEq for UpdateSpec {
 
 impl Eq for UpdateSpec {}
 
+/// Where a step's collective callback runs in its graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollectiveAt {
+    /// Once, after the last microbatch's backward, with every grad.
+    AfterBackward,
+    /// After each callable's grad pass in the last microbatch, with that
+    /// callable's grads (in backward order).
+    PerCallable,
+}
+
+/// What a step's collective callback sees: the stream to enqueue on, the
+/// callable whose grads are ready (None: every callable of the step) and
+/// its parameters with where this graph leaves each accumulated grad.
+pub struct CollectiveView<'a> {
+    pub step: u32,
+    pub stream: StreamRef,
+    /// The clone slot whose graph is being captured (0 without slots).
+    pub slot: u32,
+    /// The session's index of the callable whose grads are ready; None
+    /// after the whole backward.
+    pub callable: Option<u32>,
+    pub params: &'a [DevPtr],
+    pub grads: &'a [DevPtr],
+    pub bytes: &'a [usize],
+    pub dtypes: &'a [DType],
+}
+
+/// A step's collective callback: called under each capture of the step's
+/// graph at its points, never eagerly; returns what it declared it
+/// records, or its code and what it said about it.
+pub type CollectiveFn = Arc<
+    dyn Fn(&CollectiveView) -> std::result::Result<Vec<CollectiveRecord>, (i32, String)>
+        + Send
+        + Sync,
+>;
+
+/// The caller's all-gather of the ranks' manifests: each rank's `mine`
+/// (the same length on every rank) into `all` (ranks * that, rank r's at
+/// r * len); its code and what it said about it on failure.
+pub type ExchangeFn =
+    Arc<dyn Fn(&[u8], &mut [u8]) -> std::result::Result<(), (i32, String)> + Send + Sync>;
+
+/// A collective as a callback declares it (the point is the step's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollectiveRecord {
+    pub communicator: u64,
+    pub op: CollectiveOp,
+    pub bytes: u64,
+    pub dtype: DType,
+}
+
+/// A step's collective stage, as declared.
+#[derive(Clone)]
+pub struct CollectiveSpec {
+    pub callback: CollectiveFn,
+    pub at: CollectiveAt,
+    /// None: the manifest is kept but not compared across ranks.
+    pub exchange: Option<ExchangeFn>,
+    /// This rank and how many there are (checked against the exchange).
+    pub rank: u32,
+    pub ranks: u32,
+}
+
+impl std::fmt::Debug for CollectiveSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CollectiveSpec")
+            .field("at", &self.at)
+            .field("exchange", &self.exchange.is_some())
+            .field("rank", &self.rank)
+            .field("ranks", &self.ranks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for CollectiveSpec {
+    /// The same stage: the same closures, point and ranks.
+    fn eq(&self, other: &Self) -> bool {
+        let same_exchange = match (&self.exchange, &other.exchange) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        Arc::ptr_eq(&self.callback, &other.callback)
+            && same_exchange
+            && (self.at, self.rank, self.ranks) == (other.at, other.rank, other.ranks)
+    }
+}
+
+impl Eq for CollectiveSpec {}
+
 /// A step replay's arguments: the step, the caller's stream, its
 /// parameters' addresses (None: where the graphs read them now), the
 /// microbatches to run (0: all), and new values for its scalar block
@@ -160,6 +250,10 @@ pub struct StepSpec {
     /// Captured once into each of the step's graphs after the last
     /// microbatch's grads are where the step puts them (None: no update).
     pub update: Option<UpdateSpec>,
+    /// Collectives recorded into each of the step's graphs after the last
+    /// microbatch's grads (or each callable's) are ready, before the
+    /// update (None: none).
+    pub collective: Option<CollectiveSpec>,
 }
 
 /// How a step's graph holds its microbatches.
@@ -183,6 +277,7 @@ impl StepSpec {
             looping: Looping::Unrolled,
             capture_hook: None,
             update: None,
+            collective: None,
         }
     }
 
@@ -194,6 +289,7 @@ impl StepSpec {
             || !self.io.is_empty()
             || self.looping == Looping::Device
             || self.update.is_some()
+            || self.collective.is_some()
     }
 }
 

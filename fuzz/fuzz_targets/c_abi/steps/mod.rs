@@ -1,10 +1,13 @@
 //! Steps (graphed_session_add_step): their declaration (with microbatches,
 //! io copies and loops on the device), the model of the step graphs a
 //! capture makes of them and of what it refuses, and their replay (with a
-//! microbatch count), checked against that model, sums included.
+//! microbatch count), checked against that model, sums included; in
+//! sessions of their own, a step's update stage (`update.rs`) and its
+//! collective stage (`collective.rs`).
 
 use super::*;
 
+mod collective;
 mod declare;
 mod graphs;
 mod io;
@@ -14,6 +17,7 @@ mod results;
 mod sums;
 mod update;
 
+pub use collective::*;
 pub use declare::*;
 pub use graphs::*;
 pub use io::*;
