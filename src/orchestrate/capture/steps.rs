@@ -11,7 +11,6 @@ use super::super::instance::{PassRef, Placed};
 use super::super::spec::{CaptureHook, CollectiveSpec, HookPoint, LogLevel, Looping, UpdateSpec};
 use super::super::tensor::Param;
 use super::super::update::StepUpdate;
-use super::collective;
 use super::run::Runner;
 use super::step_io::{self, IoCopy};
 use crate::backend::{DevPtr, DeviceMemory, Graph};
@@ -258,8 +257,7 @@ impl Runner<'_> {
         let graphs = self.capture_graphs(&seq, (&cloned, slots, &no_slots), slot_blocks, iteration);
         let manifest = seq.manifest.take();
         if let Some(spec) = &step.collective {
-            let name = |c: u32| self.callable_name(c);
-            let compared = collective::exchange(si, spec, graphs.is_ok(), &manifest, &name);
+            let compared = self.exchange(si, spec, graphs.is_ok(), &manifest);
             // A failed capture's own error stands (the exchange only told
             // the other ranks).
             if graphs.is_ok() {
@@ -326,8 +324,7 @@ impl Runner<'_> {
                     0 => first = seq.manifest.take(),
                     _ => {
                         let this = seq.manifest.take();
-                        let name = |c: u32| self.callable_name(c);
-                        collective::same_in_every_graph(si, &first, &this, k, &name)?;
+                        self.same_in_every_graph(si, &first, &this, k)?;
                     }
                 }
             }
