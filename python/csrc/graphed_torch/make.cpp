@@ -454,7 +454,14 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
                    "drawn afresh at every replay)";
         if (!s.capture.hook_error.empty()) msg += "\n  post_warmup_hook: " + s.capture.hook_error;
         if (s.step && !s.step->error.empty()) msg += "\n  the step's capture hook: " + s.step->error;
-        s.reset();
+        // The reset returns the capture's memory; what it raised (CUDA
+        // calls on a stream whose capture the failure invalidated) is told
+        // after the failure itself, never instead of it.
+        try {
+            s.reset();
+        } catch (const std::exception& e) {
+            msg += "\n  then, releasing the session: " + std::string(e.what());
+        }
         throw std::runtime_error(msg);
     };
     try {
@@ -475,12 +482,18 @@ std::shared_ptr<Shared> make_session(std::vector<CallableSpec> specs, const Opti
     std::string capture_error;
     try {
         s.session->capture();
-    } catch (const graphed::Error& e) {
+    } catch (const std::exception& e) {
         capture_error = e.what();
     }
-    s.end_routing();
-    s.rng.abandon();
-    if (!capture_error.empty()) fail(capture_error);
+    // The routing and the generators' capture states are undone whatever
+    // the capture did; an error undoing them after a failed capture is
+    // told after the capture's own error, never instead of it.
+    FirstError undo;
+    undo.run([&] { s.end_routing(); });
+    undo.run([&] { s.rng.abandon(); });
+    if (!capture_error.empty())
+        fail(undo.what.empty() ? capture_error : capture_error + "\n  then, undoing the capture: " + undo.what);
+    if (!undo.what.empty()) fail("make_graphed_callables: undoing the capture: " + undo.what);
     for (auto& c : s.callables) {
         c->caller.samples.clear();
         for (Instance& in : c->per_mb) {

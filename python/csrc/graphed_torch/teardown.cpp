@@ -199,8 +199,12 @@ void Shared::reset() {
     std::lock_guard<std::recursive_mutex> lock(teardown_mu);
     if (is_reset) return;
     is_reset = true;
-    end_routing();
-    rng.abandon();
+    // Every stage runs, also when an earlier one raised (a CUDA call on a
+    // stream whose capture failed): the graphs, the tensors and the private
+    // pool go in any case. The first error is raised once all are done.
+    FirstError first;
+    first.run([&] { end_routing(); });
+    first.run([&] { rng.abandon(); });
     // Waits for the device and destroys the graphs; then the tensors they
     // used may go, and the private pool with them. A session another call
     // still uses is destroyed once that call returns.
@@ -211,8 +215,8 @@ void Shared::reset() {
         }
         session.reset();
     }
-    for (auto& c : callables) c->let_go();
-    drop_callbacks();
+    for (auto& c : callables) first.run([&] { c->let_go(); });
+    first.run([&] { drop_callbacks(); });
     rng.passes.clear();
     if (step) {
         step->data.clear();
@@ -221,7 +225,9 @@ void Shared::reset() {
         step->outs.clear();
         step->gins.clear();
     }
-    for (; route.pool_refs > 0; --route.pool_refs) c10::cuda::CUDACachingAllocator::releasePool(device, route.pool);
+    for (; route.pool_refs > 0; --route.pool_refs)
+        first.run([&] { c10::cuda::CUDACachingAllocator::releasePool(device, route.pool); });
+    if (!first.what.empty()) throw std::runtime_error("graphed: releasing the session: " + first.what);
 }
 
 Shared::~Shared() {

@@ -47,6 +47,22 @@ inline void cuda_check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// ---- undoing in stages ----------------------------------------------------------------------
+
+// Runs stages of an undo, each also when an earlier one raised, keeping the
+// first error (`what`, empty: none): a failed capture leaves CUDA calls on
+// its stream failing, and what follows must still be returned.
+struct FirstError {
+    std::string what;
+    void run(const std::function<void()>& stage) {
+        try {
+            stage();
+        } catch (const std::exception& e) {
+            if (what.empty()) what = e.what();
+        }
+    }
+};
+
 // ---- tensors (tensors.cpp) ---------------------------------------------------------------
 
 struct Meta {
