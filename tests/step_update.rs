@@ -16,6 +16,7 @@ use std::ffi::{c_void, CString};
 use std::ptr::null_mut;
 
 mod common;
+use common::momentum::sgd;
 use common::{empty_ref, layer_desc, msg, ok};
 
 const N: usize = 16;
@@ -98,7 +99,8 @@ unsafe extern "C" fn run_check(data: *mut c_void) {
     }
 }
 
-/// The apply's task: SGD with momentum, lr and mu from the scalars.
+/// The apply's task: SGD with momentum (the eager model's `sgd`), lr and
+/// mu from the scalars.
 struct Sgd {
     w: *mut f32,
     g: *const f32,
@@ -107,23 +109,13 @@ struct Sgd {
 }
 
 unsafe extern "C" fn run_sgd(data: *mut c_void) {
-    // SAFETY: leaked, valid buffers.
+    // SAFETY: leaked, valid buffers of N floats each, none overlapping.
     unsafe {
         let s = &*(data as *const Sgd);
         let (lr, mu) = (*s.scalars, *s.scalars.add(1));
-        for i in 0..N {
-            let m = mu * *s.m.add(i) + *s.g.add(i);
-            *s.m.add(i) = m;
-            *s.w.add(i) -= lr * m;
-        }
-    }
-}
-
-/// The eager optimizer: the same arithmetic as `run_sgd`.
-fn sgd(w: &mut [f32], m: &mut [f32], g: &[f32], lr: f32, mu: f32) {
-    for i in 0..N {
-        m[i] = mu * m[i] + g[i];
-        w[i] -= lr * m[i];
+        let w = std::slice::from_raw_parts_mut(s.w, N);
+        let m = std::slice::from_raw_parts_mut(s.m, N);
+        sgd(w, m, std::slice::from_raw_parts(s.g, N), lr, mu);
     }
 }
 

@@ -1,6 +1,8 @@
 //! Helpers the C ABI integration tests share.
 #![allow(dead_code)]
 
+pub mod momentum;
+
 use graphed::ffi::*;
 use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
