@@ -8,7 +8,7 @@
 //! named on both ranks; teardown in both orders; every refusal.
 //!
 //! The model: two elementwise layers `y = w * x` over f32 (backward
-//! `gw = x * gy`), each with its own io, in one step.
+//! `gw = x * gy`; tests/common/mul.rs), each with its own io, in one step.
 
 use graphed::ffi::*;
 use std::ffi::c_void;
@@ -16,60 +16,11 @@ use std::ptr::null_mut;
 use std::sync::{Arc, Barrier, Mutex};
 
 mod common;
-use common::{empty_ref, layer_desc, msg, ok};
+use common::mul::{enqueue, leak};
+use common::{add_step, create, host_config, msg, mul, ok, step_desc, step_replay_args, Session};
 
 const N: usize = 8;
 const BYTES: usize = N * 4;
-
-/// `out[i] = a[i] * b[i]`.
-struct Mul {
-    a: *const f32,
-    b: *const f32,
-    out: *mut f32,
-}
-
-unsafe extern "C" fn run_mul(data: *mut c_void) {
-    // SAFETY: a leaked Mul whose buffers hold N floats while the test runs.
-    unsafe {
-        let m = &*(data as *const Mul);
-        for i in 0..N {
-            *m.out.add(i) = *m.a.add(i) * *m.b.add(i);
-        }
-    }
-}
-
-fn enqueue(s: graphed_stream, task: graphed_host_task_fn, data: *mut c_void) -> i32 {
-    // SAFETY: the task and its (leaked) data stay valid.
-    unsafe { graphed_host_enqueue(s, task, data) as i32 }
-}
-
-fn leak<T>(v: T) -> *mut c_void {
-    Box::into_raw(Box::new(v)).cast()
-}
-
-unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
-    // SAFETY: the context and its arrays are valid during the call.
-    let c = unsafe { &*ctx };
-    let (x, w, y) = unsafe { (*c.inputs, *c.params, *c.outputs) };
-    let m = Mul {
-        a: x as *const f32,
-        b: w as *const f32,
-        out: y as *mut f32,
-    };
-    enqueue(c.stream, Some(run_mul), leak(m))
-}
-
-unsafe extern "C" fn backward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
-    // SAFETY: as above.
-    let c = unsafe { &*ctx };
-    let (x, gy, gw) = unsafe { (*c.inputs, *c.grad_outputs, *c.param_grads) };
-    let m = Mul {
-        a: x as *const f32,
-        b: gy as *const f32,
-        out: gw as *mut f32,
-    };
-    enqueue(c.stream, Some(run_mul), leak(m))
-}
 
 /// A host "communicator" of `ranks` threads: an all-reduce sums every
 /// rank's buffer in rank order; an all-gather concatenates bytes.
@@ -249,38 +200,13 @@ impl Model {
     fn fill(&mut self, it: usize) {
         let rank = self.coll.rank;
         for (l, xg) in self.xg.iter_mut().enumerate() {
-            for mb in 0..self.mbs {
-                for i in 0..N {
-                    let v =
-                        ((it * 31 + mb * 7 + i * 3 + l * 5 + rank * 11) % 23) as f32 * 0.0625 - 0.7;
-                    xg[2 * N * mb + i] = v;
-                    xg[2 * N * mb + N + i] = 0.25 - v * 0.5;
-                }
-            }
+            mul::fill::<N>(xg, self.mbs, it, l * 5 + rank * 11);
         }
     }
 
     /// Layer `l`'s grad eager accumulation makes over the first `mbs`.
     fn grad(&self, l: usize, mbs: usize) -> Vec<f32> {
-        let xg = &self.xg[l];
-        (0..N)
-            .map(|i| {
-                let mut s = 0.0f32;
-                for mb in 0..mbs {
-                    let g = xg[2 * N * mb + i] * xg[2 * N * mb + N + i];
-                    s = if mb == 0 { g } else { s + g };
-                }
-                s
-            })
-            .collect()
-    }
-}
-
-struct Built(*mut graphed_session);
-
-impl Drop for Built {
-    fn drop(&mut self) {
-        ok(graphed_session_destroy(self.0));
+        mul::grad::<N>(&self.xg[l], mbs)
     }
 }
 
@@ -305,63 +231,19 @@ fn build(
     m: &mut Model,
     setup: Setup,
     edit: &dyn Fn(&mut graphed_step_desc),
-) -> (Built, graphed_status) {
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    cfg.warmup_iterations = 1;
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
-    let b = Built(s);
-    let t = graphed_tensor_desc {
-        bytes: BYTES,
-        ..graphed_tensor_desc_default()
-    };
-    let out = graphed_tensor_desc {
-        requires_grad: 1,
-        ..t
-    };
+) -> (Session, graphed_status) {
+    let b = Session(create(&host_config()));
     let mut io = Vec::new();
     for l in 0..2 {
-        let params = [graphed_param_desc {
-            data: m.w[l].as_mut_ptr().cast(),
-            bytes: BYTES,
-            policy: graphed_grad_policy::CopyInto as u32,
-            ..graphed_param_desc_default()
-        }];
-        let desc = layer_desc(&t, &out, &params, Some(forward), Some(backward));
-        let mut idx = 0;
-        // SAFETY: the descriptor and its arrays are valid locals.
-        ok(unsafe { graphed_session_add_callable(s, &desc, &mut idx) });
-        let xg = m.xg[l].as_mut_ptr();
-        for (role, at) in [
-            (graphed_buffer_role::Input, 0),
-            (graphed_buffer_role::GradOutput, N),
-        ] {
-            io.push(graphed_step_io {
-                callable: l as u32,
-                role: role as u32,
-                // SAFETY: inside the interleaved buffer.
-                ptr: unsafe { xg.add(at) }.cast(),
-                stride: 2 * BYTES,
-                ..graphed_step_io_default()
-            });
-        }
+        mul::add_layer::<N>(b.0, m.w[l].as_mut_ptr(), graphed_grad_policy::CopyInto, 0);
+        io.extend(mul::io::<N>(l as u32, m.xg[l].as_mut_ptr()));
     }
     let dsts = [
         m.dst[0].as_mut_ptr().cast::<c_void>(),
         m.dst[1].as_mut_ptr().cast(),
     ];
     let callables = [0u32, 1];
-    let mut d = graphed_step_desc_default();
-    d.callables = callables.as_ptr();
-    d.num_callables = 2;
-    d.microbatches = m.mbs as u32;
-    d.loop_mode = setup.loop_mode as u32;
-    d.io = io.as_ptr();
-    d.num_io = io.len();
-    d.param_dsts = dsts.as_ptr();
-    d.num_param_dsts = 2;
+    let mut d = step_desc(&callables, m.mbs, setup.loop_mode, &io, &dsts);
     d.collective = Some(collective);
     d.collective_data = (&mut *m.coll as *mut Coll).cast();
     d.collective_at = setup.at as u32;
@@ -372,9 +254,7 @@ fn build(
     d.collective_rank = m.coll.rank as u32;
     d.collective_ranks = setup.ranks;
     edit(&mut d);
-    let mut step = 0;
-    // SAFETY: the descriptor and its arrays are valid locals.
-    let st = unsafe { graphed_session_add_step(s, &d, &mut step) };
+    let st = add_step(b.0, &d);
     (b, st)
 }
 
@@ -382,9 +262,7 @@ fn build(
 fn replay(s: *mut graphed_session, mbs: u32) -> graphed_status {
     let mut a = graphed_step_args_default();
     a.microbatches = mbs;
-    let mut r = [empty_ref(), empty_ref()];
-    // SAFETY: valid args and room for two refs.
-    unsafe { graphed_step_replay(s, &a, r.as_mut_ptr(), 2) }
+    step_replay_args(s, &a, 2).0
 }
 
 /// Step 0's manifest.

@@ -8,68 +8,22 @@
 //! every refusal, and failing or capture-breaking update callbacks.
 //!
 //! The model is one elementwise layer `y = w * x` over f32 (backward:
-//! `gw = x * gy`), trained by SGD with momentum: `m = mu * m + g`,
-//! `w -= lr * m`, lr and mu read from the step's scalar block.
+//! `gw = x * gy`; tests/common/mul.rs), trained by SGD with momentum
+//! (tests/common/momentum.rs): `m = mu * m + g`, `w -= lr * m`, lr and mu
+//! read from the step's scalar block.
 
 use graphed::ffi::*;
 use std::ffi::{c_void, CString};
 use std::ptr::null_mut;
 
 mod common;
-use common::{empty_ref, layer_desc, msg, ok};
+use common::momentum::sgd;
+use common::mul::{enqueue, leak};
+use common::{
+    add_step, create, host_config, msg, mul, ok, step_desc, step_replay, step_replay_args, Session,
+};
 
 const N: usize = 16;
-const BYTES: usize = N * 4;
-
-/// `out[i] = a[i] * b[i]`.
-struct Mul {
-    a: *const f32,
-    b: *const f32,
-    out: *mut f32,
-}
-
-unsafe extern "C" fn run_mul(data: *mut c_void) {
-    // SAFETY: a leaked Mul whose buffers hold N floats while the test runs.
-    unsafe {
-        let m = &*(data as *const Mul);
-        for i in 0..N {
-            *m.out.add(i) = *m.a.add(i) * *m.b.add(i);
-        }
-    }
-}
-
-fn enqueue(s: graphed_stream, task: graphed_host_task_fn, data: *mut c_void) -> i32 {
-    // SAFETY: the task and its (leaked) data stay valid.
-    unsafe { graphed_host_enqueue(s, task, data) as i32 }
-}
-
-fn leak<T>(v: T) -> *mut c_void {
-    Box::into_raw(Box::new(v)).cast()
-}
-
-unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
-    // SAFETY: the context and its arrays are valid during the call.
-    let c = unsafe { &*ctx };
-    let (x, w, y) = unsafe { (*c.inputs, *c.params, *c.outputs) };
-    let m = Mul {
-        a: x as *const f32,
-        b: w as *const f32,
-        out: y as *mut f32,
-    };
-    enqueue(c.stream, Some(run_mul), leak(m))
-}
-
-unsafe extern "C" fn backward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
-    // SAFETY: as above.
-    let c = unsafe { &*ctx };
-    let (x, gy, gw) = unsafe { (*c.inputs, *c.grad_outputs, *c.param_grads) };
-    let m = Mul {
-        a: x as *const f32,
-        b: gy as *const f32,
-        out: gw as *mut f32,
-    };
-    enqueue(c.stream, Some(run_mul), leak(m))
-}
 
 /// The optimizer's state and what its callbacks were told.
 struct Opt {
@@ -98,7 +52,8 @@ unsafe extern "C" fn run_check(data: *mut c_void) {
     }
 }
 
-/// The apply's task: SGD with momentum, lr and mu from the scalars.
+/// The apply's task: SGD with momentum (the eager model's `sgd`), lr and
+/// mu from the scalars.
 struct Sgd {
     w: *mut f32,
     g: *const f32,
@@ -107,23 +62,13 @@ struct Sgd {
 }
 
 unsafe extern "C" fn run_sgd(data: *mut c_void) {
-    // SAFETY: leaked, valid buffers.
+    // SAFETY: leaked, valid buffers of N floats each, none overlapping.
     unsafe {
         let s = &*(data as *const Sgd);
         let (lr, mu) = (*s.scalars, *s.scalars.add(1));
-        for i in 0..N {
-            let m = mu * *s.m.add(i) + *s.g.add(i);
-            *s.m.add(i) = m;
-            *s.w.add(i) -= lr * m;
-        }
-    }
-}
-
-/// The eager optimizer: the same arithmetic as `run_sgd`.
-fn sgd(w: &mut [f32], m: &mut [f32], g: &[f32], lr: f32, mu: f32) {
-    for i in 0..N {
-        m[i] = mu * m[i] + g[i];
-        w[i] -= lr * m[i];
+        let w = std::slice::from_raw_parts_mut(s.w, N);
+        let m = std::slice::from_raw_parts_mut(s.m, N);
+        sgd(w, m, std::slice::from_raw_parts(s.g, N), lr, mu);
     }
 }
 
@@ -208,13 +153,7 @@ impl Model {
 
     /// Iteration `it`'s data; `overflow` puts an infinity in one x.
     fn fill(&mut self, it: usize, overflow: bool) {
-        for mb in 0..self.mbs {
-            for i in 0..N {
-                let v = ((it * 31 + mb * 7 + i * 3) % 23) as f32 * 0.0625 - 0.7;
-                self.xg[2 * N * mb + i] = v;
-                self.xg[2 * N * mb + N + i] = 0.25 - v * 0.5;
-            }
-        }
+        mul::fill::<N>(&mut self.xg, self.mbs, it, 0);
         if overflow {
             self.xg[N * 2 * (self.mbs - 1) + 3] = f32::INFINITY;
         }
@@ -222,25 +161,7 @@ impl Model {
 
     /// The grad eager accumulation makes of this iteration's data.
     fn grad(&self) -> Vec<f32> {
-        let mut sum: Option<Vec<f32>> = None;
-        for mb in 0..self.mbs {
-            let g: Vec<f32> = (0..N)
-                .map(|i| self.xg[2 * N * mb + i] * self.xg[2 * N * mb + N + i])
-                .collect();
-            sum = Some(match sum {
-                None => g,
-                Some(s) => (0..N).map(|i| s[i] + g[i]).collect(),
-            });
-        }
-        sum.unwrap_or_default()
-    }
-}
-
-struct Built(*mut graphed_session);
-
-impl Drop for Built {
-    fn drop(&mut self) {
-        ok(graphed_session_destroy(self.0));
+        mul::grad::<N>(&self.xg, self.mbs)
     }
 }
 
@@ -265,74 +186,30 @@ const PLAIN: Setup = Setup {
 
 /// The session with the layer and the step over `m.mbs` microbatches
 /// (uncaptured); the add_step status.
-fn build(m: &mut Model, setup: Setup) -> (Built, graphed_status) {
-    let mut cfg = graphed_session_config_default();
-    cfg.backend = graphed_backend::Host as u32;
-    cfg.warmup_iterations = 1;
+fn build(m: &mut Model, setup: Setup) -> (Session, graphed_status) {
+    let mut cfg = host_config();
     cfg.clone_slots = setup.slots;
-    let mut s = null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { graphed_session_create(&cfg, &mut s) });
-    let b = Built(s);
-    let t = graphed_tensor_desc {
-        bytes: BYTES,
-        ..graphed_tensor_desc_default()
+    let b = Session(create(&cfg));
+    let flags = if setup.rebind {
+        graphed_param_flags::Rebind as u32
+    } else {
+        0
     };
-    let out = graphed_tensor_desc {
-        requires_grad: 1,
-        ..t
-    };
-    let params = [graphed_param_desc {
-        data: m.w.as_mut_ptr().cast(),
-        bytes: BYTES,
-        policy: setup.policy as u32,
-        flags: if setup.rebind {
-            graphed_param_flags::Rebind as u32
-        } else {
-            0
-        },
-        ..graphed_param_desc_default()
-    }];
-    let desc = layer_desc(&t, &out, &params, Some(forward), Some(backward));
-    let mut idx = 0;
-    // SAFETY: the descriptor and its arrays are valid locals.
-    ok(unsafe { graphed_session_add_callable(s, &desc, &mut idx) });
-    let xg = m.xg.as_mut_ptr();
-    let io = [
-        graphed_step_io {
-            role: graphed_buffer_role::Input as u32,
-            ptr: xg.cast(),
-            stride: 2 * BYTES,
-            ..graphed_step_io_default()
-        },
-        graphed_step_io {
-            role: graphed_buffer_role::GradOutput as u32,
-            // SAFETY: N floats into the interleaved buffer.
-            ptr: unsafe { xg.add(N) }.cast(),
-            stride: 2 * BYTES,
-            ..graphed_step_io_default()
-        },
-    ];
+    mul::add_layer::<N>(b.0, m.w.as_mut_ptr(), setup.policy, flags);
+    let io = mul::io::<N>(0, m.xg.as_mut_ptr());
     let dsts = [m.dst.as_mut_ptr().cast::<c_void>()];
+    let dsts: &[_] = if setup.policy == graphed_grad_policy::CopyInto {
+        &dsts
+    } else {
+        &[]
+    };
     let callables = [0u32];
-    let mut d = graphed_step_desc_default();
-    d.callables = callables.as_ptr();
-    d.num_callables = 1;
-    d.microbatches = m.mbs as u32;
-    d.loop_mode = setup.loop_mode as u32;
-    d.io = io.as_ptr();
-    d.num_io = 2;
-    if setup.policy == graphed_grad_policy::CopyInto {
-        d.param_dsts = dsts.as_ptr();
-        d.num_param_dsts = 1;
-    }
+    let mut d = step_desc(&callables, m.mbs, setup.loop_mode, &io, dsts);
     d.update_check = if setup.check { Some(check) } else { None };
     d.update_apply = Some(apply);
     d.update_data = (&mut *m.opt as *mut Opt).cast();
     d.scalar_bytes = 8;
-    let mut step = 0;
-    // SAFETY: the descriptor and its arrays are valid locals.
-    let st = unsafe { graphed_session_add_step(s, &d, &mut step) };
+    let st = add_step(b.0, &d);
     (b, st)
 }
 
@@ -343,9 +220,7 @@ fn replay(s: *mut graphed_session, scalars: Option<&[f32]>) -> (graphed_status, 
         a.scalars = v.as_ptr().cast();
         a.scalar_bytes = std::mem::size_of_val(v);
     }
-    let mut r = [empty_ref()];
-    // SAFETY: valid args and room for one ref.
-    let st = unsafe { graphed_step_replay(s, &a, r.as_mut_ptr(), 1) };
+    let (st, r) = step_replay_args(s, &a, 1);
     (st, r[0])
 }
 
@@ -485,16 +360,9 @@ fn refused_declarations_and_replays_change_nothing() {
     let callables = [0u32];
     let dsts = [m.dst.as_mut_ptr().cast::<c_void>()];
     let declare = |f: &dyn Fn(&mut graphed_step_desc)| {
-        let mut d = graphed_step_desc_default();
-        d.callables = callables.as_ptr();
-        d.num_callables = 1;
-        d.param_dsts = dsts.as_ptr();
-        d.num_param_dsts = 1;
+        let mut d = step_desc(&callables, 1, graphed_step_loop::Unrolled, &[], &dsts);
         f(&mut d);
-        let mut step = 0;
-        // SAFETY: valid descriptor and out pointer.
-        let st = unsafe { graphed_session_add_step(s, &d, &mut step) };
-        (st, msg())
+        (add_step(s, &d), msg())
     };
     let (st, text) = declare(&|d| d.update_check = Some(check));
     assert_eq!(st, graphed_status::InvalidArgument);
@@ -522,9 +390,8 @@ fn refused_declarations_and_replays_change_nothing() {
     assert!(msg().contains("scalar block is 8 bytes"), "{}", msg());
     let mut a = graphed_step_args_default();
     a.scalar_bytes = 8;
-    let mut r = [empty_ref()];
-    // SAFETY: valid args (scalars NULL with a size) and room for a ref.
-    let st = unsafe { graphed_step_replay(s, &a, r.as_mut_ptr(), 1) };
+    // Scalars NULL with a size.
+    let (st, _) = step_replay_args(s, &a, 1);
     assert_eq!(st, graphed_status::NullPointer, "{}", msg());
     assert_eq!(m.w, w0, "a refused replay ran nothing");
     assert_eq!(skipped(s), (0, 0));
@@ -543,11 +410,7 @@ fn refused_declarations_and_replays_change_nothing() {
     // callable's own graphs could follow it; the step's cannot).
     let mut other = vec![0.0f32; N];
     let params = [other.as_mut_ptr() as *const c_void];
-    let mut a = graphed_step_args_default();
-    a.params = params.as_ptr();
-    a.num_params = 1;
-    // SAFETY: valid args and room for a ref.
-    let st = unsafe { graphed_step_replay(s, &a, r.as_mut_ptr(), 1) };
+    let (st, _) = step_replay(s, 1, Some(&params));
     assert_eq!(st, graphed_status::ParamMoved, "{}", msg());
     // (Host tasks are opaque: the callable's own graphs cannot follow it
     // either; orchestrate/replay/tests.rs covers a step whose callables' graphs can.)

@@ -1,6 +1,9 @@
 //! Helpers the C ABI integration tests share.
 #![allow(dead_code)]
 
+pub mod momentum;
+pub mod mul;
+
 use graphed::ffi::*;
 use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
@@ -98,10 +101,62 @@ pub fn step_replay(
         a.params = p.as_ptr();
         a.num_params = p.len();
     }
+    step_replay_args(s, &a, n)
+}
+
+/// A replay of step 0 with `a` (its arrays valid) and `n` refs: the status
+/// and the refs.
+pub fn step_replay_args(
+    s: *mut graphed_session,
+    a: &graphed_step_args,
+    n: usize,
+) -> (graphed_status, Vec<graphed_ref>) {
     let mut refs = vec![empty_ref(); n];
-    // SAFETY: valid args and room for n refs.
-    let st = unsafe { graphed_step_replay(s, &a, refs.as_mut_ptr(), n) };
+    // SAFETY: args whose arrays are the caller's valid ones, room for n refs.
+    let st = unsafe { graphed_step_replay(s, a, refs.as_mut_ptr(), n) };
     (st, refs)
+}
+
+/// A session destroyed when dropped (the destroy must succeed).
+pub struct Session(pub *mut graphed_session);
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        ok(graphed_session_destroy(self.0));
+    }
+}
+
+/// A step over `callables`, `mbs` microbatches run as `loop_mode`, with
+/// `io` and `dsts` its param_dsts (each left NULL where empty); the arrays
+/// must outlive the descriptor's use.
+pub fn step_desc(
+    callables: &[u32],
+    mbs: usize,
+    loop_mode: graphed_step_loop,
+    io: &[graphed_step_io],
+    dsts: &[*mut c_void],
+) -> graphed_step_desc {
+    let mut d = graphed_step_desc_default();
+    d.callables = callables.as_ptr();
+    d.num_callables = callables.len();
+    d.microbatches = mbs as u32;
+    d.loop_mode = loop_mode as u32;
+    if !io.is_empty() {
+        d.io = io.as_ptr();
+        d.num_io = io.len();
+    }
+    if !dsts.is_empty() {
+        d.param_dsts = dsts.as_ptr();
+        d.num_param_dsts = dsts.len();
+    }
+    d
+}
+
+/// Adds the step `d` (its arrays valid) to `s`: the status.
+pub fn add_step(s: *mut graphed_session, d: &graphed_step_desc) -> graphed_status {
+    let mut step = 0;
+    // SAFETY: a descriptor whose arrays are the caller's valid ones.
+    unsafe { graphed_session_add_step(s, d, &mut step) }
 }
 
 /// A clone allocator of the caller's that refuses every block with `CODE`.

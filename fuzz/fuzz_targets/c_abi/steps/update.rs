@@ -12,6 +12,12 @@
 use super::*;
 use crate::moves::empty_ref;
 
+/// SGD with momentum, shared with the integration tests' model.
+#[path = "../../../../tests/common/momentum.rs"]
+mod momentum;
+use momentum::sgd;
+use std::slice::from_raw_parts_mut;
+
 const N: usize = 4;
 const BYTES: usize = N * 4;
 
@@ -36,7 +42,8 @@ enum Task {
 
 unsafe extern "C" fn run_task(data: *mut c_void) {
     // SAFETY: a Task the op keeps until its session is destroyed, whose
-    // buffers hold N floats (the session's static buffers, the op's).
+    // buffers hold N floats (the session's static buffers, the op's); an
+    // Sgd's three do not overlap.
     unsafe {
         match *(data as *const Task) {
             Task::Mul { a, b, out } => {
@@ -51,10 +58,8 @@ unsafe extern "C" fn run_task(data: *mut c_void) {
             }
             Task::Sgd { w, g, m, s } => {
                 let (lr, mu) = (*s, *s.add(1));
-                for k in 0..N {
-                    *m.add(k) = mu * *m.add(k) + *g.add(k);
-                    *w.add(k) -= lr * *m.add(k);
-                }
+                let (w, m) = (from_raw_parts_mut(w, N), from_raw_parts_mut(m, N));
+                sgd(w, m, std::slice::from_raw_parts(g, N), lr, mu);
             }
         }
     }
@@ -375,10 +380,7 @@ fn replays(h: *mut graphed_session, u: &mut Upd, shape: Shape) {
             last = skip as u32;
             skips += skip as u64;
             if !skip && scalar_bytes >= 8 {
-                for k in 0..N {
-                    mm[k] = block[1] * mm[k] + g[k];
-                    mw[k] -= block[0] * mm[k];
-                }
+                sgd(&mut mw, &mut mm, &g, block[0], block[1]);
             }
             if r[0].kind == graphed_ref_kind::Clone as u32 {
                 if let Some(o) = held.replace(r[0].owner) {
