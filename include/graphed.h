@@ -1893,10 +1893,11 @@ typedef struct graphed_step_desc {
    * GRAPHED_STATUS_COLLECTIVE_MISMATCH naming the first entry that
    * differs on both sides, and the capture is abandoned. A rank whose
    * capture of the step fails still calls it (so that the others fail
-   * instead of waiting); a rank that fails before it reaches the step
-   * does not, and the others' all-gather waits for it as the caller's
-   * channel does. NULL: the manifest is kept (graphed_step_collectives)
-   * but not compared.
+   * instead of waiting), also when it failed before it reached the step
+   * (once per step it did not reach, for the headers alone); a rank
+   * whose process died leaves the others' all-gather waiting as the
+   * caller's channel does. NULL: the manifest is kept
+   * (graphed_step_collectives) but not compared.
    */
   graphed_collective_exchange_fn collective_exchange;
   /**
