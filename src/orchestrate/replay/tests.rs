@@ -453,6 +453,19 @@ fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
     assert_eq!(s.param_addresses(0, 0).unwrap(), [0, mem[1].ptr()]);
 }
 
+/// What step 0 of `s` says when it refuses its parameter moved to `to`.
+fn refused_move(s: &mut Session, to: DevPtr) -> String {
+    let e = s
+        .step(&StepCall {
+            params: Some(&[to]),
+            ..StepCall::of(0, StreamRef(0))
+        })
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
+    e.to_string()
+}
+
 #[test]
 fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
     use super::super::spec::{UpdateSpec, UpdateView};
@@ -486,15 +499,7 @@ fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
         7.0
     );
     // ... the step with an update does not, and says why.
-    let e = s
-        .step(&StepCall {
-            params: Some(&[moved.ptr()]),
-            ..StepCall::of(0, StreamRef(0))
-        })
-        .err()
-        .unwrap();
-    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
-    let text = e.to_string();
+    let text = refused_move(&mut s, moved.ptr());
     assert!(
         text.contains("runs its passes and its update in one graph"),
         "{text}"
@@ -542,14 +547,6 @@ fn a_step_with_collectives_is_not_replayed_to_verify_a_move() {
     backend.download(&mut word, ran.ptr()).unwrap();
     assert_eq!(word, [0; 4], "capture replayed the step's collectives");
     let moved = Moved::new(&backend, 7.0, 0);
-    let e = s
-        .step(&StepCall {
-            params: Some(&[moved.ptr()]),
-            ..StepCall::of(0, StreamRef(0))
-        })
-        .err()
-        .unwrap();
-    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
-    let text = e.to_string();
+    let text = refused_move(&mut s, moved.ptr());
     assert!(text.contains("records collectives in its graph"), "{text}");
 }
