@@ -176,7 +176,7 @@ pub struct graphed_step_desc {
     /// PER_CALLABLE.
     pub collective_at: u32,
     /// The caller's all-gather (see graphed_collective_exchange_fn), called
-    /// twice at the end of each capture of the step on every rank, to
+    /// (twice, or once) at the end of each capture of the step on every rank, to
     /// compare the ranks' manifests before the first replay: a difference,
     /// or another rank's failed capture of the step, is
     /// GRAPHED_STATUS_COLLECTIVE_MISMATCH naming the first entry that
