@@ -59,6 +59,15 @@ unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i3
     }
     // SAFETY: the context and its arrays are valid during the call.
     let c = unsafe { &*ctx };
+    // A scratch workspace the microbatch keeps (never freed): each
+    // microbatch's capture lays its scratch out from the start again, the
+    // last one's after the loop too (the warmup measured one microbatch).
+    let mut ws = null_mut();
+    // SAFETY: the pass's scratch allocator and a valid out pointer.
+    let st = unsafe { graphed_scratch_alloc(c.scratch, 256, &mut ws) };
+    if st != graphed_status::Ok {
+        return 40 + st as i32;
+    }
     let (x, w, y) = unsafe { (*c.inputs, *c.params, *c.outputs) };
     let m = Mul {
         a: x as *const f32,

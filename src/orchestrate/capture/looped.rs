@@ -88,6 +88,9 @@ impl Runner<'_> {
         // With collectives, the last microbatch after the loop, on the
         // capture around it (its index where the loop left it).
         if seq.peeled() && prologue.is_ok() && body.is_ok() && ran.is_ok() {
+            // Its scratch from the start again, as each unrolled
+            // microbatch's: the loop has finished when it runs.
+            self.scratch.restart();
             let at = (main, Some(slot));
             body = self.loop_body(
                 seq,
