@@ -1710,7 +1710,9 @@ typedef int32_t (*graphed_collective_fn)(const struct graphed_collective_ctx *ct
  * bytes), over a channel of its own (a gloo or MPI all-gather, or an
  * NCCL one on a stream it synchronizes; not recorded in any graph).
  * Called at the end of each capture of the step on every rank, twice: the
- * headers, then the padded manifests. Return 0 on success; any other
+ * headers, then the padded manifests (once, the headers alone, where a
+ * rank's capture failed or no rank records a collective: every rank reads
+ * the same headers and decides alike). Return 0 on success; any other
  * value fails the capture with GRAPHED_STATUS_CALLBACK_FAILED.
  */
 typedef int32_t (*graphed_collective_exchange_fn)(const void *mine,
@@ -1887,16 +1889,17 @@ typedef struct graphed_step_desc {
   uint32_t collective_at;
   /**
    * The caller's all-gather (see graphed_collective_exchange_fn), called
-   * twice at the end of each capture of the step on every rank, to
+   * (twice, or once) at the end of each capture of the step on every rank, to
    * compare the ranks' manifests before the first replay: a difference,
    * or another rank's failed capture of the step, is
    * GRAPHED_STATUS_COLLECTIVE_MISMATCH naming the first entry that
    * differs on both sides, and the capture is abandoned. A rank whose
    * capture of the step fails still calls it (so that the others fail
-   * instead of waiting); a rank that fails before it reaches the step
-   * does not, and the others' all-gather waits for it as the caller's
-   * channel does. NULL: the manifest is kept (graphed_step_collectives)
-   * but not compared.
+   * instead of waiting), also when it failed before it reached the step
+   * (once per step it did not reach, for the headers alone); a rank
+   * whose process died leaves the others' all-gather waiting as the
+   * caller's channel does. NULL: the manifest is kept
+   * (graphed_step_collectives) but not compared.
    */
   graphed_collective_exchange_fn collective_exchange;
   /**

@@ -377,7 +377,8 @@ LOOPS = """//
 //   u64 bytes, u64 index): copies `bytes` from src + i * src_stride to
 //   dst + i * dst_stride, i the u32 at `index`.
 // graphed_loop_next(u64 state, u64 handle): state[0] += 1, then the
-//   conditional handle's value is state[0] < state[1].
+//   conditional handle's value is state[0] < state[1]. One thread (the
+//   kernel is launched with a block of 256: the others must not add too).
 // graphed_bucket_select(u64 size, u64 table, u64 count, u64 overflows,
 //   u64 handle): the handle's value is the first i < count with
 //   *size <= table[i], else count (and *overflows += 1). One thread.
@@ -444,11 +445,16 @@ DONE:
     .param .u64 p_handle
 )
 {
-    .reg .pred %p<2>;
-    .reg .b32 %r<4>;
+    .reg .pred %p<3>;
+    .reg .b32 %r<6>;
     .reg .b64 %rd<4>;
     .param .b64 call_handle;
     .param .b32 call_value;
+    mov.u32 %r4, %tid.x;
+    mov.u32 %r5, %ctaid.x;
+    or.b32 %r4, %r4, %r5;
+    setp.ne.u32 %p2, %r4, 0;
+    @%p2 bra DONE;
     ld.param.u64 %rd1, [p_state];
     ld.param.u64 %rd2, [p_handle];
     cvta.to.global.u64 %rd1, %rd1;
@@ -461,6 +467,7 @@ DONE:
     st.param.b64 [call_handle], %rd2;
     st.param.b32 [call_value], %r3;
     call.uni cudaGraphSetConditional, (call_handle, call_value);
+DONE:
     ret;
 }
 

@@ -22,6 +22,33 @@ use common::{add_step, create, host_config, msg, mul, ok, step_desc, step_replay
 const N: usize = 8;
 const BYTES: usize = N * 4;
 
+thread_local! {
+    /// Whether this thread's forward callbacks fail (a rank whose capture
+    /// fails in its warmup, before any step).
+    static FORWARD_FAILS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The layer's forward (`y = x * w`, tests/common/mul.rs) that fails where
+/// FORWARD_FAILS says so and keeps a scratch workspace: each microbatch's
+/// capture lays its scratch out from the start again, the last one's after
+/// the loop too (the warmup measured one microbatch).
+unsafe extern "C" fn forward(ctx: *const graphed_pass_ctx, _: *mut c_void) -> i32 {
+    if FORWARD_FAILS.with(|f| f.get()) {
+        return 3;
+    }
+    // SAFETY: the context and its arrays are valid during the call.
+    let c = unsafe { &*ctx };
+    let mut ws = null_mut();
+    // SAFETY: the pass's scratch allocator and a valid out pointer.
+    let st = unsafe { graphed_scratch_alloc(c.scratch, 256, &mut ws) };
+    if st != graphed_status::Ok {
+        return 40 + st as i32;
+    }
+    // SAFETY: as above.
+    let (x, w, y) = unsafe { (*c.inputs, *c.params, *c.outputs) };
+    mul::enqueue_mul::<N>(c.stream, x, w, y)
+}
+
 /// A host "communicator" of `ranks` threads: an all-reduce sums every
 /// rank's buffer in rank order; an all-gather concatenates bytes.
 struct Comm {
@@ -235,7 +262,13 @@ fn build(
     let b = Session(create(&host_config()));
     let mut io = Vec::new();
     for l in 0..2 {
-        mul::add_layer::<N>(b.0, m.w[l].as_mut_ptr(), graphed_grad_policy::CopyInto, 0);
+        mul::add_layer_with::<N>(
+            b.0,
+            m.w[l].as_mut_ptr(),
+            graphed_grad_policy::CopyInto,
+            0,
+            Some(forward),
+        );
         io.extend(mul::io::<N>(l as u32, m.xg[l].as_mut_ptr()));
     }
     let dsts = [
@@ -456,6 +489,45 @@ fn a_mismatch_fails_both_ranks_naming_both_sides() {
         out[0].1.contains("rank 1's capture of the step failed"),
         "{}",
         out[0].1
+    );
+}
+
+#[test]
+fn a_rank_failing_before_the_step_still_takes_part_in_its_exchange() {
+    // Rank 1's warmup fails, before any step is captured: it still tells
+    // rank 0 in the step's exchange, so rank 0 fails naming it instead of
+    // waiting in the all-gather for a rank that never comes.
+    let comm = Comm::new(2);
+    let (tx, rx) = std::sync::mpsc::channel();
+    for rank in 0..2 {
+        let (comm, tx) = (comm.clone(), tx.clone());
+        std::thread::spawn(move || {
+            FORWARD_FAILS.with(|f| f.set(rank == 1));
+            let mut m = Model::new(2, comm, rank);
+            let setup = Setup {
+                exchange: true,
+                ranks: 2,
+                ..PLAIN
+            };
+            let (b, st) = build(&mut m, setup, &|_| {});
+            ok(st);
+            let st = graphed_session_capture(b.0);
+            tx.send((rank, st, msg())).unwrap();
+        });
+    }
+    let mut out = [None, None];
+    for _ in 0..2 {
+        let got = rx.recv_timeout(std::time::Duration::from_secs(20));
+        let (rank, st, said) = got.expect("a rank waits in the exchange for the rank that failed");
+        out[rank] = Some((st, said));
+    }
+    let (st1, said1) = out[1].take().unwrap();
+    assert_eq!(st1, graphed_status::CallbackFailed, "{said1}");
+    let (st0, said0) = out[0].take().unwrap();
+    assert_eq!(st0, graphed_status::CollectiveMismatch, "{said0}");
+    assert!(
+        said0.contains("rank 1's capture of the step failed"),
+        "{said0}"
     );
 }
 

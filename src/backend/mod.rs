@@ -254,12 +254,18 @@ pub trait Backend: Send + Sync {
     /// `body` records into the stream it is given: the body runs, the u32
     /// at `state` (the index) is incremented, and the body runs again
     /// while the index is below the u32 at `state + 4` (the count); it
-    /// always runs once. The capture goes on after the loop. Work in the
-    /// body is limited to kernels, copies and sets (no events, no forks).
+    /// always runs once, unless `skip` (flag, counter) is given and the u32
+    /// at flag is not 0 when the graph runs: then the body does not run
+    /// and the u64 at counter is incremented (as `capture_unless` does,
+    /// without nesting the loop inside a condition: CUDA refuses the child
+    /// graph that would hold it). The capture goes on after the loop. Work
+    /// in the body is limited to kernels, copies and sets (no events, no
+    /// forks).
     fn capture_loop(
         &self,
         stream: StreamRef,
         state: DevPtr,
+        skip: Option<(DevPtr, DevPtr)>,
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()>;

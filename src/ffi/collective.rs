@@ -88,7 +88,9 @@ pub type graphed_collective_fn =
 /// bytes), over a channel of its own (a gloo or MPI all-gather, or an
 /// NCCL one on a stream it synchronizes; not recorded in any graph).
 /// Called at the end of each capture of the step on every rank, twice: the
-/// headers, then the padded manifests. Return 0 on success; any other
+/// headers, then the padded manifests (once, the headers alone, where a
+/// rank's capture failed or no rank records a collective: every rank reads
+/// the same headers and decides alike). Return 0 on success; any other
 /// value fails the capture with GRAPHED_STATUS_CALLBACK_FAILED.
 pub type graphed_collective_exchange_fn = Option<
     unsafe extern "C" fn(

@@ -176,16 +176,17 @@ pub struct graphed_step_desc {
     /// PER_CALLABLE.
     pub collective_at: u32,
     /// The caller's all-gather (see graphed_collective_exchange_fn), called
-    /// twice at the end of each capture of the step on every rank, to
+    /// (twice, or once) at the end of each capture of the step on every rank, to
     /// compare the ranks' manifests before the first replay: a difference,
     /// or another rank's failed capture of the step, is
     /// GRAPHED_STATUS_COLLECTIVE_MISMATCH naming the first entry that
     /// differs on both sides, and the capture is abandoned. A rank whose
     /// capture of the step fails still calls it (so that the others fail
-    /// instead of waiting); a rank that fails before it reaches the step
-    /// does not, and the others' all-gather waits for it as the caller's
-    /// channel does. NULL: the manifest is kept (graphed_step_collectives)
-    /// but not compared.
+    /// instead of waiting), also when it failed before it reached the step
+    /// (once per step it did not reach, for the headers alone); a rank
+    /// whose process died leaves the others' all-gather waiting as the
+    /// caller's channel does. NULL: the manifest is kept
+    /// (graphed_step_collectives) but not compared.
     pub collective_exchange: graphed_collective_exchange_fn,
     /// Passed to collective_exchange as `user_data`.
     pub collective_exchange_data: *mut c_void,

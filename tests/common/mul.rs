@@ -37,7 +37,7 @@ pub fn leak<T>(v: T) -> *mut c_void {
 }
 
 /// Enqueues `out = a * b` over N floats on `s`.
-fn enqueue_mul<const N: usize>(
+pub fn enqueue_mul<const N: usize>(
     s: graphed_stream,
     a: *mut c_void,
     b: *mut c_void,
@@ -81,6 +81,18 @@ pub fn add_layer<const N: usize>(
     policy: graphed_grad_policy,
     flags: u32,
 ) {
+    add_layer_with::<N>(s, w, policy, flags, Some(forward::<N>));
+}
+
+/// add_layer with a forward of the test's own (one that also fails or
+/// takes scratch memory, say; it must compute `y = x * w`).
+pub fn add_layer_with<const N: usize>(
+    s: *mut graphed_session,
+    w: *mut f32,
+    policy: graphed_grad_policy,
+    flags: u32,
+    forward: graphed_pass_fn,
+) {
     let t = graphed_tensor_desc {
         bytes: N * 4,
         ..graphed_tensor_desc_default()
@@ -96,7 +108,7 @@ pub fn add_layer<const N: usize>(
         flags,
         ..graphed_param_desc_default()
     }];
-    let desc = layer_desc(&t, &out, &params, Some(forward::<N>), Some(backward::<N>));
+    let desc = layer_desc(&t, &out, &params, forward, Some(backward::<N>));
     let mut idx = 0;
     // SAFETY: the descriptor and its arrays are valid locals.
     ok(unsafe { graphed_session_add_callable(s, &desc, &mut idx) });

@@ -338,17 +338,26 @@ impl Loops {
     /// Records, into the capture running on `stream`, a WHILE node whose
     /// body `body` records (into the stream it is given) and ends with the
     /// loop's step kernel on `state`; the capture goes on after the node.
-    /// The body always runs once: the node's value is 1 at each launch.
-    /// `ctx` is the device's context, bound.
+    /// The body always runs once: the node's value is 1 at each launch;
+    /// with `skip` (flag, counter), the skip kernel before the node sets
+    /// that value instead (0, and the counter incremented, when the u32 at
+    /// flag is not 0), in the same graph, so that no conditional node is
+    /// nested in another's body. `ctx` is the device's context, bound.
     pub fn capture(
         &self,
         ctx: sys::CUcontext,
         stream: StreamRef,
-        state: DevPtr,
+        (state, skip): (DevPtr, Option<(DevPtr, DevPtr)>),
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()> {
-        let handle = self.handle(ctx, stream, 1)?;
+        let handle = self.handle(ctx, stream, u32::from(skip.is_none()))?;
+        if let Some((flag, counter)) = skip {
+            let mut args = [flag, counter, handle];
+            // SAFETY: the kernel takes these three u64; `flag` is a u32 and
+            // `counter` a u64 of device memory; one thread acts.
+            unsafe { launch(self.unless, &mut args, 1, stream) }?;
+        }
         let bodies = self.add_conditional(ctx, stream, handle, (CONDITIONAL_WHILE, 1))?;
         let body_graph = bodies[0];
         let next = self.next;

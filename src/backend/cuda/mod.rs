@@ -168,13 +168,14 @@ impl Backend for CudaBackend {
         &self,
         stream: StreamRef,
         state: DevPtr,
+        skip: Option<(DevPtr, DevPtr)>,
         mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()> {
         let _ctx = self.inner.bind()?;
         self.inner
             .loops()?
-            .capture(self.inner.ctx, stream, state, mode, body)
+            .capture(self.inner.ctx, stream, (state, skip), mode, body)
     }
 
     fn capture_unless(

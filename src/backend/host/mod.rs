@@ -122,6 +122,7 @@ impl Backend for HostBackend {
         &self,
         stream: StreamRef,
         state: DevPtr,
+        skip: Option<(DevPtr, DevPtr)>,
         _mode: CaptureMode,
         body: &mut dyn FnMut(StreamRef) -> Result<()>,
     ) -> Result<()> {
@@ -137,12 +138,14 @@ impl Backend for HostBackend {
         stream::destroy(ls)?;
         ran?;
         let tasks = ended?.map_err(Error::IllegalUnderCapture)?;
+        no_conditional_inside(&tasks, "a loop's body")?;
         let state = state as usize;
         submit(
             stream,
             Task::Loop {
                 body: Arc::new(tasks),
                 state,
+                skip: skip.map(|(f, c)| (f as usize, c as usize)),
             },
         )
     }
@@ -167,6 +170,7 @@ impl Backend for HostBackend {
         stream::destroy(cs)?;
         ran?;
         let tasks = ended?.map_err(Error::IllegalUnderCapture)?;
+        no_conditional_inside(&tasks, "a condition's body")?;
         submit(
             stream,
             Task::Unless {
@@ -391,5 +395,25 @@ fn rows_task(r: Rows2d, src: usize) -> Task {
         src_pitch: r.src_pitch,
         width: r.width,
         rows: r.rows,
+    }
+}
+
+/// Refuses a conditional node (a loop, a condition, a choice) recorded
+/// inside the body `what` of another, as CUDA does: graphed adds a body it
+/// captured as a child graph, and `cuGraphAddChildGraphNode` refuses a
+/// graph holding conditional nodes.
+fn no_conditional_inside(tasks: &[Task], what: &str) -> Result<()> {
+    let nested = tasks.iter().find_map(|t| match t {
+        Task::Loop { .. } => Some("a loop"),
+        Task::Unless { .. } => Some("a condition"),
+        Task::Switch { .. } => Some("a choice of buckets"),
+        _ => None,
+    });
+    match nested {
+        Some(n) => Err(Error::Unsupported(format!(
+            "{n} recorded inside {what}: a conditional node's body is added as a child graph, \
+             and CUDA refuses a child graph holding conditional nodes"
+        ))),
+        None => Ok(()),
     }
 }

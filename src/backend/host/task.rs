@@ -62,10 +62,13 @@ pub(super) enum Task {
         index: usize,
     },
     /// A loop: `body` runs, the u32 at `state` is incremented, and `body`
-    /// runs again while it is below the u32 at `state + 4`.
+    /// runs again while it is below the u32 at `state + 4`; with `skip`
+    /// (flag, counter), nothing runs and the u64 at counter is incremented
+    /// when the u32 at flag is not 0.
     Loop {
         body: Arc<Vec<Task>>,
         state: usize,
+        skip: Option<(usize, usize)>,
     },
     /// A choice: body i for the first i with `table[i] >= *size` (u64s),
     /// else none, `*overflows += 1` and the ranges of `zeros` (address,
@@ -249,7 +252,17 @@ pub(super) fn run(task: &Task) -> Result<()> {
                 }
             }
         }
-        Task::Loop { ref body, state } => loop {
+        Task::Loop {
+            skip: Some((flag, counter)),
+            ..
+        } if unsafe { *(flag as *const u32) } != 0 => {
+            // SAFETY: `flag` is a u32 and `counter` a u64 of memory the
+            // graph's owner keeps.
+            unsafe { *(counter as *mut u64) += 1 };
+        }
+        Task::Loop {
+            ref body, state, ..
+        } => loop {
             for t in body.iter() {
                 run(t)?;
             }

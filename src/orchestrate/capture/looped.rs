@@ -8,7 +8,9 @@
 //! accumulation bit for bit, as the unrolled capture's do. The step's
 //! update, if it has one, follows the loop (update.rs). A step with
 //! collectives runs all but its last microbatch in the loop (none when a
-//! replay runs one: a flag the replay sets skips the loop in an IF node)
+//! replay runs one: a flag the replay sets makes the kernel before the
+//! WHILE node skip it; the loop is not nested in an IF node, as CUDA
+//! refuses the child graph that would hold it)
 //! and records the last after it, outside any conditional node, where its
 //! collectives go (NCCL cannot run inside a conditional node).
 
@@ -17,7 +19,7 @@ use super::super::grads::enqueue_sums;
 use super::super::instance::PassRef;
 use super::run::{Call, GraphOf, Runner, ViewBuffers};
 use super::step_io::summable;
-use super::steps::{Sequence, PEELED_SKIP};
+use super::steps::{Sequence, PEELED_SKIP, PEELED_SKIPS};
 use crate::backend::{journal, AccItem, CaptureEnd, DevPtr, Graph, StreamRef};
 use crate::core::returns::ParamReturn;
 use crate::error::{Error, Result};
@@ -74,20 +76,21 @@ impl Runner<'_> {
                 self.stream = main;
                 out
             };
-            body = match seq.peeled() {
-                // The loop runs all but the last microbatch: none at a
-                // count of 1, where the flag skips it.
-                true => {
-                    backend.capture_unless(main, state + PEELED_SKIP, state + 16, mode, &mut |cs| {
-                        backend.capture_loop(cs, state, mode, &mut in_loop)
-                    })
-                }
-                false => backend.capture_loop(main, state, mode, &mut in_loop),
-            };
+            // The loop runs all but the last microbatch: none at a count of
+            // 1, where the flag skips it (set on the device before the
+            // loop, not an IF around it: CUDA refuses the child graph that
+            // would hold the nested loop).
+            let skip = seq
+                .peeled()
+                .then_some((state + PEELED_SKIP, state + PEELED_SKIPS));
+            body = backend.capture_loop(main, state, skip, mode, &mut in_loop);
         }
         // With collectives, the last microbatch after the loop, on the
         // capture around it (its index where the loop left it).
         if seq.peeled() && prologue.is_ok() && body.is_ok() && ran.is_ok() {
+            // Its scratch from the start again, as each unrolled
+            // microbatch's: the loop has finished when it runs.
+            self.scratch.restart();
             let at = (main, Some(slot));
             body = self.loop_body(
                 seq,

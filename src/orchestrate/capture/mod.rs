@@ -47,11 +47,26 @@ use order::order_of;
 use record::{record, Recorded};
 #[cfg(test)]
 use run::Runner;
+use std::cell::Cell;
 use std::time::Instant;
 
 /// Warmup and capture of every callable of `s`; see the module comment.
 /// Returns the captured state and its lease table (for capture `epoch`).
+/// A capture that fails still takes part in the collective exchange of
+/// every step it did not reach, so that the other ranks fail instead of
+/// waiting for it.
 pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
+    let exchanged = Cell::new(0);
+    let out = capture_with(s, epoch, &exchanged);
+    if out.is_err() {
+        collective::abandon_exchanges(s, exchanged.get());
+    }
+    out
+}
+
+/// `capture`, counting in `exchanged` the steps whose exchanges this rank
+/// took part in.
+fn capture_with(s: &Inputs, epoch: u32, exchanged: &Cell<usize>) -> Result<(Captured, Leases)> {
     let started = Instant::now();
     let mut times = CaptureTimes::default();
     let (schedule, order) = order_of(s)?;
@@ -96,7 +111,7 @@ pub(crate) fn capture(s: &Inputs, epoch: u32) -> Result<(Captured, Leases)> {
         &scratch,
         (side.raw(), sizes.as_ref()),
         &order,
-        &mut times,
+        (&mut times, exchanged),
     );
     // Whatever happened, nothing may still run on the side stream when the
     // scratch memory or the capture state is released.
@@ -296,6 +311,7 @@ mod tests {
             stream: StreamRef(0),
             sizes: None,
             times: &mut times,
+            exchanged: &Cell::new(0),
         };
         let bwd = PassRef {
             instance: 0,

@@ -38,7 +38,7 @@ pub(super) fn record(
     scratch: &Arc<Scratch>,
     (stream, sizes): (StreamRef, Option<&SizeBlock>),
     order: &[PassRef],
-    times: &mut CaptureTimes,
+    (times, exchanged): (&mut CaptureTimes, &Cell<usize>),
 ) -> Result<Recorded> {
     let tapes = (0..placed.len()).map(|_| Cell::new(0)).collect();
     let mut r = Runner {
@@ -49,6 +49,7 @@ pub(super) fn record(
         stream,
         sizes,
         times,
+        exchanged,
     };
     let arena = r.spent(Span::Warmup, |r| warmup(r, order))?;
     let iteration = s.opts.warmup_iterations;

@@ -132,6 +132,9 @@ pub(super) struct Runner<'a> {
     /// callable has buckets).
     pub sizes: Option<&'a SizeBlock>,
     pub times: &'a mut CaptureTimes,
+    /// The steps up to which this rank has taken part in the collective
+    /// exchanges (the first step whose exchange it still owes).
+    pub exchanged: &'a Cell<usize>,
 }
 
 impl Runner<'_> {

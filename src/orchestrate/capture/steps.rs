@@ -78,6 +78,8 @@ fn overwritten(instances: &[&Placed]) -> Vec<usize> {
 pub(crate) const PEELED_SKIP: DevPtr = 8;
 /// The replay's count's offset in that state.
 pub(crate) const PEELED_COUNT: DevPtr = 12;
+/// The offset of the u64 that counts the replays that skipped the loop.
+pub(crate) const PEELED_SKIPS: DevPtr = 16;
 
 /// A step's passes with where each instance's destinations start, its
 /// microbatch count and its copies in and out.

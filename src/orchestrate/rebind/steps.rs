@@ -50,6 +50,20 @@ pub(crate) fn resolve_steps(
                     "the step updates its parameters in its graph, where capture had them".into(),
                 );
             }
+        } else if !wanted.is_empty() && st.collectives.is_some() {
+            // Verifying would replay the step's collectives at capture:
+            // every rank would have to replay exactly as often as the
+            // others (a rank whose verification went another way, or
+            // found no workspace, leaves them waiting in a collective),
+            // and a caller comparing the ranks' collectives after capture
+            // (Python) would have run them before.
+            for &k in &wanted {
+                st.params[k].feed = ParamFeed::Fixed(
+                    "the step records collectives in its graph: verifying a move would replay them \
+                     at capture, on every rank alike or hanging"
+                        .into(),
+                );
+            }
         } else if !wanted.is_empty() && st.graph_count() > 0 {
             let name = |w: What| match w {
                 What::Param(k) => {

@@ -453,6 +453,19 @@ fn buckets_answer_the_bucket_a_size_runs_their_instances_and_one_address() {
     assert_eq!(s.param_addresses(0, 0).unwrap(), [0, mem[1].ptr()]);
 }
 
+/// What step 0 of `s` says when it refuses its parameter moved to `to`.
+fn refused_move(s: &mut Session, to: DevPtr) -> String {
+    let e = s
+        .step(&StepCall {
+            params: Some(&[to]),
+            ..StepCall::of(0, StreamRef(0))
+        })
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
+    e.to_string()
+}
+
 #[test]
 fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
     use super::super::spec::{UpdateSpec, UpdateView};
@@ -486,15 +499,7 @@ fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
         7.0
     );
     // ... the step with an update does not, and says why.
-    let e = s
-        .step(&StepCall {
-            params: Some(&[moved.ptr()]),
-            ..StepCall::of(0, StreamRef(0))
-        })
-        .err()
-        .unwrap();
-    assert!(matches!(e, Error::ParamMoved(_)), "{e}");
-    let text = e.to_string();
+    let text = refused_move(&mut s, moved.ptr());
     assert!(
         text.contains("runs its passes and its update in one graph"),
         "{text}"
@@ -504,4 +509,44 @@ fn a_step_with_an_update_refuses_a_move_its_callables_could_follow() {
         "{text}"
     );
     assert_eq!(s.stats().param_moves, 1, "the forward's move only");
+}
+
+#[test]
+fn a_step_with_collectives_is_not_replayed_to_verify_a_move() {
+    use super::super::spec::{CollectiveAt, CollectiveRecord, CollectiveSpec, CollectiveView};
+    use crate::core::collective::CollectiveOp;
+    use crate::core::dtype::DType;
+    let mut f = host_inputs(&[("a", 1, false)]);
+    let _mem = f.reading_params(0, 2.0);
+    f.callables[0].params[0].flags.rebind = true;
+    let backend = f.backend.clone();
+    // The "collective" sets a word: any replay of the step's graph shows.
+    let ran = DeviceMemory::new(&backend, 4).unwrap();
+    backend.upload(ran.ptr(), &[0; 4]).unwrap();
+    let (b, word) = (backend.clone(), ran.ptr());
+    let mut st = super::super::spec::StepSpec::plain(vec![0], vec![0]);
+    st.collective = Some(CollectiveSpec {
+        callback: Arc::new(move |v: &CollectiveView| {
+            b.fill(word, 1, 4, 1, v.stream)
+                .map_err(|e| (1, e.to_string()))?;
+            Ok(vec![CollectiveRecord {
+                communicator: 1,
+                op: CollectiveOp::AllReduce,
+                bytes: 4,
+                dtype: DType::F32,
+            }])
+        }),
+        at: CollectiveAt::AfterBackward,
+        exchange: None,
+        rank: 0,
+        ranks: 1,
+    });
+    f.steps.push(st);
+    let mut s = session(f);
+    let mut word = [0u8; 4];
+    backend.download(&mut word, ran.ptr()).unwrap();
+    assert_eq!(word, [0; 4], "capture replayed the step's collectives");
+    let moved = Moved::new(&backend, 7.0, 0);
+    let text = refused_move(&mut s, moved.ptr());
+    assert!(text.contains("records collectives in its graph"), "{text}");
 }
