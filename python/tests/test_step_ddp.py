@@ -8,7 +8,7 @@ Where torch is installed (CPU): the bucket plan equals torch's own
 (_compute_bucket_assignment_by_size); the refusals at make (ddp without
 torch.distributed initialised, a gloo group, bad arguments); with two real
 ranks over gloo, in child processes with a time limit: the manifests
-exchanged with all_gather_object and compared (equal, different, a rank
+exchanged (an all_gather of pickled bytes) and compared (equal, different, a rank
 that failed), and the all-reduce itself, run eagerly on the CPU, leaving
 every grad as eager DistributedDataParallel with no_sync() leaves it, bit
 for bit.

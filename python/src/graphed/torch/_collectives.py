@@ -2,7 +2,7 @@
 plain data: DDP's bucket plan for the grads, each rank's manifest of what
 it captured, and the comparison of the ranks' manifests that must pass
 before the first replay. Pure Python (no torch), so that it is tested
-anywhere; the exchange itself (all_gather_object) is `_ddp.exchange`.
+anywhere; the exchange itself (an all_gather of pickled bytes) is `_ddp.exchange`.
 
 A replay runs the collectives its graph holds, in the order captured, with
 no host in the loop: ranks whose graphs hold different collectives (another

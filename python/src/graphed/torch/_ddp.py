@@ -119,12 +119,25 @@ def _alive(group):
 
 def exchange(payload, group):
     """Every rank's `payload` (a list of manifest entries, or an error
-    string), gathered over `group` (all_gather_object: NCCL on the current
-    CUDA device, or gloo), rank by rank."""
+    string), gathered over `group`, rank by rank: pickled, the lengths
+    gathered, then the bytes padded to the longest (all_gather of uint8
+    tensors, on the current CUDA device for NCCL, else on the CPU; unlike
+    all_gather_object, without NumPy)."""
+    import pickle
+
     dist = _dist()
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, payload, group=group)
-    return out
+    dev = torch.device("cuda", torch.cuda.current_device()) if _is_nccl(group)[0] else torch.device("cpu")
+    n = dist.get_world_size(group)
+    data = pickle.dumps(payload)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(x.item()) for x in sizes]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    bufs = [torch.empty_like(buf) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    return [pickle.loads(bytes(b[:k].cpu().tolist())) for b, k in zip(bufs, lengths)]
 
 
 def check_exchanged(gathered, where, mine_failed=False):
@@ -282,7 +295,7 @@ class StepAllReduce:
     @classmethod
     def agreed(cls, group, params, bucket_cap_mb, device, where="make_graphed_step (before capture)"):
         """The all-reduce planned and the plans compared between the ranks
-        (all_gather_object over `group`): a rank whose plan failed sends
+        (exchange over `group`): a rank whose plan failed sends
         its error, so that every rank raises, none waits."""
         failure, made = None, None
         try:
